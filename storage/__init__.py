@@ -1,0 +1,38 @@
+"""streamlog's storage engine: streams of entries in macro nodes inside segment files.
+
+No gRPC, asyncio or protobuf here; usable from any script. See docs/FORMAT.md.
+"""
+
+from storage.config import EngineConfig, StreamConfig
+from storage.engine import Engine
+from storage.errors import (
+    CorruptionError,
+    DiskFullError,
+    DurabilityError,
+    InvalidArgumentError,
+    LimitExceededError,
+    PreconditionError,
+    StorageError,
+    StreamNotFoundError,
+)
+from storage.records import Entry
+from storage.results import AppendResult, Gap, ReadResult, StreamInfo
+
+__all__ = [
+    "AppendResult",
+    "CorruptionError",
+    "DiskFullError",
+    "DurabilityError",
+    "Engine",
+    "EngineConfig",
+    "Entry",
+    "Gap",
+    "InvalidArgumentError",
+    "LimitExceededError",
+    "PreconditionError",
+    "ReadResult",
+    "StorageError",
+    "StreamConfig",
+    "StreamInfo",
+    "StreamNotFoundError",
+]

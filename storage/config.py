@@ -1,0 +1,75 @@
+"""Engine-wide and per-stream settings, validated when they are built."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from storage.errors import InvalidArgumentError
+from storage.format import NODE_PREFIX_SIZE, SEGMENT_HEADER_SIZE
+
+FSYNC_POLICIES = ("always", "everysec", "no")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    segment_bytes: int = 64 << 20
+    node_entries: int = 1000
+    max_entry_bytes: int = 1 << 20
+    max_batch_entries: int = 10_000
+    max_batch_bytes: int = 8 << 20
+    max_tag_bytes: int = 1024
+    fsync: str = "everysec"
+    compression: bool = True
+    compression_level: int = 3
+    cache_nodes: int = 256
+    background: bool = True  # a maintenance thread: everysec syncs, packing, retention, compaction
+    maintenance_interval_ms: int = 1000
+    compaction_interval_ms: int = 60_000
+
+    def __post_init__(self) -> None:
+        if self.fsync not in FSYNC_POLICIES:
+            raise InvalidArgumentError(f"fsync must be one of {', '.join(FSYNC_POLICIES)}, not {self.fsync!r}")
+        for name in ("node_entries", "max_entry_bytes", "max_batch_entries", "max_batch_bytes", "cache_nodes"):
+            if getattr(self, name) < 1:
+                raise InvalidArgumentError(f"{name} must be at least 1")
+        if not -7 <= self.compression_level <= 22:
+            raise InvalidArgumentError("compression_level must be between -7 and 22")
+        # Any batch must fit in one fresh node of a fresh segment: batches are atomic.
+        slots = max(self.node_entries, self.max_batch_entries)
+        needed = SEGMENT_HEADER_SIZE + NODE_PREFIX_SIZE + 4 * slots + self.max_batch_bytes
+        if self.segment_bytes < needed:
+            raise InvalidArgumentError(
+                f"segment_bytes={self.segment_bytes} cannot hold one full batch; it must be at least {needed}"
+            )
+        if self.max_entry_bytes > self.max_batch_bytes:
+            raise InvalidArgumentError("max_entry_bytes cannot exceed max_batch_bytes")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamConfig:
+    """Per-stream policy. None means no limit (retention) or the engine default (fsync)."""
+
+    max_entries: int | None = None  # keep at least this many, evicting whole nodes (RCP BACKLOG)
+    max_age_ms: int | None = None
+    max_bytes: int | None = None  # bytes on disk, evicting whole nodes
+    compaction: bool = False  # keep only the latest entry per tag in sealed segments
+    tombstone_retention_ms: int = 86_400_000
+    fsync: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_entries", "max_age_ms", "max_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise InvalidArgumentError(f"{name} must not be negative")
+        if self.tombstone_retention_ms < 0:
+            raise InvalidArgumentError("tombstone_retention_ms must not be negative")
+        if self.fsync is not None and self.fsync not in FSYNC_POLICIES:
+            raise InvalidArgumentError(f"fsync must be one of {', '.join(FSYNC_POLICIES)}, not {self.fsync!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> StreamConfig:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})

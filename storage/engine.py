@@ -1,0 +1,319 @@
+"""The engine: a data directory of streams, the public entry point of `storage`.
+
+    from storage import Engine
+    with Engine("./data") as engine:
+        first = engine.append("rides", [b'{"id": 1}', b'{"id": 2}']).first_offset
+        print(engine.read("rides", first, 10).entries())
+
+Layout: DATA/LOCK (held while open), DATA/streams/<encoded name>/ with a
+`stream.meta` file and `<20-digit base offset>.seg` segment files.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from storage.cache import NodeCache
+from storage.config import EngineConfig, StreamConfig
+from storage.errors import (
+    CorruptionError,
+    InvalidArgumentError,
+    LimitExceededError,
+    PreconditionError,
+    StorageError,
+    StreamNotFoundError,
+)
+from storage.fs import FileSystem
+from storage.names import dirname_for, validate_name
+from storage.results import AppendResult, ReadResult, StreamInfo
+from storage.stream import META_FILE, EngineContext, Stream
+
+log = logging.getLogger("streamlog.storage")
+
+AppendListener = Callable[[str, int], None]
+
+
+def wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class Engine:
+    def __init__(
+        self,
+        data_dir: str | os.PathLike,
+        config: EngineConfig | None = None,
+        *,
+        clock: Callable[[], int] | None = None,
+        fs: FileSystem | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.data_dir = Path(data_dir)
+        self._fs = fs or FileSystem()
+        self._clock = clock or wall_clock_ms
+        self._fs.makedirs(self.data_dir / "streams")
+        self._lock_fd = self._take_lock() if fs is None else None
+        self._lock = threading.Lock()
+        self._listeners: list[AppendListener] = []
+        # Consumer groups install a floor here: retention never evicts at or above it.
+        self.retention_floor: Callable[[str], int | None] = lambda name: None
+        self._ctx = EngineContext(
+            self._fs, self.config, self._clock, NodeCache(self.config.cache_nodes), self._floor
+        )
+        self._streams: dict[str, Stream] = {}
+        self.unreadable: list[str] = []  # stream directories whose metadata failed its checks
+        self._load()
+        self._closed = False
+        self._stop = threading.Event()
+        self._worker: threading.Thread | None = None
+        if self.config.background:
+            self._worker = threading.Thread(target=self._maintenance_loop, name="streamlog-maintenance", daemon=True)
+            self._worker.start()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _take_lock(self) -> int:
+        fd = os.open(self.data_dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            os.close(fd)
+            raise PreconditionError(f"data directory {self.data_dir} is in use by another process") from exc
+        return fd
+
+    def _floor(self, name: str) -> int | None:
+        return self.retention_floor(name)
+
+    def _load(self) -> None:
+        root = self.data_dir / "streams"
+        for dirname in self._fs.listdir(root):
+            directory = root / dirname
+            if dirname.endswith(".deleted"):
+                self._fs.remove_tree(directory)  # a delete that crashed half-way
+                continue
+            if not self._fs.exists(directory / META_FILE):
+                continue
+            try:
+                stream = Stream.open(self._ctx, directory)
+            except (CorruptionError, ValueError, KeyError) as exc:
+                log.error("stream directory %s is unreadable: %s", dirname, exc)
+                self.unreadable.append(dirname)
+                continue
+            self._streams[stream.name] = stream
+
+    def close(self) -> None:
+        """Sync every stream, mark a clean shutdown, stop the maintenance thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._worker is not None:
+            self._worker.join()
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            try:
+                stream.close()
+            except StorageError as exc:
+                log.error("stream %r did not close cleanly: %s", stream.name, exc)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ streams
+
+    def _stream(self, name: str) -> Stream:
+        validate_name(name)
+        stream = self._streams.get(name)
+        if stream is None:
+            raise StreamNotFoundError(f"stream {name!r} does not exist")
+        return stream
+
+    def _stream_or_create(self, name: str) -> Stream:
+        stream = self._streams.get(name)
+        if stream is not None:
+            return stream
+        validate_name(name)
+        with self._lock:
+            stream = self._streams.get(name)
+            if stream is None:
+                directory = self.data_dir / "streams" / dirname_for(name)
+                stream = Stream.create(self._ctx, name, directory, StreamConfig())
+                self._streams[name] = stream
+        return stream
+
+    def exists(self, name: str) -> bool:
+        return name in self._streams
+
+    def list_streams(self) -> list[str]:
+        return sorted(self._streams)
+
+    def create_stream(self, name: str, config: StreamConfig | None = None) -> None:
+        stream = self._stream_or_create(name)
+        if config is not None:
+            stream.set_config(config)
+
+    def delete_stream(self, name: str) -> None:
+        stream = self._stream(name)
+        with self._lock:
+            self._streams.pop(name, None)
+        stream.close(clean=False)
+        # Rename first so a crash mid-delete leaves a directory that start-up finishes removing.
+        doomed = stream.directory.with_name(stream.directory.name + ".deleted")
+        self._fs.rename(stream.directory, doomed)
+        self._fs.remove_tree(doomed)
+
+    # ------------------------------------------------------------------ data
+
+    def append(
+        self,
+        name: str,
+        payloads: Sequence[bytes],
+        *,
+        tags: Sequence[str] | None = None,
+        headers: Sequence[Mapping[str, bytes] | None] | None = None,
+        deliver_at_ms: Sequence[int] | None = None,
+    ) -> AppendResult:
+        """Append a batch; returns once it is as durable as the stream's fsync policy promises."""
+        self._check_batch(payloads, tags, headers, deliver_at_ms)
+        stream = self._stream_or_create(name)
+        result = stream.append(payloads, tags, headers, deliver_at_ms)
+        for listener in self._listeners:
+            listener(name, result.last_offset + 1)
+        return result
+
+    def _check_batch(self, payloads, tags, headers, deliver_at_ms) -> None:
+        cfg = self.config
+        n = len(payloads)
+        if n == 0:
+            raise InvalidArgumentError("a batch needs at least one entry")
+        if n > cfg.max_batch_entries:
+            raise LimitExceededError("max_batch_entries", cfg.max_batch_entries, f"batch has {n} entries")
+        try:
+            biggest = max(map(len, payloads))
+        except TypeError as exc:
+            raise InvalidArgumentError("payloads must be bytes") from exc
+        if biggest > cfg.max_entry_bytes:
+            raise LimitExceededError("max_entry_bytes", cfg.max_entry_bytes, f"an entry has {biggest} bytes")
+        for column, label in ((tags, "tags"), (headers, "headers"), (deliver_at_ms, "deliver_at_ms")):
+            if column is not None and len(column) != n:
+                raise InvalidArgumentError(f"{label} has {len(column)} items for {n} payloads")
+        if tags is not None:
+            for tag in tags:
+                if not isinstance(tag, str):
+                    raise InvalidArgumentError("tags must be strings")
+                try:
+                    size = len(tag.encode())
+                except UnicodeEncodeError as exc:
+                    raise InvalidArgumentError("a tag is not valid UTF-8") from exc
+                if size > cfg.max_tag_bytes:
+                    raise LimitExceededError("max_tag_bytes", cfg.max_tag_bytes, f"a tag has {size} bytes")
+        if headers is not None:
+            for entry_headers in headers:
+                if not entry_headers:
+                    continue
+                size = 0
+                for key, value in entry_headers.items():
+                    if not isinstance(key, str) or not isinstance(value, (bytes, bytearray, memoryview)):
+                        raise InvalidArgumentError("headers map strings to bytes")
+                    try:
+                        size += len(key.encode()) + len(value)
+                    except UnicodeEncodeError as exc:
+                        raise InvalidArgumentError("a header name is not valid UTF-8") from exc
+                if size > cfg.max_entry_bytes:
+                    raise LimitExceededError("max_entry_bytes", cfg.max_entry_bytes, f"headers take {size} bytes")
+        if deliver_at_ms is not None and any(not isinstance(d, int) or d < 0 for d in deliver_at_ms):
+            raise InvalidArgumentError("deliver_at_ms must be non-negative integers")
+
+    def read(self, name: str, offset: int, count: int, *, max_bytes: int = 0, reverse: bool = False) -> ReadResult:
+        return self._stream(name).read(offset, count, max_bytes, reverse)
+
+    def seek_time(self, name: str, timestamp_ms: int) -> int:
+        return self._stream(name).seek_time(timestamp_ms)
+
+    def count(self, name: str, start: int, end: int) -> int:
+        return self._stream(name).count(start, end)
+
+    def info(self, name: str) -> StreamInfo:
+        return self._stream(name).info()
+
+    def evict(self, name: str, up_to_offset: int) -> int:
+        return self._stream(name).evict(up_to_offset)
+
+    def keep_last(self, name: str, n: int) -> int:
+        return self._stream(name).keep_last(n)
+
+    def trim(self, name: str, first_offset: int) -> int:
+        return self._stream(name).trim(first_offset)
+
+    def compact(self, name: str) -> int:
+        return self._stream(name).compact(self._clock())
+
+    def apply_retention(self, name: str) -> None:
+        self._stream(name).apply_retention(self._clock())
+
+    def set_stream_config(self, name: str, config: StreamConfig) -> None:
+        self._stream(name).set_config(config)
+
+    def stream_config(self, name: str) -> StreamConfig:
+        return self._stream(name).config
+
+    def stream_fsync(self, name: str) -> str:
+        stream = self._streams.get(name)
+        return stream.fsync if stream is not None else self.config.fsync
+
+    def add_append_listener(self, listener: AppendListener) -> None:
+        """`listener(stream, next_offset)` runs after every append, on the appending thread."""
+        self._listeners.append(listener)
+
+    def sync(self) -> None:
+        for stream in list(self._streams.values()):
+            stream.sync()
+
+    # ------------------------------------------------------------------ maintenance
+
+    def maintain(self) -> None:
+        """One round of background work: everysec syncs, packing, retention, compaction."""
+        now = self._clock()
+        for stream in list(self._streams.values()):
+            if stream.closed:
+                continue
+            try:
+                if stream.fsync == "everysec" and stream.dirty:
+                    stream.sync()
+                stream.pack_pending()
+                stream.apply_retention(now)
+                if stream.config.compaction and now - stream.last_compaction_ms >= self.config.compaction_interval_ms:
+                    stream.compact(now)
+            except StorageError as exc:
+                log.error("maintenance of stream %r failed: %s", stream.name, exc)
+
+    def _maintenance_loop(self) -> None:
+        interval = self.config.maintenance_interval_ms / 1000
+        while not self._stop.wait(interval):
+            self.maintain()
+
+    def stats(self) -> dict:
+        infos = [s.info() for s in list(self._streams.values())]
+        return {
+            "streams": len(infos),
+            "entries": sum(i.entries for i in infos),
+            "bytes_on_disk": sum(i.bytes_on_disk for i in infos),
+            "segments": sum(i.segments for i in infos),
+            "nodes": sum(i.nodes for i in infos),
+            "cache_hits": self._ctx.cache.hits,
+            "cache_misses": self._ctx.cache.misses,
+            "unreadable_streams": list(self.unreadable),
+            "per_stream": {i.name: i for i in infos},
+        }

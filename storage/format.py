@@ -1,0 +1,249 @@
+"""Byte layout of segment files and macro nodes (docs/FORMAT.md has the tables).
+
+All integers are little-endian. Every structure recovery trusts carries a
+CRC32C: the segment header, each node header, and each node body.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import struct
+from array import array
+from dataclasses import dataclass
+
+import zstandard
+from crc32c import crc32c
+
+from storage.errors import CorruptionError
+
+FORMAT_VERSION = 1
+
+SEGMENT_MAGIC = b"SLOGSEG\x00"
+SEGMENT_HEADER_SIZE = 64
+SEGMENT_PACKED = 0x1  # nodes use the packed layout (a rewritten, immutable file)
+# magic, version, flags, header size, base offset, end offset, file size, created ms
+_SEGMENT_HEADER = struct.Struct("<8sHHIQQQq12x")
+
+NODE_MAGIC = b"SLND"
+NODE_HEADER_SIZE = 64
+NODE_PREFIX_SIZE = 2 * NODE_HEADER_SIZE  # two header slots, written alternately
+NODE_ZSTD = 0x1  # packed body is zstd-compressed
+NODE_SPARSE = 0x2  # packed body has an offset-delta table (compaction left holes)
+NODE_DELAYED = 0x4  # some entry carries deliver_at_ms
+# magic, version, flags, seq, count, base offset, slots, blob len, stored len,
+# body crc, blob crc, min ts, max ts
+_NODE_HEADER = struct.Struct("<4sBBxxIIQIIIIIqq")
+
+assert _SEGMENT_HEADER.size == SEGMENT_HEADER_SIZE - 4
+assert _NODE_HEADER.size == NODE_HEADER_SIZE - 4
+
+
+def _with_crc(body: bytes) -> bytes:
+    return body + struct.pack("<I", crc32c(body))
+
+
+def _crc_ok(raw: bytes) -> bool:
+    return struct.unpack_from("<I", raw, len(raw) - 4)[0] == crc32c(raw[:-4])
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentHeader:
+    base_offset: int
+    end_offset: int  # packed files: the offset after the last entry the file covers; else 0
+    file_size: int
+    created_ms: int
+    flags: int = 0
+
+    @property
+    def packed(self) -> bool:
+        return bool(self.flags & SEGMENT_PACKED)
+
+    def encode(self) -> bytes:
+        return _with_crc(
+            _SEGMENT_HEADER.pack(
+                SEGMENT_MAGIC,
+                FORMAT_VERSION,
+                self.flags,
+                SEGMENT_HEADER_SIZE,
+                self.base_offset,
+                self.end_offset,
+                self.file_size,
+                self.created_ms,
+            )
+        )
+
+    @classmethod
+    def decode(cls, raw: bytes) -> SegmentHeader:
+        if len(raw) < SEGMENT_HEADER_SIZE:
+            raise CorruptionError("segment file is shorter than its header")
+        raw = raw[:SEGMENT_HEADER_SIZE]
+        magic, version, flags, size, base, end, file_size, created = _SEGMENT_HEADER.unpack_from(raw)
+        if magic != SEGMENT_MAGIC:
+            raise CorruptionError("not a streamlog segment (bad magic)")
+        if not _crc_ok(raw):
+            raise CorruptionError("segment header CRC mismatch")
+        if version != FORMAT_VERSION or size != SEGMENT_HEADER_SIZE:
+            raise CorruptionError(f"unsupported segment format version {version}")
+        return cls(base, end, file_size, created, flags)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeHeader:
+    """One node header slot. See docs/FORMAT.md for what each field means per layout."""
+
+    seq: int
+    count: int
+    base_offset: int
+    slots: int
+    blob_len: int
+    stored_len: int
+    body_crc: int
+    blob_crc: int
+    min_ts: int
+    max_ts: int
+    flags: int = 0
+
+    def encode(self) -> bytes:
+        return _with_crc(
+            _NODE_HEADER.pack(
+                NODE_MAGIC,
+                FORMAT_VERSION,
+                self.flags,
+                self.seq,
+                self.count,
+                self.base_offset,
+                self.slots,
+                self.blob_len,
+                self.stored_len,
+                self.body_crc,
+                self.blob_crc,
+                self.min_ts,
+                self.max_ts,
+            )
+        )
+
+    @classmethod
+    def decode(cls, raw: bytes) -> NodeHeader | None:
+        """The header in `raw`, or None when the slot is empty, torn or damaged."""
+        if len(raw) < NODE_HEADER_SIZE or raw[:4] != NODE_MAGIC or not _crc_ok(raw[:NODE_HEADER_SIZE]):
+            return None
+        (_, version, flags, seq, count, base, slots, blob_len, stored_len, body_crc, blob_crc, min_ts, max_ts) = (
+            _NODE_HEADER.unpack_from(raw)
+        )
+        if version != FORMAT_VERSION or count > slots and not flags & NODE_SPARSE:
+            return None
+        return cls(seq, count, base, slots, blob_len, stored_len, body_crc, blob_crc, min_ts, max_ts, flags)
+
+    @property
+    def disk_size(self) -> int:
+        """Bytes the node takes in its segment, header slots included, 8-aligned."""
+        return (NODE_PREFIX_SIZE + self.stored_len + 7) & ~7
+
+
+def pick_header(slot_a: bytes, slot_b: bytes) -> list[NodeHeader]:
+    """Valid header slots of a node, newest first (by sequence number)."""
+    found = [h for h in (NodeHeader.decode(slot_a), NodeHeader.decode(slot_b)) if h is not None]
+    return sorted(found, key=lambda h: h.seq, reverse=True)
+
+
+@dataclass(slots=True)
+class NodeBody:
+    """A node's entries in memory: record i spans blob[positions[i]:positions[i+1]].
+
+    `deltas` is None for a dense node (entry i has offset base+i); for a
+    compacted node it holds offset-base for each surviving entry.
+    """
+
+    base_offset: int
+    positions: array
+    blob: bytes
+    deltas: array | None = None
+
+    @property
+    def count(self) -> int:
+        return len(self.positions) - 1
+
+    def offset_at(self, index: int) -> int:
+        return self.base_offset + (self.deltas[index] if self.deltas is not None else index)
+
+    def byte_size(self) -> int:
+        return len(self.blob) + 4 * len(self.positions)
+
+
+def encode_packed_node(
+    body: NodeBody, min_ts: int, max_ts: int, flags: int, compressor: zstandard.ZstdCompressor | None
+) -> bytes:
+    """A complete immutable node: two identical header slots and its body."""
+    count = body.count
+    parts = [body.positions[:count].tobytes()]
+    node_flags = flags & NODE_DELAYED
+    if body.deltas is not None:
+        parts.append(body.deltas.tobytes())
+        node_flags |= NODE_SPARSE
+        span = body.deltas[-1] + 1 if count else 0
+    else:
+        span = count
+    parts.append(body.blob)
+    raw = b"".join(parts)
+    stored = raw
+    if compressor is not None:
+        squeezed = compressor.compress(raw)
+        if len(squeezed) < len(raw):
+            stored = squeezed
+            node_flags |= NODE_ZSTD
+    header = NodeHeader(
+        seq=1,
+        count=count,
+        base_offset=body.base_offset,
+        slots=span,
+        blob_len=len(body.blob),
+        stored_len=len(stored),
+        body_crc=crc32c(stored),
+        blob_crc=crc32c(raw),
+        min_ts=min_ts,
+        max_ts=max_ts,
+        flags=node_flags,
+    ).encode()
+    node = header + header + stored
+    return node + b"\x00" * (-len(node) % 8)
+
+
+def decode_packed_body(header: NodeHeader, stored: bytes, decompressor: zstandard.ZstdDecompressor) -> NodeBody:
+    if crc32c(stored) != header.body_crc:
+        raise CorruptionError("node body CRC mismatch")
+    raw = stored
+    if header.flags & NODE_ZSTD:
+        try:
+            raw = decompressor.decompress(stored, max_output_size=_packed_raw_size(header))
+        except zstandard.ZstdError as exc:
+            raise CorruptionError(f"node body does not decompress: {exc}") from exc
+    if len(raw) != _packed_raw_size(header) or crc32c(raw) != header.blob_crc:
+        raise CorruptionError("decompressed node body does not match its CRC")
+    count = header.count
+    positions = array("I")
+    positions.frombytes(raw[: 4 * count])
+    positions.append(header.blob_len)
+    deltas = None
+    start = 4 * count
+    if header.flags & NODE_SPARSE:
+        deltas = array("I")
+        deltas.frombytes(raw[start : start + 4 * count])
+        start += 4 * count
+    body = NodeBody(header.base_offset, positions, raw[start:], deltas)
+    check_positions(body)
+    return body
+
+
+def _packed_raw_size(header: NodeHeader) -> int:
+    tables = 2 if header.flags & NODE_SPARSE else 1
+    return 4 * header.count * tables + header.blob_len
+
+
+def check_positions(body: NodeBody) -> None:
+    """Positions must start at 0, never go back, and end at the blob's length."""
+    positions = body.positions
+    if positions[0] != 0 or positions[-1] != len(body.blob):
+        raise CorruptionError("node offset table does not span its blob")
+    if not all(map(operator.lt, positions, itertools.islice(positions, 1, None))):
+        raise CorruptionError("node offset table is not increasing")

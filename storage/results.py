@@ -1,0 +1,61 @@
+"""What the engine's calls return."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from storage.config import StreamConfig
+from storage.records import Entry, decode_records
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    first_offset: int
+    last_offset: int
+    timestamp_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Gap:
+    """Offsets start..end-1 that a read asked for and that no longer exist."""
+
+    start: int
+    end: int
+    reason: str  # "evicted" (retention or trim), "compacted", or "corrupt" (failed its CRC)
+
+
+@dataclass(slots=True)
+class ReadResult:
+    """Entries as encoded records (see storage.records), plus the stream's bounds.
+
+    `records` concatenated are the wire bytes of `repeated Entry entries = 1`.
+    """
+
+    records: list[bytes]
+    count: int
+    first_offset: int
+    next_offset: int
+    gap: Gap | None = None
+    last_offset: int | None = None
+
+    def data(self) -> bytes:
+        return b"".join(self.records)
+
+    def entries(self) -> list[Entry]:
+        return decode_records(self.data())
+
+
+@dataclass(frozen=True, slots=True)
+class StreamInfo:
+    name: str
+    first_offset: int
+    next_offset: int
+    entries_added: int
+    entries: int
+    bytes_on_disk: int
+    segments: int
+    nodes: int
+    compression_ratio: float
+    last_timestamp_ms: int
+    config: StreamConfig = field(default_factory=StreamConfig)
+    damaged: tuple[Gap, ...] = ()

@@ -1,0 +1,728 @@
+"""One stream: its segments, the in-memory node index, and every operation on it.
+
+Locking: `lock` guards the index and the active node (appends, reads, index
+changes); `maintenance_lock` serialises the slow jobs that rewrite or delete
+files (packing, compaction, retention) so they never race each other. Syncs
+run outside `lock`, so appenders keep writing while a flush is on its way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import threading
+from array import array
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import zstandard
+from crc32c import crc32c
+
+from storage.cache import NodeCache
+from storage.config import EngineConfig, StreamConfig
+from storage.durability import SyncGate
+from storage.errors import CorruptionError, DurabilityError, InvalidArgumentError, LimitExceededError
+from storage.format import NODE_DELAYED, NODE_SPARSE, NODE_ZSTD, NodeBody, SegmentHeader, encode_packed_node
+from storage.fs import FileSystem, SegmentFile
+from storage.records import decode_record, encode_batch, record_offset_and_timestamp
+from storage.results import AppendResult, Gap, ReadResult, StreamInfo
+from storage.segment import SEGMENT_SUFFIX, GrowingNode, NodeRef, Segment
+
+log = logging.getLogger("streamlog.storage")
+
+META_FILE = "stream.meta"
+CLEAN_MARKER = "CLEAN"
+_META_MAGIC = b"SLMT"
+
+
+@dataclass
+class EngineContext:
+    """What every stream shares with its engine."""
+
+    fs: FileSystem
+    config: EngineConfig
+    clock: Callable[[], int]
+    cache: NodeCache
+    retention_floor: Callable[[str], int | None]
+
+
+def encode_meta(name: str, first_offset: int, config: StreamConfig) -> bytes:
+    body = json.dumps({"name": name, "first_offset": first_offset, "config": config.to_dict()}).encode()
+    return _META_MAGIC + struct.pack("<I", crc32c(body)) + body
+
+
+def decode_meta(raw: bytes) -> tuple[str, int, StreamConfig]:
+    if raw[:4] != _META_MAGIC or len(raw) < 8:
+        raise CorruptionError("stream metadata has a bad magic")
+    body = raw[8:]
+    if struct.unpack_from("<I", raw, 4)[0] != crc32c(body):
+        raise CorruptionError("stream metadata CRC mismatch")
+    data = json.loads(body)
+    return data["name"], int(data["first_offset"]), StreamConfig.from_dict(data["config"])
+
+
+class _NodeView:
+    """Uniform access to a node's entries, whether it is the active node or a decoded one."""
+
+    __slots__ = ("positions", "deltas", "base", "slice")
+
+    def __init__(self, base: int, positions: array, deltas: array | None, slice_: Callable[[int, int], bytes]):
+        self.base = base
+        self.positions = positions
+        self.deltas = deltas
+        self.slice = slice_
+
+    @property
+    def count(self) -> int:
+        return len(self.positions) - 1
+
+    def offset_at(self, index: int) -> int:
+        return self.base + (self.deltas[index] if self.deltas is not None else index)
+
+    def index_of(self, offset: int) -> int:
+        """Index of the first entry whose offset is >= `offset`."""
+        if self.deltas is None:
+            return min(max(offset - self.base, 0), self.count)
+        return bisect_left(self.deltas, offset - self.base)
+
+
+_decompressors = threading.local()
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    d = getattr(_decompressors, "d", None)
+    if d is None:
+        d = _decompressors.d = zstandard.ZstdDecompressor()
+    return d
+
+
+class Stream:
+    def __init__(self, ctx: EngineContext, name: str, directory: Path, config: StreamConfig) -> None:
+        self.ctx = ctx
+        self.name = name
+        self.directory = directory
+        self.config = config
+        self.lock = threading.RLock()
+        self.maintenance_lock = threading.Lock()
+        self.gate = SyncGate()
+        self.segments: list[Segment] = []
+        self.nodes: list[NodeRef] = []  # the index: retained nodes in offset order
+        self.bases = array("q")  # node base offsets, for bisect
+        self.max_ts = array("q")  # node max timestamps (non-decreasing), for seek by time
+        self.active: GrowingNode | None = None
+        self.first_offset = 0
+        self.next_offset = 0
+        self.visible_next = 0  # reads stop here: in "always" mode, only synced entries are visible
+        self.last_ts = 0
+        self.write_seq = 0
+        self.dirty: set[SegmentFile] = set()
+        self.pack_queue: list[Segment] = []
+        self.damaged: list[Gap] = []
+        self.last_compaction_ms = 0
+        self.closed = False
+        self._holes: bool | None = None  # cached answer of _has_holes(); None = recompute
+
+    # ------------------------------------------------------------------ open / create
+
+    @classmethod
+    def create(cls, ctx: EngineContext, name: str, directory: Path, config: StreamConfig) -> Stream:
+        ctx.fs.makedirs(directory)
+        ctx.fs.write_file_atomic(directory / META_FILE, encode_meta(name, 0, config))
+        return cls(ctx, name, directory, config)
+
+    @classmethod
+    def open(cls, ctx: EngineContext, directory: Path) -> Stream:
+        fs = ctx.fs
+        name, first_offset, config = decode_meta(fs.read_file(directory / META_FILE))
+        stream = cls(ctx, name, directory, config)
+        clean = fs.exists(directory / CLEAN_MARKER)
+        stream._load(first_offset, clean)
+        if clean:
+            fs.remove(directory / CLEAN_MARKER)  # from here on a crash must trigger the tail scan
+        return stream
+
+    def _load(self, meta_first: int, clean: bool) -> None:
+        fs = self.ctx.fs
+        files = fs.listdir(self.directory)
+        for leftover in (f for f in files if f.endswith(".tmp")):
+            fs.remove(self.directory / leftover)  # a rewrite that crashed before its rename
+        names = [f for f in files if f.endswith(SEGMENT_SUFFIX)]
+        expected: int | None = None
+        for i, fname in enumerate(names):
+            path = self.directory / fname
+            last = i == len(names) - 1
+            try:
+                segment, cut = Segment.open(fs, path, writable=True, verify=last and not clean)
+            except CorruptionError as exc:
+                log.error("stream %r: segment %s is unreadable (%s)", self.name, fname, exc)
+                if last:
+                    break
+                continue
+            if expected is not None and segment.base_offset != expected:
+                if segment.base_offset < expected:
+                    log.error("stream %r: segment %s overlaps its predecessor; dropping it and later ones",
+                              self.name, fname)
+                    segment.close()
+                    for later in names[i:]:
+                        fs.remove(self.directory / later)
+                    break
+                self._note_damage(Gap(expected, segment.base_offset, "corrupt"))
+            if cut:
+                log.warning("stream %r: segment %s: %s", self.name, fname, cut)
+                if last and not segment.packed:
+                    segment.truncate_after(segment.end_pos)  # torn tail: keep the valid prefix
+                else:
+                    self._note_damage(Gap(segment.nodes[-1].end_offset if segment.nodes else segment.base_offset,
+                                          segment.end_offset() if segment.packed else -1, "corrupt"))
+            self.segments.append(segment)
+            expected = segment.end_offset()
+        for segment in self.segments:
+            for ref in segment.nodes:
+                if ref.end_offset > meta_first:
+                    self._index_append(ref)
+        end = self.segments[-1].end_offset() if self.segments else 0
+        self.next_offset = max(end, meta_first)
+        self.first_offset = max(meta_first, 0)
+        self.visible_next = self.next_offset
+        self.last_ts = self.max_ts[-1] if self.max_ts else 0
+        # Resolve damage ranges that ran to "the next segment" once that is known.
+        self.damaged = [
+            Gap(g.start, g.end if g.end >= 0 else self._next_base_after(g.start), g.reason) for g in self.damaged
+        ]
+        tail = self.segments[-1] if self.segments else None
+        if tail is not None and not tail.packed and tail.nodes:
+            self.active = GrowingNode.resume(tail.nodes[-1])
+        if self.ctx.config.compression:
+            self.pack_queue = [s for s in self.segments[:-1] if not s.packed]
+
+    def _next_base_after(self, offset: int) -> int:
+        i = bisect_right(self.bases, offset)
+        return self.bases[i] if i < len(self.bases) else self.next_offset
+
+    def _note_damage(self, gap: Gap) -> None:
+        log.error("stream %r: offsets %d..%d are damaged and will be skipped", self.name, gap.start, gap.end)
+        self.damaged.append(gap)
+
+    def _index_append(self, ref: NodeRef) -> None:
+        self._holes = None
+        self.nodes.append(ref)
+        self.bases.append(ref.base_offset)
+        self.max_ts.append(ref.header.max_ts)
+
+    @property
+    def fsync(self) -> str:
+        return self.config.fsync or self.ctx.config.fsync
+
+    # ------------------------------------------------------------------ append
+
+    def append(
+        self,
+        payloads: Sequence[bytes],
+        tags: Sequence[str] | None,
+        headers: Sequence[Mapping[str, bytes] | None] | None,
+        deliver_at_ms: Sequence[int] | None,
+    ) -> AppendResult:
+        n = len(payloads)
+        limit = self.ctx.config.max_batch_bytes
+        with self.lock:
+            if self.closed:
+                raise InvalidArgumentError(f"stream {self.name!r} was deleted")
+            if self.gate.error is not None:
+                raise DurabilityError(f"appends are refused after a failed sync: {self.gate.error}")
+            ts = max(self.ctx.clock(), self.last_ts)
+            first = self.next_offset
+            node = self.active
+            fits = node is not None and node.count + n <= node.ref.header.slots and node.ref.segment is self.segments[-1]
+            start = node.positions[-1] if fits else 0
+            blob, positions = encode_batch(first, ts, payloads, tags, headers, deliver_at_ms, start)
+            if len(blob) > limit:
+                raise LimitExceededError("max_batch_bytes", limit, f"batch encodes to {len(blob)} bytes")
+            if not (fits and node.room(n, len(blob))):
+                if start:
+                    positions = array("I", [p - start for p in positions])
+                node = self._start_node(n, len(blob), ts)
+            flags = NODE_DELAYED if deliver_at_ms is not None and any(deliver_at_ms) else 0
+            node.append(blob, positions, ts, flags)
+            self.max_ts[-1] = ts
+            self.next_offset = first + n
+            self.last_ts = ts
+            self.write_seq += 1
+            seq = self.write_seq
+            self.dirty.add(node.ref.segment.file)
+            always = self.fsync == "always"
+            if not always:
+                self.visible_next = self.next_offset
+        if always:
+            self.gate.wait(seq, self._sync_now)
+        return AppendResult(first, first + n - 1, ts)
+
+    def _start_node(self, entries: int, nbytes: int, ts: int) -> GrowingNode:
+        slots = max(self.ctx.config.node_entries, entries)
+        tail = self.segments[-1] if self.segments else None
+        need = 2 * 64 + 4 * slots + nbytes
+        if (
+            tail is None
+            or tail.packed
+            or tail.end_offset() != self.next_offset
+            or tail.end_pos + need > tail.file.size
+        ):
+            tail = self._roll(ts)
+        node = GrowingNode.start(tail, slots, self.next_offset)
+        tail.nodes.append(node.ref)
+        self._index_append(node.ref)
+        self.active = node
+        return node
+
+    def _roll(self, now_ms: int) -> Segment:
+        old = self.segments[-1] if self.segments else None
+        segment = Segment.create(self.ctx.fs, self.directory, self.next_offset, self.ctx.config.segment_bytes, now_ms)
+        self.segments.append(segment)
+        if old is not None and not old.packed and self.ctx.config.compression:
+            self.pack_queue.append(old)
+        return segment
+
+    # ------------------------------------------------------------------ durability
+
+    def _sync_now(self) -> int:
+        with self.lock:
+            files = list(self.dirty)
+            self.dirty.clear()
+            seq = self.write_seq
+            upto = self.next_offset
+        for file in files:
+            file.sync()
+        with self.lock:
+            self.visible_next = max(self.visible_next, upto)
+        return seq
+
+    def sync(self) -> None:
+        with self.lock:
+            seq = self.write_seq
+        self.gate.wait(seq, self._sync_now)
+
+    # ------------------------------------------------------------------ reading
+
+    def _view(self, ref: NodeRef) -> _NodeView:
+        active = self.active
+        if active is not None and ref is active.ref:
+            return _NodeView(ref.base_offset, active.positions, None, active.slice)
+        segment = ref.segment
+        body = self.ctx.cache.get((segment.uid, ref.pos), lambda: segment.read_body(ref, _decompressor()))
+        blob, positions = body.blob, body.positions
+        return _NodeView(body.base_offset, positions, body.deltas, lambda lo, hi: blob[positions[lo] : positions[hi]])
+
+    def _hole_reason(self, offset: int) -> str:
+        return "corrupt" if any(g.start <= offset < g.end for g in self.damaged) else "compacted"
+
+    def _corrupt(self, ref: NodeRef, exc: CorruptionError) -> Gap:
+        gap = Gap(ref.base_offset, ref.end_offset, "corrupt")
+        if not ref.corrupt:
+            ref.corrupt = True
+            log.error("stream %r: node at offsets %d..%d is corrupt (%s)", self.name, gap.start, gap.end, exc)
+            self.damaged.append(gap)
+            self._holes = True
+        return gap
+
+    def read(self, offset: int, count: int, max_bytes: int, reverse: bool) -> ReadResult:
+        if offset < 0 or count < 0 or max_bytes < 0:
+            raise InvalidArgumentError("offset, count and max_bytes must not be negative")
+        with self.lock:
+            if reverse:
+                return self._read_backward(offset, count, max_bytes)
+            return self._read_forward(offset, count, max_bytes)
+
+    def _read_forward(self, offset: int, count: int, max_bytes: int) -> ReadResult:
+        end, first = self.visible_next, self.first_offset
+        gap = Gap(offset, first, "evicted") if offset < first else None
+        start = max(offset, first)
+        records: list[bytes] = []
+        taken = size = 0
+        last = None
+        i = max(bisect_right(self.bases, start) - 1, 0)
+        while count > taken and start < end and i < len(self.nodes):
+            ref = self.nodes[i]
+            i += 1
+            if ref.end_offset <= start:
+                continue
+            if ref.base_offset >= end:
+                break
+            try:
+                view = self._view(ref)
+            except CorruptionError as exc:
+                if taken:
+                    break
+                gap = self._corrupt(ref, exc)
+                start = ref.end_offset
+                continue
+            lo, hi = view.index_of(start), view.index_of(end)
+            if lo >= hi:
+                continue
+            if not taken and gap is None and view.offset_at(lo) > start:
+                gap = Gap(start, view.offset_at(lo), self._hole_reason(start))
+            hi = min(hi, lo + count - taken)
+            budget_stop = False
+            if max_bytes:
+                limit = view.positions[lo] + max_bytes - size
+                fit = bisect_right(view.positions, limit, lo, hi + 1) - 1
+                if fit < hi:
+                    hi, budget_stop = max(fit, lo if taken else lo + 1), True
+            if hi > lo:
+                chunk = view.slice(lo, hi)
+                records.append(chunk)
+                taken += hi - lo
+                size += len(chunk)
+                last = view.offset_at(hi - 1)
+                start = last + 1
+            if budget_stop:
+                break
+        return ReadResult(records, taken, first, end, gap, last)
+
+    def _read_backward(self, offset: int, count: int, max_bytes: int) -> ReadResult:
+        end, first = self.visible_next, self.first_offset
+        if offset < first:
+            return ReadResult([], 0, first, end, Gap(offset, first, "evicted"), None)
+        start = min(offset, end - 1)  # the highest offset wanted
+        records: list[bytes] = []
+        taken = size = 0
+        last = None
+        i = bisect_right(self.bases, start) - 1
+        while count > taken and i >= 0 and start >= first:
+            ref = self.nodes[i]
+            i -= 1
+            try:
+                view = self._view(ref)
+            except CorruptionError as exc:
+                if taken:
+                    break
+                self._corrupt(ref, exc)
+                continue
+            hi = view.index_of(start + 1)
+            lo = view.index_of(first)
+            positions = view.positions
+            for j in range(hi - 1, max(lo, hi - (count - taken)) - 1, -1):
+                length = positions[j + 1] - positions[j]
+                if max_bytes and taken and size + length > max_bytes:
+                    return ReadResult(records, taken, first, end, None, last)
+                records.append(view.slice(j, j + 1))
+                taken += 1
+                size += length
+                last = view.offset_at(j)
+            if last is not None:
+                start = last - 1
+        return ReadResult(records, taken, first, end, None, last)
+
+    def seek_time(self, timestamp_ms: int) -> int:
+        with self.lock:
+            end = self.visible_next
+            i = bisect_left(self.max_ts, timestamp_ms)
+            while i < len(self.nodes) and self.nodes[i].base_offset < end:
+                ref = self.nodes[i]
+                i += 1
+                try:
+                    view = self._view(ref)
+                except CorruptionError as exc:
+                    self._corrupt(ref, exc)
+                    continue
+                lo, hi = 0, view.count
+                while lo < hi:  # first entry with timestamp >= timestamp_ms
+                    mid = (lo + hi) // 2
+                    _, ts = record_offset_and_timestamp(view.slice(mid, mid + 1), 0)
+                    if ts < timestamp_ms:
+                        lo = mid + 1
+                    else:
+                        hi = mid
+                if lo < view.count:
+                    return min(max(view.offset_at(lo), self.first_offset), end)
+            return end
+
+    def count(self, start: int, end: int) -> int:
+        with self.lock:
+            start = max(start, self.first_offset)
+            end = min(end, self.visible_next)
+            if start >= end:
+                return 0
+            if not self._has_holes():
+                return end - start
+            total = 0
+            i = max(bisect_right(self.bases, start) - 1, 0)
+            for ref in self.nodes[i:]:
+                if ref.base_offset >= end:
+                    break
+                if ref.end_offset <= start or ref.corrupt:
+                    continue
+                if ref.header.flags & NODE_SPARSE:
+                    view = self._view(ref)
+                    total += view.index_of(end) - view.index_of(start)
+                else:
+                    total += min(end, ref.end_offset) - max(start, ref.base_offset)
+            return total
+
+    def _has_holes(self) -> bool:
+        """Whether any offset between first and next is missing (compaction or damage). Cached."""
+        if self._holes is None:
+            nodes = self.nodes
+            self._holes = bool(self.damaged) or any(
+                a.end_offset != b.base_offset or a.header.flags & NODE_SPARSE for a, b in zip(nodes, nodes[1:])
+            )
+        return self._holes
+
+    # ------------------------------------------------------------------ retention
+
+    def _guarded(self, target: int) -> int:
+        floor = self.ctx.retention_floor(self.name)
+        return target if floor is None else min(target, floor)
+
+    def _set_first_offset(self, offset: int) -> None:
+        """Move first_offset, persist it, then forget nodes and delete segments wholly below it."""
+        if offset <= self.first_offset:
+            return
+        self.first_offset = offset
+        self.ctx.fs.write_file_atomic(self.directory / META_FILE, encode_meta(self.name, offset, self.config))
+        k = 0
+        keep_active = self.active.ref if self.active is not None else None
+        while k < len(self.nodes) and self.nodes[k].end_offset <= offset and self.nodes[k] is not keep_active:
+            k += 1
+        if k:
+            del self.nodes[:k]
+            del self.bases[:k]
+            del self.max_ts[:k]
+        self.damaged = [g for g in self.damaged if g.end > offset]
+        self._holes = None
+        while len(self.segments) > 1 and self.segments[0].end_offset() <= offset:
+            segment = self.segments.pop(0)
+            if segment in self.pack_queue:
+                self.pack_queue.remove(segment)
+            self.dirty.discard(segment.file)
+            self.ctx.cache.drop_segment(segment.uid)
+            segment.close()
+            self.ctx.fs.remove(segment.path)
+
+    def trim(self, first_offset: int) -> int:
+        """Exact trim: first_offset becomes exactly `first_offset` (clamped to the stream's end)."""
+        if first_offset < 0:
+            raise InvalidArgumentError("trim offset must not be negative")
+        with self.maintenance_lock, self.lock:
+            self._set_first_offset(min(first_offset, self.next_offset))
+            return self.first_offset
+
+    def evict(self, up_to_offset: int) -> int:
+        """RCP TEVICT with a positive offset: drop whole nodes whose entries are all <= up_to_offset."""
+        if up_to_offset < 0:
+            raise InvalidArgumentError("evict offset must not be negative")
+        with self.maintenance_lock, self.lock:
+            self._drop_whole_nodes(lambda ref: ref.end_offset - 1 <= up_to_offset)
+            return self.first_offset
+
+    def keep_last(self, n: int) -> int:
+        """RCP TEVICT with a negative count: keep at least n entries, dropping whole nodes."""
+        if n < 0:
+            raise InvalidArgumentError("keep count must not be negative")
+        with self.maintenance_lock, self.lock:
+            self._keep_last(n)
+            return self.first_offset
+
+    def _keep_last(self, n: int) -> None:
+        nxt = self.next_offset
+        nodes = self.nodes
+        k = 0
+        while k + 1 < len(nodes) and nxt - nodes[k + 1].base_offset >= n:
+            k += 1
+        if k:
+            self._set_first_offset(self._guarded(nodes[k].base_offset))
+
+    def _drop_whole_nodes(self, drop: Callable[[NodeRef], bool]) -> None:
+        k = 0
+        while k + 1 < len(self.nodes) and drop(self.nodes[k]):
+            k += 1
+        if k:
+            self._set_first_offset(self._guarded(self.nodes[k].base_offset))
+
+    def apply_retention(self, now_ms: int) -> None:
+        cfg = self.config
+        if cfg.max_entries is None and cfg.max_age_ms is None and cfg.max_bytes is None:
+            return
+        with self.maintenance_lock:
+            if cfg.max_age_ms is not None:
+                cutoff = self.seek_time(now_ms - cfg.max_age_ms)
+                with self.lock:
+                    self._set_first_offset(self._guarded(cutoff))
+            with self.lock:
+                if cfg.max_entries is not None:
+                    self._keep_last(cfg.max_entries)
+                if cfg.max_bytes is not None:
+                    total = sum(ref.disk_size for ref in self.nodes)
+                    k = 0
+                    while k + 1 < len(self.nodes) and total > cfg.max_bytes:
+                        total -= self.nodes[k].disk_size
+                        k += 1
+                    if k:
+                        self._set_first_offset(self._guarded(self.nodes[k].base_offset))
+
+    # ------------------------------------------------------------------ packing and compaction
+
+    def _rewrite(self, old: Segment, bodies: list[tuple[NodeBody, int, int, int]]) -> None:
+        """Replace `old` with a packed file holding `bodies`; crash-safe (write, fsync, rename, fsync dir)."""
+        cfg = self.ctx.config
+        compressor = zstandard.ZstdCompressor(level=cfg.compression_level) if cfg.compression else None
+        nodes = [encode_packed_node(body, lo, hi, flags, compressor) for body, lo, hi, flags in bodies]
+        size = 64 + sum(map(len, nodes))
+        header = SegmentHeader(old.base_offset, old.end_offset(), size, old.header.created_ms, flags=0x1)
+        self.ctx.fs.write_file_atomic(old.path, header.encode() + b"".join(nodes))
+        new, cut = Segment.open(self.ctx.fs, old.path, writable=False, verify=False)
+        if cut:
+            raise CorruptionError(f"rewritten segment {old.path.name} does not read back: {cut}")
+        with self.lock:
+            index = self.segments.index(old)
+            self.segments[index] = new
+            keep = [ref for ref in self.nodes if ref.segment is not old]
+            self.nodes, self.bases, self.max_ts = [], array("q"), array("q")
+            self._holes = None
+            fresh = [ref for ref in new.nodes if ref.end_offset > self.first_offset]
+            for ref in sorted(keep + fresh, key=lambda r: r.base_offset):
+                self._index_append(ref)
+            self.dirty.discard(old.file)
+            self.ctx.cache.drop_segment(old.uid)
+            old.close()
+
+    def _bodies(self, segment: Segment) -> list[tuple[NodeBody, int, int, int]]:
+        out = []
+        for ref in segment.nodes:
+            if ref.end_offset <= self.first_offset:
+                continue
+            body = segment.read_body(ref, _decompressor())
+            out.append((body, ref.header.min_ts, ref.header.max_ts, ref.header.flags))
+        return out
+
+    def pack_pending(self) -> int:
+        """Compress full segments waiting in the queue. Returns how many were packed."""
+        packed = 0
+        with self.maintenance_lock:
+            while True:
+                with self.lock:
+                    if not self.pack_queue:
+                        return packed
+                    segment = self.pack_queue.pop(0)
+                    if segment not in self.segments:
+                        continue
+                try:
+                    self._rewrite(segment, self._bodies(segment))
+                    packed += 1
+                except CorruptionError as exc:
+                    log.error("stream %r: segment %s not packed: %s", self.name, segment.path.name, exc)
+
+    def compact(self, now_ms: int) -> int:
+        """Keep only the latest entry per tag in sealed segments. Returns the entries removed."""
+        with self.maintenance_lock:
+            with self.lock:
+                sealed = self.segments[:-1]
+                refs = list(self.nodes)
+            latest: dict[str, int] = {}
+            for ref in refs:
+                try:
+                    view = self._view(ref)
+                except CorruptionError:
+                    continue
+                data = view.slice(0, view.count)
+                pos = 0
+                for _ in range(view.count):
+                    entry, pos = decode_record(data, pos)
+                    if entry.tag:
+                        latest[entry.tag] = entry.offset
+            horizon = now_ms - self.config.tombstone_retention_ms
+            removed = 0
+            for segment in sealed:
+                try:
+                    bodies = self._bodies(segment)
+                except CorruptionError as exc:
+                    log.error("stream %r: segment %s not compacted: %s", self.name, segment.path.name, exc)
+                    continue
+                kept_bodies = []
+                changed = False
+                for body, lo, hi, flags in bodies:
+                    kept = _compact_body(body, latest, horizon)
+                    if kept is not body:
+                        changed = True
+                        removed += body.count - (kept.count if kept else 0)
+                    if kept is not None:
+                        kept_bodies.append((kept, lo, hi, flags))
+                if changed:
+                    self._rewrite(segment, kept_bodies)
+            self.last_compaction_ms = now_ms
+            return removed
+
+    # ------------------------------------------------------------------ info
+
+    def info(self) -> StreamInfo:
+        with self.lock:
+            raw = stored = 0
+            for segment in self.segments:
+                if not segment.packed:
+                    continue
+                for ref in segment.nodes:
+                    h = ref.header
+                    tables = 2 if h.flags & NODE_SPARSE else 1
+                    raw += 4 * h.count * tables + h.blob_len
+                    stored += h.stored_len if h.flags & NODE_ZSTD else 4 * h.count * tables + h.blob_len
+            return StreamInfo(
+                name=self.name,
+                first_offset=self.first_offset,
+                next_offset=self.visible_next,
+                entries_added=self.visible_next,
+                entries=self.count(self.first_offset, self.visible_next),
+                bytes_on_disk=sum(s.file.size for s in self.segments),
+                segments=len(self.segments),
+                nodes=len(self.nodes),
+                compression_ratio=(raw / stored) if stored else 1.0,
+                last_timestamp_ms=self.last_ts,
+                config=self.config,
+                damaged=tuple(self.damaged),
+            )
+
+    def set_config(self, config: StreamConfig) -> None:
+        with self.maintenance_lock, self.lock:
+            self.ctx.fs.write_file_atomic(self.directory / META_FILE, encode_meta(self.name, self.first_offset, config))
+            self.config = config
+
+    def close(self, clean: bool = True) -> None:
+        """Sync, mark a clean shutdown, and release files."""
+        with self.maintenance_lock:
+            if self.closed:
+                return
+            if clean and self.gate.error is None:
+                self.sync()
+                self.ctx.fs.write_file_atomic(self.directory / CLEAN_MARKER, b"clean\n")
+            with self.lock:
+                self.closed = True
+                for segment in self.segments:
+                    self.ctx.cache.drop_segment(segment.uid)
+                    segment.close()
+                self.segments.clear()
+                self.nodes.clear()
+
+
+def _compact_body(body: NodeBody, latest: dict[str, int], tombstone_horizon_ms: int) -> NodeBody | None:
+    """The body without superseded entries (and expired tombstones); `body` itself if nothing goes."""
+    keep: list[int] = []
+    pos = 0
+    for i in range(body.count):
+        entry, pos = decode_record(body.blob, pos)
+        if not entry.tag:
+            keep.append(i)
+        elif latest.get(entry.tag) == entry.offset and (entry.payload or entry.timestamp_ms >= tombstone_horizon_ms):
+            keep.append(i)
+    if len(keep) == body.count:
+        return body
+    if not keep:
+        return None
+    blob_parts = []
+    positions = array("I", [0])
+    deltas = array("I")
+    for i in keep:
+        record = body.blob[body.positions[i] : body.positions[i + 1]]
+        blob_parts.append(record)
+        positions.append(positions[-1] + len(record))
+        deltas.append(body.offset_at(i) - body.base_offset)
+    return NodeBody(body.base_offset, positions, b"".join(blob_parts), deltas)
