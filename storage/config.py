@@ -28,8 +28,16 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.fsync not in FSYNC_POLICIES:
-            raise InvalidArgumentError(f"fsync must be one of {', '.join(FSYNC_POLICIES)}, not {self.fsync!r}")
-        for name in ("node_entries", "max_entry_bytes", "max_batch_entries", "max_batch_bytes", "cache_nodes"):
+            raise InvalidArgumentError(
+                f"fsync must be one of {', '.join(FSYNC_POLICIES)}, not {self.fsync!r}"
+            )
+        for name in (
+            "node_entries",
+            "max_entry_bytes",
+            "max_batch_entries",
+            "max_batch_bytes",
+            "cache_nodes",
+        ):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name} must be at least 1")
         if not -7 <= self.compression_level <= 22:
@@ -64,7 +72,9 @@ class StreamConfig:
         if self.tombstone_retention_ms < 0:
             raise InvalidArgumentError("tombstone_retention_ms must not be negative")
         if self.fsync is not None and self.fsync not in FSYNC_POLICIES:
-            raise InvalidArgumentError(f"fsync must be one of {', '.join(FSYNC_POLICIES)}, not {self.fsync!r}")
+            raise InvalidArgumentError(
+                f"fsync must be one of {', '.join(FSYNC_POLICIES)}, not {self.fsync!r}"
+            )
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -72,7 +72,9 @@ class Engine:
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
         if self.config.background:
-            self._worker = threading.Thread(target=self._maintenance_loop, name="streamlog-maintenance", daemon=True)
+            self._worker = threading.Thread(
+                target=self._maintenance_loop, name="streamlog-maintenance", daemon=True
+            )
             self._worker.start()
 
     # ------------------------------------------------------------------ lifecycle
@@ -206,6 +208,11 @@ class Engine:
             raise InvalidArgumentError("payloads must be bytes") from exc
         if biggest > cfg.max_entry_bytes:
             raise LimitExceededError("max_entry_bytes", cfg.max_entry_bytes, f"an entry has {biggest} bytes")
+        total = sum(map(len, payloads))
+        if total > cfg.max_batch_bytes:
+            raise LimitExceededError(
+                "max_batch_bytes", cfg.max_batch_bytes, f"batch has {total} payload bytes"
+            )
         for column, label in ((tags, "tags"), (headers, "headers"), (deliver_at_ms, "deliver_at_ms")):
             if column is not None and len(column) != n:
                 raise InvalidArgumentError(f"{label} has {len(column)} items for {n} payloads")
@@ -232,11 +239,15 @@ class Engine:
                     except UnicodeEncodeError as exc:
                         raise InvalidArgumentError("a header name is not valid UTF-8") from exc
                 if size > cfg.max_entry_bytes:
-                    raise LimitExceededError("max_entry_bytes", cfg.max_entry_bytes, f"headers take {size} bytes")
+                    raise LimitExceededError(
+                        "max_entry_bytes", cfg.max_entry_bytes, f"headers take {size} bytes"
+                    )
         if deliver_at_ms is not None and any(not isinstance(d, int) or d < 0 for d in deliver_at_ms):
             raise InvalidArgumentError("deliver_at_ms must be non-negative integers")
 
-    def read(self, name: str, offset: int, count: int, *, max_bytes: int = 0, reverse: bool = False) -> ReadResult:
+    def read(
+        self, name: str, offset: int, count: int, *, max_bytes: int = 0, reverse: bool = False
+    ) -> ReadResult:
         return self._stream(name).read(offset, count, max_bytes, reverse)
 
     def seek_time(self, name: str, timestamp_ms: int) -> int:
@@ -294,7 +305,10 @@ class Engine:
                     stream.sync()
                 stream.pack_pending()
                 stream.apply_retention(now)
-                if stream.config.compaction and now - stream.last_compaction_ms >= self.config.compaction_interval_ms:
+                if (
+                    stream.config.compaction
+                    and now - stream.last_compaction_ms >= self.config.compaction_interval_ms
+                ):
                     stream.compact(now)
             except StorageError as exc:
                 log.error("maintenance of stream %r failed: %s", stream.name, exc)

@@ -128,10 +128,22 @@ class NodeHeader:
         """The header in `raw`, or None when the slot is empty, torn or damaged."""
         if len(raw) < NODE_HEADER_SIZE or raw[:4] != NODE_MAGIC or not _crc_ok(raw[:NODE_HEADER_SIZE]):
             return None
-        (_, version, flags, seq, count, base, slots, blob_len, stored_len, body_crc, blob_crc, min_ts, max_ts) = (
-            _NODE_HEADER.unpack_from(raw)
-        )
-        if version != FORMAT_VERSION or count > slots and not flags & NODE_SPARSE:
+        (
+            _,
+            version,
+            flags,
+            seq,
+            count,
+            base,
+            slots,
+            blob_len,
+            stored_len,
+            body_crc,
+            blob_crc,
+            min_ts,
+            max_ts,
+        ) = _NODE_HEADER.unpack_from(raw)
+        if version != FORMAT_VERSION or (count > slots and not flags & NODE_SPARSE):
             return None
         return cls(seq, count, base, slots, blob_len, stored_len, body_crc, blob_crc, min_ts, max_ts, flags)
 
@@ -209,7 +221,9 @@ def encode_packed_node(
     return node + b"\x00" * (-len(node) % 8)
 
 
-def decode_packed_body(header: NodeHeader, stored: bytes, decompressor: zstandard.ZstdDecompressor) -> NodeBody:
+def decode_packed_body(
+    header: NodeHeader, stored: bytes, decompressor: zstandard.ZstdDecompressor
+) -> NodeBody:
     if crc32c(stored) != header.body_crc:
         raise CorruptionError("node body CRC mismatch")
     raw = stored

@@ -104,7 +104,7 @@ def encode_batch(
     append = parts.append
     if tags is None and headers is None and deliver_at_ms is None:
         # The common case: offset, timestamp and payload only.
-        for offset_varint, payload in zip(offsets, payloads):
+        for offset_varint, payload in zip(offsets, payloads, strict=True):
             head = b"\x08" + offset_varint + ts_and_payload_key + varint(len(payload))
             append(b"\x0a" + varint(len(head) + len(payload)) + head)
             append(payload)

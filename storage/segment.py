@@ -41,7 +41,7 @@ def segment_name(base_offset: int) -> str:
 class NodeRef:
     """Where a node lives and what its header says; the in-memory index holds these."""
 
-    __slots__ = ("segment", "pos", "header", "corrupt")
+    __slots__ = ("corrupt", "header", "pos", "segment")
 
     def __init__(self, segment: Segment, pos: int, header: NodeHeader) -> None:
         self.segment = segment
@@ -223,7 +223,10 @@ class GrowingNode:
 
     def room(self, entries: int, nbytes: int) -> bool:
         h = self.ref.header
-        return h.count + entries <= h.slots and self.blob_start + h.blob_len + nbytes <= self.ref.segment.file.size
+        return (
+            h.count + entries <= h.slots
+            and self.blob_start + h.blob_len + nbytes <= self.ref.segment.file.size
+        )
 
     def append(self, blob: bytes, positions: array, timestamp_ms: int, flags: int) -> None:
         """Write a batch whose positions already start at this node's blob length."""

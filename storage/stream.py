@@ -8,6 +8,7 @@ run outside `lock`, so appenders keep writing while a flush is on its way.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import struct
@@ -67,9 +68,11 @@ def decode_meta(raw: bytes) -> tuple[str, int, StreamConfig]:
 class _NodeView:
     """Uniform access to a node's entries, whether it is the active node or a decoded one."""
 
-    __slots__ = ("positions", "deltas", "base", "slice")
+    __slots__ = ("base", "deltas", "positions", "slice")
 
-    def __init__(self, base: int, positions: array, deltas: array | None, slice_: Callable[[int, int], bytes]):
+    def __init__(
+        self, base: int, positions: array, deltas: array | None, slice_: Callable[[int, int], bytes]
+    ):
         self.base = base
         self.positions = positions
         self.deltas = deltas
@@ -163,8 +166,11 @@ class Stream:
                 continue
             if expected is not None and segment.base_offset != expected:
                 if segment.base_offset < expected:
-                    log.error("stream %r: segment %s overlaps its predecessor; dropping it and later ones",
-                              self.name, fname)
+                    log.error(
+                        "stream %r: segment %s overlaps its predecessor; dropping it and later ones",
+                        self.name,
+                        fname,
+                    )
                     segment.close()
                     for later in names[i:]:
                         fs.remove(self.directory / later)
@@ -175,8 +181,13 @@ class Stream:
                 if last and not segment.packed:
                     segment.truncate_after(segment.end_pos)  # torn tail: keep the valid prefix
                 else:
-                    self._note_damage(Gap(segment.nodes[-1].end_offset if segment.nodes else segment.base_offset,
-                                          segment.end_offset() if segment.packed else -1, "corrupt"))
+                    self._note_damage(
+                        Gap(
+                            segment.nodes[-1].end_offset if segment.nodes else segment.base_offset,
+                            segment.end_offset() if segment.packed else -1,
+                            "corrupt",
+                        )
+                    )
             self.segments.append(segment)
             expected = segment.end_offset()
         for segment in self.segments:
@@ -190,7 +201,8 @@ class Stream:
         self.last_ts = self.max_ts[-1] if self.max_ts else 0
         # Resolve damage ranges that ran to "the next segment" once that is known.
         self.damaged = [
-            Gap(g.start, g.end if g.end >= 0 else self._next_base_after(g.start), g.reason) for g in self.damaged
+            Gap(g.start, g.end if g.end >= 0 else self._next_base_after(g.start), g.reason)
+            for g in self.damaged
         ]
         tail = self.segments[-1] if self.segments else None
         if tail is not None and not tail.packed and tail.nodes:
@@ -235,7 +247,11 @@ class Stream:
             ts = max(self.ctx.clock(), self.last_ts)
             first = self.next_offset
             node = self.active
-            fits = node is not None and node.count + n <= node.ref.header.slots and node.ref.segment is self.segments[-1]
+            fits = (
+                node is not None
+                and node.count + n <= node.ref.header.slots
+                and node.ref.segment is self.segments[-1]
+            )
             start = node.positions[-1] if fits else 0
             blob, positions = encode_batch(first, ts, payloads, tags, headers, deliver_at_ms, start)
             if len(blob) > limit:
@@ -278,7 +294,9 @@ class Stream:
 
     def _roll(self, now_ms: int) -> Segment:
         old = self.segments[-1] if self.segments else None
-        segment = Segment.create(self.ctx.fs, self.directory, self.next_offset, self.ctx.config.segment_bytes, now_ms)
+        segment = Segment.create(
+            self.ctx.fs, self.directory, self.next_offset, self.ctx.config.segment_bytes, now_ms
+        )
         self.segments.append(segment)
         if old is not None and not old.packed and self.ctx.config.compression:
             self.pack_queue.append(old)
@@ -312,7 +330,9 @@ class Stream:
         segment = ref.segment
         body = self.ctx.cache.get((segment.uid, ref.pos), lambda: segment.read_body(ref, _decompressor()))
         blob, positions = body.blob, body.positions
-        return _NodeView(body.base_offset, positions, body.deltas, lambda lo, hi: blob[positions[lo] : positions[hi]])
+        return _NodeView(
+            body.base_offset, positions, body.deltas, lambda lo, hi: blob[positions[lo] : positions[hi]]
+        )
 
     def _hole_reason(self, offset: int) -> str:
         return "corrupt" if any(g.start <= offset < g.end for g in self.damaged) else "compacted"
@@ -464,8 +484,12 @@ class Stream:
         """Whether any offset between first and next is missing (compaction or damage). Cached."""
         if self._holes is None:
             nodes = self.nodes
-            self._holes = bool(self.damaged) or any(
-                a.end_offset != b.base_offset or a.header.flags & NODE_SPARSE for a, b in zip(nodes, nodes[1:])
+            starts_late = bool(nodes) and nodes[0].base_offset > self.first_offset
+            self._holes = (
+                bool(self.damaged)
+                or starts_late
+                or any(ref.header.flags & NODE_SPARSE for ref in nodes)
+                or any(a.end_offset != b.base_offset for a, b in itertools.pairwise(nodes))
             )
         return self._holes
 
@@ -683,7 +707,9 @@ class Stream:
 
     def set_config(self, config: StreamConfig) -> None:
         with self.maintenance_lock, self.lock:
-            self.ctx.fs.write_file_atomic(self.directory / META_FILE, encode_meta(self.name, self.first_offset, config))
+            self.ctx.fs.write_file_atomic(
+                self.directory / META_FILE, encode_meta(self.name, self.first_offset, config)
+            )
             self.config = config
 
     def close(self, clean: bool = True) -> None:
@@ -709,9 +735,9 @@ def _compact_body(body: NodeBody, latest: dict[str, int], tombstone_horizon_ms: 
     pos = 0
     for i in range(body.count):
         entry, pos = decode_record(body.blob, pos)
-        if not entry.tag:
-            keep.append(i)
-        elif latest.get(entry.tag) == entry.offset and (entry.payload or entry.timestamp_ms >= tombstone_horizon_ms):
+        if not entry.tag or (latest.get(entry.tag) == entry.offset and (
+            entry.payload or entry.timestamp_ms >= tombstone_horizon_ms
+        )):
             keep.append(i)
     if len(keep) == body.count:
         return body

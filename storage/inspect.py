@@ -1,0 +1,186 @@
+"""Offline inspector for segment files and data directories.
+
+    python -m storage.inspect PATH           list segments and nodes (PATH: data dir, stream dir or .seg file)
+    python -m storage.inspect verify DATA    check every stream; exit status 1 if anything is damaged
+    add --json for one JSON object per line
+
+It only reads: safe to run beside a live server (the active node may then
+show as still being written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from storage.errors import CorruptionError
+from storage.format import NODE_SPARSE, NODE_ZSTD, SegmentHeader
+from storage.fs import FileSystem
+from storage.segment import SEGMENT_SUFFIX, Segment
+from storage.stream import META_FILE, decode_meta
+
+
+@dataclass
+class NodeReport:
+    base_offset: int
+    count: int
+    end_offset: int
+    min_ts: int
+    max_ts: int
+    stored_bytes: int
+    raw_bytes: int
+    compressed: bool
+    crc_ok: bool
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+
+@dataclass
+class SegmentReport:
+    path: str
+    base_offset: int
+    packed: bool
+    file_bytes: int
+    nodes: list[NodeReport] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def inspect_segment(path: Path) -> SegmentReport:
+    try:
+        segment, cut = Segment.open(FileSystem(), path, writable=False, verify=False)
+    except (CorruptionError, OSError, ValueError) as exc:
+        return SegmentReport(str(path), -1, False, path.stat().st_size, problems=[f"unreadable: {exc}"])
+    report = SegmentReport(str(path), segment.base_offset, segment.packed, segment.file.size)
+    if cut:
+        report.problems.append(cut)
+    try:
+        for ref in segment.nodes:
+            h = ref.header
+            tables = 2 if h.flags & NODE_SPARSE else 1
+            raw = 4 * h.count * tables + h.blob_len
+            try:
+                segment.read_body(ref, None)
+                ok = True
+            except CorruptionError as exc:
+                ok = False
+                report.problems.append(f"node {h.base_offset}..{ref.end_offset}: {exc}")
+            stored = h.stored_len if segment.packed else raw
+            report.nodes.append(
+                NodeReport(
+                    h.base_offset,
+                    h.count,
+                    ref.end_offset,
+                    h.min_ts,
+                    h.max_ts,
+                    stored,
+                    raw,
+                    bool(h.flags & NODE_ZSTD),
+                    ok,
+                )
+            )
+    finally:
+        segment.close()
+    return report
+
+
+def _segments_under(path: Path) -> Iterator[Path]:
+    if path.is_file():
+        yield path
+        return
+    streams = path / "streams"
+    dirs = sorted(streams.iterdir()) if streams.is_dir() else [path]
+    for directory in dirs:
+        yield from sorted(directory.glob(f"*{SEGMENT_SUFFIX}"))
+
+
+def verify(data_dir: Path) -> list[str]:
+    """Every problem found in a data directory, as sentences; empty when all is well."""
+    problems: list[str] = []
+    streams = data_dir / "streams"
+    if not streams.is_dir():
+        return [f"{data_dir} is not a streamlog data directory (no streams/)"]
+    for directory in sorted(p for p in streams.iterdir() if p.is_dir()):
+        try:
+            name, _, _ = decode_meta((directory / META_FILE).read_bytes())
+        except (OSError, CorruptionError, ValueError, KeyError) as exc:
+            problems.append(f"{directory.name}: metadata unreadable: {exc}")
+            continue
+        expected = None
+        for path in sorted(directory.glob(f"*{SEGMENT_SUFFIX}")):
+            report = inspect_segment(path)
+            problems.extend(f"stream {name!r} {path.name}: {p}" for p in report.problems)
+            if expected is not None and report.base_offset != expected and report.base_offset >= 0:
+                problems.append(
+                    f"stream {name!r} {path.name}: starts at {report.base_offset}, expected {expected}"
+                )
+            if report.nodes:
+                expected = report.nodes[-1].end_offset
+            if report.packed:
+                expected = _packed_end(path, expected)
+    return problems
+
+
+def _packed_end(path: Path, fallback: int | None) -> int | None:
+    try:
+        with path.open("rb") as f:
+            return SegmentHeader.decode(f.read(64)).end_offset
+    except CorruptionError:
+        return fallback
+
+
+def _print_report(report: SegmentReport, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(asdict(report)))
+        return
+    kind = "packed" if report.packed else "growing"
+    nodes = len(report.nodes)
+    print(f"{report.path}  base={report.base_offset}  {kind}  {report.file_bytes} bytes  {nodes} nodes")
+    columns = ("base", "count", "end", "min_ts", "max_ts", "stored", "ratio")
+    widths = (12, 6, 12, 14, 14, 9, 6)
+    print("  " + " ".join(f"{c:>{w}}" for c, w in zip(columns, widths, strict=True)) + "  crc")
+    for n in report.nodes:
+        print(
+            f"  {n.base_offset:>12} {n.count:>6} {n.end_offset:>12} {n.min_ts:>14} {n.max_ts:>14} "
+            f"{n.stored_bytes:>9} {n.ratio:>6.2f}  {'ok' if n.crc_ok else 'BAD'}"
+        )
+    for problem in report.problems:
+        print(f"  problem: {problem}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m storage.inspect", description=__doc__.split("\n\n")[0])
+    parser.add_argument("args", nargs="+", metavar="[verify] PATH")
+    parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    ns = parser.parse_args(argv)
+    if ns.args[0] == "verify":
+        if len(ns.args) != 2:
+            parser.error("verify takes one data directory")
+        problems = verify(Path(ns.args[1]))
+        for problem in problems:
+            print(json.dumps({"problem": problem}) if ns.json else f"problem: {problem}")
+        if not problems and not ns.json:
+            print("ok: no damage found")
+        return 1 if problems else 0
+    status = 0
+    for arg in ns.args:
+        path = Path(arg)
+        if not path.exists():
+            print(f"no such file or directory: {path}", file=sys.stderr)
+            status = 2
+            continue
+        for segment_path in _segments_under(path):
+            report = inspect_segment(segment_path)
+            _print_report(report, ns.json)
+            if report.problems:
+                status = 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,471 @@
+"""Behaviour of the engine through its public API: append, read, seek, count, retention, reopen."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+
+from storage import (
+    DurabilityError,
+    Engine,
+    EngineConfig,
+    InvalidArgumentError,
+    LimitExceededError,
+    StreamConfig,
+    StreamNotFoundError,
+)
+from storage.segment import Segment
+
+
+def offsets(result) -> list[int]:
+    return [e.offset for e in result.entries()]
+
+
+def test_append_assigns_contiguous_offsets_from_zero(open_engine):
+    engine = open_engine()
+    first = engine.append("s", [b"a", b"b", b"c"])
+    second = engine.append("s", [b"d"])
+    assert (first.first_offset, first.last_offset) == (0, 2)
+    assert (second.first_offset, second.last_offset) == (3, 3)
+    result = engine.read("s", 0, 10)
+    assert [e.payload for e in result.entries()] == [b"a", b"b", b"c", b"d"]
+    assert offsets(result) == [0, 1, 2, 3]
+    assert (result.first_offset, result.next_offset, result.last_offset, result.count) == (0, 4, 3, 4)
+
+
+def test_entry_fields_round_trip(open_engine):
+    engine = open_engine()
+    engine.append(
+        "s",
+        [b"p1", b"", b"p3"],
+        tags=["user-1", "user-2", ""],
+        headers=[{"trace": b"\x00\x01", "k": b"v"}, None, {}],
+        deliver_at_ms=[0, 123, 0],
+    )
+    e0, e1, e2 = engine.read("s", 0, 3).entries()
+    assert (e0.tag, e0.payload, e0.headers, e0.deliver_at_ms) == (
+        "user-1",
+        b"p1",
+        {"trace": b"\x00\x01", "k": b"v"},
+        0,
+    )
+    assert (e1.tag, e1.payload, e1.headers, e1.deliver_at_ms) == ("user-2", b"", {}, 123)
+    assert (e2.tag, e2.payload) == ("", b"p3")
+
+
+def test_timestamps_never_go_backwards(open_engine, clock):
+    engine = open_engine()
+    engine.append("s", [b"a"])
+    clock.advance(-5000)  # the wall clock stepped back
+    engine.append("s", [b"b"])
+    a, b = engine.read("s", 0, 2).entries()
+    assert b.timestamp_ms == a.timestamp_ms
+
+
+def test_records_are_protobuf_entry_wire_bytes(open_engine):
+    engine = open_engine()
+    engine.append("s", [b"hi"], tags=["t"])
+    ts = engine.read("s", 0, 1).entries()[0].timestamp_ms
+    ts_varint = bytearray()
+    value = ts
+    while value > 0x7F:
+        ts_varint.append((value & 0x7F) | 0x80)
+        value >>= 7
+    ts_varint.append(value)
+    body = b"\x08\x00" + b"\x10" + bytes(ts_varint) + b"\x1a\x01t" + b"\x22\x02hi"
+    assert engine.read("s", 0, 1).data() == b"\x0a" + bytes([len(body)]) + body
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "..", ".", "x" * 255, "ü/ñ %41", "~hash"])
+def test_odd_names_are_just_names(open_engine, tmp_path, name):
+    engine = open_engine()
+    engine.append(name, [b"v"])
+    assert engine.read(name, 0, 1).entries()[0].payload == b"v"
+    assert engine.list_streams() == [name]
+    for path in (tmp_path / "data").rglob("*"):
+        assert (tmp_path / "data") in path.parents  # nothing escaped the data directory
+    engine.close()
+    assert open_engine().list_streams() == [name]
+
+
+@pytest.mark.parametrize("name", ["", "a\x00b", "x" * 256, "\udcff"])
+def test_bad_names_are_refused(open_engine, name):
+    engine = open_engine()
+    with pytest.raises(InvalidArgumentError):
+        engine.append(name, [b"v"])
+    assert engine.list_streams() == []
+
+
+def test_limits_are_enforced_with_their_names(open_engine):
+    engine = open_engine()
+    with pytest.raises(LimitExceededError) as too_many:
+        engine.append("s", [b"x"] * 65)
+    assert too_many.value.limit == "max_batch_entries"
+    with pytest.raises(LimitExceededError) as too_big:
+        engine.append("s", [b"x" * 4097])
+    assert too_big.value.limit == "max_entry_bytes"
+    with pytest.raises(LimitExceededError) as batch_bytes:
+        engine.append("s", [b"x" * 4000] * 5)
+    assert batch_bytes.value.limit == "max_batch_bytes"
+    with pytest.raises(InvalidArgumentError):
+        engine.append("s", [])
+    with pytest.raises(InvalidArgumentError):
+        engine.append("s", [b"a"], tags=["a", "b"])
+    with pytest.raises(InvalidArgumentError):
+        engine.append("s", [b"a"], deliver_at_ms=[-1])
+    assert not engine.exists("s")  # nothing refused created the stream
+
+
+def test_unknown_stream_and_bad_read_arguments(open_engine):
+    engine = open_engine()
+    with pytest.raises(StreamNotFoundError):
+        engine.read("nope", 0, 1)
+    engine.append("s", [b"a"])
+    with pytest.raises(InvalidArgumentError):
+        engine.read("s", -1, 1)
+    with pytest.raises(InvalidArgumentError):
+        engine.read("s", 0, -1)
+
+
+def fill(engine, name, n, batch=5, size=20):
+    for start in range(0, n, batch):
+        k = min(batch, n - start)
+        engine.append(name, [f"{start + i:0{size}d}".encode() for i in range(k)])
+
+
+def test_reads_across_nodes_segments_and_packing(open_engine):
+    engine = open_engine()
+    fill(engine, "s", 3000, batch=7, size=40)
+    engine.maintain()  # packs (compresses) the full segments
+    info = engine.info("s")
+    assert info.segments > 2 and info.compression_ratio > 1.5
+    got = []
+    offset = 0
+    while True:
+        result = engine.read("s", offset, 101)
+        if not result.count:
+            break
+        got.extend(result.entries())
+        offset = result.last_offset + 1
+    assert [e.offset for e in got] == list(range(3000))
+    assert all(e.payload == f"{e.offset:040d}".encode() for e in got)
+
+
+def test_reverse_read(open_engine):
+    engine = open_engine()
+    fill(engine, "s", 50)
+    assert offsets(engine.read("s", 20, 5, reverse=True)) == [20, 19, 18, 17, 16]
+    assert offsets(engine.read("s", 10_000, 3, reverse=True)) == [49, 48, 47]
+    assert offsets(engine.read("s", 2, 10, reverse=True)) == [2, 1, 0]
+
+
+def test_max_bytes_bounds_a_read_but_returns_at_least_one(open_engine):
+    engine = open_engine()
+    fill(engine, "s", 40, size=100)
+    record = len(engine.read("s", 0, 1).data())
+    assert engine.read("s", 0, 40, max_bytes=record * 3 + 1).count == 3
+    assert engine.read("s", 0, 40, max_bytes=1).count == 1
+    assert engine.read("s", 30, 40, max_bytes=record * 2, reverse=True).count == 2
+
+
+def test_read_past_the_end_is_empty(open_engine):
+    engine = open_engine()
+    fill(engine, "s", 10)
+    result = engine.read("s", 10, 5)
+    assert (result.count, result.records, result.next_offset, result.gap) == (0, [], 10, None)
+
+
+def test_seek_by_time(open_engine, clock):
+    engine = open_engine()
+    stamps = []
+    for _ in range(30):
+        engine.append("s", [b"x"] * 3)
+        stamps.append(clock.now_ms)
+        clock.advance(10)
+    engine.maintain()
+    assert engine.seek_time("s", 0) == 0
+    assert engine.seek_time("s", stamps[7]) == 21
+    assert engine.seek_time("s", stamps[7] + 1) == 24
+    assert engine.seek_time("s", stamps[-1] + 1) == 90
+
+
+def test_count_is_exact(open_engine):
+    engine = open_engine()
+    fill(engine, "s", 100)
+    assert engine.count("s", 0, 100) == 100
+    assert engine.count("s", 10, 20) == 10
+    assert engine.count("s", 95, 1000) == 5
+    engine.trim("s", 50)
+    assert engine.count("s", 0, 100) == 50
+
+
+def test_evicted_range_is_reported_as_a_gap(open_engine):
+    engine = open_engine()
+    fill(engine, "s", 100)
+    engine.trim("s", 42)
+    result = engine.read("s", 10, 3)
+    assert result.gap is not None and (result.gap.start, result.gap.end, result.gap.reason) == (
+        10,
+        42,
+        "evicted",
+    )
+    assert offsets(result) == [42, 43, 44]
+    assert result.first_offset == 42
+
+
+def test_evict_and_keep_last_drop_whole_nodes(open_engine):
+    engine = open_engine()
+    fill(engine, "s", 100, batch=4)  # 8-entry nodes
+    first = engine.evict("s", 20)
+    assert first % 8 == 0 and 16 <= first <= 21
+    assert engine.read("s", 0, 1).entries()[0].offset == first
+    first = engine.keep_last("s", 30)
+    assert 100 - first >= 30 and 100 - first < 30 + 8
+    assert engine.info("s").next_offset == 100  # offsets never move back
+
+
+def test_retention_deletes_segment_files(open_engine, tmp_path):
+    engine = open_engine()
+    fill(engine, "s", 4000, batch=8, size=40)
+    directory = next((tmp_path / "data" / "streams").iterdir())
+    before = len(list(directory.glob("*.seg")))
+    engine.set_stream_config("s", StreamConfig(max_entries=100))
+    engine.maintain()
+    after = len(list(directory.glob("*.seg")))
+    assert before > 3 and after < before
+    info = engine.info("s")
+    assert info.next_offset - info.first_offset >= 100
+    engine.close()
+    reopened = open_engine()
+    assert reopened.info("s").first_offset == info.first_offset
+    assert reopened.read("s", 0, 1).gap.reason == "evicted"
+
+
+def test_age_and_bytes_retention(open_engine, clock):
+    engine = open_engine()
+    fill(engine, "old", 40)
+    clock.advance(60_000)
+    fill(engine, "old", 10)
+    engine.set_stream_config("old", StreamConfig(max_age_ms=30_000))
+    engine.apply_retention("old")
+    assert engine.info("old").first_offset == 40  # exact: the first entry younger than the cutoff
+    fill(engine, "big", 2000, batch=8, size=40)
+    engine.maintain()
+    engine.set_stream_config("big", StreamConfig(max_bytes=20_000))
+    engine.apply_retention("big")
+    info = engine.info("big")
+    assert info.first_offset > 0 and info.next_offset == 2000
+
+
+def test_retention_floor_hook_holds_entries_back(open_engine):
+    engine = open_engine()
+    engine.retention_floor = lambda name: 30
+    fill(engine, "s", 200)
+    engine.keep_last("s", 10)
+    assert engine.info("s").first_offset <= 30
+
+
+def test_compaction_keeps_latest_per_tag_and_offsets(open_engine, clock):
+    engine = open_engine(compaction_interval_ms=0)
+    engine.create_stream("kv", StreamConfig(compaction=True, tombstone_retention_ms=1000))
+    expected = {}
+    for i in range(600):
+        key = f"k{i % 7}"
+        payload = b"" if i == 300 and key == "k6" else f"v{i}".ljust(200).encode()
+        engine.append("kv", [payload], tags=[key])
+        expected[key] = (i, payload)
+    engine.append("kv", [b"untagged"])
+    removed = engine.compact("kv")
+    assert removed > 400
+    survivors = engine.read("kv", 0, 1000).entries()
+    for entry in survivors:
+        if entry.tag:
+            offset, _ = expected[entry.tag]
+            # Superseded entries are gone from sealed segments; the active segment is never compacted.
+            assert entry.offset == offset or entry.offset >= 600 - 200
+    assert survivors[-1].payload == b"untagged"
+    assert engine.count("kv", 0, 601) == len(survivors)
+    gap_read = engine.read("kv", 1, 1)
+    assert gap_read.gap is not None and gap_read.gap.reason == "compacted"
+    clock.advance(5000)
+    engine.compact("kv")
+    engine.close()
+    again = open_engine().read("kv", 0, 1000).entries()
+    assert [e.offset for e in again] == [e.offset for e in survivors]
+
+
+def test_compression_off_gives_identical_reads(tmp_path, clock):
+    results = []
+    for compression in (True, False):
+        config = EngineConfig(
+            segment_bytes=64 * 1024,
+            node_entries=8,
+            max_batch_entries=64,
+            max_batch_bytes=16 * 1024,
+            max_entry_bytes=4096,
+            background=False,
+            compression=compression,
+        )
+        with Engine(tmp_path / f"d{compression}", config, clock=clock) as engine:
+            fill(engine, "s", 1500, batch=9, size=50)
+            engine.maintain()
+            results.append([engine.read("s", o, 37).data() for o in range(0, 1500, 37)])
+    assert results[0] == results[1]
+
+
+def test_ride_records_compress_below_30_percent(tmp_path, clock):
+    config = EngineConfig(
+        segment_bytes=1 << 20, max_batch_bytes=256 << 10, max_entry_bytes=4096, background=False
+    )
+    rides = [
+        json.dumps(
+            {
+                "id": 10_000 + i,
+                "distance": round(100 + i * 0.37 % 900, 1),
+                "rider": f"user-{i % 500}",
+                "city": "San Francisco",
+            }
+        ).encode()
+        for i in range(20_000)
+    ]
+    with Engine(tmp_path / "d", config, clock=clock) as engine:
+        for i in range(0, len(rides), 1000):
+            engine.append("rides", rides[i : i + 1000])
+        engine.maintain()
+        info = engine.info("rides")
+        packed = sum(p.stat().st_size for p in (tmp_path / "d" / "streams").rglob("*.seg")) - (1 << 20)
+    raw = sum(map(len, rides[: 20_000 - 1000]))  # the last segment is still growing
+    assert info.compression_ratio > 3
+    assert packed < 0.3 * raw * 1.1
+
+
+def test_reopen_keeps_everything_and_reads_no_blob_at_startup(open_engine, monkeypatch):
+    engine = open_engine()
+    fill(engine, "s", 500, batch=7)
+    engine.maintain()
+    before = [engine.read("s", o, 50).data() for o in range(0, 500, 50)]
+    engine.close()
+
+    def no_blob_reads(*args, **kwargs):
+        raise AssertionError("start-up read a node body")
+
+    monkeypatch.setattr(Segment, "read_body", no_blob_reads)
+    reopened = open_engine()
+    monkeypatch.undo()
+    assert [reopened.read("s", o, 50).data() for o in range(0, 500, 50)] == before
+    assert reopened.append("s", [b"next"]).first_offset == 500
+
+
+def test_unclean_shutdown_keeps_written_entries(tmp_path, clock):
+    config = EngineConfig(
+        segment_bytes=64 * 1024,
+        node_entries=8,
+        max_batch_entries=64,
+        max_batch_bytes=16 * 1024,
+        max_entry_bytes=4096,
+        background=False,
+    )
+    engine = Engine(tmp_path / "d", config, clock=clock)
+    fill(engine, "s", 333, batch=6)
+    data = engine.read("s", 0, 333).data()
+    # Simulate kill -9: drop the engine without close(); the page cache holds every write.
+    os.close(engine._lock_fd)
+    engine._lock_fd = None
+    reopened = Engine(tmp_path / "d", config, clock=clock)
+    assert reopened.read("s", 0, 333).data() == data
+    reopened.close()
+
+
+def test_second_engine_on_same_directory_is_refused(tmp_path):
+    from storage import PreconditionError
+
+    with Engine(tmp_path / "d", EngineConfig(background=False)), pytest.raises(PreconditionError):
+        Engine(tmp_path / "d", EngineConfig(background=False))
+
+
+def test_always_mode_shares_syncs_between_concurrent_appenders(open_engine, monkeypatch):
+    engine = open_engine(fsync="always")
+    engine.append("s", [b"warm-up"])
+    calls = []
+    from storage import fs as fs_module
+
+    real_sync = fs_module.SegmentFile.sync
+
+    def slow_sync(self):
+        calls.append(1)
+        threading.Event().wait(0.005)
+        real_sync(self)
+
+    monkeypatch.setattr(fs_module.SegmentFile, "sync", slow_sync)
+    appends = 8 * 25
+
+    def worker():
+        for _ in range(25):
+            engine.append("s", [b"x" * 10])
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert engine.info("s").next_offset == appends + 1
+    assert len(calls) < appends / 2  # group commit: many appends per sync
+
+
+def test_always_mode_fsync_failure_stops_appends(open_engine, monkeypatch):
+    engine = open_engine(fsync="always")
+    engine.append("s", [b"kept"])
+    from storage import fs as fs_module
+
+    def failing_sync(self):
+        raise DurabilityError("injected EIO")
+
+    monkeypatch.setattr(fs_module.SegmentFile, "sync", failing_sync)
+    with pytest.raises(DurabilityError):
+        engine.append("s", [b"lost"])
+    monkeypatch.undo()
+    with pytest.raises(DurabilityError):
+        engine.append("s", [b"refused"])
+    assert [e.payload for e in engine.read("s", 0, 10).entries()] == [b"kept"]
+
+
+def test_always_mode_hides_unsynced_entries_from_readers(open_engine):
+    engine = open_engine(fsync="always")
+    stream_seen = []
+    engine.add_append_listener(
+        lambda name, nxt: stream_seen.append((name, nxt, engine.info(name).next_offset))
+    )
+    engine.append("s", [b"a", b"b"])
+    assert stream_seen == [("s", 2, 2)]
+
+
+def test_delete_stream_removes_its_files(open_engine, tmp_path):
+    engine = open_engine()
+    fill(engine, "gone", 100)
+    engine.delete_stream("gone")
+    assert not engine.exists("gone")
+    assert list((tmp_path / "data" / "streams").iterdir()) == []
+    assert engine.append("gone", [b"new"]).first_offset == 0
+
+
+def test_stats_and_info(open_engine):
+    engine = open_engine()
+    fill(engine, "a", 100)
+    fill(engine, "b", 10)
+    stats = engine.stats()
+    assert stats["streams"] == 2 and stats["entries"] == 110
+    info = engine.info("a")
+    assert (info.entries, info.entries_added, info.first_offset, info.next_offset) == (100, 100, 0, 100)
+    assert info.bytes_on_disk >= 64 * 1024 and info.nodes >= 100 // 8
+
+
+def test_invalid_config_is_refused():
+    with pytest.raises(InvalidArgumentError):
+        EngineConfig(fsync="sometimes")
+    with pytest.raises(InvalidArgumentError):
+        EngineConfig(segment_bytes=1024)
+    with pytest.raises(InvalidArgumentError):
+        StreamConfig(max_entries=-1)
