@@ -735,9 +735,10 @@ def _compact_body(body: NodeBody, latest: dict[str, int], tombstone_horizon_ms: 
     pos = 0
     for i in range(body.count):
         entry, pos = decode_record(body.blob, pos)
-        if not entry.tag or (latest.get(entry.tag) == entry.offset and (
-            entry.payload or entry.timestamp_ms >= tombstone_horizon_ms
-        )):
+        if not entry.tag or (
+            latest.get(entry.tag) == entry.offset
+            and (entry.payload or entry.timestamp_ms >= tombstone_horizon_ms)
+        ):
             keep.append(i)
     if len(keep) == body.count:
         return body
