@@ -32,6 +32,10 @@ class NodeCache:
                 self._items.popitem(last=False)
         return body
 
+    def drop_all(self) -> None:
+        with self._lock:
+            self._items.clear()
+
     def drop_segment(self, segment_uid: int) -> None:
         with self._lock:
             for key in [k for k in self._items if k[0] == segment_uid]:

@@ -52,7 +52,8 @@ class StreamInfo:
     next_offset: int
     entries_added: int
     entries: int
-    bytes_on_disk: int
+    bytes_on_disk: int  # file sizes, preallocated space of growing segments included
+    used_bytes: int  # bytes holding headers and nodes
     segments: int
     nodes: int
     compression_ratio: float

@@ -190,9 +190,12 @@ class Stream:
                     )
             self.segments.append(segment)
             expected = segment.end_offset()
+        tail = self.segments[-1] if self.segments else None
+        resumed = tail.nodes[-1] if tail is not None and not tail.packed and tail.nodes else None
         for segment in self.segments:
             for ref in segment.nodes:
-                if ref.end_offset > meta_first:
+                # The node appends resume into stays indexed even when trimmed past, as it is live.
+                if ref.end_offset > meta_first or ref is resumed:
                     self._index_append(ref)
         end = self.segments[-1].end_offset() if self.segments else 0
         self.next_offset = max(end, meta_first)
@@ -204,9 +207,8 @@ class Stream:
             Gap(g.start, g.end if g.end >= 0 else self._next_base_after(g.start), g.reason)
             for g in self.damaged
         ]
-        tail = self.segments[-1] if self.segments else None
-        if tail is not None and not tail.packed and tail.nodes:
-            self.active = GrowingNode.resume(tail.nodes[-1])
+        if resumed is not None:
+            self.active = GrowingNode.resume(resumed)
         if self.ctx.config.compression:
             self.pack_queue = [s for s in self.segments[:-1] if not s.packed]
 
@@ -697,6 +699,7 @@ class Stream:
                 entries_added=self.visible_next,
                 entries=self.count(self.first_offset, self.visible_next),
                 bytes_on_disk=sum(s.file.size for s in self.segments),
+                used_bytes=sum(s.file.size if s.packed else s.end_pos for s in self.segments),
                 segments=len(self.segments),
                 nodes=len(self.nodes),
                 compression_ratio=(raw / stored) if stored else 1.0,

@@ -1,0 +1,146 @@
+"""Exact bytes of the on-disk format (docs/FORMAT.md), and the inspector that reads it."""
+
+from __future__ import annotations
+
+import struct
+from array import array
+
+import pytest
+import zstandard
+from crc32c import crc32c
+
+from storage.errors import CorruptionError
+from storage.format import (
+    NODE_SPARSE,
+    NODE_ZSTD,
+    NodeBody,
+    NodeHeader,
+    SegmentHeader,
+    decode_packed_body,
+    encode_packed_node,
+    pick_header,
+)
+from storage.inspect import main as inspect_main
+from storage.names import dirname_for
+from storage.records import decode_records, encode_batch
+
+
+def test_segment_header_bytes():
+    raw = SegmentHeader(base_offset=1000, end_offset=2000, file_size=65536, created_ms=7, flags=1).encode()
+    assert len(raw) == 64
+    assert raw[:8] == b"SLOGSEG\x00"
+    assert struct.unpack_from("<HHIQQQq", raw, 8) == (1, 1, 64, 1000, 2000, 65536, 7)
+    assert raw[48:60] == bytes(12)
+    assert struct.unpack_from("<I", raw, 60)[0] == crc32c(raw[:60])
+    assert SegmentHeader.decode(raw) == SegmentHeader(1000, 2000, 65536, 7, 1)
+    for i in range(64):
+        damaged = bytearray(raw)
+        damaged[i] ^= 0x10
+        with pytest.raises(CorruptionError):
+            SegmentHeader.decode(bytes(damaged))
+
+
+def test_node_header_bytes_and_slot_choice():
+    header = NodeHeader(
+        seq=5,
+        count=3,
+        base_offset=42,
+        slots=8,
+        blob_len=30,
+        stored_len=62,
+        body_crc=11,
+        blob_crc=22,
+        min_ts=100,
+        max_ts=200,
+        flags=0,
+    )
+    raw = header.encode()
+    assert len(raw) == 64 and raw[:4] == b"SLND" and raw[4] == 1
+    assert struct.unpack_from("<IIQIIIIIqq", raw, 8) == (5, 3, 42, 8, 30, 62, 11, 22, 100, 200)
+    assert struct.unpack_from("<I", raw, 60)[0] == crc32c(raw[:60])
+    older = NodeHeader(4, 2, 42, 8, 20, 52, 1, 2, 100, 150).encode()
+    assert [h.seq for h in pick_header(raw, older)] == [5, 4]
+    torn = raw[:40] + bytes(24)
+    assert [h.seq for h in pick_header(torn, older)] == [4]  # a torn slot falls back to the other
+    assert pick_header(bytes(64), bytes(64)) == []
+    assert header.disk_size == (128 + 62 + 7) & ~7
+
+
+def test_packed_node_round_trip_dense_sparse_and_compressed():
+    blob, positions = encode_batch(10, 5, [b"a" * 50, b"b" * 60, b"c" * 70])
+    dense = NodeBody(10, positions, blob)
+    compressor = zstandard.ZstdCompressor(level=3)
+    for body, flags in ((dense, 0), (NodeBody(10, array("I", [0, len(blob)]), blob, array("I", [4])), 0)):
+        node = encode_packed_node(body, 5, 5, flags, compressor)
+        assert len(node) % 8 == 0 and node[:64] == node[64:128]
+        header = NodeHeader.decode(node[:64])
+        stored = node[128 : 128 + header.stored_len]
+        assert header.flags & NODE_ZSTD  # repetitive payloads compress
+        assert bool(header.flags & NODE_SPARSE) == (body.deltas is not None)
+        decoded = decode_packed_body(header, stored, zstandard.ZstdDecompressor())
+        assert decoded.blob == body.blob and list(decoded.positions) == list(body.positions)
+        damaged = bytearray(stored)
+        damaged[len(damaged) // 2] ^= 1
+        with pytest.raises(CorruptionError):
+            decode_packed_body(header, bytes(damaged), zstandard.ZstdDecompressor())
+
+
+def test_incompressible_node_is_stored_raw():
+    import os
+
+    payloads = [os.urandom(100) for _ in range(50)]
+    blob, positions = encode_batch(0, 1, payloads)
+    node = encode_packed_node(NodeBody(0, positions, blob), 1, 1, 0, zstandard.ZstdCompressor())
+    header = NodeHeader.decode(node[:64])
+    assert not header.flags & NODE_ZSTD
+    assert header.stored_len == 4 * 50 + len(blob)
+
+
+def test_records_decode_what_they_encode():
+    blob, positions = encode_batch(
+        2**40,
+        1_700_000_000_000,
+        [b"x", b"", b"z" * 20000],
+        ["t", "", "é"],
+        [None, {"h": b"1"}, {}],
+        [0, 9, 0],
+    )
+    entries = decode_records(blob)
+    assert [e.offset for e in entries] == [2**40, 2**40 + 1, 2**40 + 2]
+    assert [e.tag for e in entries] == ["t", "", "é"]
+    assert entries[1].headers == {"h": b"1"} and entries[1].deliver_at_ms == 9
+    assert entries[2].payload == b"z" * 20000
+    assert list(positions)[-1] == len(blob)
+
+
+def test_dirnames_are_safe_and_distinct():
+    names = ["../x", "a/b", "..", ".", "%2E", "A", "a", "x" * 255, "x" * 254 + "y"]
+    dirs = [dirname_for(n) for n in names]
+    assert len(set(dirs)) == len(dirs)
+    for d in dirs:
+        assert "/" not in d and d not in (".", "..") and len(d) <= 200
+
+
+def test_inspector_lists_and_verifies(tmp_path, capsys):
+    from storage import Engine, EngineConfig
+
+    from .conftest import SMALL
+
+    with Engine(tmp_path / "d", EngineConfig(**SMALL)) as engine:
+        for i in range(400):
+            engine.append("s", [b"%d" % i * 30] * 5)
+        engine.maintain()
+    assert inspect_main([str(tmp_path / "d")]) == 0
+    listing = capsys.readouterr().out
+    assert "packed" in listing and "growing" in listing and " ok" in listing
+    assert inspect_main(["verify", str(tmp_path / "d")]) == 0
+    assert "ok: no damage found" in capsys.readouterr().out
+    packed = sorted((tmp_path / "d" / "streams").rglob("*.seg"))[0]
+    original = packed.read_bytes()
+    for where, what in ((64 + 128 + 10, "CRC"), (64 + 20, "header copy")):  # first node: body, header slot A
+        data = bytearray(original)
+        data[where] ^= 0xFF
+        packed.write_bytes(bytes(data))
+        assert inspect_main(["verify", str(tmp_path / "d")]) == 1
+        assert what in capsys.readouterr().out
+    assert inspect_main([str(tmp_path / "missing")]) == 2
