@@ -73,7 +73,8 @@ def inspect_segment(path: Path) -> SegmentReport:
             if segment.packed:
                 slots = segment.file.read(ref.pos, 2 * 64)
                 if slots[:64] != slots[64:]:
-                    report.problems.append(f"node {h.base_offset}..{ref.end_offset}: one header copy is damaged")
+                    where = f"node {h.base_offset}..{ref.end_offset}"
+                    report.problems.append(f"{where}: one header copy is damaged")
             stored = h.stored_len if segment.packed else raw
             report.nodes.append(
                 NodeReport(

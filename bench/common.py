@@ -1,0 +1,132 @@
+"""Helpers shared by the benchmark scripts.
+
+Every script prints its figures through :func:`emit`, one JSON object per
+line, so a run can be piped into a file and compared or tabulated later
+without parsing prose.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, TextIO
+
+__all__ = [
+    "Timer",
+    "cpu_steal_ticks",
+    "emit",
+    "free_port",
+    "percentile",
+    "percentiles",
+]
+
+
+def emit(figure: str, value: float, unit: str, **extra: Any) -> dict[str, Any]:
+    """Print one figure as a JSON line on stdout and flush; return the record.
+
+    ``extra`` holds context (workload sizes, durability mode, system name).
+    The line is flushed at once so a figure survives a later crash or timeout
+    of the same run.
+    """
+    # The core keys are parameters, so an extra can never overwrite them.
+    record: dict[str, Any] = {"figure": figure, "value": value, "unit": unit, **extra}
+    _write_line(record, sys.stdout)
+    return record
+
+
+def _write_line(record: dict[str, Any], out: TextIO) -> None:
+    # default=str: a Path or an enum in the extras must not kill a long run.
+    out.write(json.dumps(record, default=str) + "\n")
+    out.flush()
+
+
+def percentile(values: Iterable[float], p: float) -> float:
+    """The ``p``-th percentile (0..100) with linear interpolation.
+
+    Same definition as numpy's default ("linear"), so figures match what a
+    notebook would compute from the raw samples. Raises on no samples: a
+    percentile of nothing is a bug in the caller, not a zero.
+    """
+    return percentiles(values, (p,))[0]
+
+
+def percentiles(values: Iterable[float], ps: Sequence[float]) -> list[float]:
+    """Several percentiles from one sort (latency runs hold many samples)."""
+    data = sorted(values)
+    if not data:
+        raise ValueError("percentile of an empty sample")
+    out = []
+    last = len(data) - 1
+    for p in ps:
+        if not 0 <= p <= 100:
+            raise ValueError(f"percentile {p} outside 0..100")
+        rank = p / 100 * last
+        lo = math.floor(rank)
+        hi = min(lo + 1, last)
+        frac = rank - lo
+        out.append(data[lo] + (data[hi] - data[lo]) * frac)
+    return out
+
+
+class Timer:
+    """Wall-clock timer on ``perf_counter`` (monotonic, highest resolution).
+
+    ``with Timer() as t: ...`` then ``t.elapsed`` in seconds; reading
+    ``elapsed`` inside the block gives the time so far.
+    """
+
+    __slots__ = ("_end", "_start")
+
+    def __init__(self) -> None:
+        self._start: float | None = None
+        self._end: float | None = None
+
+    def __enter__(self) -> Timer:
+        self._end = None
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._end = time.perf_counter()
+
+    @property
+    def elapsed(self) -> float:
+        if self._start is None:
+            raise RuntimeError("timer was never started")
+        end = self._end if self._end is not None else time.perf_counter()
+        return end - self._start
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago.
+
+    The kernel picks it (bind to port 0), so parallel runs don't collide on a
+    fixed number. Another process can still take it before the caller binds:
+    callers that start a server retry on a bind failure.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cpu_steal_ticks() -> tuple[int, int] | None:
+    """(steal, total) CPU ticks since boot from /proc/stat, or None off Linux.
+
+    Two readings around a run give the share of CPU the hypervisor took:
+    on a shared VM that, not the code, is often why a figure moved.
+    """
+    try:
+        with open("/proc/stat", encoding="ascii") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    ticks = [int(v) for v in fields[1:]]
+    # user nice system idle iowait irq softirq steal [guest guest_nice]:
+    # guest time is already counted in user/nice, so only the first 8 add up.
+    return ticks[7], sum(ticks[:8])
