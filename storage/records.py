@@ -18,6 +18,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from storage.errors import CorruptionError
 
@@ -98,23 +99,24 @@ def encode_batch(
     Tag strings must be encodable as UTF-8 (the caller validates).
     """
     varint = _varint
-    ts_and_payload_key = b"\x10" + encode_varint(timestamp_ms) + b"\x22"
     offsets = _consecutive_varints(first_offset, len(payloads))
-    parts: list[bytes] = []
-    append = parts.append
-    if tags is None and headers is None and deliver_at_ms is None:
-        # The common case: offset, timestamp and payload only.
-        for offset_varint, payload in zip(offsets, payloads, strict=True):
-            head = b"\x08" + offset_varint + ts_and_payload_key + varint(len(payload))
-            append(b"\x0a" + varint(len(head) + len(payload)) + head)
-            append(payload)
-        positions = array("I", [start])
-        total = start
-        for i in range(0, len(parts), 2):
-            total += len(parts[i]) + len(parts[i + 1])
-            positions.append(total)
-        return b"".join(parts), positions
+    plain = tags is None and headers is None and deliver_at_ms is None
+    if plain and min(map(len, payloads)) > 0 and max(map(len, payloads)) < _SMALL_LIMIT - 32:
+        # The common case (offset, timestamp, small payload): one comprehension builds every record
+        # head from table lookups; C-level joins and accumulate do the rest.
+        table = _SMALL_VARINTS
+        key = b"\x10" + encode_varint(timestamp_ms) + b"\x22"
+        heads = [
+            b"\x0a" + table[len(h := b"\x08" + ov + key + table[len(p)]) + len(p)] + h
+            for ov, p in zip(offsets, payloads, strict=True)
+        ]
+        parts = [b""] * (2 * len(heads))
+        parts[0::2] = heads
+        parts[1::2] = payloads
+        return b"".join(parts), array("I", accumulate(map(len, parts), initial=start))[::2]
+    # Everything else: an empty payload is left out, as protobuf leaves out default values.
     ts_field = b"\x10" + encode_varint(timestamp_ms)
+    parts: list[bytes] = []
     positions = array("I", [start])
     total = start
     for i, payload in enumerate(payloads):
@@ -134,7 +136,7 @@ def encode_batch(
             body.append(b"\x30" + encode_varint(due))
         encoded = b"".join(body)
         record = b"\x0a" + varint(len(encoded)) + encoded
-        append(record)
+        parts.append(record)
         total += len(record)
         positions.append(total)
     return b"".join(parts), positions
