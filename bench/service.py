@@ -1,0 +1,241 @@
+"""streamlog over gRPC vs Redis Streams, side by side in one run: python -m bench.service [--quick]
+
+Starts its own `streamlog serve` (a subprocess on a loopback port, temp data
+directory) and its own redis-server (Debian's package, installed if missing),
+then measures with one Python client in this process:
+
+- append throughput, batches of 1000 x 100-byte payloads: streamlog fsync
+  everysec vs Redis AOF everysec, and streamlog fsync always vs Redis
+  appendfsync always (redis-py + hiredis pipelining 1000 XADDs);
+- read throughput: Read pages of 1000 vs XRANGE COUNT 1000;
+- append -> subscriber latency at 1000 entries/s: Subscribe vs XREAD BLOCK.
+
+One JSON object per line (bench.common.emit), about 2-3 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from streamlog.v1 import streamlog_pb2 as pb
+from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
+
+from bench import redis_baseline
+from bench.common import Timer, emit, free_port, percentiles
+
+BATCH = 1000
+PAYLOAD = 100
+
+
+@contextmanager
+def streamlog_server(fsync: str):
+    """A `streamlog serve` subprocess on a free loopback port; yields its address."""
+    data = Path(tempfile.mkdtemp(prefix="streamlog-bench-"))
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "serve",
+        "--data",
+        str(data),
+        "--port",
+        str(port),
+        "--fsync",
+        fsync,
+        "--log-level",
+        "warning",
+    ]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    address = f"127.0.0.1:{port}"
+    try:
+        _wait_serving(address, proc)
+        yield address
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def _wait_serving(address: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 30
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"streamlog serve exited: {proc.stderr.read().decode()[-2000:]}")
+            try:
+                reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)  # start-up only: the server is not listening yet, nothing to wake us
+    raise RuntimeError("streamlog serve did not become SERVING within 30 s")
+
+
+def _channel(address: str) -> grpc.Channel:
+    limit = 64 << 20
+    return grpc.insecure_channel(
+        address, options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    )
+
+
+def append_throughput(stub: pb_grpc.StreamLogServiceStub, stream: str, total: int) -> dict[str, float]:
+    payloads = [os.urandom(PAYLOAD) for _ in range(BATCH)]
+    request = pb.AppendRequest(stream=stream, entries=[pb.Entry(payload=p) for p in payloads])
+    with Timer() as t:
+        for _ in range(total // BATCH):
+            stub.Append(request)
+    return {"entries_per_s": total / t.elapsed, "mb_per_s": total * PAYLOAD / t.elapsed / 1e6}
+
+
+def read_throughput(stub: pb_grpc.StreamLogServiceStub, stream: str, total: int, page: int) -> float:
+    offset = taken = 0
+    with Timer() as t:
+        while taken < total:
+            reply = stub.Read(pb.ReadRequest(stream=stream, offset=offset, count=page))
+            if not reply.entries:
+                break
+            taken += len(reply.entries)
+            offset = reply.next_offset
+    if taken != total:
+        raise AssertionError(f"read {taken} entries, expected {total}")
+    return total / t.elapsed
+
+
+def subscribe_latency(address: str, stub: pb_grpc.StreamLogServiceStub, seconds: float, rate: int) -> dict:
+    """A producer thread appends one entry per 1/rate s carrying its send time; a Subscribe receives."""
+    stream = "latency"
+    stub.Append(pb.AppendRequest(stream=stream, entries=[pb.Entry(payload=b"x" * PAYLOAD)]))
+    latencies: list[float] = []
+    total = int(seconds * rate)
+    with _channel(address) as channel:
+        calls = pb_grpc.StreamLogServiceStub(channel).Subscribe(
+            pb.SubscribeRequest(stream=stream, start=pb.START_POSITION_LATEST), timeout=seconds + 30
+        )
+        started = threading.Event()
+
+        def produce() -> None:
+            started.wait(10)
+            t0 = time.perf_counter()
+            for i in range(total):
+                delay = t0 + i / rate - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)  # the producer's schedule, not a wait for data
+                sent = time.perf_counter_ns().to_bytes(8, "little")
+                stub.Append(
+                    pb.AppendRequest(stream=stream, entries=[pb.Entry(payload=sent + b"x" * (PAYLOAD - 8))])
+                )
+
+        producer = threading.Thread(target=produce, daemon=True)
+        producer.start()
+        started.set()
+        for reply in calls:
+            now = time.perf_counter_ns()
+            for entry in reply.entries:
+                latencies.append((now - int.from_bytes(entry.payload[:8], "little")) / 1000)
+            if len(latencies) >= total:
+                break
+        calls.cancel()
+        producer.join(timeout=30)
+    p50, p99 = percentiles(latencies, (50, 99))
+    return {"p50_us": p50, "p99_us": p99, "received": len(latencies)}
+
+
+def run(quick: bool) -> None:
+    total = 100_000 if quick else 500_000
+    always_total = total // 5
+    seconds = 3 if quick else 10
+    common = {"batch": BATCH, "payload_bytes": PAYLOAD}
+
+    for fsync, n in (("everysec", total), ("always", always_total)):
+        with streamlog_server(fsync) as address, _channel(address) as channel:
+            stub = pb_grpc.StreamLogServiceStub(channel)
+            ours = append_throughput(stub, "bench", n)
+            emit(
+                "append",
+                ours["entries_per_s"],
+                "entries/s",
+                system="streamlog",
+                fsync=fsync,
+                entries=n,
+                **common,
+            )
+            if fsync == "everysec":
+                for page in (1000, 10_000):
+                    rate = read_throughput(stub, "bench", n, page)
+                    emit("read", rate, "entries/s", system="streamlog", page=page, entries=n)
+                lat = subscribe_latency(address, stub, seconds, 1000)
+                for p in ("p50_us", "p99_us"):
+                    emit(
+                        "append_to_subscriber_latency",
+                        lat[p],
+                        "us",
+                        system="streamlog",
+                        percentile=p[1:3],
+                        rate_per_s=1000,
+                    )
+        with redis_baseline.RedisServer(fsync) as server:
+            r = server.client()
+            theirs = redis_baseline.xadd_pipelined(r, "bench", total=n, batch=BATCH, payload_size=PAYLOAD)
+            emit(
+                "append",
+                theirs["entries_per_s"],
+                "entries/s",
+                system="redis",
+                appendfsync=fsync,
+                entries=n,
+                **common,
+            )
+            emit(
+                "append_ratio",
+                ours["entries_per_s"] / theirs["entries_per_s"],
+                "x",
+                compared=f"streamlog fsync={fsync} vs redis appendfsync={fsync}",
+            )
+            if fsync == "everysec":
+                got = redis_baseline.xrange_read(r, "bench", batch=1000)
+                emit(
+                    "read",
+                    got["entries_per_s"],
+                    "entries/s",
+                    system="redis",
+                    page=1000,
+                    entries=got["entries"],
+                )
+                lat = redis_baseline.xread_block_latency(r, rate=1000, seconds=seconds, payload_size=PAYLOAD)
+                for p in ("p50_us", "p99_us"):
+                    emit(
+                        "append_to_subscriber_latency",
+                        lat[p],
+                        "us",
+                        system="redis",
+                        percentile=p[1:3],
+                        rate_per_s=1000,
+                    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    run(parser.parse_args().quick)
+
+
+if __name__ == "__main__":
+    main()
