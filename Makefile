@@ -1,0 +1,48 @@
+# streamlog build. The README's two commands are `make run` and `make test`;
+# both set up everything they need on a fresh machine (Python 3.11 and PyPI).
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Marks a virtualenv holding the project and its dev tools, installed from the
+# current pyproject.toml: it is rebuilt when pyproject.toml is newer.
+INSTALLED := $(VENV)/.installed
+GEN := protos/gen
+GENERATED := $(GEN)/.generated
+PROTOS := $(shell find protos/streamlog -name '*.proto')
+DATA ?= ./data
+PORT ?= 7070
+
+.PHONY: run test gen lint venv clean
+
+run: $(GENERATED)
+	$(BIN)/streamlog serve --data $(DATA) --port $(PORT)
+
+test: $(GENERATED)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest
+
+gen: $(GENERATED)
+
+lint: $(GENERATED)
+	$(BIN)/ruff check .
+	cd protos && ../$(BIN)/buf lint
+
+venv: $(INSTALLED)
+
+# The editable install maps the `streamlog` package to protos/gen/streamlog, so
+# that directory must exist first; its modules are generated afterwards (that
+# needs grpcio-tools, which this install brings).
+$(INSTALLED): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	mkdir -p $(GEN)/streamlog
+	$(BIN)/python -m pip install --quiet --editable '.[dev]'
+	touch $@
+
+$(GENERATED): $(PROTOS) protos/generate.py $(INSTALLED)
+	$(BIN)/python protos/generate.py
+	touch $@
+
+clean:
+	rm -rf $(GEN) .pytest_cache .ruff_cache .hypothesis
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +

@@ -1,0 +1,1 @@
+"""streamlog's gRPC service: the network face of the storage engine (see DESIGN.md)."""

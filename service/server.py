@@ -1,0 +1,196 @@
+"""Build, start and stop a streamlog server: gRPC service, health, reflection, engine.
+
+Start-up order: the port is bound and answering first, with health NOT_SERVING,
+then the engine opens (recovery may take a while on a large data directory) off
+the event loop, then health turns SERVING. Probes thus see "not ready" instead of
+"connection refused" during recovery, and StreamLogService calls get UNAVAILABLE.
+
+Shutdown (SIGTERM, SIGINT or `stop()`): health NOT_SERVING, new calls refused with
+UNAVAILABLE, blocked reads answered empty and subscriptions ended with
+UNAVAILABLE, in-flight calls given `shutdown_grace_ms` to finish, then the engine
+synced and closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from streamlog.v1 import streamlog_pb2 as pb
+
+from service.config import Settings, engine_config
+from service.servicer import StreamLogServicer
+from service.waiters import Waiters
+from storage import Engine
+
+log = logging.getLogger(__name__)
+
+SERVICE = pb.DESCRIPTOR.services_by_name["StreamLogService"]
+SERVICE_NAME = SERVICE.full_name
+# RPCs whose servicer methods return the serialized reply (stored records + fields).
+RAW_REPLY_METHODS = frozenset({"Read", "Subscribe"})
+
+_HANDLER_FACTORIES = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def _pass_through(reply: bytes) -> bytes:
+    return reply
+
+
+def method_handlers(servicer: StreamLogServicer) -> dict[str, grpc.RpcMethodHandler]:
+    """A handler per RPC of the proto's service, built from its descriptor.
+
+    Built here rather than by the generated `add_..._to_server` so Read and Subscribe
+    can send bytes as they are; going through the descriptor also means an RPC added
+    to the proto without a servicer method fails at start-up, not at the first call.
+    """
+    handlers = {}
+    for method in SERVICE.methods:
+        request_type = getattr(pb, method.input_type.name)
+        response_type = getattr(pb, method.output_type.name)
+        factory = _HANDLER_FACTORIES[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = factory(
+            getattr(servicer, method.name),
+            request_deserializer=request_type.FromString,
+            response_serializer=_pass_through
+            if method.name in RAW_REPLY_METHODS
+            else response_type.SerializeToString,
+        )
+    return handlers
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class StreamLogServer:
+    """One server: call `await start()`, later `await stop()`, on the same event loop."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.port: int | None = None
+        self.engine: Engine | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health: Any = None
+        self._servicer: StreamLogServicer | None = None
+        self._waiters: Waiters | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._stopped = False
+
+    @property
+    def address(self) -> str:
+        """host:port the server listens on (after start)."""
+        return _address(self.settings.host, self.port or 0)
+
+    @property
+    def servicer(self) -> StreamLogServicer:
+        assert self._servicer is not None, "server not started"
+        return self._servicer
+
+    async def start(self) -> None:
+        settings = self.settings
+        loop = asyncio.get_running_loop()
+        self._executor = ThreadPoolExecutor(
+            max_workers=settings.append_threads, thread_name_prefix="streamlog-io"
+        )
+        self._waiters = Waiters()
+        self._servicer = StreamLogServicer(settings, self._waiters, self._executor)
+        self._health = health.aio.HealthServicer()
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", settings.max_message_bytes),
+                ("grpc.max_send_message_length", settings.max_message_bytes),
+                # Without this, a second server on the same port would silently share
+                # it (SO_REUSEPORT) instead of failing to start.
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        handlers = method_handlers(self._servicer)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        server.add_registered_method_handlers(SERVICE_NAME, handlers)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        self.port = server.add_insecure_port(_address(settings.host, settings.port))
+        self._server = server
+        await server.start()
+        log.info("listening on %s (data %s, fsync %s)", self.address, settings.data_dir, settings.fsync)
+
+        try:
+            self.engine = await loop.run_in_executor(self._executor, self._open_engine)
+        except BaseException:
+            await self.stop()
+            raise
+        self.engine.add_append_listener(self._waiters.on_append)
+        self._servicer.attach_engine(self.engine)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving %d streams", len(self.engine.list_streams()))
+
+    def _open_engine(self) -> Engine:
+        engine = Engine(self.settings.data_dir, config=engine_config(self.settings))
+        for dirname in engine.unreadable:
+            log.warning("stream directory %s failed its checks and is not served", dirname)
+        return engine
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, status)
+
+    async def stop(self) -> None:
+        """Drain and stop; safe to call more than once, and after a failed start."""
+        if self._stopped:
+            return
+        self._stopped = True
+        log.info("draining")
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self._servicer is not None:
+            self._servicer.start_draining()
+        if self._waiters is not None:
+            self._waiters.close()
+        if self._server is not None:
+            await self._server.stop(self.settings.shutdown_grace_ms / 1000)
+        if self._executor is not None:
+            # Appends still in a thread finish before the engine closes under them.
+            await asyncio.to_thread(self._executor.shutdown, wait=True)
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            await asyncio.to_thread(_sync_and_close, engine)
+        log.info("stopped")
+
+
+def _sync_and_close(engine: Engine) -> None:
+    engine.sync()
+    engine.close()
+
+
+async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
+    """Run a server until SIGTERM or SIGINT (or `stop` is set), then shut it down gracefully."""
+    loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for signum in signals:
+        loop.add_signal_handler(signum, stop.set)
+    server = StreamLogServer(settings)
+    try:
+        await server.start()
+        await stop.wait()
+        log.info("shutdown requested")
+    finally:
+        await server.stop()
+        for signum in signals:
+            loop.remove_signal_handler(signum)

@@ -1,0 +1,519 @@
+"""StreamLogService: each RPC translated between protobuf and the storage engine.
+
+Hot paths move batches, not entries. Append turns the request's entries into the
+engine's columns with C-level `map`s (a single one for payload-only batches: see
+wire.py). Read and Subscribe send the engine's stored records as they are: a
+stored record is exactly the wire encoding of one `Entry` in field 1 of
+ReadResponse/SubscribeResponse, so a reply is the records joined, followed by the
+serialized scalar fields (protobuf allows fields in any order). Those two methods
+therefore return `bytes`, and the server registers them with a pass-through
+serializer (see server.py).
+
+Handlers run on the event loop. Reads call the engine directly (a read is an
+in-memory slice under a per-stream lock). Appends to "always"-fsync streams, and
+admin calls that create, rename or delete files, run in a small thread pool so a
+disk sync never stalls the loop; concurrent "always" appends then share one
+fdatasync inside the engine (group commit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import bisect
+import functools
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Executor
+from operator import attrgetter
+from typing import Any, TypeVar
+
+import grpc
+from streamlog.v1 import streamlog_pb2 as pb
+
+from service import validation
+from service.config import MAX_STREAM_NAME_BYTES, Settings
+from service.errors import (
+    ServiceError,
+    invalid_argument,
+    limit_exceeded,
+    not_found,
+    translate_errors,
+    unavailable,
+)
+from service.waiters import Waiters, Wake
+from service.wire import entries_hold_only_payloads
+from storage import Engine, Gap, ReadResult, StreamConfig, StreamNotFoundError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_GAP_REASONS = {
+    "evicted": pb.GAP_REASON_EVICTED,
+    "compacted": pb.GAP_REASON_COMPACTED,
+    "corrupt": pb.GAP_REASON_CORRUPT,
+}
+_FSYNC_TO_PROTO = {
+    None: pb.FSYNC_POLICY_UNSPECIFIED,
+    "always": pb.FSYNC_POLICY_ALWAYS,
+    "everysec": pb.FSYNC_POLICY_EVERYSEC,
+    "no": pb.FSYNC_POLICY_NO,
+}
+_FSYNC_FROM_PROTO = {value: key for key, value in _FSYNC_TO_PROTO.items()}
+_RETENTION_LIMITS = ("max_entries", "max_age_ms", "max_bytes")
+_TRIM_MODES = ("evict_up_to_offset", "keep_last", "trim_to_offset")
+_PAGE_TOKEN_PREFIX = b"streamlog.v1/streams\x00"
+# Bigger than any offset: engine.count clamps the end of a range to the stream's end.
+_END_OF_STREAM = 2**63 - 1
+# A blocking call answers this long before its deadline, so that the empty reply
+# reaches the client before the deadline does (else it sees DEADLINE_EXCEEDED):
+# a tenth of the time left, within bounds that cover a busy machine's delays.
+_DEADLINE_MARGIN_MIN_S = 0.005
+_DEADLINE_MARGIN_MAX_S = 0.2
+
+_payload = attrgetter("payload")
+_tag = attrgetter("tag")
+_headers = attrgetter("headers")
+_deliver_at = attrgetter("deliver_at_ms")
+
+
+def _gap(gap: Gap | None) -> pb.Gap | None:
+    if gap is None:
+        return None
+    return pb.Gap(start_offset=gap.start, end_offset=gap.end, reason=_GAP_REASONS[gap.reason])
+
+
+def _forward_next(result: ReadResult, offset: int) -> int:
+    """Where a forward read continues: after its last entry, else after its gap, else where it was."""
+    if result.last_offset is not None:
+        return result.last_offset + 1
+    if result.gap is not None:
+        return max(offset, result.gap.end)
+    return offset
+
+
+def _has_news(result: ReadResult, offset: int) -> bool:
+    """Whether a forward read at `offset` has something to tell: entries, or a gap that moves it on.
+
+    A gap that does not move past `offset` would make a follower loop without waiting.
+    """
+    return bool(result.count) or (result.gap is not None and result.gap.end > offset)
+
+
+def _reverse_next(result: ReadResult) -> int:
+    """Where a reverse read continues: below its last entry, or -1 when nothing older remains."""
+    if result.last_offset is None or result.last_offset - 1 < result.first_offset:
+        return -1
+    return result.last_offset - 1
+
+
+def _read_reply(result: ReadResult, next_offset: int) -> bytes:
+    """A serialized ReadResponse: the stored records (field 1) plus the other fields."""
+    tail = pb.ReadResponse(
+        first_offset=result.first_offset,
+        next_offset=next_offset,
+        gap=_gap(result.gap),
+        end_offset=result.next_offset,
+    ).SerializeToString()
+    return b"".join(result.records) + tail if result.records else tail
+
+
+def _subscribe_reply(result: ReadResult | None, next_offset: int) -> bytes:
+    """A serialized SubscribeResponse, as _read_reply; `result` None means no stream yet."""
+    if result is None:
+        return pb.SubscribeResponse(next_offset=next_offset).SerializeToString()
+    tail = pb.SubscribeResponse(
+        first_offset=result.first_offset,
+        next_offset=next_offset,
+        gap=_gap(result.gap),
+        end_offset=result.next_offset,
+    ).SerializeToString()
+    return b"".join(result.records) + tail if result.records else tail
+
+
+def _optional_columns(entries: Sequence[pb.Entry]) -> dict[str, list | None]:
+    """The engine's optional columns (tags, headers, deliver_at_ms); None for one no entry uses."""
+    tags = list(map(_tag, entries))
+    deliver_at = list(map(_deliver_at, entries))
+    headers = None
+    if any(map(len, map(_headers, entries))):
+        headers = [dict(h) if h else None for h in map(_headers, entries)]
+    if any(deliver_at) and min(deliver_at) < 0:
+        raise invalid_argument("entries.deliver_at_ms: must not be negative")
+    return {
+        "tags": tags if any(tags) else None,
+        "headers": headers,
+        "deliver_at_ms": deliver_at if any(deliver_at) else None,
+    }
+
+
+def _config_to_proto(config: StreamConfig) -> pb.StreamConfig:
+    return pb.StreamConfig(
+        max_entries=config.max_entries,
+        max_age_ms=config.max_age_ms,
+        max_bytes=config.max_bytes,
+        compaction=config.compaction,
+        tombstone_retention_ms=config.tombstone_retention_ms,
+        fsync=_FSYNC_TO_PROTO[config.fsync],
+    )
+
+
+def _config_from_proto(message: pb.StreamConfig) -> StreamConfig:
+    values: dict[str, Any] = {"compaction": message.compaction}
+    for field in _RETENTION_LIMITS:
+        if message.HasField(field):
+            value = getattr(message, field)
+            if value <= 0:
+                raise invalid_argument(f"config.{field}: must be positive when set, got {value}")
+            values[field] = value
+    if message.HasField("tombstone_retention_ms"):
+        values["tombstone_retention_ms"] = validation.non_negative(
+            "config.tombstone_retention_ms", message.tombstone_retention_ms
+        )
+    if message.fsync not in _FSYNC_FROM_PROTO:
+        raise invalid_argument(f"config.fsync: unknown policy {message.fsync}")
+    values["fsync"] = _FSYNC_FROM_PROTO[message.fsync]
+    return StreamConfig(**values)
+
+
+def _page_token(name: str) -> str:
+    return base64.urlsafe_b64encode(_PAGE_TOKEN_PREFIX + name.encode()).decode()
+
+
+def _after_token(token: str) -> str:
+    """The last name of the previous page, from a token this server issued."""
+    try:
+        raw = base64.urlsafe_b64decode(token.encode())
+        if not raw.startswith(_PAGE_TOKEN_PREFIX):
+            raise ValueError(token)
+        return raw[len(_PAGE_TOKEN_PREFIX) :].decode()
+    except (ValueError, UnicodeError):
+        raise invalid_argument("page_token: not a token this server issued") from None
+
+
+class StreamLogServicer:
+    """The StreamLogService handlers. Every method runs on the server's event loop."""
+
+    def __init__(self, settings: Settings, waiters: Waiters, executor: Executor) -> None:
+        self._settings = settings
+        self._waiters = waiters
+        self._executor = executor
+        self._engine: Engine | None = None
+        self._draining = False
+        self.subscriptions = 0
+
+    def attach_engine(self, engine: Engine) -> None:
+        """Start serving from `engine` (opened and recovered); until then calls get UNAVAILABLE."""
+        self._engine = engine
+
+    def start_draining(self) -> None:
+        """From now on, new calls get UNAVAILABLE and subscriptions end at their next step."""
+        self._draining = True
+
+    def _ready(self) -> Engine:
+        if self._draining:
+            raise unavailable("server is shutting down; retry on another server or after restart")
+        if self._engine is None:
+            raise unavailable("server is starting: recovering its data; retry shortly")
+        return self._engine
+
+    async def _in_thread(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(function, *args, **kwargs))
+
+    def _wait_limit_s(self, context: grpc.aio.ServicerContext, block_ms: int) -> float:
+        """How long a blocking call may wait: block_ms, or less if the deadline comes first."""
+        wait_s = block_ms / 1000
+        remaining = context.time_remaining()
+        if remaining is not None:
+            margin = min(max(remaining * 0.1, _DEADLINE_MARGIN_MIN_S), _DEADLINE_MARGIN_MAX_S)
+            wait_s = min(wait_s, remaining - margin)
+        return max(wait_s, 0.0)
+
+    # ------------------------------------------------------------------ data
+
+    @translate_errors
+    async def Append(self, request: pb.AppendRequest, context: grpc.aio.ServicerContext) -> pb.AppendResponse:
+        engine = self._ready()
+        stream = validation.stream(request.stream)
+        entries = request.entries
+        count = len(entries)
+        if not count:
+            raise invalid_argument("entries: at least one entry is required")
+        limit = self._settings.max_batch_entries
+        if count > limit:
+            # Refuse before building columns for a batch that cannot be taken.
+            raise limit_exceeded("max_batch_entries", limit, f"entries: the batch has {count} entries")
+        # The engine takes columns. The common batch has payloads only: one pass
+        # gets them, and a size comparison done in C proves there is nothing else.
+        payloads = list(map(_payload, entries))
+        columns = {} if entries_hold_only_payloads(request, stream, payloads) else _optional_columns(entries)
+        if engine.stream_fsync(stream) == "always":
+            result = await self._in_thread(engine.append, stream, payloads, **columns)
+        else:
+            result = engine.append(stream, payloads, **columns)
+        return pb.AppendResponse(
+            first_offset=result.first_offset, last_offset=result.last_offset, timestamp_ms=result.timestamp_ms
+        )
+
+    @translate_errors
+    async def Read(self, request: pb.ReadRequest, context: grpc.aio.ServicerContext) -> bytes:
+        engine = self._ready()
+        settings = self._settings
+        stream = validation.stream(request.stream)
+        offset = validation.non_negative("offset", request.offset)
+        count = validation.bounded(
+            "count", request.count, settings.default_read_entries, settings.max_read_entries
+        )
+        max_bytes = validation.bounded(
+            "max_bytes", request.max_bytes, settings.default_read_bytes, settings.max_read_bytes
+        )
+        block_ms = validation.at_most("block_ms", request.block_ms, "max_block_ms", settings.max_block_ms)
+        if request.reverse:
+            result = engine.read(stream, offset, count, max_bytes=max_bytes, reverse=True)
+            return _read_reply(result, _reverse_next(result))
+        if not block_ms:
+            result = engine.read(stream, offset, count, max_bytes=max_bytes)
+            return _read_reply(result, _forward_next(result, offset))
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._wait_limit_s(context, block_ms)
+        seen = False
+        while True:
+            try:
+                result = engine.read(stream, offset, count, max_bytes=max_bytes)
+            except StreamNotFoundError:
+                # RCP 11's BLOCK waits on a stream that does not exist yet; one that
+                # existed during this call and is gone now was deleted.
+                if seen:
+                    raise not_found(f"stream {stream!r} was deleted") from None
+                result = None
+            else:
+                seen = True
+                if _has_news(result, offset):
+                    return _read_reply(result, _forward_next(result, offset))
+            # Nothing yet: wait, with no await between the read above and this call.
+            wake = await self._waiters.wait(stream, offset, deadline - loop.time())
+            if wake is Wake.DELETED:
+                raise not_found(f"stream {stream!r} was deleted")
+            if wake is not Wake.APPENDED:
+                # Timed out, or the server is draining: an empty reply, like BLOCK's timeout.
+                if result is None:
+                    return pb.ReadResponse(next_offset=offset).SerializeToString()
+                return _read_reply(result, offset)
+
+    @translate_errors
+    async def Subscribe(
+        self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        engine = self._ready()
+        settings = self._settings
+        stream = validation.stream(request.stream)
+        count = validation.bounded(
+            "count", request.count, settings.subscribe_batch_entries, settings.max_read_entries
+        )
+        max_bytes = validation.bounded(
+            "max_bytes", request.max_bytes, settings.default_read_bytes, settings.max_read_bytes
+        )
+        offset = self._start_offset(engine, stream, request)
+        if self.subscriptions >= settings.max_subscriptions:
+            raise limit_exceeded(
+                "max_subscriptions", settings.max_subscriptions, "too many subscriptions on this server"
+            )
+        self.subscriptions += 1
+        try:
+            first = True
+            seen = False
+            while True:
+                if self._draining:
+                    raise unavailable(f"server is shutting down; resubscribe from offset {offset}")
+                try:
+                    result = engine.read(stream, offset, count, max_bytes=max_bytes)
+                except StreamNotFoundError:
+                    if seen:
+                        raise not_found(f"stream {stream!r} was deleted") from None
+                    result = None
+                else:
+                    seen = True
+                    if _has_news(result, offset):
+                        offset = _forward_next(result, offset)
+                        first = False
+                        yield _subscribe_reply(result, offset)
+                        continue
+                if first:
+                    # Tell the client where it starts, then read again: entries may
+                    # have arrived while this reply was being sent.
+                    first = False
+                    yield _subscribe_reply(result, offset)
+                    continue
+                wake = await self._waiters.wait(stream, offset, None)
+                if wake is Wake.DELETED:
+                    raise not_found(f"stream {stream!r} was deleted")
+                if wake is Wake.CLOSED:
+                    raise unavailable(f"server is shutting down; resubscribe from offset {offset}")
+        finally:
+            self.subscriptions -= 1
+
+    def _start_offset(self, engine: Engine, stream: str, request: pb.SubscribeRequest) -> int:
+        start = request.start
+        if start in (pb.START_POSITION_UNSPECIFIED, pb.START_POSITION_OFFSET):
+            return validation.non_negative("offset", request.offset)
+        if start == pb.START_POSITION_TIMESTAMP:
+            timestamp_ms = validation.non_negative("timestamp_ms", request.timestamp_ms)
+        elif start not in (pb.START_POSITION_OLDEST, pb.START_POSITION_LATEST):
+            raise invalid_argument(f"start: unknown start position {start}")
+        try:
+            if start == pb.START_POSITION_TIMESTAMP:
+                return engine.seek_time(stream, timestamp_ms)
+            # A read of no entries costs nothing and reports the stream's bounds.
+            bounds = engine.read(stream, 0, 0)
+        except StreamNotFoundError:
+            return 0  # the stream's first append will have offset 0
+        return bounds.first_offset if start == pb.START_POSITION_OLDEST else bounds.next_offset
+
+    @translate_errors
+    async def Ack(self, request: pb.AckRequest, context: grpc.aio.ServicerContext) -> pb.AckResponse:
+        engine = self._ready()
+        stream = validation.stream(request.stream)
+        group = validation.name("group", request.group)
+        items = len(request.offsets) + len(request.ranges)
+        if not items:
+            raise invalid_argument("offsets, ranges: nothing to acknowledge")
+        limit = self._settings.max_ack_offsets
+        if items > limit:
+            raise limit_exceeded("max_ack_offsets", limit, f"offsets, ranges: {items} items in one Ack")
+        if request.offsets and min(request.offsets) < 0:
+            raise invalid_argument("offsets: must not be negative")
+        for index, span in enumerate(request.ranges):
+            validation.non_negative(f"ranges[{index}].start_offset", span.start_offset)
+            if span.end_offset < span.start_offset:
+                raise invalid_argument(
+                    f"ranges[{index}]: end_offset {span.end_offset} is before "
+                    f"start_offset {span.start_offset}"
+                )
+        if not engine.exists(stream):
+            raise not_found(f"stream {stream!r} does not exist")
+        # Consumer groups are not part of this version of the service, so no group
+        # exists yet and there is nothing to acknowledge.
+        raise not_found(f"consumer group {group!r} does not exist on stream {stream!r}")
+
+    # ------------------------------------------------------------------ admin
+
+    @translate_errors
+    async def ListStreams(
+        self, request: pb.ListStreamsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListStreamsResponse:
+        engine = self._ready()
+        settings = self._settings
+        prefix = request.prefix
+        if len(prefix.encode()) > MAX_STREAM_NAME_BYTES:
+            raise invalid_argument(
+                f"prefix: longer than a stream name can be ({MAX_STREAM_NAME_BYTES} bytes)"
+            )
+        page_size = validation.bounded(
+            "page_size", request.page_size, settings.default_page_size, settings.max_page_size
+        )
+        # Sorted by code point, which is the byte order of the UTF-8 encoding.
+        names = engine.list_streams()
+        start = bisect.bisect_left(names, prefix)
+        if request.page_token:
+            start = max(start, bisect.bisect_right(names, _after_token(request.page_token)))
+        page: list[str] = []
+        for name in names[start : start + page_size + 1]:
+            if not name.startswith(prefix):
+                break
+            page.append(name)
+        more = len(page) > page_size
+        del page[page_size:]
+        return pb.ListStreamsResponse(streams=page, next_page_token=_page_token(page[-1]) if more else "")
+
+    @translate_errors
+    async def GetStreamInfo(
+        self, request: pb.GetStreamInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetStreamInfoResponse:
+        engine = self._ready()
+        stream = validation.stream(request.stream)
+        info = engine.info(stream)
+        return pb.GetStreamInfoResponse(
+            info=pb.StreamInfo(
+                name=info.name,
+                first_offset=info.first_offset,
+                next_offset=info.next_offset,
+                entries_added=info.entries_added,
+                entries=info.entries,
+                bytes_on_disk=info.bytes_on_disk,
+                segments=info.segments,
+                nodes=info.nodes,
+                compression_ratio=info.compression_ratio,
+                last_timestamp_ms=info.last_timestamp_ms,
+                config=_config_to_proto(info.config),
+                effective_fsync=_FSYNC_TO_PROTO[engine.stream_fsync(stream)],
+                damaged=[_gap(gap) for gap in info.damaged],
+            )
+        )
+
+    @translate_errors
+    async def DeleteStream(
+        self, request: pb.DeleteStreamRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteStreamResponse:
+        engine = self._ready()
+        stream = validation.stream(request.stream)
+        await self._in_thread(engine.delete_stream, stream)
+        self._waiters.on_delete(stream)
+        return pb.DeleteStreamResponse()
+
+    @translate_errors
+    async def Trim(self, request: pb.TrimRequest, context: grpc.aio.ServicerContext) -> pb.TrimResponse:
+        engine = self._ready()
+        stream = validation.stream(request.stream)
+        mode = request.WhichOneof("mode")
+        if mode is None:
+            raise invalid_argument(f"mode: set one of {', '.join(_TRIM_MODES)}")
+        value = validation.non_negative(mode, getattr(request, mode))
+        if mode == "trim_to_offset":
+            end = engine.read(stream, 0, 0).next_offset
+            if value > end:
+                raise ServiceError(
+                    grpc.StatusCode.OUT_OF_RANGE,
+                    f"trim_to_offset: {value} is past the end of stream {stream!r} (next_offset {end})",
+                )
+            first = await self._in_thread(engine.trim, stream, value)
+        elif mode == "keep_last":
+            first = await self._in_thread(engine.keep_last, stream, value)
+        else:
+            first = await self._in_thread(engine.evict, stream, value)
+        return pb.TrimResponse(first_offset=first)
+
+    @translate_errors
+    async def SetStreamConfig(
+        self, request: pb.SetStreamConfigRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SetStreamConfigResponse:
+        engine = self._ready()
+        stream = validation.stream(request.stream)
+        config = _config_from_proto(request.config)
+        await self._in_thread(engine.set_stream_config, stream, config)
+        return pb.SetStreamConfigResponse(config=_config_to_proto(engine.stream_config(stream)))
+
+    @translate_errors
+    async def SeekTime(
+        self, request: pb.SeekTimeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SeekTimeResponse:
+        engine = self._ready()
+        stream = validation.stream(request.stream)
+        timestamp_ms = validation.non_negative("timestamp_ms", request.timestamp_ms)
+        return pb.SeekTimeResponse(offset=engine.seek_time(stream, timestamp_ms))
+
+    @translate_errors
+    async def CountRange(
+        self, request: pb.CountRangeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CountRangeResponse:
+        engine = self._ready()
+        stream = validation.stream(request.stream)
+        start = validation.non_negative("start_offset", request.start_offset)
+        end = _END_OF_STREAM
+        if request.HasField("end_offset"):
+            end = request.end_offset
+            if end < start:
+                raise invalid_argument(f"end_offset: {end} is before start_offset {start}")
+        return pb.CountRangeResponse(count=engine.count(stream, start, end))

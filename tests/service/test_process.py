@@ -1,0 +1,185 @@
+"""The `streamlog serve` command as a real process: start-up, signals, exit codes, restarts."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from streamlog.v1 import streamlog_pb2 as pb
+from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
+
+STREAMLOG = shutil.which("streamlog", path=str(Path(sys.executable).parent))
+START_TIMEOUT_S = 30
+LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+)")
+
+
+class ServerProcess:
+    """`streamlog serve` in a subprocess; its stderr is collected line by line by a thread."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        assert STREAMLOG is not None, "the streamlog console script is not installed (pip install -e .)"
+        self.process = subprocess.Popen(
+            [STREAMLOG, "serve", "--host", "127.0.0.1", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.port: int | None = None
+
+    def _read(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.lines.put(line)
+
+    def wait_for(self, pattern: str | re.Pattern[str], timeout_s: float = START_TIMEOUT_S) -> re.Match[str]:
+        """Wait for a log line matching `pattern`; fail with the log so far if it does not come."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=min(0.5, max(deadline - time.monotonic(), 0.01)))
+            except queue.Empty:
+                if self.process.poll() is not None and self.lines.empty():
+                    break
+                continue
+            self.log.append(line)
+            match = re.search(pattern, line)
+            if match:
+                return match
+        pytest.fail(f"no log line matching {pattern!r}; log:\n{''.join(self.log)}")
+
+    def wait_ready(self) -> ServerProcess:
+        self.port = int(self.wait_for(LISTENING).group(1))
+        self.wait_for("serving")
+        return self
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def finish(self, timeout_s: float = 20) -> tuple[int, str]:
+        """Wait for the exit; return the exit code and the whole log."""
+        code = self.process.wait(timeout=timeout_s)
+        self._reader.join(timeout=5)
+        while not self.lines.empty():
+            self.log.append(self.lines.get())
+        return code, "".join(self.log)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+
+@pytest.fixture
+def spawn() -> Iterator:
+    processes: list[ServerProcess] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        process = ServerProcess(*args, env=env)
+        processes.append(process)
+        return process
+
+    yield start
+    for process in processes:
+        process.kill()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_drains_exits_zero_and_the_data_survives_a_restart(
+    spawn, tmp_path: Path, signum: signal.Signals
+) -> None:
+    data = tmp_path / "data"
+    server = spawn("--data", str(data), "--port", "0").wait_ready()
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        entries = [pb.Entry(payload=b"%d" % i, tag=f"t{i % 3}") for i in range(300)]
+        for start in range(0, 300, 100):
+            stub.Append(pb.AppendRequest(stream="kept", entries=entries[start : start + 100]), timeout=10)
+        subscription = stub.Subscribe(
+            pb.SubscribeRequest(stream="kept", start=pb.START_POSITION_LATEST), timeout=30
+        )
+        assert next(subscription).next_offset == 300
+
+        server.process.send_signal(signum)
+        with pytest.raises(grpc.RpcError) as caught:
+            next(subscription)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    code, log = server.finish()
+    assert code == 0, log
+    assert "draining" in log and "stopped" in log
+
+    restarted = spawn("--data", str(data), "--port", "0").wait_ready()
+    with grpc.insecure_channel(restarted.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        reply = stub.Read(pb.ReadRequest(stream="kept", offset=0, count=1000), timeout=10)
+        assert [(e.payload, e.tag) for e in reply.entries] == [(e.payload, e.tag) for e in entries]
+        assert (
+            stub.Append(pb.AppendRequest(stream="kept", entries=[pb.Entry(payload=b"more")])).first_offset
+            == 300
+        )
+    restarted.process.send_signal(signal.SIGTERM)
+    assert restarted.finish()[0] == 0
+
+
+def test_settings_from_environment_and_config_file(spawn, tmp_path: Path) -> None:
+    config = tmp_path / "streamlog.toml"
+    config.write_text(f'data_dir = "{tmp_path / "from-file"}"\nmax_entry_bytes = 100\n')
+    server = spawn(
+        "--config", str(config), "--port", "0", env={"STREAMLOG_MAX_ENTRY_BYTES": "200"}
+    ).wait_ready()
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        stub.Append(pb.AppendRequest(stream="s", entries=[pb.Entry(payload=b"x" * 200)]), timeout=10)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Append(pb.AppendRequest(stream="s", entries=[pb.Entry(payload=b"x" * 201)]), timeout=10)
+        assert "max_entry_bytes=200" in caught.value.details()
+    server.process.send_signal(signal.SIGTERM)
+    assert server.finish()[0] == 0
+    assert (tmp_path / "from-file" / "streams").is_dir()
+
+
+def test_bad_settings_exit_2_with_a_clear_message(spawn, tmp_path: Path) -> None:
+    server = spawn("--data", str(tmp_path), "--port", "0", env={"STREAMLOG_FSYNC": "sometimes"})
+    code, log = server.finish()
+    assert code == 2
+    assert "fsync: must be one of always, everysec, no, got 'sometimes' (from environment variable" in log
+
+
+def test_a_taken_port_exits_1(spawn, tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, log = spawn("--data", str(tmp_path), "--port", str(port)).finish()
+    assert code == 1
+    assert "cannot run the server" in log
+
+
+def test_a_data_directory_in_use_exits_1(spawn, tmp_path: Path) -> None:
+    first = spawn("--data", str(tmp_path), "--port", "0").wait_ready()
+    code, log = spawn("--data", str(tmp_path), "--port", "0").finish()
+    assert code == 1
+    assert "in use by another process" in log
+    first.process.send_signal(signal.SIGTERM)
+    assert first.finish()[0] == 0
