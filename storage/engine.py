@@ -151,6 +151,9 @@ class Engine:
             stream = self._streams.get(name)
             if stream is None:
                 directory = self.data_dir / "streams" / dirname_for(name)
+                if directory.name in self.unreadable:
+                    # Its metadata is damaged: keep the evidence, refuse to write over it.
+                    raise PreconditionError(f"stream {name!r} is damaged on disk; see the server log")
                 stream = Stream.create(self._ctx, name, directory, StreamConfig())
                 self._streams[name] = stream
         return stream
@@ -310,7 +313,7 @@ class Engine:
                     and now - stream.last_compaction_ms >= self.config.compaction_interval_ms
                 ):
                     stream.compact(now)
-            except StorageError as exc:
+            except (StorageError, OSError) as exc:
                 log.error("maintenance of stream %r failed: %s", stream.name, exc)
 
     def _maintenance_loop(self) -> None:

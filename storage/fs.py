@@ -13,7 +13,9 @@ import mmap
 import os
 from pathlib import Path
 
-from storage.errors import DiskFullError, DurabilityError
+from storage.errors import CorruptionError, DiskFullError, DurabilityError
+
+SEGMENT_MIN_BYTES = 64  # a segment header; anything shorter is a file whose creation a crash cut short
 
 
 class SegmentFile:
@@ -22,6 +24,7 @@ class SegmentFile:
     def __init__(self, path: Path, fd: int, size: int, writable: bool) -> None:
         self.path = path
         self.size = size
+        self.writable = writable
         self._fd = fd
         access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
         self._map = mmap.mmap(fd, size, access=access) if size else None
@@ -53,24 +56,33 @@ class SegmentFile:
 class FileSystem:
     """The real file system. Paths are `pathlib.Path` objects."""
 
-    def create_segment(self, path: Path, size: int) -> SegmentFile:
-        """Create and preallocate a file, so a full disk fails here and not as SIGBUS later."""
+    def create_segment(self, path: Path, size: int, header: bytes) -> SegmentFile:
+        """Create, preallocate and write the header of a segment, durably.
+
+        Preallocation makes a full disk fail here and not as SIGBUS later. The
+        header is synced with the file, so a segment that exists after a crash
+        always names its base offset.
+        """
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             os.posix_fallocate(fd, 0, size)
+            os.pwrite(fd, header, 0)
             os.fsync(fd)
         except OSError as exc:
             os.close(fd)
             os.unlink(path)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise DiskFullError(f"no space to create segment {path.name} ({size} bytes)") from exc
-            raise
+            raise DurabilityError(f"cannot create segment {path.name}: {exc}") from exc
         self.sync_dir(path.parent)
         return SegmentFile(path, fd, size, writable=True)
 
     def open_segment(self, path: Path, writable: bool) -> SegmentFile:
         fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
         size = os.fstat(fd).st_size
+        if size < SEGMENT_MIN_BYTES:
+            os.close(fd)
+            raise CorruptionError(f"segment {path.name} is {size} bytes, shorter than its header")
         return SegmentFile(path, fd, size, writable)
 
     def write_file_atomic(self, path: Path, data: bytes) -> None:
@@ -87,13 +99,17 @@ class FileSystem:
             tmp.unlink(missing_ok=True)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise DiskFullError(f"no space to write {path.name}") from exc
-            raise
+            raise DurabilityError(f"cannot write {path.name}: {exc}") from exc
         os.close(fd)
         os.replace(tmp, path)
         self.sync_dir(path.parent)
 
     def read_file(self, path: Path) -> bytes:
         return path.read_bytes()
+
+    def read_head(self, path: Path, length: int) -> bytes:
+        with path.open("rb") as f:
+            return f.read(length)
 
     def exists(self, path: Path) -> bool:
         return path.exists()
@@ -102,9 +118,14 @@ class FileSystem:
         return sorted(os.listdir(path)) if path.is_dir() else []
 
     def makedirs(self, path: Path) -> None:
-        if not path.is_dir():
-            path.mkdir(parents=True, exist_ok=True)
-            self.sync_dir(path.parent)
+        """Create `path` and missing parents, each made durable in its own parent."""
+        missing = []
+        while not path.is_dir():
+            missing.append(path)
+            path = path.parent
+        for directory in reversed(missing):
+            directory.mkdir(exist_ok=True)
+            self.sync_dir(directory.parent)
 
     def remove(self, path: Path) -> None:
         path.unlink(missing_ok=True)
@@ -126,5 +147,7 @@ class FileSystem:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(fd)
+        except OSError as exc:
+            raise DurabilityError(f"fsync of directory {path} failed: {exc}") from exc
         finally:
             os.close(fd)

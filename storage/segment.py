@@ -21,6 +21,7 @@ from storage.format import (
     NODE_PREFIX_SIZE,
     NODE_SPARSE,
     SEGMENT_HEADER_SIZE,
+    SEGMENT_PACKED,
     NodeBody,
     NodeHeader,
     SegmentHeader,
@@ -95,8 +96,7 @@ class Segment:
     @classmethod
     def create(cls, fs: FileSystem, directory: Path, base_offset: int, size: int, now_ms: int) -> Segment:
         header = SegmentHeader(base_offset, 0, size, now_ms)
-        file = fs.create_segment(directory / segment_name(base_offset), size)
-        file.write(0, header.encode())
+        file = fs.create_segment(directory / segment_name(base_offset), size, header.encode())
         return cls(file, header)
 
     @classmethod
@@ -116,6 +116,27 @@ class Segment:
         segment = cls(file, header)
         return segment, segment._scan(verify)
 
+    @classmethod
+    def salvage(cls, fs: FileSystem, path: Path, base_offset: int) -> Segment | None:
+        """Open a segment whose header is damaged, trusting the base offset in its name.
+
+        Nodes carry their own checksums, so the chain can be found without the header:
+        try the growing layout, then the packed one. When nodes are found the header is
+        rewritten (durably) and the segment is returned; otherwise None.
+        """
+        file = fs.open_segment(path, writable=True)
+        for flags in (0, SEGMENT_PACKED):
+            segment = cls(file, SegmentHeader(base_offset, 0, file.size, 0, flags))
+            segment._scan(verify=True)
+            if segment.nodes:
+                end = segment.nodes[-1].end_offset if flags else 0
+                segment.header = SegmentHeader(base_offset, end, file.size, 0, flags)
+                file.write(0, segment.header.encode())
+                file.sync()
+                return segment
+        file.close()
+        return None
+
     def _scan(self, verify: bool) -> str | None:
         pos = SEGMENT_HEADER_SIZE
         expected = self.base_offset
@@ -123,6 +144,7 @@ class Segment:
         while pos + NODE_PREFIX_SIZE <= size:
             prefix = self.file.read(pos, NODE_PREFIX_SIZE)
             candidates = pick_header(prefix[:NODE_HEADER_SIZE], prefix[NODE_HEADER_SIZE:])
+            self.end_pos = pos  # where a cut, if any, falls: the end of the valid prefix
             if not candidates:
                 if any(prefix):
                     return f"unreadable node header at byte {pos}"
@@ -134,6 +156,12 @@ class Segment:
                     break
             if chosen is None:
                 return f"node at byte {pos} (offset {expected}) failed its checks"
+            if chosen is not candidates[0] and self.file.writable:
+                # The newer slot describes an append that never fully landed. Erase it (durably),
+                # or a later start that skips body checks would trust it.
+                rejected = candidates[0].seq % 2
+                self.file.write(pos + NODE_HEADER_SIZE * rejected, bytes(NODE_HEADER_SIZE))
+                self.file.sync()
             ref = NodeRef(self, pos, chosen)
             self.nodes.append(ref)
             expected = ref.end_offset

@@ -25,8 +25,22 @@ from crc32c import crc32c
 from storage.cache import NodeCache
 from storage.config import EngineConfig, StreamConfig
 from storage.durability import SyncGate
-from storage.errors import CorruptionError, DurabilityError, InvalidArgumentError, LimitExceededError
-from storage.format import NODE_DELAYED, NODE_SPARSE, NODE_ZSTD, NodeBody, SegmentHeader, encode_packed_node
+from storage.errors import (
+    CorruptionError,
+    DurabilityError,
+    InvalidArgumentError,
+    LimitExceededError,
+    StorageError,
+)
+from storage.format import (
+    NODE_DELAYED,
+    NODE_SPARSE,
+    NODE_ZSTD,
+    SEGMENT_HEADER_SIZE,
+    NodeBody,
+    SegmentHeader,
+    encode_packed_node,
+)
 from storage.fs import FileSystem, SegmentFile
 from storage.records import decode_record, encode_batch, record_offset_and_timestamp
 from storage.results import AppendResult, Gap, ReadResult, StreamInfo
@@ -153,17 +167,18 @@ class Stream:
         for leftover in (f for f in files if f.endswith(".tmp")):
             fs.remove(self.directory / leftover)  # a rewrite that crashed before its rename
         names = [f for f in files if f.endswith(SEGMENT_SUFFIX)]
-        expected: int | None = None
+        # A segment whose header never became durable was being created when a crash hit:
+        # it holds no entry (nothing is written before creation completes). Remove it.
+        while names and not any(fs.read_head(self.directory / names[-1], SEGMENT_HEADER_SIZE)):
+            fs.remove(self.directory / names.pop())
+        expected = int(names[0].split(".")[0]) if names else None
         for i, fname in enumerate(names):
             path = self.directory / fname
             last = i == len(names) - 1
-            try:
-                segment, cut = Segment.open(fs, path, writable=True, verify=last and not clean)
-            except CorruptionError as exc:
-                log.error("stream %r: segment %s is unreadable (%s)", self.name, fname, exc)
-                if last:
-                    break
+            segment = self._open_segment(path, verify=last and not clean)
+            if segment is None:
                 continue
+            segment, cut = segment
             if expected is not None and segment.base_offset != expected:
                 if segment.base_offset < expected:
                     log.error(
@@ -179,7 +194,10 @@ class Stream:
             if cut:
                 log.warning("stream %r: segment %s: %s", self.name, fname, cut)
                 if last and not segment.packed:
-                    segment.truncate_after(segment.end_pos)  # torn tail: keep the valid prefix
+                    # Torn tail: keep the valid prefix, and make the cut durable before anything
+                    # else is written, so a later power loss cannot bring the torn node back.
+                    segment.truncate_after(segment.end_pos)
+                    segment.file.sync()
                 else:
                     self._note_damage(
                         Gap(
@@ -198,7 +216,8 @@ class Stream:
                 if ref.end_offset > meta_first or ref is resumed:
                     self._index_append(ref)
         end = self.segments[-1].end_offset() if self.segments else 0
-        self.next_offset = max(end, meta_first)
+        # Never hand out an offset that a damaged segment may hold.
+        self.next_offset = max([end, meta_first, *(max(g.start, g.end) for g in self.damaged)])
         self.first_offset = max(meta_first, 0)
         self.visible_next = self.next_offset
         self.last_ts = self.max_ts[-1] if self.max_ts else 0
@@ -211,6 +230,22 @@ class Stream:
             self.active = GrowingNode.resume(resumed)
         if self.ctx.config.compression:
             self.pack_queue = [s for s in self.segments[:-1] if not s.packed]
+
+    def _open_segment(self, path: Path, verify: bool) -> tuple[Segment, str | None] | None:
+        """Open one segment; salvage it if its header is damaged; None if nothing can be read."""
+        try:
+            return Segment.open(self.ctx.fs, path, writable=True, verify=verify)
+        except CorruptionError as exc:
+            log.error("stream %r: segment %s has a damaged header (%s)", self.name, path.name, exc)
+        base = int(path.name.split(".")[0])
+        salvaged = Segment.salvage(self.ctx.fs, path, base)
+        if salvaged is None:
+            # Keep the file for the operator, out of the way of a new segment of the same name.
+            self.ctx.fs.rename(path, path.with_name(path.name + ".damaged"))
+            self._note_damage(Gap(base, -1, "corrupt"))
+            return None
+        log.warning("stream %r: segment %s salvaged: header rewritten", self.name, path.name)
+        return salvaged, None
 
     def _next_base_after(self, offset: int) -> int:
         i = bisect_right(self.bases, offset)
@@ -296,6 +331,10 @@ class Stream:
 
     def _roll(self, now_ms: int) -> Segment:
         old = self.segments[-1] if self.segments else None
+        if old is not None and not old.packed:
+            # Whatever the policy, a segment is complete on disk before the next one exists:
+            # otherwise a power loss could leave a hole in the middle of the stream.
+            old.file.sync()
         segment = Segment.create(
             self.ctx.fs, self.directory, self.next_offset, self.ctx.config.segment_bytes, now_ms
         )
@@ -400,6 +439,8 @@ class Stream:
                 start = last + 1
             if budget_stop:
                 break
+        if count and not taken and gap is None and start < end:
+            gap = Gap(start, end, self._hole_reason(start))  # nothing left but a hole
         return ReadResult(records, taken, first, end, gap, last)
 
     def _read_backward(self, offset: int, count: int, max_bytes: int) -> ReadResult:
@@ -505,8 +546,9 @@ class Stream:
         """Move first_offset, persist it, then forget nodes and delete segments wholly below it."""
         if offset <= self.first_offset:
             return
-        self.first_offset = offset
+        # Durable first: a trim that fails (disk full) must change nothing.
         self.ctx.fs.write_file_atomic(self.directory / META_FILE, encode_meta(self.name, offset, self.config))
+        self.first_offset = offset
         k = 0
         keep_active = self.active.ref if self.active is not None else None
         while k < len(self.nodes) and self.nodes[k].end_offset <= offset and self.nodes[k] is not keep_active:
@@ -637,10 +679,18 @@ class Stream:
                     self._rewrite(segment, self._bodies(segment))
                     packed += 1
                 except CorruptionError as exc:
+                    # It stays readable as it is, node by node; packing it would drop the bad node.
                     log.error("stream %r: segment %s not packed: %s", self.name, segment.path.name, exc)
+                except StorageError:
+                    with self.lock:
+                        self.pack_queue.insert(0, segment)  # e.g. disk full: try again next round
+                    raise
 
     def compact(self, now_ms: int) -> int:
         """Keep only the latest entry per tag in sealed segments. Returns the entries removed."""
+        # Superseding entries must be on disk before what they supersede is removed,
+        # or a power loss could lose a key altogether.
+        self.sync()
         with self.maintenance_lock:
             with self.lock:
                 sealed = self.segments[:-1]

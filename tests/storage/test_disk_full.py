@@ -1,0 +1,293 @@
+"""A full disk and a failing fsync: clean errors, an intact stream, and recovery once the cause is gone.
+
+Disk full runs on a real 1 MiB tmpfs (mounted here: we are root in CI; skipped
+with the reason when mounting is not permitted) and on FaultFS's disk-full
+switch. Segments are preallocated, so a full disk shows up as DiskFullError
+when a segment is created, never as SIGBUS inside a write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from storage import DiskFullError, DurabilityError, Engine, EngineConfig, StorageError
+from tests.storage.faultfs import FaultFS
+
+ROOT = Path("/faultfs/data")
+SMALL = dict(
+    segment_bytes=64 * 1024,
+    node_entries=8,
+    max_batch_entries=64,
+    max_batch_bytes=16 * 1024,
+    max_entry_bytes=4 * 1024,
+    background=False,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_ms = 1_700_000_000_000
+
+    def __call__(self) -> int:
+        self.now_ms += 1
+        return self.now_ms
+
+
+def batch(rng: random.Random, n: int = 8, size: int = 1500) -> list[bytes]:
+    return [rng.randbytes(size) for _ in range(n)]
+
+
+def read_all(engine: Engine, name: str) -> list[tuple[int, bytes]]:
+    info = engine.info(name)
+    out: list[tuple[int, bytes]] = []
+    cursor = info.first_offset
+    for _ in range(info.next_offset - info.first_offset + 1):
+        if cursor >= info.next_offset:
+            break
+        result = engine.read(name, cursor, 100)
+        entries = result.entries()
+        assert entries and result.gap is None, f"read at {cursor} of {name}: gap {result.gap}"
+        out.extend((e.offset, e.payload) for e in entries)
+        cursor = entries[-1].offset + 1
+    return out
+
+
+def fill_until_full(engine: Engine, name: str, rng: random.Random) -> list[tuple[int, bytes]]:
+    """Append 12 KiB batches until DiskFullError; returns what was acknowledged."""
+    acked: list[tuple[int, bytes]] = []
+    for _ in range(1000):  # a bound far above what fits
+        items = batch(rng)
+        try:
+            result = engine.append(name, items)
+        except DiskFullError:
+            return acked
+        acked.extend((result.first_offset + i, p) for i, p in enumerate(items))
+    pytest.fail("the disk never filled up")
+
+
+# ---------------------------------------------------------------------- a real tmpfs
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A 1 MiB tmpfs mounted on a fresh directory; always unmounted afterwards."""
+    mountpoint = tmp_path / "tmpfs"
+    mountpoint.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mountpoint)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot run mount: {exc}")
+    if done.returncode != 0:
+        pytest.skip(f"mount -t tmpfs is not permitted here: {done.stderr.strip() or done.returncode}")
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", str(mountpoint)], capture_output=True, timeout=30)
+        if os.path.ismount(mountpoint):
+            subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True, timeout=30)
+
+
+@pytest.mark.parametrize("fsync", ["always", "no"])
+def test_real_full_disk_fails_cleanly_at_segment_creation_and_recovers(tmpfs, fsync):
+    rng = random.Random(7)
+    data = tmpfs / "data"
+    engine = Engine(data, EngineConfig(**SMALL, fsync=fsync), clock=Clock())
+    spare = []
+    for _ in range(15):  # ~180 KiB in a second stream, to be deleted later
+        result = engine.append("spare", batch(rng))
+        spare.append(result.first_offset)
+    acked = fill_until_full(engine, "main", rng)
+    assert len(acked) > 100
+    files = sorted(p.name for p in (data / "streams" / "main").iterdir())
+    assert all(name.endswith(".seg") or name == "stream.meta" for name in files), files  # no partial file
+
+    # The failure is clean and repeatable, the stream intact and readable.
+    for _ in range(3):
+        with pytest.raises(DiskFullError):
+            engine.append("main", batch(rng))
+    assert sorted(p.name for p in (data / "streams" / "main").iterdir()) == files
+    assert read_all(engine, "main") == acked
+    assert engine.info("main").next_offset == len(acked)
+
+    # Free space: appends go on where they stopped.
+    engine.delete_stream("spare")
+    more = batch(rng)
+    result = engine.append("main", more)
+    assert result.first_offset == len(acked)
+    acked.extend((result.first_offset + i, p) for i, p in enumerate(more))
+    assert read_all(engine, "main") == acked
+    engine.close()
+
+    engine = Engine(data, EngineConfig(**SMALL, fsync=fsync), clock=Clock())
+    assert read_all(engine, "main") == acked and engine.list_streams() == ["main"]
+    engine.close()
+
+
+# ---------------------------------------------------------------------- the same through FaultFS
+
+
+def faultfs_engine(fs: FaultFS, fsync: str = "always") -> Engine:
+    return Engine(ROOT, EngineConfig(**SMALL, fsync=fsync), clock=Clock(), fs=fs)
+
+
+def new_fs() -> FaultFS:
+    fs = FaultFS()
+    fs.prepare_dir(ROOT)
+    return fs
+
+
+@pytest.mark.parametrize("how", ["switch", "capacity"])
+def test_faultfs_full_disk_fails_cleanly_and_recovers(how):
+    rng = random.Random(11)
+    fs = new_fs()
+    engine = faultfs_engine(fs)
+    for _ in range(15):
+        engine.append("spare", batch(rng))
+    acked: list[tuple[int, bytes]] = []
+    for _ in range(10):
+        items = batch(rng)
+        result = engine.append("main", items)
+        acked.extend((result.first_offset + i, p) for i, p in enumerate(items))
+    if how == "switch":
+        fs.disk_full = True
+        more = fill_until_full(engine, "main", rng)  # the rest of the current segment still fits
+    else:
+        fs.capacity_bytes = 700 * 1024
+        more = fill_until_full(engine, "main", rng)
+    acked.extend(more)
+    with pytest.raises(DiskFullError):
+        engine.append("main", batch(rng))
+    assert read_all(engine, "main") == acked
+
+    # A power loss now loses nothing acknowledged.
+    crashed = faultfs_engine(fs.crashed_copy(random.Random(1), "lost"))
+    assert read_all(crashed, "main") == acked
+
+    if how == "switch":
+        fs.disk_full = False
+    else:
+        engine.delete_stream("spare")
+    items = batch(rng)
+    result = engine.append("main", items)
+    assert result.first_offset == len(acked)
+    acked.extend((result.first_offset + i, p) for i, p in enumerate(items))
+    assert read_all(engine, "main") == acked
+    engine.close()
+    assert read_all(faultfs_engine(fs.crashed_copy(random.Random(2), "lost")), "main") == acked
+
+
+def test_trim_on_a_full_disk_changes_nothing():
+    rng = random.Random(3)
+    fs = new_fs()
+    engine = faultfs_engine(fs, fsync="no")
+    for _ in range(20):
+        engine.append("main", batch(rng, size=200))
+    before = read_all(engine, "main")
+    fs.disk_full = True
+    with pytest.raises(DiskFullError):
+        engine.trim("main", 100)
+    assert engine.info("main").first_offset == 0
+    assert read_all(engine, "main") == before
+
+
+def test_segments_not_packed_for_lack_of_space_are_packed_later():
+    rng = random.Random(4)
+    fs = new_fs()
+    engine = faultfs_engine(fs, fsync="no")
+    for _ in range(60):
+        engine.append("main", [rng.choice([b"a", b"b"]) * 1500 for _ in range(8)])
+    sealed = engine.info("main").segments - 1
+    assert sealed >= 3
+    fs.disk_full = True
+    engine.maintain()  # packing needs room for the packed copy: it fails, and says so in the log
+    fs.disk_full = False
+    engine.maintain()
+    stream_dir = ROOT / "streams" / "main"
+    sizes = [
+        len(fs.file_bytes(stream_dir / name)) for name in fs.listdir(stream_dir) if name.endswith(".seg")
+    ]
+    assert sum(size < SMALL["segment_bytes"] for size in sizes) == sealed, f"segment sizes {sizes}"
+
+
+def test_an_io_error_during_maintenance_is_reported_not_raised():
+    rng = random.Random(5)
+    fs = new_fs()
+    engine = faultfs_engine(fs, fsync="no")
+    for _ in range(40):
+        engine.append("main", batch(rng))
+    fs.fail_at_sync = fs.syncs + 1  # the fsync of the first packed copy
+    errors: list[BaseException] = []
+    worker = threading.Thread(target=_catch, args=(engine.maintain, errors))  # as the background thread
+    worker.start()
+    worker.join()
+    assert fs.failed_syncs == 1
+    assert not errors, f"maintain() raised {errors[0]!r}"
+    engine.append("main", batch(rng))
+
+
+def _catch(fn, errors: list[BaseException]) -> None:
+    try:
+        fn()
+    except BaseException as exc:
+        errors.append(exc)
+
+
+# ---------------------------------------------------------------------- fsync failure
+
+
+@pytest.mark.parametrize("crash", ["lost", "process"])
+def test_fsync_failure_in_always_mode_stops_appends_and_keeps_what_was_acknowledged(crash):
+    rng = random.Random(6)
+    fs = new_fs()
+    engine = faultfs_engine(fs, fsync="always")
+    acked: list[tuple[int, bytes]] = []
+    for _ in range(30):  # across segments and packing
+        items = batch(rng, n=rng.randint(1, 8))
+        result = engine.append("main", items)
+        acked.extend((result.first_offset + i, p) for i, p in enumerate(items))
+    engine.maintain()
+    engine.append("other", [b"unaffected"])
+
+    fs.fail_at_sync = fs.syncs + 1  # the sync of the next append's segment
+    failed = batch(rng, n=3)
+    with pytest.raises(DurabilityError):
+        engine.append("main", failed)
+    assert fs.failed_syncs == 1
+    for _ in range(3):  # no retry that could lie: every later append is refused
+        with pytest.raises(DurabilityError):
+            engine.append("main", batch(rng, n=1))
+    with pytest.raises(DurabilityError):
+        engine.sync()
+    assert fs.failed_syncs == 1, "the engine retried a failed fsync"
+    # Reads still work and show exactly what was acknowledged.
+    assert read_all(engine, "main") == acked
+    assert engine.info("main").next_offset == len(acked)
+    assert engine.append("other", [b"still fine"]).first_offset == 1  # other streams go on
+    with contextlib.suppress(StorageError):  # reporting the failure again on close is fine
+        engine.close()
+
+    state = fs.crashed_copy(random.Random(8), crash)
+    engine = faultfs_engine(state)
+    got = read_all(engine, "main")
+    if crash == "lost":  # only synced bytes survive: the failed batch never reached the disk
+        assert got == acked
+    else:  # the page cache survived: the failed batch may be there, whole
+        assert got in (acked, acked + [(len(acked) + i, p) for i, p in enumerate(failed)])
+    result = engine.append("main", [b"after restart"])
+    assert result.first_offset == len(got)
+    assert [e.payload for e in engine.read("other", 0, 5).entries()] == [b"unaffected", b"still fine"]
+    engine.close()
