@@ -98,7 +98,7 @@ def _channel(address: str) -> grpc.Channel:
 
 def append_throughput(stub: pb_grpc.StreamLogServiceStub, stream: str, total: int) -> dict[str, float]:
     payloads = [os.urandom(PAYLOAD) for _ in range(BATCH)]
-    request = pb.AppendRequest(stream=stream, entries=[pb.Entry(payload=p) for p in payloads])
+    request = pb.AppendRequest(stream=stream, payloads=payloads)  # the fast form for payload-only batches
     with Timer() as t:
         for _ in range(total // BATCH):
             stub.Append(request)

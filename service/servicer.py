@@ -1,9 +1,9 @@
 """StreamLogService: each RPC translated between protobuf and the storage engine.
 
-Hot paths move batches, not entries. Append turns the request's entries into the
-engine's columns with C-level `map`s (a single one for payload-only batches: see
-wire.py). Read and Subscribe send the engine's stored records as they are: a
-stored record is exactly the wire encoding of one `Entry` in field 1 of
+Hot paths move batches, not entries. Append takes `payloads` (a list of bytes) in
+one C call, or turns `entries` into the engine's columns with C-level `map`s (a
+single one for payload-only batches: see wire.py). Read and Subscribe send the
+engine's stored records as they are: a stored record is exactly the wire encoding of one `Entry` in field 1 of
 ReadResponse/SubscribeResponse, so a reply is the records joined, followed by the
 serialized scalar fields (protobuf allows fields in any order). Those two methods
 therefore return `bytes`, and the server registers them with a pass-through
@@ -238,17 +238,24 @@ class StreamLogServicer:
         engine = self._ready()
         stream = validation.stream(request.stream)
         entries = request.entries
-        count = len(entries)
+        if entries and request.payloads:
+            raise invalid_argument("entries, payloads: set one of them, not both")
+        count = len(entries) or len(request.payloads)
         if not count:
             raise invalid_argument("entries: at least one entry is required")
         limit = self._settings.max_batch_entries
         if count > limit:
             # Refuse before building columns for a batch that cannot be taken.
             raise limit_exceeded("max_batch_entries", limit, f"entries: the batch has {count} entries")
-        # The engine takes columns. The common batch has payloads only: one pass
-        # gets them, and a size comparison done in C proves there is nothing else.
-        payloads = list(map(_payload, entries))
-        columns = {} if entries_hold_only_payloads(request, stream, payloads) else _optional_columns(entries)
+        if request.payloads:
+            # The fast form: a repeated bytes field converts to a list in one C call.
+            payloads, columns = list(request.payloads), {}
+        else:
+            # The engine takes columns. The common batch has payloads only: one pass
+            # gets them, and a size comparison done in C proves there is nothing else.
+            payloads = list(map(_payload, entries))
+            only_payloads = entries_hold_only_payloads(request, stream, payloads)
+            columns = {} if only_payloads else _optional_columns(entries)
         if engine.stream_fsync(stream) == "always":
             result = await self._in_thread(engine.append, stream, payloads, **columns)
         else:

@@ -438,3 +438,26 @@ def test_aio_client_sees_the_same_bytes_as_the_engine(server: ServerThread) -> N
             ]
 
     asyncio.run(scenario())
+
+
+def test_payloads_form_appends_plain_entries(stub: pb_grpc.StreamLogServiceStub) -> None:
+    payloads = [b"a", b"", b"c" * 1000]
+    reply = stub.Append(pb.AppendRequest(stream="fast", payloads=payloads), timeout=10)
+    assert (reply.first_offset, reply.last_offset) == (0, 2)
+    read = stub.Read(pb.ReadRequest(stream="fast", offset=0, count=10), timeout=10)
+    assert [(e.offset, e.payload, e.tag) for e in read.entries] == [
+        (0, b"a", ""),
+        (1, b"", ""),
+        (2, b"c" * 1000, ""),
+    ]
+
+
+def test_payloads_and_entries_together_are_refused(stub: pb_grpc.StreamLogServiceStub) -> None:
+    request = pb.AppendRequest(stream="fast", entries=[pb.Entry(payload=b"x")], payloads=[b"y"])
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Append(request, timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not both" in refused.value.details()
+    with pytest.raises(grpc.RpcError) as missing:
+        stub.Read(pb.ReadRequest(stream="fast", offset=0), timeout=10)
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND  # nothing was written
