@@ -9,17 +9,31 @@ from storage.errors import (
     CorruptionError,
     DiskFullError,
     DurabilityError,
+    GroupNotFoundError,
     InvalidArgumentError,
     LimitExceededError,
     PreconditionError,
     StorageError,
     StreamNotFoundError,
 )
+from storage.groups import (
+    AckResult,
+    ConsumerInfo,
+    GroupConfig,
+    GroupCounters,
+    GroupInfo,
+    GroupReadResult,
+    NackResult,
+    PendingInfo,
+    PendingRow,
+)
 from storage.records import Entry
 from storage.results import AppendResult, Gap, ReadResult, StreamInfo
 
 __all__ = [
+    "AckResult",
     "AppendResult",
+    "ConsumerInfo",
     "CorruptionError",
     "DiskFullError",
     "DurabilityError",
@@ -27,8 +41,16 @@ __all__ = [
     "EngineConfig",
     "Entry",
     "Gap",
+    "GroupConfig",
+    "GroupCounters",
+    "GroupInfo",
+    "GroupNotFoundError",
+    "GroupReadResult",
     "InvalidArgumentError",
     "LimitExceededError",
+    "NackResult",
+    "PendingInfo",
+    "PendingRow",
     "PreconditionError",
     "ReadResult",
     "StorageError",

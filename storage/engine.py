@@ -30,6 +30,8 @@ from storage.errors import (
     StreamNotFoundError,
 )
 from storage.fs import FileSystem
+from storage.groupmanager import GroupListener, GroupManager
+from storage.groups import AckResult, GroupConfig, GroupInfo, GroupReadResult, NackResult, PendingInfo
 from storage.names import dirname_for, validate_name
 from storage.results import AppendResult, ReadResult, StreamInfo
 from storage.stream import META_FILE, EngineContext, Stream
@@ -37,6 +39,7 @@ from storage.stream import META_FILE, EngineContext, Stream
 log = logging.getLogger("streamlog.storage")
 
 AppendListener = Callable[[str, int], None]
+GROUP_JOURNAL_BYTES = 1 << 20  # per stream with groups; checkpointed into a snapshot as it fills
 
 
 def wall_clock_ms() -> int:
@@ -68,6 +71,11 @@ class Engine:
         self._streams: dict[str, Stream] = {}
         self.unreadable: list[str] = []  # stream directories whose metadata failed its checks
         self._load()
+        # Consumer groups (storage/groupmanager.py): their state lives beside each stream's segments.
+        self._groups = GroupManager(
+            self, self._fs, self._clock, journal_bytes=min(self.config.segment_bytes, GROUP_JOURNAL_BYTES)
+        )
+        self.retention_floor = self._groups.retention_floor
         self._closed = False
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
@@ -116,6 +124,7 @@ class Engine:
         self._stop.set()
         if self._worker is not None:
             self._worker.join()
+        self._groups.close()
         with self._lock:
             streams = list(self._streams.values())
         for stream in streams:
@@ -171,6 +180,7 @@ class Engine:
 
     def delete_stream(self, name: str) -> None:
         stream = self._stream(name)
+        self._groups.drop_stream(name)  # a stream's groups go with it
         with self._lock:
             self._streams.pop(name, None)
         stream.close(clean=False)
@@ -294,6 +304,7 @@ class Engine:
     def sync(self) -> None:
         for stream in list(self._streams.values()):
             stream.sync()
+        self._groups.sync()
 
     # ------------------------------------------------------------------ maintenance
 
@@ -315,6 +326,109 @@ class Engine:
                     stream.compact(now)
             except (StorageError, OSError) as exc:
                 log.error("maintenance of stream %r failed: %s", stream.name, exc)
+        self._groups.maintain()  # group expiry and dead letters, everysec journal syncs, checkpoints
+
+    # ------------------------------------------------------------------ consumer groups
+    # Delegations to storage/groupmanager.py, where each call is documented.
+
+    def create_group(
+        self,
+        stream: str,
+        group: str,
+        *,
+        start: str | int = "oldest",
+        entries_read: int | None = None,
+        config: GroupConfig | None = None,
+    ) -> GroupInfo:
+        return self._groups.create_group(stream, group, start=start, entries_read=entries_read, config=config)
+
+    def delete_group(self, stream: str, group: str) -> None:
+        self._groups.delete_group(stream, group)
+
+    def list_groups(self, stream: str) -> list[GroupInfo]:
+        return self._groups.list_groups(stream)
+
+    def group_info(self, stream: str, group: str) -> GroupInfo:
+        return self._groups.group_info(stream, group)
+
+    def set_group_offset(
+        self, stream: str, group: str, offset: str | int, entries_read: int | None = None
+    ) -> GroupInfo:
+        return self._groups.set_group_offset(stream, group, offset, entries_read)
+
+    def set_group_config(self, stream: str, group: str, config: GroupConfig) -> GroupInfo:
+        return self._groups.set_group_config(stream, group, config)
+
+    def delete_consumer(self, stream: str, group: str, consumer: str) -> int:
+        return self._groups.delete_consumer(stream, group, consumer)
+
+    def read_group(
+        self,
+        stream: str,
+        group: str,
+        consumer: str,
+        count: int,
+        *,
+        max_bytes: int = 0,
+        retry_ms: int | None = None,
+        expire_ms: int | None = None,
+        noack: bool = False,
+        claim_idle_ms: int | None = None,
+    ) -> GroupReadResult:
+        return self._groups.read_group(
+            stream,
+            group,
+            consumer,
+            count,
+            max_bytes=max_bytes,
+            retry_ms=retry_ms,
+            expire_ms=expire_ms,
+            noack=noack,
+            claim_idle_ms=claim_idle_ms,
+        )
+
+    def ack(
+        self, stream: str, group: str, offsets: Sequence[int] = (), ranges: Sequence[tuple[int, int]] = ()
+    ) -> AckResult:
+        return self._groups.ack(stream, group, offsets, ranges)
+
+    def nack(self, stream: str, group: str, offsets: Sequence[int], delay_ms: int = 0) -> NackResult:
+        return self._groups.nack(stream, group, offsets, delay_ms)
+
+    def claim(
+        self, stream: str, group: str, consumer: str, min_idle_ms: int, offsets: Sequence[int]
+    ) -> GroupReadResult:
+        return self._groups.claim(stream, group, consumer, min_idle_ms, offsets)
+
+    def autoclaim(
+        self, stream: str, group: str, consumer: str, min_idle_ms: int, cursor: int = 0, count: int = 100
+    ) -> tuple[int, GroupReadResult]:
+        return self._groups.autoclaim(stream, group, consumer, min_idle_ms, cursor, count)
+
+    def pending(
+        self,
+        stream: str,
+        group: str,
+        *,
+        consumer: str | None = None,
+        min_idle_ms: int = 0,
+        start: int = 0,
+        end: int | None = None,
+        count: int = 100,
+    ) -> PendingInfo:
+        return self._groups.pending(
+            stream, group, consumer=consumer, min_idle_ms=min_idle_ms, start=start, end=end, count=count
+        )
+
+    def retention_holder(self, stream: str) -> tuple[str, int] | None:
+        """(group, offset) of the consumer group holding the stream's retention back, or None."""
+        self._stream(stream)
+        return self._groups.retention_holder(stream)
+
+    def add_group_listener(self, listener: GroupListener) -> None:
+        self._groups.add_listener(listener)
+
+    # ------------------------------------------------------------------ maintenance loop
 
     def _maintenance_loop(self) -> None:
         interval = self.config.maintenance_interval_ms / 1000

@@ -15,6 +15,14 @@ class StreamNotFoundError(StorageError):
     """The named stream does not exist."""
 
 
+class GroupNotFoundError(StreamNotFoundError):
+    """The named consumer group does not exist on the stream.
+
+    A kind of StreamNotFoundError so that callers mapping "not found" (the
+    service's NOT_FOUND) treat both alike.
+    """
+
+
 class LimitExceededError(StorageError):
     """A configured limit would be passed; the message names the limit and its value."""
 

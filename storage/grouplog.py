@@ -1,0 +1,547 @@
+"""Durable consumer-group state of one stream: a snapshot plus an append-only journal of ops.
+
+Files, in the stream's directory (see docs/FORMAT.md, "Consumer groups"):
+
+    groups.snapshot                    every group as ops that rebuild it (the journal, compacted)
+    groups-<20-digit generation>.journal   ops applied since that snapshot, one checksummed record per call
+
+Recovery reads the snapshot, then replays the journal of the snapshot's
+generation up to its first invalid record (a torn tail is cut there), and
+never reads the stream's history (Kafka keeps its group offsets in a compacted
+log for the same reason). A checkpoint writes the current state as a new
+snapshot with a fresh, empty journal of the next generation:
+
+    1. create journal g+1 (preallocated; `create_segment` writes and syncs its header)
+    2. replace the snapshot atomically (it names generation g+1)
+    3. delete journal g
+
+A crash between any two steps leaves a snapshot and the journal it names;
+journals of other generations are leftovers and are deleted on load. The
+journal is a preallocated file written through `FileSystem.create_segment`,
+like segments: a full disk fails when it is created, and a fault-injecting
+file system sees every record write and sync.
+
+Op encoding: storage.groups defines the ops (tuples); `encode_ops` and
+`decode_ops` turn them into bytes with the field kinds in `_SCHEMA`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from crc32c import crc32c
+
+from storage import groups as g
+from storage.errors import CorruptionError
+from storage.fs import FileSystem, SegmentFile
+
+log = logging.getLogger("streamlog.storage")
+
+SNAPSHOT_FILE = "groups.snapshot"
+JOURNAL_PREFIX = "groups-"
+JOURNAL_SUFFIX = ".journal"
+FORMAT_VERSION = 1
+HEADER_SIZE = 32
+RECORD_HEADER_SIZE = 8
+# A journal is at least twice the size of the snapshot before it, so the cost of rewriting a big
+# state (a long pending list) stays proportional to the calls made since; up to this size.
+MAX_JOURNAL_BYTES = 64 << 20
+
+_SNAPSHOT_MAGIC = b"SLGS"
+_JOURNAL_MAGIC = b"SLGJ"
+# magic, version, zero, generation, body length, body CRC (+ header CRC of these 28 bytes)
+_SNAPSHOT_HEADER = struct.Struct("<4sHHQQI")
+# magic, version, zero, generation, 12 zero bytes (+ header CRC)
+_JOURNAL_HEADER = struct.Struct("<4sHHQ12x")
+_U32 = struct.Struct("<I")
+_RECORD = struct.Struct("<II")  # body length, CRC32C of the length's 4 bytes + body
+
+
+def journal_name(generation: int) -> str:
+    return f"{JOURNAL_PREFIX}{generation:020d}{JOURNAL_SUFFIX}"
+
+
+# ---------------------------------------------------------------------- op codec
+
+# Field kinds: s str, S optional str, u unsigned int, o optional unsigned int, b bool,
+# c GroupConfig, L offsets (as runs), P (offset, due) pairs, R pending rows, U unsigned ints to the end.
+_SCHEMA: dict[int, str] = {
+    g.OP_CREATE: "scuuu",
+    g.OP_DROP: "s",
+    g.OP_SEEK: "suu",
+    g.OP_CONFIG: "sc",
+    g.OP_SEEN: "ssub",
+    g.OP_ACTIVE: "su",
+    g.OP_DELIVER: "ssuooL",
+    g.OP_NOACK: "sL",
+    g.OP_SCHEDULE: "sP",
+    g.OP_ADVANCE: "sub",
+    g.OP_REMOVE: "suL",
+    g.OP_ACK_UNKNOWN: "su",
+    g.OP_RELEASE: "suL",
+    g.OP_CLAIM: "ssuL",
+    g.OP_DEL_CONSUMER: "ss",
+    g.OP_RESTORE_GROUP: "su" + "u" * len(g.COUNTER_NAMES),
+    g.OP_RESTORE_CONSUMER: "ssuo",
+    g.OP_RESTORE_PENDING: "sR",
+}
+
+
+def _varint(out: bytearray, value: int) -> None:
+    if 0 <= value < 0x80:
+        out.append(value)
+        return
+    if value < 0:
+        raise ValueError(f"cannot encode negative value {value} as an unsigned varint")
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+
+
+def _zigzag(value: int) -> int:
+    return value << 1 if value >= 0 else ((-value) << 1) - 1
+
+
+def _unzigzag(value: int) -> int:
+    return value >> 1 if not value & 1 else -((value + 1) >> 1)
+
+
+def _runs(offsets: Sequence[int]) -> list[tuple[int, int]]:
+    if isinstance(offsets, range) and offsets.step == 1:
+        return [(offsets.start, len(offsets))] if len(offsets) else []
+    if (
+        offsets
+        and offsets[-1] - offsets[0] + 1 == len(offsets)
+        and list(offsets) == list(range(offsets[0], offsets[-1] + 1))
+    ):
+        return [(offsets[0], len(offsets))]  # the common case, checked at C speed
+    runs: list[tuple[int, int]] = []
+    for offset in offsets:
+        if runs and runs[-1][0] + runs[-1][1] == offset:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((offset, 1))
+    return runs
+
+
+def _enc_str(out: bytearray, value: str) -> None:
+    raw = value.encode()
+    _varint(out, len(raw))
+    out += raw
+
+
+def _enc_opt_str(out: bytearray, value: str | None) -> None:
+    if value is None:
+        out.append(0)
+    else:
+        raw = value.encode()
+        _varint(out, len(raw) + 1)
+        out += raw
+
+
+def _enc_opt(out: bytearray, value: int | None) -> None:
+    _varint(out, 0 if value is None else value + 1)
+
+
+def _enc_bool(out: bytearray, value: bool) -> None:
+    out.append(1 if value else 0)
+
+
+def _enc_config(out: bytearray, value: g.GroupConfig) -> None:
+    _enc_str(out, json.dumps(value.to_dict(), sort_keys=True))
+
+
+def _enc_offsets(out: bytearray, value: Sequence[int]) -> None:
+    runs = _runs(value)
+    _varint(out, len(runs))
+    prev = 0
+    for start, length in runs:  # offsets are mostly ascending runs: a read of 1000 entries is 3 bytes
+        _varint(out, _zigzag(start - prev))
+        _varint(out, length)
+        prev = start + length
+
+
+def _enc_pairs(out: bytearray, value: Sequence[tuple[int, int]]) -> None:
+    _varint(out, len(value))
+    prev = 0
+    for offset, due in value:
+        _varint(out, _zigzag(offset - prev))
+        _varint(out, due)
+        prev = offset
+
+
+def _enc_rows(out: bytearray, value: Sequence[tuple]) -> None:
+    names = sorted({row[1] for row in value if row[1] is not None})
+    index = {name: i + 1 for i, name in enumerate(names)}
+    _varint(out, len(names))
+    for name in names:
+        _enc_str(out, name)
+    _varint(out, len(value))
+    prev = 0
+    for offset, owner, count, delivered_ms, first_ms, retry_ms, retry_at, expire_at in value:
+        _varint(out, _zigzag(offset - prev))
+        _varint(out, 0 if owner is None else index[owner])
+        _varint(out, count)
+        _varint(out, delivered_ms)
+        _varint(out, first_ms)
+        _enc_opt(out, retry_ms)
+        _enc_opt(out, retry_at)
+        _enc_opt(out, expire_at)
+        prev = offset
+
+
+_ENCODERS = {
+    "s": _enc_str,
+    "S": _enc_opt_str,
+    "u": _varint,
+    "o": _enc_opt,
+    "b": _enc_bool,
+    "c": _enc_config,
+    "L": _enc_offsets,
+    "P": _enc_pairs,
+    "R": _enc_rows,
+}
+_OP_ENCODERS = {code: tuple(_ENCODERS[k] for k in kinds) for code, kinds in _SCHEMA.items()}
+
+
+def encode_ops(ops: Sequence[tuple]) -> bytes:
+    out = bytearray()
+    _varint(out, len(ops))
+    for op in ops:
+        code = op[0]
+        encoders = _OP_ENCODERS[code]
+        if len(op) != len(encoders) + 1:
+            raise ValueError(f"op {code} has {len(op) - 1} fields, its schema {len(encoders)}")
+        _varint(out, code)
+        for encode, value in zip(encoders, op[1:], strict=True):
+            encode(out, value)
+    return bytes(out)
+
+
+class _Reader:
+    __slots__ = ("buf", "pos")
+
+    def __init__(self, buf: bytes) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def varint(self) -> int:
+        result = shift = 0
+        buf = self.buf
+        while True:
+            if self.pos >= len(buf) or shift > 63:
+                raise CorruptionError("truncated or overlong varint in a group op")
+            byte = buf[self.pos]
+            self.pos += 1
+            result |= (byte & 0x7F) << shift
+            if byte < 0x80:
+                return result
+            shift += 7
+
+    def raw(self, n: int) -> bytes:
+        if self.pos + n > len(self.buf):
+            raise CorruptionError("a group op runs past the end of its record")
+        out = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def text(self, n: int) -> str:
+        try:
+            return self.raw(n).decode()
+        except UnicodeDecodeError as exc:
+            raise CorruptionError("a name in a group op is not UTF-8") from exc
+
+    def optional(self) -> int | None:
+        value = self.varint()
+        return None if value == 0 else value - 1
+
+
+def _decode_field(r: _Reader, kind: str):
+    if kind == "s":
+        return r.text(r.varint())
+    if kind == "S":
+        n = r.varint()
+        return None if n == 0 else r.text(n - 1)
+    if kind == "u":
+        return r.varint()
+    if kind == "o":
+        return r.optional()
+    if kind == "b":
+        return r.raw(1) != b"\x00"
+    if kind == "c":
+        text = r.text(r.varint())
+        try:
+            return g.GroupConfig.from_dict(json.loads(text))
+        except (ValueError, TypeError) as exc:
+            raise CorruptionError(f"group config in a group op is unreadable: {exc}") from exc
+    if kind == "L":
+        out: list[int] = []
+        prev = 0
+        for _ in range(r.varint()):
+            start = prev + _unzigzag(r.varint())
+            length = r.varint()
+            if start < 0:
+                raise CorruptionError("negative offset in a group op")
+            out.extend(range(start, start + length))
+            prev = start + length
+        return tuple(out)
+    if kind == "P":
+        pairs = []
+        prev = 0
+        for _ in range(r.varint()):
+            offset = prev + _unzigzag(r.varint())
+            pairs.append((offset, r.varint()))
+            prev = offset
+        return tuple(pairs)
+    if kind == "R":
+        names = [r.text(r.varint()) for _ in range(r.varint())]
+        rows = []
+        prev = 0
+        for _ in range(r.varint()):
+            offset = prev + _unzigzag(r.varint())
+            owner_index = r.varint()
+            if owner_index > len(names):
+                raise CorruptionError("pending row names an unknown consumer")
+            owner = None if owner_index == 0 else names[owner_index - 1]
+            rows.append(
+                (offset, owner, r.varint(), r.varint(), r.varint(), r.optional(), r.optional(), r.optional())
+            )
+            prev = offset
+        return tuple(rows)
+    raise ValueError(f"unknown field kind {kind!r}")
+
+
+def decode_ops(body: bytes) -> list[tuple]:
+    """The ops of one record or snapshot body; CorruptionError on anything malformed."""
+    r = _Reader(body)
+    ops = []
+    for _ in range(r.varint()):
+        code = r.varint()
+        kinds = _SCHEMA.get(code)
+        if kinds is None:
+            raise CorruptionError(f"unknown group op code {code}")
+        ops.append((code, *(_decode_field(r, kind) for kind in kinds)))
+    if r.pos != len(body):
+        raise CorruptionError("trailing bytes after the group ops of a record")
+    return ops
+
+
+# ---------------------------------------------------------------------- files
+
+
+def encode_snapshot(generation: int, ops: Sequence[tuple]) -> bytes:
+    body = encode_ops(ops)
+    head = _SNAPSHOT_HEADER.pack(_SNAPSHOT_MAGIC, FORMAT_VERSION, 0, generation, len(body), crc32c(body))
+    return head + _U32.pack(crc32c(head)) + body
+
+
+def decode_snapshot(raw: bytes) -> tuple[int, list[tuple]]:
+    if len(raw) < HEADER_SIZE:
+        raise CorruptionError("group snapshot is shorter than its header")
+    head = raw[: HEADER_SIZE - 4]
+    if _U32.unpack_from(raw, HEADER_SIZE - 4)[0] != crc32c(head):
+        raise CorruptionError("group snapshot header CRC mismatch")
+    magic, version, _, generation, length, body_crc = _SNAPSHOT_HEADER.unpack(head)
+    if magic != _SNAPSHOT_MAGIC or version != FORMAT_VERSION:
+        raise CorruptionError(f"group snapshot has magic {magic!r} version {version}")
+    body = raw[HEADER_SIZE : HEADER_SIZE + length]
+    if len(body) != length or crc32c(body) != body_crc:
+        raise CorruptionError("group snapshot body CRC mismatch")
+    return generation, decode_ops(body)
+
+
+def encode_journal_header(generation: int) -> bytes:
+    head = _JOURNAL_HEADER.pack(_JOURNAL_MAGIC, FORMAT_VERSION, 0, generation)
+    return head + _U32.pack(crc32c(head))
+
+
+def encode_record(body: bytes) -> bytes:
+    length = _U32.pack(len(body))
+    return length + _U32.pack(crc32c(length + body)) + body
+
+
+def scan_journal(raw: bytes, generation: int) -> tuple[list[tuple], int, int, str | None]:
+    """Replay a journal image: (ops, records, end position, why it was cut or None).
+
+    Records are trusted up to the first one that is incomplete or fails its CRC; the rest is
+    cut. A zero length where a record would start, with only zeros after it, is the clean end.
+    """
+    if len(raw) < HEADER_SIZE:
+        return [], 0, HEADER_SIZE, "journal is shorter than its header"
+    head = raw[: HEADER_SIZE - 4]
+    magic, version, _, gen = _JOURNAL_HEADER.unpack(head)
+    if _U32.unpack_from(raw, HEADER_SIZE - 4)[0] != crc32c(head) or magic != _JOURNAL_MAGIC:
+        return [], 0, HEADER_SIZE, "journal header is damaged"
+    if version != FORMAT_VERSION or gen != generation:
+        return [], 0, HEADER_SIZE, f"journal header says version {version} generation {gen}"
+    ops: list[tuple] = []
+    records = 0
+    pos = HEADER_SIZE
+    size = len(raw)
+    while pos + RECORD_HEADER_SIZE <= size:
+        length, crc = _RECORD.unpack_from(raw, pos)
+        if length == 0:
+            # The end, if nothing follows. Bytes after it are records written after one that was
+            # lost (a dropped write): they must not be replayed, nor be overwritten piecemeal.
+            if crc != 0 or raw[pos:] != bytes(size - pos):
+                return ops, records, pos, f"bytes follow the end of the journal at byte {pos}"
+            return ops, records, pos, None
+        end = pos + RECORD_HEADER_SIZE + length
+        if end > size:
+            return ops, records, pos, f"record at byte {pos} runs past the end of the journal"
+        body = raw[pos + RECORD_HEADER_SIZE : end]
+        if crc32c(raw[pos : pos + 4] + body) != crc:
+            return ops, records, pos, f"record at byte {pos} fails its CRC"
+        ops.extend(decode_ops(body))
+        records += 1
+        pos = end
+    return ops, records, pos, None
+
+
+class JournalFullError(Exception):
+    """The record does not fit in the journal: checkpoint, which makes the record unnecessary."""
+
+
+class GroupLog:
+    """The snapshot and journal of one stream directory. Thread-safe; `seq` counts records written."""
+
+    def __init__(self, fs: FileSystem, directory: Path, journal_bytes: int) -> None:
+        if journal_bytes < HEADER_SIZE + 1024:
+            raise ValueError("journal_bytes is too small to hold any record")
+        self.fs = fs
+        self.directory = directory
+        self.journal_bytes = journal_bytes
+        self.generation = 0
+        self.seq = 0  # records appended since open (checkpoints cover every one before them)
+        self.synced_seq = 0
+        self.replayed = 0  # records the last load replayed
+        self.cut: str | None = None  # why the last load cut the journal, if it did
+        self._file: SegmentFile | None = None
+        self._pos = HEADER_SIZE
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def exists(fs: FileSystem, directory: Path) -> bool:
+        return fs.exists(directory / SNAPSHOT_FILE)
+
+    # ------------------------------------------------------------------ load
+
+    def load(self) -> list[tuple]:
+        """Read the snapshot and the valid prefix of its journal; returns the ops to apply, in order.
+
+        Raises CorruptionError if the snapshot itself is damaged (the files are then left alone).
+        Call `checkpoint` next if `replayed` or `cut` is set, so that appends never land in front
+        of stale bytes of a cut tail.
+        """
+        fs, directory = self.fs, self.directory
+        generation, ops = decode_snapshot(fs.read_file(directory / SNAPSHOT_FILE))
+        self.generation = generation
+        path = directory / journal_name(generation)
+        if fs.exists(path):
+            try:
+                self._file = fs.open_segment(path, writable=True)
+            except CorruptionError as exc:  # shorter than a header: nothing in it can be trusted
+                self.cut = str(exc)
+                log.warning("%s: %s", path, exc)
+                self._remove_leftovers()
+                return ops
+            raw = self._file.read(0, self._file.size)
+            journal_ops, self.replayed, self._pos, self.cut = scan_journal(raw, generation)
+            if self.cut is not None:
+                log.warning("%s: %s; cut there (%d records kept)", path, self.cut, self.replayed)
+            ops.extend(journal_ops)
+        else:
+            self.cut = f"journal {path.name} is missing"
+            log.error("%s: the snapshot names a journal that does not exist", directory)
+        self._remove_leftovers()
+        return ops
+
+    def _remove_leftovers(self) -> None:
+        keep = journal_name(self.generation)
+        for name in self.fs.listdir(self.directory):
+            if name.startswith(JOURNAL_PREFIX) and name.endswith(JOURNAL_SUFFIX) and name != keep:
+                self.fs.remove(self.directory / name)
+
+    # ------------------------------------------------------------------ write
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._file.size if self._file is not None else 0
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self._pos
+
+    @property
+    def used_bytes(self) -> int:
+        return self._pos
+
+    @property
+    def dirty(self) -> bool:
+        return self.synced_seq < self.seq
+
+    def append(self, ops: Sequence[tuple]) -> int:
+        """Write one record holding `ops` (not synced); returns its seq. JournalFullError if it cannot fit."""
+        record = encode_record(encode_ops(ops))
+        with self._lock:
+            file = self._file
+            # Keep 8 zero bytes after the last record: the end marker a reader stops at.
+            if file is None or self._pos + len(record) + RECORD_HEADER_SIZE > file.size:
+                raise JournalFullError
+            file.write(self._pos, record)
+            self._pos += len(record)
+            self.seq += 1
+            return self.seq
+
+    def checkpoint(self, state_ops: Sequence[tuple]) -> None:
+        """Write `state_ops` as the snapshot of a new generation, with an empty journal (module doc)."""
+        body = encode_snapshot(self.generation + 1, state_ops)
+        with self._lock:
+            fs, directory = self.fs, self.directory
+            generation = self.generation + 1
+            fresh_path = directory / journal_name(generation)
+            if fs.exists(fresh_path):
+                fs.remove(fresh_path)  # a leftover of a checkpoint that failed part-way
+            size = max(self.journal_bytes, min(2 * len(body), MAX_JOURNAL_BYTES))
+            fresh = fs.create_segment(fresh_path, size, encode_journal_header(generation))
+            try:
+                fs.write_file_atomic(directory / SNAPSHOT_FILE, body)
+            except BaseException:
+                fresh.close()
+                raise
+            old, old_generation = self._file, self.generation
+            self._file, self._pos, self.generation = fresh, HEADER_SIZE, generation
+            self.synced_seq = self.seq  # the snapshot holds every record written so far, durably
+            if old is not None:
+                old.close()
+                fs.remove(directory / journal_name(old_generation))
+
+    def sync(self) -> int:
+        """Make every record written so far durable; returns the seq covered (for SyncGate)."""
+        with self._lock:
+            seq = self.seq
+            if self._file is not None:
+                self._file.sync()
+            self.synced_seq = max(self.synced_seq, seq)
+            return seq
+
+    def destroy(self) -> None:
+        """Remove both files: the stream has no groups any more. The snapshot goes first."""
+        with self._lock:
+            self.fs.remove(self.directory / SNAPSHOT_FILE)
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+            self.fs.remove(self.directory / journal_name(self.generation))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None

@@ -1,0 +1,338 @@
+"""Durable group state: the op codec, snapshots, and the journal's recovery rules.
+
+The journal is trusted up to its first invalid record: truncation at every
+byte of the last record and a bit flip in each of its bytes must give back
+exactly the state before that record, never garbage. Crashes at every sync
+point of a workload that checkpoints must give back the state before or after
+the call under way.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+import storage.engine
+from storage import CorruptionError, Engine, EngineConfig, GroupConfig
+from storage import groups as g
+from storage.fs import FileSystem
+from storage.grouplog import (
+    HEADER_SIZE,
+    SNAPSHOT_FILE,
+    GroupLog,
+    decode_ops,
+    decode_snapshot,
+    encode_ops,
+    encode_snapshot,
+    journal_name,
+    scan_journal,
+)
+from storage.groups import GroupSet
+from tests.storage.faultfs import FaultFS
+
+from .conftest import SMALL
+
+ROOT = Path("/faultfs/data")
+
+EVERY_OP = [
+    (
+        g.OP_CREATE,
+        "grp",
+        GroupConfig(retry_ms=5, dead_letter_stream="d", retention_hold=True),
+        7,
+        3,
+        1_700_000_000_000,
+    ),
+    (g.OP_DROP, "grp"),
+    (g.OP_SEEK, "grp", 0, 0),
+    (g.OP_CONFIG, "grp", GroupConfig()),
+    (g.OP_SEEN, "grp", "consumer é", 1_700_000_000_123, True),
+    (g.OP_ACTIVE, "grp", 5),
+    (g.OP_DELIVER, "grp", "c", 10, None, 30, (5, 6, 7, 100, 3, 2**40)),
+    (g.OP_DELIVER, "grp", "c", 10, 0, None, range(1000, 2000)),
+    (g.OP_NOACK, "grp", ()),
+    (g.OP_SCHEDULE, "grp", ((9, 100), (4, 2**50), (4, 0))),
+    (g.OP_ADVANCE, "grp", 2**62, False),
+    (g.OP_REMOVE, "grp", g.R_EVICTED, (3, 1)),
+    (g.OP_ACK_UNKNOWN, "grp", 2**63),
+    (g.OP_RELEASE, "grp", 77, (1,)),
+    (g.OP_CLAIM, "grp", "c", 0, (8, 9)),
+    (g.OP_DEL_CONSUMER, "grp", "c"),
+    (g.OP_RESTORE_GROUP, "grp", 12, 1, 2, 3, 4, 5, 6, 7),
+    (g.OP_RESTORE_CONSUMER, "grp", "c", 10, None),
+    (
+        g.OP_RESTORE_PENDING,
+        "grp",
+        ((5, "a", 1, 2, 3, None, 4, None), (2, None, 9, 8, 7, 6, 5, 4), (9, "b", 1, 1, 1, 0, 0, 0)),
+    ),
+]
+
+
+def normalise(op: tuple) -> tuple:
+    return tuple(tuple(v) if isinstance(v, range) else v for v in op)
+
+
+def test_every_op_round_trips():
+    assert set(g_code for g_code, *_ in EVERY_OP) == set(range(g.OP_CREATE, g.OP_RESTORE_PENDING + 1))
+    decoded = decode_ops(encode_ops(EVERY_OP))
+    assert decoded == [normalise(op) for op in EVERY_OP]
+
+
+def test_a_contiguous_delivery_encodes_in_a_few_bytes():
+    small = encode_ops([(g.OP_DELIVER, "g", "c", 0, None, None, range(1_000_000, 1_001_000))])
+    assert len(small) < 16
+
+
+def test_malformed_op_bytes_raise_corruption_error():
+    body = encode_ops(EVERY_OP)
+    for cut in (1, len(body) // 2, len(body) - 1):
+        with pytest.raises(CorruptionError):
+            decode_ops(body[:cut])
+    with pytest.raises(CorruptionError):
+        decode_ops(b"\x01\x63")  # unknown op code 99
+    with pytest.raises(CorruptionError):
+        decode_ops(body + b"\x00")
+
+
+def test_snapshot_round_trip_and_damage():
+    raw = encode_snapshot(4, EVERY_OP)
+    generation, ops = decode_snapshot(raw)
+    assert (generation, ops) == (4, [normalise(op) for op in EVERY_OP])
+    for pos in (0, 9, HEADER_SIZE - 1, HEADER_SIZE, len(raw) - 1):
+        damaged = bytearray(raw)
+        damaged[pos] ^= 0x10
+        with pytest.raises(CorruptionError):
+            decode_snapshot(bytes(damaged))
+    with pytest.raises(CorruptionError):
+        decode_snapshot(raw[:-1])
+
+
+# ---------------------------------------------------------------------- the journal's valid prefix
+
+
+def build_journal(tmp_path: Path) -> tuple[GroupLog, list[dict], list[int]]:
+    """A journal of several records; returns the log, the state after each record, and record starts."""
+    directory = tmp_path / "s"
+    directory.mkdir()
+    state = GroupSet()
+    journal = GroupLog(FileSystem(), directory, 8192)
+    group = state.create("g", GroupConfig(retry_ms=100, max_deliveries=3), 0, 0, 1000)
+    journal.checkpoint(state.snapshot_ops())
+    state.drain()
+    states = [state.dump()]
+    starts = []
+    calls = [
+        lambda: group.deliver("a", 1001, 100, None, range(0, 10)),
+        lambda: group.ack(1002, [1, 3], [(5, 7)]),
+        lambda: group.nack(1003, [0, 9], 50),
+        lambda: (group.schedule([(12, 5000)]), group.advance(13, True)),
+        lambda: group.deliver("b", 1004, None, 2000, [0, 2, 12]),
+    ]
+    for call in calls:
+        call()
+        starts.append(journal.used_bytes)
+        journal.append(state.drain())
+        states.append(state.dump())
+    starts.append(journal.used_bytes)
+    return journal, states, starts
+
+
+def recover(snapshot: bytes, journal_raw: bytes) -> dict:
+    generation, ops = decode_snapshot(snapshot)
+    journal_ops, _, _, _ = scan_journal(journal_raw, generation)
+    state = GroupSet()
+    for op in ops + journal_ops:
+        state.apply(op)
+    return state.dump()
+
+
+def test_truncation_at_every_byte_of_the_last_record_cuts_it(tmp_path):
+    journal, states, starts = build_journal(tmp_path)
+    directory = journal.directory
+    snapshot = (directory / SNAPSHOT_FILE).read_bytes()
+    raw = (directory / journal_name(journal.generation)).read_bytes()
+    journal.close()
+    assert recover(snapshot, raw) == states[-1]
+    first, end = starts[-2], starts[-1]
+    for k in range(first, end):
+        zeroed = raw[:k] + bytes(len(raw) - k)  # torn write into the preallocated file
+        assert recover(snapshot, zeroed) == states[-2], k
+        assert recover(snapshot, raw[:k]) == states[-2], k  # the file itself cut short
+
+
+def test_a_bit_flip_in_the_last_record_cuts_it(tmp_path):
+    journal, states, starts = build_journal(tmp_path)
+    directory = journal.directory
+    snapshot = (directory / SNAPSHOT_FILE).read_bytes()
+    raw = (directory / journal_name(journal.generation)).read_bytes()
+    journal.close()
+    first, end = starts[-2], starts[-1]
+    for k in range(first, end):
+        for bit in (0x01, 0x80):
+            flipped = bytearray(raw)
+            flipped[k] ^= bit
+            assert recover(snapshot, bytes(flipped)) == states[-2], (k, bit)
+
+
+def test_damage_in_the_middle_cuts_everything_after_it(tmp_path):
+    journal, states, starts = build_journal(tmp_path)
+    raw = bytearray((journal.directory / journal_name(journal.generation)).read_bytes())
+    snapshot = (journal.directory / SNAPSHOT_FILE).read_bytes()
+    journal.close()
+    raw[starts[2] + 9] ^= 0xFF
+    assert recover(snapshot, bytes(raw)) == states[2]
+    _, records, end, cut = scan_journal(bytes(raw), decode_snapshot(snapshot)[0])
+    assert (records, end) == (2, starts[2]) and "CRC" in cut
+
+
+def test_a_journal_of_another_generation_is_not_replayed(tmp_path):
+    journal, _, _ = build_journal(tmp_path)
+    raw = (journal.directory / journal_name(journal.generation)).read_bytes()
+    journal.close()
+    ops, records, _, cut = scan_journal(raw, journal.generation + 1)
+    assert (ops, records) == ([], 0) and "generation" in cut
+
+
+# ---------------------------------------------------------------------- through the engine
+
+
+def fault_engine(fs: FaultFS, clock, fsync: str = "always") -> Engine:
+    return Engine(ROOT, EngineConfig(**{**SMALL, "fsync": fsync}), clock=clock, fs=fs)
+
+
+def durable_view(state: dict) -> dict:
+    """Group state without what a crash may legitimately roll back: seen and activity times."""
+    return {
+        name: {k: v for k, v in group.items() if k not in ("consumers", "active_ms")}
+        for name, group in state.items()
+    }
+
+
+def test_engine_recovers_a_torn_journal_and_starts_a_fresh_one(tmp_path, clock):
+    config = EngineConfig(**SMALL)
+    engine = Engine(tmp_path, config, clock=clock)
+    engine.append("s", [b"x"] * 10)
+    engine.create_group("s", "g")
+    engine.read_group("s", "g", "a", 4)
+    before = engine._groups.dump("s")
+    engine.ack("s", "g", [0, 1])
+    engine.close()
+    directory = tmp_path / "streams" / "s"
+    (journal_path,) = directory.glob("*.journal")
+    raw = bytearray(journal_path.read_bytes())
+    last = raw.rstrip(b"\x00")
+    raw[len(last) - 3] ^= 0x04  # damage the ack's record
+    journal_path.write_bytes(bytes(raw))
+    engine = Engine(tmp_path, config, clock=clock)
+    assert engine._groups.dump("s") == before
+    (fresh,) = directory.glob("*.journal")
+    assert fresh.name != journal_path.name  # appends never land in front of the cut tail
+    assert engine.ack("s", "g", [0, 1]).acked == 2
+    engine.close()
+
+
+def test_a_lost_record_never_resurrects_the_ones_after_it(clock):
+    fs = FaultFS()
+    fs.prepare_dir(ROOT)
+    engine = fault_engine(fs, clock, "no")
+    engine.append("s", [b"x"] * 10)
+    engine.create_group("s", "g")  # a checkpoint: durable
+    engine.read_group("s", "g", "a", 4)  # record 1: its write is dropped by the crash
+    engine.ack("s", "g", [0, 1, 2, 3])  # record 2: its write survives the crash
+
+    def fate(write) -> str:
+        return "drop" if write.path.endswith(".journal") and write.index == 0 else "keep"
+
+    crashed = fs.crashed_copy(mode="power", fate=fate)
+    engine = fault_engine(crashed, clock, "no")
+    assert engine.pending("s", "g").count == 0 and engine.group_info("s", "g").cursor == 0
+    engine.read_group("s", "g", "b", 1)  # lands at the start of the new journal
+    again = fault_engine(crashed.crashed_copy(mode="process"), clock, "no")
+    state = again._groups.dump("s")["g"]
+    assert sorted(state["pending"]) == [0] and state["counters"]["acked"] == 0
+
+
+def test_crash_at_every_sync_point_gives_the_state_before_or_after_the_call(clock, monkeypatch):
+    monkeypatch.setattr(storage.engine, "GROUP_JOURNAL_BYTES", 2048)  # checkpoint every few dozen calls
+    fs = FaultFS()
+    fs.prepare_dir(ROOT)
+    engine = fault_engine(fs, clock, "always")
+    engine.append("s", [b"e%d" % i for i in range(60)])
+    engine.create_group("s", "g", config=GroupConfig(retry_ms=30))
+    states = [durable_view(engine._groups.dump("s"))]
+    crashes: list[tuple[FaultFS, int]] = []
+    rng = random.Random(7)
+    fs.on_sync = lambda f: crashes.append(
+        (f.crashed_copy(rng, rng.choice(["lost", "power"])), len(states) - 1)
+    )
+    calls = 0
+    while calls < 150:
+        step = calls % 3
+        if step == 0:
+            engine.read_group("s", "g", f"c{calls % 2}", 2)
+        elif step == 1:
+            engine.ack("s", "g", [o for o in range(60) if rng.random() < 0.1])
+        else:
+            engine.nack("s", "g", [rng.randrange(60)], delay_ms=5)
+            clock.advance(10)
+        states.append(durable_view(engine._groups.dump("s")))
+        calls += 1
+    fs.on_sync = None
+    generations = {name for name in fs.listdir(ROOT / "streams" / "s") if name.endswith(".journal")}
+    assert len(generations) == 1 and journal_name(3) <= min(generations)  # several checkpoints
+    assert len(crashes) > 150
+    for crashed, done in crashes:
+        recovered = durable_view(fault_engine(crashed, clock, "always")._groups.dump("s"))
+        allowed = states[done : done + 2]
+        assert recovered in allowed, f"crash after call {done}"
+
+
+def test_a_damaged_snapshot_leaves_the_stream_readable_and_groups_refusing(tmp_path, clock):
+    config = EngineConfig(**SMALL)
+    engine = Engine(tmp_path, config, clock=clock)
+    engine.append("s", [b"x"] * 3)
+    engine.create_group("s", "g")
+    engine.close()
+    path = tmp_path / "streams" / "s" / SNAPSHOT_FILE
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0x01
+    path.write_bytes(bytes(raw))
+    engine = Engine(tmp_path, config, clock=clock)
+    assert engine.read("s", 0, 10).count == 3
+    with pytest.raises(CorruptionError):
+        engine.read_group("s", "g", "a", 1)
+    engine.close()
+    assert path.read_bytes() == bytes(raw)  # left alone for whoever repairs it
+
+
+def test_leftover_journals_are_removed_at_start_up(tmp_path, clock):
+    config = EngineConfig(**SMALL)
+    engine = Engine(tmp_path, config, clock=clock)
+    engine.append("s", [b"x"])
+    engine.append("t", [b"x"])
+    engine.create_group("s", "g")
+    engine.close()
+    s_dir, t_dir = tmp_path / "streams" / "s", tmp_path / "streams" / "t"
+    (s_dir / journal_name(9)).write_bytes(b"stale")  # a checkpoint that crashed part-way
+    (t_dir / journal_name(1)).write_bytes(b"stale")  # a first checkpoint that never wrote its snapshot
+    engine = Engine(tmp_path, config, clock=clock)
+    assert sorted(p.name for p in s_dir.glob("*.journal")) == [journal_name(1)]
+    assert list(t_dir.glob("*.journal")) == []
+    assert [i.name for i in engine.list_groups("s")] == ["g"]
+    engine.close()
+
+
+def test_a_journal_is_at_least_twice_the_snapshot_before_it(tmp_path):
+    """So rewriting a long pending list costs in proportion to the calls made since the last one."""
+    state = GroupSet()
+    group = state.create("g", GroupConfig(), 0, 0, 1000)
+    group.deliver("a", 1000, 5, 60_000, list(range(0, 20_000, 3)))
+    journal = GroupLog(FileSystem(), tmp_path, 2048)
+    journal.checkpoint(state.snapshot_ops())
+    snapshot_bytes = (tmp_path / SNAPSHOT_FILE).stat().st_size
+    assert snapshot_bytes > 2048
+    assert journal.capacity_bytes >= 2 * (snapshot_bytes - HEADER_SIZE)
+    assert (tmp_path / journal_name(1)).stat().st_size == journal.capacity_bytes
+    journal.close()

@@ -1,0 +1,805 @@
+"""Consumer groups through the engine's API, one rule at a time, on a fake clock.
+
+RCP 11 GROUP / RETRY / TACK and bounded pending, Redis stream.h (consumers,
+pending entries, claims, lag), delayed delivery, dead letters, retention
+holds, and group state across restarts and crashes.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+import storage.engine
+from storage import (
+    DiskFullError,
+    DurabilityError,
+    Engine,
+    EngineConfig,
+    GroupConfig,
+    GroupNotFoundError,
+    InvalidArgumentError,
+    PreconditionError,
+    StreamConfig,
+    StreamNotFoundError,
+)
+from storage.groups import GroupSet
+from tests.storage.faultfs import FaultFS
+
+from .conftest import SMALL, FakeClock
+
+ROOT = Path("/faultfs/data")
+
+
+def fill(engine: Engine, n: int, stream: str = "s", **columns) -> None:
+    """Append entries whose payload names their offset: b"e<offset>"."""
+    first = engine.read(stream, 0, 0).next_offset if engine.exists(stream) else 0
+    engine.append(stream, [b"e%d" % (first + i) for i in range(n)], **columns)
+
+
+def fill_nodes(engine: Engine, nodes: int, stream: str = "s") -> None:
+    """Append whole nodes (8 entries each in SMALL), so retention has nodes to evict."""
+    for _ in range(nodes):
+        fill(engine, 8, stream)
+
+
+def payloads(result) -> list[bytes]:
+    return [e.payload for e in result.entries()]
+
+
+def pending_map(engine: Engine, group: str = "g", stream: str = "s") -> dict[int, tuple[str | None, int]]:
+    rows = engine.pending(stream, group, count=10_000).rows
+    return {r.offset: (r.consumer, r.delivery_count) for r in rows}
+
+
+# ---------------------------------------------------------------------- lifecycle
+
+
+def test_create_group_at_oldest_newest_and_an_offset(open_engine):
+    engine = open_engine()
+    fill(engine, 10)
+    engine.trim("s", 3)
+    assert engine.create_group("s", "old").cursor == 3
+    assert engine.create_group("s", "new", start="newest").cursor == 10
+    assert engine.create_group("s", "mid", start=7).cursor == 7
+    assert engine.read_group("s", "old", "c", 2).offsets == [3, 4]
+    assert engine.read_group("s", "new", "c", 2).offsets == []
+    assert engine.read_group("s", "mid", "c", 5).offsets == [7, 8, 9]
+    assert [i.name for i in engine.list_groups("s")] == ["mid", "new", "old"]
+
+
+def test_create_group_refusals(open_engine):
+    engine = open_engine()
+    fill(engine, 3)
+    engine.create_group("s", "g")
+    with pytest.raises(PreconditionError):
+        engine.create_group("s", "g")
+    with pytest.raises(StreamNotFoundError):
+        engine.create_group("nope", "g")
+    for bad in ("", "a\x00b", "x" * 256):
+        with pytest.raises(InvalidArgumentError):
+            engine.create_group("s", bad)
+    with pytest.raises(InvalidArgumentError):
+        engine.create_group("s", "h", start=4)  # past the end
+    with pytest.raises(InvalidArgumentError):
+        engine.create_group("s", "h", start="middle")
+    with pytest.raises(InvalidArgumentError):
+        engine.create_group("s", "h", config=GroupConfig(dead_letter_stream="s"))
+    with pytest.raises(InvalidArgumentError):
+        GroupConfig(max_pending=0)
+    with pytest.raises(InvalidArgumentError):
+        GroupConfig(retry_ms=-1)
+    with pytest.raises(InvalidArgumentError):
+        engine.read_group("s", "g", "", 1)
+
+
+def test_missing_group_is_not_found_and_delete_group_forgets_it(open_engine):
+    engine = open_engine()
+    fill(engine, 3)
+    with pytest.raises(GroupNotFoundError):
+        engine.read_group("s", "g", "c", 1)
+    assert engine.list_groups("s") == []
+    engine.create_group("s", "g")
+    engine.read_group("s", "g", "c", 2)
+    engine.delete_group("s", "g")
+    with pytest.raises(GroupNotFoundError):
+        engine.group_info("s", "g")
+    with pytest.raises(GroupNotFoundError):
+        engine.ack("s", "g", [0])
+    engine.create_group("s", "g")  # a new group of the same name starts afresh
+    info = engine.group_info("s", "g")
+    assert (info.cursor, info.pending, info.consumers) == (0, 0, ())
+
+
+def test_last_group_deleted_removes_the_group_files(open_engine, tmp_path):
+    engine = open_engine()
+    fill(engine, 3)
+    engine.create_group("s", "g")
+    directory = tmp_path / "data" / "streams" / "s"
+    assert any(p.name.startswith("groups") for p in directory.iterdir())
+    engine.delete_group("s", "g")
+    assert not any(p.name.startswith("groups") for p in directory.iterdir())
+
+
+def test_deleting_a_stream_deletes_its_groups(open_engine):
+    engine = open_engine()
+    fill(engine, 3)
+    engine.create_group("s", "g")
+    engine.read_group("s", "g", "c", 2)
+    engine.delete_stream("s")
+    with pytest.raises(StreamNotFoundError):
+        engine.list_groups("s")
+    fill(engine, 2)
+    assert engine.list_groups("s") == []
+    engine.close()
+    assert open_engine().list_groups("s") == []
+
+
+# ---------------------------------------------------------------------- delivery
+
+
+def test_each_entry_goes_to_exactly_one_consumer(open_engine):
+    engine = open_engine()
+    fill(engine, 40)
+    engine.create_group("s", "g")
+    seen: dict[str, list[int]] = {"a": [], "b": [], "c": []}
+    while True:
+        got = 0
+        for consumer, offsets in seen.items():
+            result = engine.read_group("s", "g", consumer, 3)
+            assert payloads(result) == [b"e%d" % o for o in result.offsets]
+            offsets.extend(result.offsets)
+            got += result.count
+        if not got:
+            break
+    everything = sorted(o for offsets in seen.values() for o in offsets)
+    assert everything == list(range(40))
+    assert engine.pending("s", "g").consumers == {c: len(o) for c, o in seen.items()}
+
+
+def test_every_group_sees_every_entry(open_engine):
+    engine = open_engine()
+    fill(engine, 12)
+    engine.create_group("s", "g1")
+    engine.create_group("s", "g2")
+    assert engine.read_group("s", "g1", "c", 100).offsets == list(range(12))
+    assert engine.read_group("s", "g2", "c", 100).offsets == list(range(12))
+
+
+def test_reads_track_pending_entries_like_xreadgroup_and_noack_does_not(open_engine):
+    engine = open_engine()
+    fill(engine, 6)
+    engine.create_group("s", "g")
+    tracked = engine.read_group("s", "g", "c", 3)
+    assert tracked.delivery_counts == [1, 1, 1]
+    untracked = engine.read_group("s", "g", "c", 3, noack=True)
+    assert untracked.offsets == [3, 4, 5]
+    assert untracked.delivery_counts == [1, 1, 1]
+    assert sorted(pending_map(engine)) == [0, 1, 2]
+    info = engine.group_info("s", "g")
+    assert (info.cursor, info.pending, info.counters.delivered) == (6, 3, 6)
+
+
+def test_count_zero_and_max_bytes(open_engine):
+    engine = open_engine()
+    engine.append("s", [b"x" * 100] * 10)
+    engine.create_group("s", "g")
+    assert engine.read_group("s", "g", "c", 0).count == 0
+    result = engine.read_group("s", "g", "c", 10, max_bytes=350)
+    assert result.count == 3  # about 110 bytes per record
+    assert len(result.data()) <= 350
+    assert engine.read_group("s", "g", "c", 10, max_bytes=1).count == 1  # at least one entry
+    assert engine.group_info("s", "g").cursor == 4
+
+
+def test_consumers_are_created_on_first_read_with_seen_and_active_times(open_engine, clock):
+    engine = open_engine()
+    fill(engine, 1)
+    engine.create_group("s", "g")
+    t0 = clock.now_ms
+    engine.read_group("s", "g", "a", 5)
+    clock.advance(100)
+    engine.read_group("s", "g", "b", 5)  # nothing left: seen, never active
+    consumers = {c.name: c for c in engine.group_info("s", "g").consumers}
+    assert (consumers["a"].seen_ms, consumers["a"].active_ms, consumers["a"].pending) == (t0, t0, 1)
+    assert (consumers["b"].seen_ms, consumers["b"].active_ms, consumers["b"].pending) == (t0 + 100, None, 0)
+
+
+# ---------------------------------------------------------------------- acknowledgement
+
+
+def test_ack_by_offsets_and_half_open_ranges_counts_unknown(open_engine):
+    engine = open_engine()
+    fill(engine, 10)
+    engine.create_group("s", "g")
+    engine.read_group("s", "g", "c", 10)
+    result = engine.ack("s", "g", offsets=[0, 0, 99], ranges=[(3, 6)])
+    assert (result.acked, result.unknown) == (4, 2)  # 0, 3, 4, 5 acked; the second 0 and 99 unknown
+    assert sorted(pending_map(engine)) == [1, 2, 6, 7, 8, 9]
+    again = engine.ack("s", "g", ranges=[(0, 10)])  # RCP TACK 0-9
+    assert (again.acked, again.unknown) == (6, 4)
+    counters = engine.group_info("s", "g").counters
+    assert (counters.acked, counters.ack_unknown) == (10, 6)
+    with pytest.raises(InvalidArgumentError):
+        engine.ack("s", "g", ranges=[(5, 4)])
+    with pytest.raises(InvalidArgumentError):
+        engine.ack("s", "g", offsets=[-1])
+
+
+# ---------------------------------------------------------------------- redelivery
+
+
+def test_unacked_entries_are_redelivered_after_retry_ms_before_new_entries(open_engine, clock):
+    engine = open_engine()
+    fill(engine, 6)
+    engine.create_group("s", "g")
+    first = engine.read_group("s", "g", "a", 2, retry_ms=1000)
+    assert first.next_due_ms == clock.now_ms + 1000
+    engine.ack("s", "g", [1])
+    clock.advance(999)
+    assert engine.read_group("s", "g", "b", 1).offsets == [2]  # not yet due
+    clock.advance(1)
+    again = engine.read_group("s", "g", "b", 3)
+    assert again.offsets == [0, 3, 4]
+    assert again.delivery_counts == [2, 1, 1]
+    assert pending_map(engine)[0] == ("b", 2)
+    assert engine.group_info("s", "g").counters.redelivered == 1
+
+
+def test_group_retry_ms_applies_when_a_read_sets_none_and_none_means_claim_only(open_engine, clock):
+    engine = open_engine()
+    fill(engine, 4)
+    engine.create_group("s", "g", config=GroupConfig(retry_ms=500))
+    engine.create_group("s", "plain")
+    engine.read_group("s", "g", "a", 2)
+    engine.read_group("s", "plain", "a", 2)
+    clock.advance(10_000)
+    assert engine.read_group("s", "g", "b", 2).offsets == [0, 1]
+    assert engine.read_group("s", "plain", "b", 2).offsets == [2, 3]  # no retry: stays with "a"
+    assert engine.pending("s", "plain").consumers == {"a": 2, "b": 2}
+
+
+def test_nack_releases_for_redelivery_after_its_delay(open_engine, clock):
+    engine = open_engine()
+    fill(engine, 3)
+    engine.create_group("s", "g")
+    engine.read_group("s", "g", "a", 3)
+    released = engine.nack("s", "g", [1, 2, 7], delay_ms=200)
+    assert (released.released, released.unknown) == (2, 1)
+    summary = engine.pending("s", "g")
+    assert (summary.consumers, summary.released) == ({"a": 1}, 2)
+    empty = engine.read_group("s", "g", "b", 5)
+    assert empty.count == 0 and empty.next_due_ms == clock.now_ms + 200
+    clock.advance(200)
+    result = engine.read_group("s", "g", "b", 5)
+    assert (result.offsets, result.delivery_counts) == ([1, 2], [2, 2])
+
+
+def test_delete_consumer_releases_its_entries_to_the_group(open_engine):
+    engine = open_engine()
+    fill(engine, 4)
+    engine.create_group("s", "g")
+    engine.read_group("s", "g", "a", 2)
+    engine.read_group("s", "g", "b", 1)
+    assert engine.delete_consumer("s", "g", "a") == 2
+    assert engine.delete_consumer("s", "g", "ghost") == 0
+    assert [c.name for c in engine.group_info("s", "g").consumers] == ["b"]
+    result = engine.read_group("s", "g", "c", 5)
+    assert (result.offsets, result.delivery_counts) == ([0, 1, 3], [2, 2, 1])
+
+
+# ---------------------------------------------------------------------- bounded pending
+
+
+def test_bounded_pending_stops_new_entries_until_an_ack_makes_room(open_engine, clock):
+    engine = open_engine()
+    fill(engine, 10)
+    engine.create_group("s", "g", config=GroupConfig(max_pending=3))
+    woken = []
+    engine.add_group_listener(lambda stream, group: woken.append((stream, group)))
+    first = engine.read_group("s", "g", "a", 5, retry_ms=100)
+    assert first.offsets == [0, 1, 2] and first.pending_full
+    blocked = engine.read_group("s", "g", "b", 5)
+    assert blocked.count == 0 and blocked.pending_full
+    assert blocked.next_due_ms == clock.now_ms + 100  # only retries can come
+    clock.advance(100)
+    assert engine.read_group("s", "g", "b", 5).offsets == [0, 1, 2]  # due retries only
+    woken.clear()
+    engine.ack("s", "g", [0])
+    assert woken == [("s", "g")]
+    result = engine.read_group("s", "g", "b", 5)
+    assert result.offsets == [3] and result.pending_full
+    assert engine.group_info("s", "g").pending == 3
+
+
+def test_noack_reads_are_not_bounded_by_pending(open_engine):
+    engine = open_engine()
+    fill(engine, 5)
+    engine.create_group("s", "g", config=GroupConfig(max_pending=1))
+    engine.read_group("s", "g", "a", 1)
+    assert engine.read_group("s", "g", "a", 5, noack=True).offsets == [1, 2, 3, 4]
+
+
+# ---------------------------------------------------------------------- expiry and dead letters
+
+
+def test_expire_ms_takes_entries_out_of_the_pending_list(open_engine, clock):
+    engine = open_engine()
+    fill(engine, 3)
+    engine.create_group("s", "g")
+    engine.read_group("s", "g", "a", 2, retry_ms=100, expire_ms=250)
+    clock.advance(100)
+    assert engine.read_group("s", "g", "a", 2).offsets == [0, 1]  # retried; expiry counts from the first
+    clock.advance(150)
+    info = engine.group_info("s", "g")
+    assert (info.pending, info.counters.expired) == (0, 2)
+    assert engine.read_group("s", "g", "a", 5).offsets == [2]
+
+
+def test_max_deliveries_dead_letters_with_origin_headers(open_engine, clock):
+    engine = open_engine()
+    engine.append("s", [b"p0", b"p1"], tags=["t0", ""], headers=[{"h": b"v"}, None])
+    config = GroupConfig(retry_ms=10, max_deliveries=2, dead_letter_stream="dlq")
+    engine.create_group("s", "g", config=config)
+    assert engine.read_group("s", "g", "a", 2).delivery_counts == [1, 1]
+    engine.ack("s", "g", [1])
+    clock.advance(10)
+    assert engine.read_group("s", "g", "a", 2).delivery_counts == [2]
+    clock.advance(10)
+    assert engine.read_group("s", "g", "a", 2).count == 0  # exhausted: dead-lettered, not delivered
+    (letter,) = engine.read("dlq", 0, 10).entries()
+    assert (letter.payload, letter.tag) == (b"p0", "t0")
+    assert letter.headers == {
+        "h": b"v",
+        "x-origin-stream": b"s",
+        "x-origin-offset": b"0",
+        "x-group": b"g",
+        "x-delivery-count": b"2",
+        "x-reason": b"max_deliveries",
+    }
+    counters = engine.group_info("s", "g").counters
+    assert (counters.dead_lettered, counters.expired) == (1, 0)
+
+
+def test_expiry_dead_letters_from_maintenance_without_readers(open_engine, clock):
+    engine = open_engine()
+    fill(engine, 2)
+    engine.create_group("s", "g", config=GroupConfig(expire_ms=1000, dead_letter_stream="dlq"))
+    engine.read_group("s", "g", "a", 2)
+    clock.advance(1000)
+    engine.maintain()
+    letters = engine.read("dlq", 0, 10).entries()
+    assert [e.headers["x-reason"] for e in letters] == [b"expired", b"expired"]
+    assert [e.headers["x-origin-offset"] for e in letters] == [b"0", b"1"]
+    assert engine.pending("s", "g").count == 0
+
+
+def test_claim_of_an_exhausted_entry_retires_it_instead(open_engine, clock):
+    engine = open_engine()
+    fill(engine, 1)
+    engine.create_group("s", "g", config=GroupConfig(max_deliveries=1))
+    engine.read_group("s", "g", "a", 1)
+    clock.advance(50)
+    assert engine.claim("s", "g", "b", 10, [0]).count == 0
+    assert engine.group_info("s", "g").counters.expired == 1
+
+
+# ---------------------------------------------------------------------- delays
+
+
+def test_delayed_entries_do_not_hold_back_later_entries(open_engine, clock):
+    engine = open_engine()
+    now = clock.now_ms
+    fill(engine, 4, deliver_at_ms=[0, now + 500, 0, now + 200])
+    assert engine.read("s", 0, 10).count == 4  # plain reads see them at once
+    engine.create_group("s", "g")
+    first = engine.read_group("s", "g", "a", 10)
+    assert first.offsets == [0, 2]
+    assert first.next_due_ms == now + 200
+    info = engine.group_info("s", "g")
+    assert (info.cursor, info.scheduled, info.lag, info.hold_offset) == (4, 2, 2, 0)
+    clock.advance(200)
+    assert engine.read_group("s", "g", "a", 10).offsets == [3]
+    clock.advance(300)
+    fill(engine, 1)
+    assert engine.read_group("s", "g", "b", 10).offsets == [1, 4]  # due delayed entries first
+
+
+def test_group_delay_ms_holds_entries_until_timestamp_plus_delay(open_engine, clock):
+    engine = open_engine()
+    fill(engine, 2)
+    clock.advance(300)
+    fill(engine, 2)
+    engine.create_group("s", "g", config=GroupConfig(delay_ms=500))
+    empty = engine.read_group("s", "g", "a", 10)
+    assert empty.count == 0 and empty.next_due_ms == clock.now_ms + 200
+    clock.advance(200)
+    result = engine.read_group("s", "g", "a", 10)
+    assert result.offsets == [0, 1] and result.next_due_ms == clock.now_ms + 300
+    clock.advance(300)
+    assert engine.read_group("s", "g", "a", 10).offsets == [2, 3]
+
+
+# ---------------------------------------------------------------------- claims
+
+
+def test_claim_takes_idle_entries_and_counts_a_delivery(open_engine, clock):
+    engine = open_engine()
+    fill(engine, 3)
+    engine.create_group("s", "g")
+    engine.read_group("s", "g", "a", 2)
+    clock.advance(100)
+    engine.read_group("s", "g", "a", 1)
+    claimed = engine.claim("s", "g", "b", 100, [0, 2, 9])
+    assert (claimed.offsets, claimed.delivery_counts, payloads(claimed)) == ([0], [2], [b"e0"])
+    assert pending_map(engine) == {0: ("b", 2), 1: ("a", 1), 2: ("a", 1)}
+    assert [r.idle_ms for r in engine.pending("s", "g").rows] == [0, 100, 0]
+
+
+def test_autoclaim_scans_from_a_cursor(open_engine, clock):
+    engine = open_engine()
+    fill(engine, 6)
+    engine.create_group("s", "g")
+    engine.read_group("s", "g", "a", 6)
+    engine.ack("s", "g", [1])
+    clock.advance(60)
+    cursor, first = engine.autoclaim("s", "g", "b", 50, 0, 2)
+    assert (first.offsets, cursor) == ([0, 2], 3)
+    cursor, second = engine.autoclaim("s", "g", "b", 50, cursor, 10)
+    assert (second.offsets, cursor) == ([3, 4, 5], 0)
+    assert engine.pending("s", "g").consumers == {"b": 5}
+
+
+def test_claim_on_read_takes_idle_entries_after_due_retries(open_engine, clock):
+    engine = open_engine()
+    fill(engine, 5)
+    engine.create_group("s", "g")
+    engine.read_group("s", "g", "a", 1, retry_ms=100)
+    engine.read_group("s", "g", "a", 2)
+    clock.advance(100)
+    empty_claim = engine.read_group("s", "g", "b", 2, claim_idle_ms=200)
+    assert empty_claim.offsets == [0, 3]  # the due retry, then a new entry: nothing idle 200 ms yet
+    assert empty_claim.next_due_ms == clock.now_ms + 100  # entries 1 and 2 become idle enough then
+    clock.advance(100)
+    result = engine.read_group("s", "g", "b", 3, claim_idle_ms=200)
+    assert (result.offsets, result.delivery_counts) == ([1, 2, 4], [2, 2, 1])
+
+
+def test_pending_summary_and_filtered_detail(open_engine, clock):
+    engine = open_engine()
+    fill(engine, 8)
+    engine.create_group("s", "g")
+    engine.read_group("s", "g", "a", 3)
+    clock.advance(500)
+    engine.read_group("s", "g", "b", 3)
+    info = engine.pending("s", "g", consumer="a", min_idle_ms=100, start=1, end=3)
+    assert (info.count, info.lowest, info.highest, info.consumers) == (6, 0, 5, {"a": 3, "b": 3})
+    assert [(r.offset, r.consumer, r.idle_ms, r.delivery_count) for r in info.rows] == [
+        (1, "a", 500, 1),
+        (2, "a", 500, 1),
+    ]
+    assert [r.offset for r in engine.pending("s", "g", count=2).rows] == [0, 1]
+    assert [r.offset for r in engine.pending("s", "g", min_idle_ms=1).rows] == [0, 1, 2]
+
+
+# ---------------------------------------------------------------------- lag
+
+
+def test_lag_against_hand_computed_values(open_engine):
+    engine = open_engine(compression=False)
+    fill(engine, 10)
+    engine.create_group("s", "g")
+    info = engine.group_info("s", "g")
+    assert (info.entries_added, info.entries_read, info.lag) == (10, 0, 10)
+    engine.read_group("s", "g", "a", 4)
+    info = engine.group_info("s", "g")
+    assert (info.entries_read, info.lag) == (4, 6)
+    engine.trim("s", 7)  # entries 4..6 evicted before the group got them
+    assert engine.group_info("s", "g").lag == 3
+    result = engine.read_group("s", "g", "a", 10)
+    assert result.offsets == [7, 8, 9] and (result.gap.start, result.gap.end) == (4, 7)
+    info = engine.group_info("s", "g")
+    assert (info.entries_read, info.lag) == (10, 0)
+
+
+def test_lag_counts_exactly_over_compaction_holes(open_engine):
+    engine = open_engine(compression=False)
+    engine.append("s", [b"v"] * 16, tags=["k"] * 16)  # one tag: compaction keeps only the last
+    for _ in range(6):  # roll the segment, so the tagged entries are in a sealed one
+        engine.append("s", [b"x" * 3000] * 4)
+    engine.create_group("s", "g")
+    assert engine.compact("s") == 15
+    info = engine.group_info("s", "g")
+    assert (info.entries_added, info.lag) == (40, 25)
+    assert info.lag == len(engine.read("s", 0, 100).entries())
+    engine.read_group("s", "g", "a", 2)
+    assert engine.group_info("s", "g").lag == 23
+
+
+def test_explicit_entries_read_makes_lag_unknown_until_the_group_catches_up(open_engine):
+    engine = open_engine()
+    fill(engine, 10)
+    engine.create_group("s", "g", start=2, entries_read=1)  # disagrees with its offset
+    info = engine.group_info("s", "g")
+    assert (info.entries_read, info.lag) == (1, None)
+    engine.read_group("s", "g", "a", 3)
+    assert engine.group_info("s", "g").lag is None
+    engine.read_group("s", "g", "a", 100)
+    info = engine.group_info("s", "g")
+    assert (info.entries_read, info.lag) == (10, 0)
+    engine.set_group_offset("s", "g", 4)
+    info = engine.group_info("s", "g")
+    assert (info.entries_read, info.lag) == (4, 6)
+
+
+def test_set_group_offset_rewinds_and_redelivers(open_engine):
+    engine = open_engine()
+    fill(engine, 5)
+    engine.create_group("s", "g")
+    engine.read_group("s", "g", "a", 5)
+    engine.ack("s", "g", ranges=[(0, 3)])
+    engine.set_group_offset("s", "g", 2)
+    result = engine.read_group("s", "g", "b", 5)
+    assert (result.offsets, result.delivery_counts) == ([2, 3, 4], [1, 2, 2])
+    engine.set_group_offset("s", "g", "oldest")
+    assert engine.group_info("s", "g").cursor == 0
+    with pytest.raises(InvalidArgumentError):
+        engine.set_group_offset("s", "g", 6)
+
+
+# ---------------------------------------------------------------------- retention
+
+
+def test_retention_hold_keeps_what_a_group_still_needs(open_engine, clock):
+    engine = open_engine(compression=False)
+    fill_nodes(engine, 5)
+    engine.create_group("s", "g", config=GroupConfig(retention_hold=True))
+    engine.create_group("s", "free")
+    engine.read_group("s", "g", "a", 20)
+    engine.read_group("s", "free", "a", 40)
+    engine.ack("s", "g", ranges=[(0, 12)])
+    assert engine.retention_holder("s") == ("g", 12)
+    assert engine.keep_last("s", 0) == 12  # whole nodes are evicted, never past the floor
+    engine.set_stream_config("s", StreamConfig(max_entries=0))
+    engine.apply_retention("s")
+    assert engine.read("s", 0, 0).first_offset == 12
+    info = engine.group_info("s", "g")
+    assert info.holds_retention and info.hold_offset == 12
+    assert not engine.group_info("s", "free").holds_retention
+    engine.ack("s", "g", ranges=[(12, 20)])
+    assert engine.retention_holder("s") == ("g", 20)  # now the cursor
+    engine.apply_retention("s")
+    assert engine.read("s", 0, 0).first_offset == 20
+
+
+def test_an_idle_group_releases_retention(open_engine, clock):
+    engine = open_engine()
+    fill_nodes(engine, 3)
+    config = GroupConfig(retention_hold=True, idle_release_ms=60_000)
+    engine.create_group("s", "g", config=config)
+    engine.read_group("s", "g", "a", 2)
+    assert engine.retention_holder("s") == ("g", 0)
+    clock.advance(60_001)
+    assert engine.retention_holder("s") is None
+    assert engine.keep_last("s", 0) > 0
+    engine.read_group("s", "g", "a", 1)  # active again: holds again, from what is left
+    assert engine.retention_holder("s") is not None
+
+
+def test_a_scheduled_entry_holds_retention(open_engine, clock):
+    engine = open_engine()
+    fill(engine, 8, deliver_at_ms=[0, clock.now_ms + 10_000] + [0] * 6)
+    fill_nodes(engine, 2)
+    engine.create_group("s", "g", config=GroupConfig(retention_hold=True))
+    engine.read_group("s", "g", "a", 100, noack=True)
+    assert engine.retention_holder("s") == ("g", 1)
+    assert engine.keep_last("s", 0) <= 1
+
+
+def test_pending_entries_evicted_without_a_hold_are_dropped_on_redelivery(open_engine, clock):
+    engine = open_engine()
+    fill(engine, 20)
+    engine.create_group("s", "g")
+    engine.read_group("s", "g", "a", 3, retry_ms=10)
+    engine.trim("s", 2)
+    clock.advance(10)
+    result = engine.read_group("s", "g", "a", 3)
+    assert result.gone == [0, 1]
+    assert (result.offsets, result.delivery_counts) == ([2, 3, 4], [2, 1, 1])
+    assert engine.group_info("s", "g").counters.evicted == 2
+
+
+# ---------------------------------------------------------------------- restart and crash
+
+
+def test_group_state_survives_a_restart_exactly(tmp_path, clock):
+    config = EngineConfig(**SMALL)
+    engine = Engine(tmp_path, config, clock=clock)
+    fill(engine, 30, deliver_at_ms=[0] * 29 + [clock.now_ms + 1000])
+    engine.create_group("s", "g", config=GroupConfig(retry_ms=100, max_pending=20))
+    engine.create_group("s", "h", start=5, entries_read=3)
+    engine.read_group("s", "g", "a", 4, expire_ms=5000)
+    clock.advance(10)
+    engine.read_group("s", "g", "b", 30)
+    engine.ack("s", "g", [1, 2, 50])
+    engine.nack("s", "g", [3], delay_ms=40)
+    engine.read_group("s", "h", "x", 3, noack=True)
+    before = {"s": engine._groups.dump("s")}
+    engine.close()
+    engine = Engine(tmp_path, config, clock=clock)
+    assert {"s": engine._groups.dump("s")} == before
+    clock.advance(100)
+    # Timers work after the restart: 3 (nacked, due at +50), 0 (due at +100), 4 (due at +110).
+    assert engine.read_group("s", "g", "c", 3).offsets == [3, 0, 4]
+    engine.close()
+
+
+def test_journal_checkpoints_as_it_fills_and_recovers(tmp_path, clock):
+    config = EngineConfig(**SMALL)  # 64 KiB segments: a 64 KiB journal
+    engine = Engine(tmp_path, config, clock=clock)
+    engine.create_stream("s")
+    engine.create_group("s", "g")
+    directory = tmp_path / "streams" / "s"
+    for _ in range(200):  # about 60 KiB of records
+        fill(engine, 20)
+        result = engine.read_group("s", "g", "a", 20)
+        for offset in result.offsets[::2]:  # one journal record each
+            engine.ack("s", "g", [offset])
+        clock.advance(1)
+    journals = [p.name for p in directory.iterdir() if p.suffix == ".journal"]
+    assert len(journals) == 1 and journals[0] != "groups-00000000000000000001.journal"
+    before = engine._groups.dump("s")
+    engine.maintain()
+    engine.close()
+    engine = Engine(tmp_path, config, clock=clock)
+    assert engine._groups.dump("s") == before
+    engine.close()
+
+
+def fault_engine(fs: FaultFS, clock, fsync: str) -> Engine:
+    return Engine(ROOT, EngineConfig(**{**SMALL, "fsync": fsync}), clock=clock, fs=fs)
+
+
+def test_always_mode_survives_power_loss_with_every_returned_change(clock):
+    fs = FaultFS()
+    fs.prepare_dir(ROOT)
+    engine = fault_engine(fs, clock, "always")
+    fill(engine, 20)
+    engine.create_group("s", "g", config=GroupConfig(retry_ms=50))
+    engine.read_group("s", "g", "a", 5)
+    engine.ack("s", "g", [0, 2])
+    clock.advance(50)
+    engine.read_group("s", "g", "b", 2)
+    before = engine._groups.dump("s")
+    after = fault_engine(fs.crashed_copy(mode="lost"), clock, "always")
+    recovered = after._groups.dump("s")
+    for state in (before, recovered):  # seen and activity times may be older after a crash
+        state["g"].pop("consumers")
+        state["g"].pop("active_ms")
+    assert recovered == before
+    assert sorted(recovered["g"]["pending"]) == [1, 3, 4]
+
+
+def test_process_crash_keeps_group_state_in_every_mode(clock):
+    fs = FaultFS()
+    fs.prepare_dir(ROOT)
+    engine = fault_engine(fs, clock, "no")
+    fill(engine, 10)
+    engine.create_group("s", "g")
+    engine.read_group("s", "g", "a", 6)
+    engine.ack("s", "g", [1])
+    before = engine._groups.dump("s")
+    after = fault_engine(fs.crashed_copy(mode="process"), clock, "no")
+    assert after._groups.dump("s") == before
+
+
+def test_everysec_power_loss_redelivers_and_never_loses(clock):
+    """What a power loss takes from group state comes back as redeliveries (at-least-once)."""
+    fs = FaultFS()
+    fs.prepare_dir(ROOT)
+    engine = fault_engine(fs, clock, "everysec")
+    fill(engine, 10)
+    engine.sync()
+    engine.create_group("s", "g")
+    engine.read_group("s", "g", "a", 4)
+    engine.ack("s", "g", [0, 1])
+    engine.maintain()  # syncs: 0 and 1 acked, 2 and 3 pending, for good
+    engine.read_group("s", "g", "a", 4)  # 4..7 delivered, never synced
+    engine.ack("s", "g", [2])  # never synced
+    after = fault_engine(fs.crashed_copy(mode="lost"), clock, "everysec")
+    assert sorted(pending_map(after)) == [2, 3]
+    again = after.read_group("s", "g", "b", 10)
+    assert again.offsets == [4, 5, 6, 7, 8, 9]
+    assert after.ack("s", "g", ranges=[(0, 10)]).acked == 8
+
+
+def test_a_failed_journal_sync_stops_group_changes(clock):
+    fs = FaultFS()
+    fs.prepare_dir(ROOT)
+    engine = fault_engine(fs, clock, "always")
+    fill(engine, 5)
+    engine.create_group("s", "g")
+    engine.read_group("s", "g", "a", 1)
+    fs.fail_at_sync = fs.syncs + 1
+    with pytest.raises(DurabilityError):
+        engine.read_group("s", "g", "a", 1)
+    with pytest.raises(DurabilityError):
+        engine.ack("s", "g", [0])
+    restarted = fault_engine(fs.crashed_copy(mode="lost"), clock, "always")
+    assert sorted(pending_map(restarted)) == [0]  # the unsynced delivery of 1 is not there
+
+
+def test_concurrent_readers_never_share_an_entry(open_engine):
+    engine = open_engine(fsync="always")
+    fill(engine, 60)
+    engine.create_group("s", "g")
+    got: dict[str, list[int]] = {}
+
+    def consume(name: str) -> None:
+        mine = got.setdefault(name, [])
+        while True:
+            result = engine.read_group("s", "g", name, 2)
+            if not result.count:
+                return
+            mine.extend(result.offsets)
+            engine.ack("s", "g", result.offsets)
+
+    threads = [threading.Thread(target=consume, args=(f"c{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    everything = sorted(o for offsets in got.values() for o in offsets)
+    assert everything == list(range(60))
+    assert engine.group_info("s", "g").counters.acked == 60
+
+
+# ---------------------------------------------------------------------- the state machine alone
+
+
+def test_state_machine_timers_order_and_replay():
+    clock = FakeClock(1000)
+    state = GroupSet()
+    group = state.create("g", GroupConfig(max_deliveries=2), 0, 0, clock())
+    group.deliver("a", 1000, 30, None, [0, 1, 2])
+    group.deliver("a", 1010, 10, None, [3])
+    assert group.take_due_retries(1019, 10) == []
+    assert group.take_due_retries(1020, 10) == [3]
+    group.restore_retries([3])
+    assert group.take_due_retries(1030, 2) == [3, 0]  # by due time, then by offset
+    group.restore_retries([3, 0])
+    group.deliver("b", 1030, 5, None, [0])  # second delivery: exhausted when due again
+    assert group.take_due_retries(1035, 10) == [3, 1, 2]
+    assert [d.offset for d in group.take_doomed(1035)] == [0]
+    replica = GroupSet()
+    for op in state.drain():
+        replica.apply(op)
+    assert replica.dump() == state.dump()
+    snapshot = GroupSet()
+    for op in state.snapshot_ops():
+        snapshot.apply(op)
+    assert snapshot.dump() == state.dump()
+
+
+def test_a_full_disk_refuses_group_changes_cleanly(clock, monkeypatch):
+    monkeypatch.setattr(storage.engine, "GROUP_JOURNAL_BYTES", 2048)  # a checkpoint every few dozen calls
+    fs = FaultFS()
+    fs.prepare_dir(ROOT)
+    engine = fault_engine(fs, clock, "always")
+    fill(engine, 50)
+    fs.disk_full = True
+    with pytest.raises(DiskFullError):
+        engine.create_group("s", "g")  # the first snapshot cannot be written: as if never called
+    assert engine.list_groups("s") == []
+    fs.disk_full = False
+    engine.create_group("s", "g")
+    fs.disk_full = True
+    delivered = []
+    with pytest.raises(DiskFullError):  # sooner or later the journal needs a checkpoint
+        for _ in range(200):
+            delivered += engine.read_group("s", "g", "a", 1).offsets
+    fs.disk_full = False
+    assert sorted(engine._groups.dump("s")["g"]["pending"]) == delivered  # the refused call changed nothing
+    assert engine.read_group("s", "g", "a", 1).offsets == [len(delivered)]
