@@ -25,6 +25,10 @@ class EngineConfig:
     background: bool = True  # a maintenance thread: everysec syncs, packing, retention, compaction
     maintenance_interval_ms: int = 1000
     compaction_interval_ms: int = 60_000
+    # Idempotent appends: per stream, the last batches of each producer, for this long.
+    dedup_window_ms: int = 600_000
+    dedup_batches_per_producer: int = 32
+    dedup_max_producers: int = 10_000
 
     def __post_init__(self) -> None:
         if self.fsync not in FSYNC_POLICIES:

@@ -25,6 +25,7 @@ from storage.errors import (
     CorruptionError,
     InvalidArgumentError,
     LimitExceededError,
+    OffsetMismatchError,
     PreconditionError,
     StorageError,
     StreamNotFoundError,
@@ -39,6 +40,7 @@ from storage.stream import META_FILE, EngineContext, Stream
 log = logging.getLogger("streamlog.storage")
 
 AppendListener = Callable[[str, int], None]
+MAX_PRODUCER_ID_BYTES = 255
 GROUP_JOURNAL_BYTES = 1 << 20  # per stream with groups; checkpointed into a snapshot as it fills
 
 
@@ -199,14 +201,48 @@ class Engine:
         tags: Sequence[str] | None = None,
         headers: Sequence[Mapping[str, bytes] | None] | None = None,
         deliver_at_ms: Sequence[int] | None = None,
+        producer_id: str | None = None,
+        producer_sequence: int | None = None,
+        expected_next_offset: int | None = None,
     ) -> AppendResult:
-        """Append a batch; returns once it is as durable as the stream's fsync policy promises."""
+        """Append a batch; returns once it is as durable as the stream's fsync policy promises.
+
+        With `producer_id` and `producer_sequence` the append is idempotent: a retry
+        of the same (producer, sequence) within the dedup window writes nothing and
+        returns the first attempt's offsets (`duplicate` set). With
+        `expected_next_offset` it is conditional: OffsetMismatchError (a
+        PreconditionError carrying the actual next offset) if the stream moved.
+        """
         self._check_batch(payloads, tags, headers, deliver_at_ms)
+        producer = self._check_producer(producer_id, producer_sequence)
+        if expected_next_offset is not None:
+            if not isinstance(expected_next_offset, int) or expected_next_offset < 0:
+                raise InvalidArgumentError("expected_next_offset must be a non-negative integer")
+            if expected_next_offset and name not in self._streams:
+                validate_name(name)
+                raise OffsetMismatchError(expected_next_offset, 0)  # nothing created
         stream = self._stream_or_create(name)
-        result = stream.append(payloads, tags, headers, deliver_at_ms)
-        for listener in self._listeners:
-            listener(name, result.last_offset + 1)
+        result = stream.append(payloads, tags, headers, deliver_at_ms, producer, expected_next_offset)
+        if not result.duplicate:
+            for listener in self._listeners:
+                listener(name, result.last_offset + 1)
         return result
+
+    @staticmethod
+    def _check_producer(producer_id: str | None, sequence: int | None) -> tuple[str, int] | None:
+        if producer_id is None and sequence is None:
+            return None
+        if not producer_id or not isinstance(producer_id, str) or sequence is None:
+            raise InvalidArgumentError("an idempotent append needs both a producer id and a sequence")
+        try:
+            size = len(producer_id.encode())
+        except UnicodeEncodeError as exc:
+            raise InvalidArgumentError("producer id is not valid UTF-8") from exc
+        if size > MAX_PRODUCER_ID_BYTES:
+            raise InvalidArgumentError(f"producer id is {size} bytes; the limit is {MAX_PRODUCER_ID_BYTES}")
+        if not isinstance(sequence, int) or sequence < 0:
+            raise InvalidArgumentError("producer sequence must be a non-negative integer")
+        return producer_id, sequence
 
     def _check_batch(self, payloads, tags, headers, deliver_at_ms) -> None:
         cfg = self.config
@@ -319,6 +355,7 @@ class Engine:
                     stream.sync()
                 stream.pack_pending()
                 stream.apply_retention(now)
+                stream.save_producers(now)
                 if (
                     stream.config.compaction
                     and now - stream.last_compaction_ms >= self.config.compaction_interval_ms

@@ -36,6 +36,15 @@ class PreconditionError(StorageError):
     """The request is well formed but the stream's state does not allow it."""
 
 
+class OffsetMismatchError(PreconditionError):
+    """A conditional append expected the stream to be at another offset."""
+
+    def __init__(self, expected: int, next_offset: int) -> None:
+        super().__init__(f"the stream's next offset is {next_offset}, not the expected {expected}")
+        self.expected = expected
+        self.next_offset = next_offset
+
+
 class DiskFullError(StorageError):
     """No space left to create or grow a file. Nothing was written."""
 

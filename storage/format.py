@@ -29,6 +29,8 @@ NODE_PREFIX_SIZE = 2 * NODE_HEADER_SIZE  # two header slots, written alternately
 NODE_ZSTD = 0x1  # packed body is zstd-compressed
 NODE_SPARSE = 0x2  # packed body has an offset-delta table (compaction left holes)
 NODE_DELAYED = 0x4  # some entry carries deliver_at_ms
+NODE_PRODUCER = 0x8  # some entry carries a producer id and sequence (an idempotent batch ends there)
+NODE_CARRIED_FLAGS = NODE_DELAYED | NODE_PRODUCER  # what packing keeps from a growing node's flags
 # magic, version, flags, seq, count, base offset, slots, blob len, stored len,
 # body crc, blob crc, min ts, max ts
 _NODE_HEADER = struct.Struct("<4sBBxxIIQIIIIIqq")
@@ -187,7 +189,7 @@ def encode_packed_node(
     """A complete immutable node: two identical header slots and its body."""
     count = body.count
     parts = [body.positions[:count].tobytes()]
-    node_flags = flags & NODE_DELAYED
+    node_flags = flags & NODE_CARRIED_FLAGS
     if body.deltas is not None:
         parts.append(body.deltas.tobytes())
         node_flags |= NODE_SPARSE

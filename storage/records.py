@@ -6,6 +6,7 @@ A record is exactly the protobuf wire encoding of one element of
 
     1 offset (varint)  2 timestamp_ms (varint)  3 tag (bytes)  4 payload (bytes)
     5 headers (map entries: 1 key, 2 value)     6 deliver_at_ms (varint)
+    14 producer_id (bytes)  15 producer_sequence (varint), on the last entry of an idempotent batch
 
 Storing the wire form means a read hands a contiguous slice of the blob to the
 network with no per-entry re-encoding (Kafka keeps one record format for
@@ -70,6 +71,8 @@ class Entry:
     payload: bytes = b""
     headers: dict[str, bytes] = field(default_factory=dict)
     deliver_at_ms: int = 0
+    producer_id: str = ""  # set on the last entry of an idempotent batch, with its sequence
+    producer_sequence: int = 0
 
 
 def _encode_headers(headers: Mapping[str, bytes]) -> bytes:
@@ -142,6 +145,19 @@ def encode_batch(
     return b"".join(parts), positions
 
 
+def attach_producer(blob: bytes, last_start: int, producer_id: str, sequence: int) -> bytes:
+    """`blob` with the producer id and sequence added to its last record (which starts at last_start).
+
+    Protobuf fields may come in any order, so they are appended to the record's body and only
+    its length prefix changes.
+    """
+    length, body_start = _read_varint(blob, last_start + 1, len(blob))
+    raw = producer_id.encode()
+    extra = b"\x72" + _varint(len(raw)) + raw + b"\x78" + encode_varint(sequence)
+    body = blob[body_start : body_start + length] + extra
+    return blob[:last_start] + b"\x0a" + encode_varint(len(body)) + body
+
+
 def _read_varint(buf: bytes | memoryview, pos: int, end: int) -> tuple[int, int]:
     result = 0
     shift = 0
@@ -189,8 +205,8 @@ def decode_record(buf: bytes | memoryview, pos: int = 0, end: int | None = None)
     stop = pos + length
     if stop > end:
         raise CorruptionError("entry record runs past the end of its node")
-    offset = timestamp = due = 0
-    tag = ""
+    offset = timestamp = due = sequence = 0
+    tag = producer = ""
     payload = b""
     headers: dict[str, bytes] = {}
     while pos < stop:
@@ -213,9 +229,17 @@ def decode_record(buf: bytes | memoryview, pos: int = 0, end: int | None = None)
             headers[name] = value
         elif key == 0x30:
             due, pos = _read_varint(buf, pos, stop)
+        elif key == 0x72:
+            raw, pos = _read_length_delimited(buf, pos, stop)
+            try:
+                producer = raw.decode()
+            except UnicodeDecodeError as exc:
+                raise CorruptionError("entry producer id is not UTF-8") from exc
+        elif key == 0x78:
+            sequence, pos = _read_varint(buf, pos, stop)
         else:
             raise CorruptionError(f"unexpected field key {key:#x} in entry record")
-    return Entry(offset, timestamp, tag, payload, headers, due), stop
+    return Entry(offset, timestamp, tag, payload, headers, due, producer, sequence), stop
 
 
 def decode_records(buf: bytes | memoryview) -> list[Entry]:

@@ -13,6 +13,7 @@ class AppendResult:
     first_offset: int
     last_offset: int
     timestamp_ms: int
+    duplicate: bool = False  # an idempotent retry: these are the offsets of the first attempt
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,16 +24,20 @@ from crc32c import crc32c
 
 from storage.cache import NodeCache
 from storage.config import EngineConfig, StreamConfig
+from storage.dedup import SNAPSHOT_FILE as PRODUCERS_FILE
+from storage.dedup import BatchRecord, ProducerTable
 from storage.durability import SyncGate
 from storage.errors import (
     CorruptionError,
     DurabilityError,
     InvalidArgumentError,
     LimitExceededError,
+    OffsetMismatchError,
     StorageError,
 )
 from storage.format import (
     NODE_DELAYED,
+    NODE_PRODUCER,
     NODE_SPARSE,
     NODE_ZSTD,
     SEGMENT_HEADER_SIZE,
@@ -42,7 +46,7 @@ from storage.format import (
     encode_packed_node,
 )
 from storage.fs import FileSystem, SegmentFile
-from storage.records import decode_record, encode_batch, record_offset_and_timestamp
+from storage.records import attach_producer, decode_record, encode_batch, record_offset_and_timestamp
 from storage.results import AppendResult, Gap, ReadResult, StreamInfo
 from storage.segment import SEGMENT_SUFFIX, GrowingNode, NodeRef, Segment
 
@@ -141,6 +145,10 @@ class Stream:
         self.last_compaction_ms = 0
         self.closed = False
         self._holes: bool | None = None  # cached answer of _has_holes(); None = recompute
+        cfg = ctx.config
+        self.producers = ProducerTable(
+            cfg.dedup_batches_per_producer, cfg.dedup_window_ms, cfg.dedup_max_producers
+        )
 
     # ------------------------------------------------------------------ open / create
 
@@ -228,8 +236,55 @@ class Stream:
         ]
         if resumed is not None:
             self.active = GrowingNode.resume(resumed)
+        self._load_producers()
         if self.ctx.config.compression:
             self.pack_queue = [s for s in self.segments[:-1] if not s.packed]
+
+    def _load_producers(self) -> None:
+        """The idempotent-append table: its snapshot, then the batches written after it."""
+        fs = self.ctx.fs
+        path = self.directory / PRODUCERS_FILE
+        if fs.exists(path):
+            try:
+                self.producers.load(fs.read_file(path))
+            except CorruptionError as exc:
+                log.error("stream %r: %s; rebuilding it from the stream", self.name, exc)
+                self.producers = _producer_table(self.ctx.config)
+        self.producers.forget_from(self.next_offset)  # batches a power loss took back
+        horizon = self.ctx.clock() - self.ctx.config.dedup_window_ms
+        for ref in self.nodes:
+            h = ref.header
+            if (
+                ref.end_offset <= self.producers.scanned_to
+                or not h.flags & NODE_PRODUCER
+                or h.max_ts < horizon
+            ):
+                continue
+            try:
+                view = self._view(ref)
+            except CorruptionError as exc:
+                self._corrupt(ref, exc)
+                continue
+            data = view.slice(0, view.count)
+            pos = 0
+            for _ in range(view.count):
+                entry, pos = decode_record(data, pos)
+                if entry.producer_id:
+                    # Its first offset is not stored: a retry carries the same batch, whose length tells.
+                    batch = BatchRecord(-1, entry.offset, entry.timestamp_ms)
+                    self.producers.record(entry.producer_id, entry.producer_sequence, batch)
+        self.producers.scanned_to = self.next_offset
+
+    def save_producers(self, now_ms: int) -> None:
+        """Expire idle producers and snapshot the table if it changed (maintenance, close)."""
+        with self.lock:
+            self.producers.expire(now_ms)
+            if not self.producers.changed:
+                return
+            self.producers.scanned_to = self.next_offset
+            raw = self.producers.encode()
+            self.producers.changed = False
+        self.ctx.fs.write_file_atomic(self.directory / PRODUCERS_FILE, raw)
 
     def _open_segment(self, path: Path, verify: bool) -> tuple[Segment, str | None] | None:
         """Open one segment; salvage it if its header is damaged; None if nothing can be read."""
@@ -273,44 +328,68 @@ class Stream:
         tags: Sequence[str] | None,
         headers: Sequence[Mapping[str, bytes] | None] | None,
         deliver_at_ms: Sequence[int] | None,
+        producer: tuple[str, int] | None = None,
+        expected_next: int | None = None,
     ) -> AppendResult:
+        """Append a batch; `producer` (id, sequence) makes it idempotent, `expected_next` conditional."""
         n = len(payloads)
         limit = self.ctx.config.max_batch_bytes
+        always = self.fsync == "always"
         with self.lock:
             if self.closed:
                 raise InvalidArgumentError(f"stream {self.name!r} was deleted")
             if self.gate.error is not None:
                 raise DurabilityError(f"appends are refused after a failed sync: {self.gate.error}")
-            ts = max(self.ctx.clock(), self.last_ts)
-            first = self.next_offset
-            node = self.active
-            fits = (
-                node is not None
-                and node.count + n <= node.ref.header.slots
-                and node.ref.segment is self.segments[-1]
-            )
-            start = node.positions[-1] if fits else 0
-            blob, positions = encode_batch(first, ts, payloads, tags, headers, deliver_at_ms, start)
-            if len(blob) > limit:
-                raise LimitExceededError("max_batch_bytes", limit, f"batch encodes to {len(blob)} bytes")
-            if not (fits and node.room(n, len(blob))):
-                if start:
-                    positions = array("I", [p - start for p in positions])
-                node = self._start_node(n, len(blob), ts)
-            flags = NODE_DELAYED if deliver_at_ms is not None and any(deliver_at_ms) else 0
-            node.append(blob, positions, ts, flags)
-            self.max_ts[-1] = ts
-            self.next_offset = first + n
-            self.last_ts = ts
-            self.write_seq += 1
-            seq = self.write_seq
-            self.dirty.add(node.ref.segment.file)
-            always = self.fsync == "always"
-            if not always:
-                self.visible_next = self.next_offset
+            if expected_next is not None and expected_next != self.next_offset:
+                raise OffsetMismatchError(expected_next, self.next_offset)
+            earlier = self.producers.lookup(*producer) if producer else None
+            if earlier is not None:
+                seq = self.write_seq  # the first attempt may still be on its way to disk
+            else:
+                first, ts = self._write_batch(payloads, tags, headers, deliver_at_ms, producer, limit)
+                if producer:
+                    self.producers.record(*producer, BatchRecord(first, first + n - 1, ts))
+                seq = self.write_seq
+                if not always:
+                    self.visible_next = self.next_offset
         if always:
             self.gate.wait(seq, self._sync_now)
+        if earlier is not None:
+            first = earlier.first_offset if earlier.first_offset >= 0 else earlier.last_offset - n + 1
+            return AppendResult(first, earlier.last_offset, earlier.timestamp_ms, duplicate=True)
         return AppendResult(first, first + n - 1, ts)
+
+    def _write_batch(self, payloads, tags, headers, deliver_at_ms, producer, limit: int) -> tuple[int, int]:
+        """Encode and write one batch into the active node (or a new one). Call with `lock` held."""
+        n = len(payloads)
+        ts = max(self.ctx.clock(), self.last_ts)
+        first = self.next_offset
+        node = self.active
+        fits = (
+            node is not None
+            and node.count + n <= node.ref.header.slots
+            and node.ref.segment is self.segments[-1]
+        )
+        start = node.positions[-1] if fits else 0
+        blob, positions = encode_batch(first, ts, payloads, tags, headers, deliver_at_ms, start)
+        flags = NODE_DELAYED if deliver_at_ms is not None and any(deliver_at_ms) else 0
+        if producer:
+            blob = attach_producer(blob, positions[-2] - start, *producer)
+            positions[-1] = start + len(blob)
+            flags |= NODE_PRODUCER
+        if len(blob) > limit:
+            raise LimitExceededError("max_batch_bytes", limit, f"batch encodes to {len(blob)} bytes")
+        if not (fits and node.room(n, len(blob))):
+            if start:
+                positions = array("I", [p - start for p in positions])
+            node = self._start_node(n, len(blob), ts)
+        node.append(blob, positions, ts, flags)
+        self.max_ts[-1] = ts
+        self.next_offset = first + n
+        self.last_ts = ts
+        self.write_seq += 1
+        self.dirty.add(node.ref.segment.file)
+        return first, ts
 
     def _start_node(self, entries: int, nbytes: int, ts: int) -> GrowingNode:
         slots = max(self.ctx.config.node_entries, entries)
@@ -772,6 +851,7 @@ class Stream:
                 return
             if clean and self.gate.error is None:
                 self.sync()
+                self.save_producers(self.ctx.clock())
                 self.ctx.fs.write_file_atomic(self.directory / CLEAN_MARKER, b"clean\n")
             with self.lock:
                 self.closed = True
@@ -780,6 +860,10 @@ class Stream:
                     segment.close()
                 self.segments.clear()
                 self.nodes.clear()
+
+
+def _producer_table(cfg: EngineConfig) -> ProducerTable:
+    return ProducerTable(cfg.dedup_batches_per_producer, cfg.dedup_window_ms, cfg.dedup_max_producers)
 
 
 def _compact_body(body: NodeBody, latest: dict[str, int], tombstone_horizon_ms: int) -> NodeBody | None:
