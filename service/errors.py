@@ -23,6 +23,7 @@ from storage.errors import (
     DurabilityError,
     InvalidArgumentError,
     LimitExceededError,
+    OffsetMismatchError,
     PreconditionError,
     StorageError,
     StreamNotFoundError,
@@ -82,6 +83,16 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, "internal error; the server log has the details"
 
 
+NEXT_OFFSET_TRAILER = "streamlog-next-offset"
+
+
+def trailers_for(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """Machine-readable details for clients: a failed conditional append says where the stream is."""
+    if isinstance(exc, OffsetMismatchError):
+        return ((NEXT_OFFSET_TRAILER, str(exc.next_offset)),)
+    return ()
+
+
 def _log_unexpected(method: str, exc: BaseException) -> None:
     if not isinstance(exc, ServiceError | StorageError):
         log.error("%s failed unexpectedly", method, exc_info=exc)
@@ -102,7 +113,7 @@ def translate_errors(handler: Callable[..., Any]) -> Callable[..., Any]:
                 raise
             except Exception as exc:
                 _log_unexpected(name, exc)
-                await context.abort(*status_for(exc))
+                await context.abort(*status_for(exc), trailing_metadata=trailers_for(exc))
 
         return stream_wrapper
 
@@ -114,6 +125,6 @@ def translate_errors(handler: Callable[..., Any]) -> Callable[..., Any]:
             raise
         except Exception as exc:
             _log_unexpected(name, exc)
-            await context.abort(*status_for(exc))
+            await context.abort(*status_for(exc), trailing_metadata=trailers_for(exc))
 
     return unary_wrapper

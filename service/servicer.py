@@ -256,12 +256,23 @@ class StreamLogServicer:
             payloads = list(map(_payload, entries))
             only_payloads = entries_hold_only_payloads(request, stream, payloads)
             columns = {} if only_payloads else _optional_columns(entries)
+        if request.producer_id:
+            columns["producer_id"] = request.producer_id
+            sequence = request.producer_sequence
+            columns["producer_sequence"] = validation.non_negative("producer_sequence", sequence)
+        if request.HasField("expected_next_offset"):
+            columns["expected_next_offset"] = validation.non_negative(
+                "expected_next_offset", request.expected_next_offset
+            )
         if engine.stream_fsync(stream) == "always":
             result = await self._in_thread(engine.append, stream, payloads, **columns)
         else:
             result = engine.append(stream, payloads, **columns)
         return pb.AppendResponse(
-            first_offset=result.first_offset, last_offset=result.last_offset, timestamp_ms=result.timestamp_ms
+            first_offset=result.first_offset,
+            last_offset=result.last_offset,
+            timestamp_ms=result.timestamp_ms,
+            duplicate=result.duplicate,
         )
 
     @translate_errors

@@ -52,10 +52,11 @@ def small_settings(data_dir: Path, **overrides: Any) -> Settings:
 class Aborted(Exception):
     """What FakeContext.abort raises: the status a real server would send."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: tuple = ()) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+        self.trailing_metadata = trailing_metadata
 
 
 class FakeContext:
@@ -68,8 +69,8 @@ class FakeContext:
     def __init__(self, timeout_s: float | None = None) -> None:
         self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        raise Aborted(code, details)
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: tuple = ()) -> None:
+        raise Aborted(code, details, trailing_metadata)
 
     def time_remaining(self) -> float | None:
         if self._deadline is None:

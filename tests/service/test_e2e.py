@@ -461,3 +461,33 @@ def test_payloads_and_entries_together_are_refused(stub: pb_grpc.StreamLogServic
     with pytest.raises(grpc.RpcError) as missing:
         stub.Read(pb.ReadRequest(stream="fast", offset=0), timeout=10)
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND  # nothing was written
+
+
+def test_idempotent_append_retry_writes_nothing(stub: pb_grpc.StreamLogServiceStub) -> None:
+    request = pb.AppendRequest(
+        stream="idem", payloads=[b"a", b"b"], producer_id="writer-1", producer_sequence=4
+    )
+    first = stub.Append(request, timeout=10)
+    again = stub.Append(request, timeout=10)
+    assert (first.first_offset, first.last_offset, first.duplicate) == (0, 1, False)
+    assert (again.first_offset, again.last_offset, again.duplicate) == (0, 1, True)
+    entries = stub.Read(pb.ReadRequest(stream="idem", offset=0, count=10), timeout=10).entries
+    assert [e.payload for e in entries] == [b"a", b"b"]
+    assert (entries[-1].producer_id, entries[-1].producer_sequence) == ("writer-1", 4)
+    with pytest.raises(grpc.RpcError) as bad:
+        stub.Append(pb.AppendRequest(stream="idem", payloads=[b"c"], producer_id="w", producer_sequence=-1))
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_conditional_append_reports_the_actual_next_offset(stub: pb_grpc.StreamLogServiceStub) -> None:
+    assert (
+        stub.Append(pb.AppendRequest(stream="cas", payloads=[b"a"], expected_next_offset=0)).first_offset == 0
+    )
+    with pytest.raises(grpc.RpcError) as moved:
+        stub.Append(pb.AppendRequest(stream="cas", payloads=[b"b"], expected_next_offset=0), timeout=10)
+    assert moved.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "next offset is 1" in moved.value.details()
+    assert dict(moved.value.trailing_metadata())["streamlog-next-offset"] == "1"
+    assert (
+        stub.Append(pb.AppendRequest(stream="cas", payloads=[b"b"], expected_next_offset=1)).first_offset == 1
+    )
