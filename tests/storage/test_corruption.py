@@ -26,18 +26,11 @@ from storage.format import (
     SegmentHeader,
     pick_header,
 )
+from tests.storage.conftest import SMALL as CONFTEST_SMALL
 
 NAME = "s"
 OTHER = "other"
-SMALL = dict(
-    segment_bytes=64 * 1024,
-    node_entries=8,
-    max_batch_entries=64,
-    max_batch_bytes=16 * 1024,
-    max_entry_bytes=4 * 1024,
-    background=False,
-    fsync="always",
-)
+SMALL = {**CONFTEST_SMALL, "fsync": "always"}
 
 # Byte layout of the two headers, as docs/FORMAT.md tables them (checked against the encoder below).
 SEGMENT_FIELDS = [

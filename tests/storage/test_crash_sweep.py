@@ -36,21 +36,13 @@ from pathlib import Path
 import pytest
 
 from storage import CorruptionError, DiskFullError, DurabilityError, Engine, EngineConfig, StreamConfig
+from tests.storage.conftest import SMALL as CONFTEST_SMALL
 from tests.storage.faultfs import Crash, FaultFS, FaultSegmentFile
 
 ROOT = Path("/faultfs/data")
 MAIN = "main"
 AUX = "aux"
-SMALL = dict(
-    segment_bytes=64 * 1024,
-    node_entries=8,
-    max_batch_entries=64,
-    max_batch_bytes=16 * 1024,
-    max_entry_bytes=4 * 1024,
-    background=False,
-    compression=True,
-    compaction_interval_ms=1,
-)
+SMALL = {**CONFTEST_SMALL, "compression": True, "compaction_interval_ms": 1}
 TAGS = [f"key-{i}" for i in range(6)]
 FIRST_MOVERS = {"trim", "evict", "keep_last", "maintain", "compact"}
 

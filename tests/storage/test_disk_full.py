@@ -18,17 +18,10 @@ from pathlib import Path
 import pytest
 
 from storage import DiskFullError, DurabilityError, Engine, EngineConfig, StorageError
+from tests.storage.conftest import SMALL
 from tests.storage.faultfs import FaultFS
 
 ROOT = Path("/faultfs/data")
-SMALL = dict(
-    segment_bytes=64 * 1024,
-    node_entries=8,
-    max_batch_entries=64,
-    max_batch_bytes=16 * 1024,
-    max_entry_bytes=4 * 1024,
-    background=False,
-)
 
 
 class Clock:
