@@ -254,11 +254,14 @@ def decode_records(buf: bytes | memoryview) -> list[Entry]:
 
 def record_offset_and_timestamp(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
     """The first two fields of a record, which the encoder always writes first."""
-    _, pos = _read_varint(buf, pos + 1, len(buf))
-    if buf[pos] != 0x08:
+    end = len(buf)
+    if pos >= end or buf[pos] != 0x0A:
+        raise CorruptionError("entry record does not start with key 0x0a")
+    _, pos = _read_varint(buf, pos + 1, end)
+    if pos >= end or buf[pos] != 0x08:
         raise CorruptionError("entry record does not start with its offset")
-    offset, pos = _read_varint(buf, pos + 1, len(buf))
-    if buf[pos] != 0x10:
+    offset, pos = _read_varint(buf, pos + 1, end)
+    if pos >= end or buf[pos] != 0x10:
         raise CorruptionError("entry record has no timestamp after its offset")
-    timestamp, _ = _read_varint(buf, pos + 1, len(buf))
+    timestamp, _ = _read_varint(buf, pos + 1, end)
     return offset, timestamp
