@@ -17,6 +17,9 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from storage import grouplog
+from storage.dedup import SNAPSHOT_FILE as PRODUCERS_FILE
+from storage.dedup import ProducerTable
 from storage.errors import CorruptionError
 from storage.format import NODE_SPARSE, NODE_ZSTD, SegmentHeader
 from storage.fs import FileSystem
@@ -116,6 +119,7 @@ def verify(data_dir: Path) -> list[str]:
         except (OSError, CorruptionError, ValueError, KeyError) as exc:
             problems.append(f"{directory.name}: metadata unreadable: {exc}")
             continue
+        problems.extend(f"stream {name!r}: {p}" for p in _side_file_problems(directory))
         expected = None
         for path in sorted(directory.glob(f"*{SEGMENT_SUFFIX}")):
             report = inspect_segment(path)
@@ -128,6 +132,31 @@ def verify(data_dir: Path) -> list[str]:
                 expected = report.nodes[-1].end_offset
             if report.packed:
                 expected = _packed_end(path, expected)
+    return problems
+
+
+def _side_file_problems(directory: Path) -> list[str]:
+    """Checks of the files beside the segments: group snapshot and journal, producer table."""
+    problems = []
+    producers = directory / PRODUCERS_FILE
+    if producers.exists():
+        try:
+            ProducerTable(1, 1, 1).load(producers.read_bytes())
+        except CorruptionError as exc:
+            problems.append(f"{producers.name}: {exc} (start-up rebuilds it from the stream)")
+    snapshot = directory / grouplog.SNAPSHOT_FILE
+    if snapshot.exists():
+        try:
+            generation, _ = grouplog.decode_snapshot(snapshot.read_bytes())
+        except CorruptionError as exc:
+            return [*problems, f"{snapshot.name}: {exc} (consumer groups of this stream are unreadable)"]
+        journal = directory / grouplog.journal_name(generation)
+        if not journal.exists():
+            problems.append(f"{journal.name} is missing (the snapshot names it)")
+        else:
+            _, records, _, cut = grouplog.scan_journal(journal.read_bytes(), generation)
+            if cut is not None:
+                problems.append(f"{journal.name}: {cut}; {records} records before it are kept")
     return problems
 
 

@@ -144,3 +144,24 @@ def test_inspector_lists_and_verifies(tmp_path, capsys):
         assert inspect_main(["verify", str(tmp_path / "d")]) == 1
         assert what in capsys.readouterr().out
     assert inspect_main([str(tmp_path / "missing")]) == 2
+
+
+def test_verify_checks_group_and_producer_files(tmp_path, capsys):
+    from storage import Engine, EngineConfig
+
+    from .conftest import SMALL
+
+    with Engine(tmp_path / "d", EngineConfig(**SMALL)) as engine:
+        engine.append("s", [b"a"] * 5, producer_id="p", producer_sequence=1)
+        engine.create_group("s", "g")
+        engine.read_group("s", "g", "c", 3)
+    assert inspect_main(["verify", str(tmp_path / "d")]) == 0
+    capsys.readouterr()
+    directory = tmp_path / "d" / "streams" / "s"
+    for name in ("producers.snap", "groups.snapshot"):
+        path = directory / name
+        original = path.read_bytes()
+        path.write_bytes(original[:-1] + bytes([original[-1] ^ 0xFF]))
+        assert inspect_main(["verify", str(tmp_path / "d")]) == 1
+        assert name in capsys.readouterr().out
+        path.write_bytes(original)
