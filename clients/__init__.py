@@ -1,0 +1,152 @@
+"""streamlog clients: the Python client library and the `streamlog` command.
+
+    from clients import Client, AsyncClient, Producer, Record
+
+They talk to a server over gRPC only (the layering rule of docs: clients never
+import `service`); the one exception is the CLI's offline `inspect`, which calls
+the storage engine's inspector on segment files.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Names are loaded on first use, so that `streamlog --help` and `streamlog serve`
+# (clients/cli.py) work without importing gRPC or the generated code.
+_EXPORTS = {
+    "AckResult": "clients.types",
+    "AlreadyExistsError": "clients.errors",
+    "AppendResult": "clients.types",
+    "AsyncClient": "clients.aio",
+    "AsyncSubscription": "clients.aio",
+    "CancelledError": "clients.errors",
+    "ClaimResult": "clients.types",
+    "Client": "clients.client",
+    "ConsumerInfo": "clients.types",
+    "DataLossError": "clients.errors",
+    "DeadlineExceededError": "clients.errors",
+    "Entry": "clients.types",
+    "FailedPreconditionError": "clients.errors",
+    "Gap": "clients.types",
+    "GapError": "clients.errors",
+    "GroupConfig": "clients.types",
+    "GroupCounters": "clients.types",
+    "GroupInfo": "clients.types",
+    "InvalidArgumentError": "clients.errors",
+    "NackResult": "clients.types",
+    "NotFoundError": "clients.errors",
+    "OffsetMismatchError": "clients.errors",
+    "OutOfRangeError": "clients.errors",
+    "PendingEntry": "clients.types",
+    "PendingInfo": "clients.types",
+    "PermissionDeniedError": "clients.errors",
+    "Producer": "clients.producer",
+    "ProducerClosedError": "clients.errors",
+    "ReadResult": "clients.types",
+    "Record": "clients.types",
+    "ResourceExhaustedError": "clients.errors",
+    "RetentionHolder": "clients.types",
+    "StreamConfig": "clients.types",
+    "StreamInfo": "clients.types",
+    "StreamlogError": "clients.errors",
+    "Subscription": "clients.client",
+    "TransientError": "clients.errors",
+    "UnauthenticatedError": "clients.errors",
+    "UnavailableError": "clients.errors",
+}
+
+__all__ = [
+    "AckResult",
+    "AlreadyExistsError",
+    "AppendResult",
+    "AsyncClient",
+    "AsyncSubscription",
+    "CancelledError",
+    "ClaimResult",
+    "Client",
+    "ConsumerInfo",
+    "DataLossError",
+    "DeadlineExceededError",
+    "Entry",
+    "FailedPreconditionError",
+    "Gap",
+    "GapError",
+    "GroupConfig",
+    "GroupCounters",
+    "GroupInfo",
+    "InvalidArgumentError",
+    "NackResult",
+    "NotFoundError",
+    "OffsetMismatchError",
+    "OutOfRangeError",
+    "PendingEntry",
+    "PendingInfo",
+    "PermissionDeniedError",
+    "Producer",
+    "ProducerClosedError",
+    "ReadResult",
+    "Record",
+    "ResourceExhaustedError",
+    "RetentionHolder",
+    "StreamConfig",
+    "StreamInfo",
+    "StreamlogError",
+    "Subscription",
+    "TransientError",
+    "UnauthenticatedError",
+    "UnavailableError",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'clients' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from clients.aio import AsyncClient, AsyncSubscription
+    from clients.client import Client, Subscription
+    from clients.errors import (
+        AlreadyExistsError,
+        CancelledError,
+        DataLossError,
+        DeadlineExceededError,
+        FailedPreconditionError,
+        GapError,
+        InvalidArgumentError,
+        NotFoundError,
+        OffsetMismatchError,
+        OutOfRangeError,
+        PermissionDeniedError,
+        ProducerClosedError,
+        ResourceExhaustedError,
+        StreamlogError,
+        TransientError,
+        UnauthenticatedError,
+        UnavailableError,
+    )
+    from clients.producer import Producer
+    from clients.types import (
+        AckResult,
+        AppendResult,
+        ClaimResult,
+        ConsumerInfo,
+        Entry,
+        Gap,
+        GroupConfig,
+        GroupCounters,
+        GroupInfo,
+        NackResult,
+        PendingEntry,
+        PendingInfo,
+        ReadResult,
+        Record,
+        RetentionHolder,
+        StreamConfig,
+        StreamInfo,
+    )

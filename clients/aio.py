@@ -1,0 +1,517 @@
+"""The asyncio streamlog client (grpc.aio): the API of `clients.client.Client`, awaited.
+
+    from clients import AsyncClient
+
+    async with AsyncClient("localhost:7070") as client:
+        await client.append("orders", b"one")
+        async for batch in client.subscribe("orders", "oldest"):
+            ...
+
+Timeouts, typed results and exceptions work as in the sync client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from streamlog.v1 import streamlog_pb2 as pb
+from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
+
+from clients import _convert as convert
+from clients._connection import (
+    DEFAULT_ADDRESS,
+    DEFAULT_TIMEOUT_S,
+    Pem,
+    auth_metadata,
+    call_timeout,
+    channel_credentials,
+    channel_options,
+)
+from clients.client import AppendData, Ranges
+from clients.errors import GapError, from_rpc_error
+from clients.types import (
+    AckResult,
+    AppendResult,
+    ClaimResult,
+    Entry,
+    Gap,
+    GroupConfig,
+    GroupInfo,
+    NackResult,
+    PendingInfo,
+    ReadResult,
+    Start,
+    StreamConfig,
+    StreamInfo,
+)
+
+_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["StreamLogService"].full_name
+
+
+class AsyncSubscription:
+    """An open Subscribe call: `async for` it for batches, or `entries()` for entries.
+
+    As the sync Subscription: no reconnection (resume from `next_offset`), and
+    `cancel()` (or leaving `async with`) ends iteration quietly.
+    """
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self._cancelled = False
+        self.next_offset: int | None = None
+
+    def __aiter__(self) -> AsyncSubscription:
+        return self
+
+    async def __anext__(self) -> ReadResult:
+        if self._cancelled:
+            raise StopAsyncIteration
+        try:
+            reply = await self._call.read()
+        except asyncio.CancelledError:
+            # read() of a call cancelled by cancel() raises this; a cancellation of the
+            # task itself must propagate.
+            if self._cancelled:
+                raise StopAsyncIteration from None
+            raise
+        except grpc.RpcError as exc:
+            if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
+                raise StopAsyncIteration from None
+            raise from_rpc_error(exc) from exc
+        if reply is grpc.aio.EOF:
+            raise StopAsyncIteration
+        batch = convert.read_result(reply)
+        self.next_offset = batch.next_offset
+        return batch
+
+    async def entries(self, on_gap: Callable[[Gap], None] | None = None) -> AsyncIterator[Entry]:
+        """The entries one by one. A gap calls `on_gap`, or raises GapError when there is none."""
+        async for batch in self:
+            if batch.gap is not None:
+                if on_gap is None:
+                    raise GapError(batch.gap)
+                on_gap(batch.gap)
+            for entry in batch.entries:
+                yield entry
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()
+
+    close = cancel
+
+    async def __aenter__(self) -> AsyncSubscription:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.cancel()
+
+
+class AsyncClient:
+    """A grpc.aio connection to one streamlog server; the same API as Client, with `await`.
+
+    Create it inside a running event loop (grpc.aio channels belong to one loop).
+
+    address: host:port. token: sent as `authorization: Bearer <token>` on every call.
+    TLS: `tls=True` (system roots), or `root_certificates` (PEM bytes or a file path),
+    plus `certificate_chain` and `private_key` for a client certificate; `server_name`
+    overrides the name checked in the server's certificate. `channel`: use this channel
+    (e.g. an intercepted one) instead of opening one; the client then does not close it.
+    """
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        token: str | None = None,
+        tls: bool = False,
+        root_certificates: Pem | None = None,
+        certificate_chain: Pem | None = None,
+        private_key: Pem | None = None,
+        server_name: str | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+        options: Sequence[tuple[str, Any]] = (),
+        channel: grpc.aio.Channel | None = None,
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._metadata = auth_metadata(token)
+        self._owns_channel = channel is None
+        if channel is None:
+            credentials = channel_credentials(tls, root_certificates, certificate_chain, private_key)
+            opts = channel_options(server_name, options)
+            if credentials is None:
+                channel = grpc.aio.insecure_channel(address, options=opts)
+            else:
+                channel = grpc.aio.secure_channel(address, credentials, options=opts)
+        self._channel = channel
+        self._stub = pb_grpc.StreamLogServiceStub(channel)
+
+    async def close(self) -> None:
+        if self._owns_channel:
+            await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def _unary(self, method: Any, request: Any, timeout: float | None, block_ms: int = 0) -> Any:
+        try:
+            return await method(
+                request, timeout=call_timeout(self.timeout, timeout, block_ms), metadata=self._metadata
+            )
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
+
+    # ------------------------------------------------------------------ data
+
+    async def append(
+        self,
+        stream: str,
+        data: AppendData,
+        *,
+        producer_id: str | None = None,
+        producer_sequence: int | None = None,
+        expected_next_offset: int | None = None,
+        timeout: float | None = None,
+    ) -> AppendResult:
+        """Append one batch (atomic): bytes, a list of bytes, or Records for tags/headers/delays.
+
+        producer_id + producer_sequence make it idempotent (a retry returns the first
+        attempt's offsets with `duplicate` set); expected_next_offset makes it
+        conditional (OffsetMismatchError, with the stream's `next_offset`, otherwise).
+        """
+        request = convert.append_request(stream, data, producer_id, producer_sequence, expected_next_offset)
+        return convert.append_result(await self._unary(self._stub.Append, request, timeout))
+
+    async def read(
+        self,
+        stream: str,
+        offset: int = 0,
+        *,
+        count: int = 0,
+        block_ms: int = 0,
+        reverse: bool = False,
+        max_bytes: int = 0,
+        timeout: float | None = None,
+    ) -> ReadResult:
+        """Up to `count` entries from `offset` (0: the server's default count).
+
+        block_ms: wait that long for an entry at or after `offset` when there is none
+        yet. reverse: newest first, from `offset` down (a huge offset starts at the end).
+        """
+        request = convert.read_request(stream, offset, count, block_ms, reverse, max_bytes)
+        return convert.read_result(await self._unary(self._stub.Read, request, timeout, block_ms))
+
+    def subscribe(
+        self,
+        stream: str,
+        start: Start = "oldest",
+        *,
+        timestamp_ms: int | None = None,
+        count: int = 0,
+        max_bytes: int = 0,
+        timeout: float | None = None,
+    ) -> AsyncSubscription:
+        """Follow a stream from `start` (an offset, "oldest" or "latest"; or a `timestamp_ms`).
+
+        No deadline unless `timeout` is given: a subscription lives until cancelled.
+        """
+        request = convert.subscribe_request(stream, start, timestamp_ms, count, max_bytes)
+        return AsyncSubscription(self._stub.Subscribe(request, timeout=timeout, metadata=self._metadata))
+
+    # ------------------------------------------------------------------ consumer groups
+
+    async def read_group(
+        self,
+        stream: str,
+        group: str,
+        consumer: str,
+        *,
+        count: int = 0,
+        block_ms: int = 0,
+        max_bytes: int = 0,
+        ack: Iterable[int] = (),
+        ack_ranges: Ranges = (),
+        retry_ms: int | None = None,
+        expire_ms: int | None = None,
+        noack: bool = False,
+        claim_idle_ms: int | None = None,
+        timeout: float | None = None,
+    ) -> ReadResult:
+        """Read as `consumer` of `group`: due redeliveries first, then new entries.
+
+        `ack`/`ack_ranges` acknowledge earlier entries in the same round trip. Entries'
+        `delivery_count` says how often the group has delivered each.
+        """
+        request = convert.group_read_request(
+            stream,
+            group,
+            consumer,
+            count=count,
+            block_ms=block_ms,
+            max_bytes=max_bytes,
+            ack=ack,
+            ack_ranges=ack_ranges,
+            retry_ms=retry_ms,
+            expire_ms=expire_ms,
+            noack=noack,
+            claim_idle_ms=claim_idle_ms,
+        )
+        return convert.read_result(await self._unary(self._stub.Read, request, timeout, block_ms))
+
+    def subscribe_group(
+        self,
+        stream: str,
+        group: str,
+        consumer: str,
+        *,
+        count: int = 0,
+        max_bytes: int = 0,
+        retry_ms: int | None = None,
+        expire_ms: int | None = None,
+        noack: bool = False,
+        claim_idle_ms: int | None = None,
+        timeout: float | None = None,
+    ) -> AsyncSubscription:
+        """Receive the entries `group` assigns to `consumer`, as they come; acknowledge with ack()."""
+        request = convert.group_subscribe_request(
+            stream,
+            group,
+            consumer,
+            count=count,
+            max_bytes=max_bytes,
+            retry_ms=retry_ms,
+            expire_ms=expire_ms,
+            noack=noack,
+            claim_idle_ms=claim_idle_ms,
+        )
+        return AsyncSubscription(self._stub.Subscribe(request, timeout=timeout, metadata=self._metadata))
+
+    async def ack(
+        self,
+        stream: str,
+        group: str,
+        offsets: Iterable[int] = (),
+        *,
+        ranges: Ranges = (),
+        timeout: float | None = None,
+    ) -> AckResult:
+        """Acknowledge entries by offset and by half-open (start, end) ranges."""
+        request = convert.ack_request(stream, group, offsets, ranges)
+        reply = await self._unary(self._stub.Ack, request, timeout)
+        return AckResult(reply.acknowledged, reply.unknown)
+
+    async def nack(
+        self,
+        stream: str,
+        group: str,
+        offsets: Iterable[int],
+        *,
+        delay_ms: int = 0,
+        timeout: float | None = None,
+    ) -> NackResult:
+        """Give pending entries back for redelivery to the group's next reader after `delay_ms`."""
+        request = pb.NackRequest(stream=stream, group=group, offsets=list(offsets), delay_ms=delay_ms)
+        reply = await self._unary(self._stub.Nack, request, timeout)
+        return NackResult(reply.released, reply.unknown)
+
+    async def claim(
+        self,
+        stream: str,
+        group: str,
+        consumer: str,
+        offsets: Iterable[int],
+        *,
+        min_idle_ms: int = 0,
+        timeout: float | None = None,
+    ) -> ClaimResult:
+        """Take over pending entries idle for at least `min_idle_ms` (Redis XCLAIM)."""
+        request = pb.ClaimRequest(
+            stream=stream, group=group, consumer=consumer, min_idle_ms=min_idle_ms, offsets=list(offsets)
+        )
+        return convert.claim_result(await self._unary(self._stub.Claim, request, timeout))
+
+    async def auto_claim(
+        self,
+        stream: str,
+        group: str,
+        consumer: str,
+        *,
+        min_idle_ms: int = 0,
+        cursor: int = 0,
+        count: int = 0,
+        timeout: float | None = None,
+    ) -> ClaimResult:
+        """Scan the pending list from `cursor` and claim idle entries (Redis XAUTOCLAIM)."""
+        request = pb.AutoClaimRequest(
+            stream=stream, group=group, consumer=consumer, min_idle_ms=min_idle_ms, cursor=cursor, count=count
+        )
+        return convert.claim_result(await self._unary(self._stub.AutoClaim, request, timeout))
+
+    async def pending(
+        self,
+        stream: str,
+        group: str,
+        *,
+        consumer: str = "",
+        min_idle_ms: int = 0,
+        start_offset: int = 0,
+        end_offset: int | None = None,
+        count: int = 0,
+        timeout: float | None = None,
+    ) -> PendingInfo:
+        """The group's pending list: summary, and detail rows filtered as asked (Redis XPENDING)."""
+        request = convert.pending_request(
+            stream,
+            group,
+            consumer=consumer,
+            min_idle_ms=min_idle_ms,
+            start_offset=start_offset,
+            end_offset=end_offset,
+            count=count,
+        )
+        return convert.pending_info(await self._unary(self._stub.GetPending, request, timeout))
+
+    async def create_group(
+        self,
+        stream: str,
+        group: str,
+        start: Start = "oldest",
+        *,
+        timestamp_ms: int | None = None,
+        entries_read: int | None = None,
+        config: GroupConfig | None = None,
+        create_stream: bool = False,
+        timeout: float | None = None,
+    ) -> GroupInfo:
+        """Create a consumer group reading from `start` ("oldest", "latest", an offset, or a time)."""
+        request = convert.create_group_request(
+            stream,
+            group,
+            start,
+            timestamp_ms=timestamp_ms,
+            entries_read=entries_read,
+            config=config,
+            create_stream=create_stream,
+        )
+        return convert.group_info((await self._unary(self._stub.CreateGroup, request, timeout)).group)
+
+    async def delete_group(self, stream: str, group: str, *, timeout: float | None = None) -> None:
+        await self._unary(self._stub.DeleteGroup, pb.DeleteGroupRequest(stream=stream, group=group), timeout)
+
+    async def list_groups(self, stream: str, *, timeout: float | None = None) -> list[GroupInfo]:
+        reply = await self._unary(self._stub.ListGroups, pb.ListGroupsRequest(stream=stream), timeout)
+        return [convert.group_info(g) for g in reply.groups]
+
+    async def group_info(self, stream: str, group: str, *, timeout: float | None = None) -> GroupInfo:
+        request = pb.GetGroupInfoRequest(stream=stream, group=group)
+        return convert.group_info((await self._unary(self._stub.GetGroupInfo, request, timeout)).group)
+
+    async def set_group_offset(
+        self,
+        stream: str,
+        group: str,
+        start: Start,
+        *,
+        timestamp_ms: int | None = None,
+        entries_read: int | None = None,
+        timeout: float | None = None,
+    ) -> GroupInfo:
+        request = convert.set_group_offset_request(
+            stream, group, start, timestamp_ms=timestamp_ms, entries_read=entries_read
+        )
+        return convert.group_info((await self._unary(self._stub.SetGroupOffset, request, timeout)).group)
+
+    async def set_group_config(
+        self, stream: str, group: str, config: GroupConfig, *, timeout: float | None = None
+    ) -> GroupInfo:
+        """Replace the group's whole configuration (unset fields take their defaults)."""
+        request = pb.SetGroupConfigRequest(
+            stream=stream, group=group, config=convert.group_config_to_pb(config)
+        )
+        return convert.group_info((await self._unary(self._stub.SetGroupConfig, request, timeout)).group)
+
+    async def delete_consumer(
+        self, stream: str, group: str, consumer: str, *, timeout: float | None = None
+    ) -> int:
+        """Remove a consumer; its pending entries go back to the group. Returns how many."""
+        request = pb.DeleteConsumerRequest(stream=stream, group=group, consumer=consumer)
+        return (await self._unary(self._stub.DeleteConsumer, request, timeout)).released
+
+    # ------------------------------------------------------------------ admin
+
+    async def list_streams(
+        self, prefix: str = "", *, page_size: int = 0, timeout: float | None = None
+    ) -> list[str]:
+        """Every stream name starting with `prefix`, in byte order (all pages)."""
+        names: list[str] = []
+        token = ""
+        while True:
+            request = pb.ListStreamsRequest(prefix=prefix, page_size=page_size, page_token=token)
+            reply = await self._unary(self._stub.ListStreams, request, timeout)
+            names.extend(reply.streams)
+            token = reply.next_page_token
+            if not token:
+                return names
+
+    async def info(self, stream: str, *, timeout: float | None = None) -> StreamInfo:
+        reply = await self._unary(self._stub.GetStreamInfo, pb.GetStreamInfoRequest(stream=stream), timeout)
+        return convert.stream_info(reply.info)
+
+    async def delete_stream(self, stream: str, *, timeout: float | None = None) -> None:
+        await self._unary(self._stub.DeleteStream, pb.DeleteStreamRequest(stream=stream), timeout)
+
+    async def trim(
+        self,
+        stream: str,
+        *,
+        to_offset: int | None = None,
+        keep_last: int | None = None,
+        evict_up_to: int | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Remove old entries (exactly one mode); returns the stream's new first offset.
+
+        to_offset: exact. keep_last / evict_up_to: whole macro nodes (RCP 11's TEVICT).
+        """
+        request = convert.trim_request(
+            stream, to_offset=to_offset, keep_last=keep_last, evict_up_to=evict_up_to
+        )
+        return (await self._unary(self._stub.Trim, request, timeout)).first_offset
+
+    async def get_config(self, stream: str, *, timeout: float | None = None) -> StreamConfig:
+        return (await self.info(stream, timeout=timeout)).config
+
+    async def set_config(
+        self, stream: str, config: StreamConfig, *, timeout: float | None = None
+    ) -> StreamConfig:
+        """Replace the stream's whole configuration; returns the one now in force."""
+        request = pb.SetStreamConfigRequest(stream=stream, config=convert.stream_config_to_pb(config))
+        return convert.stream_config((await self._unary(self._stub.SetStreamConfig, request, timeout)).config)
+
+    async def seek(self, stream: str, timestamp_ms: int, *, timeout: float | None = None) -> int:
+        """The first offset appended at or after `timestamp_ms` (the end when all are older)."""
+        request = pb.SeekTimeRequest(stream=stream, timestamp_ms=timestamp_ms)
+        return (await self._unary(self._stub.SeekTime, request, timeout)).offset
+
+    async def count(
+        self, stream: str, start: int = 0, end: int | None = None, *, timeout: float | None = None
+    ) -> int:
+        """Entries retained in [start, end) (end None: to the end), counted without reading them."""
+        request = pb.CountRangeRequest(
+            stream=stream, start_offset=start, **convert.optional_fields(end_offset=end)
+        )
+        return (await self._unary(self._stub.CountRange, request, timeout)).count
+
+    async def health(self, *, timeout: float | None = None) -> str:
+        """The server's health status: "SERVING", "NOT_SERVING", ... (grpc.health.v1)."""
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        reply = await self._unary(stub.Check, health_pb2.HealthCheckRequest(service=_SERVICE_NAME), timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

@@ -1,0 +1,188 @@
+"""Producer against a real server: batching, linger, flush, close, errors, retries that never duplicate."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from clients import Client, Producer, ProducerClosedError, Record, ResourceExhaustedError, UnavailableError
+from tests.service.helpers import ServerThread
+
+
+def _payloads(client: Client, stream: str) -> list[bytes]:
+    return [e.payload for e in client.read(stream, 0, count=500)]
+
+
+def test_entries_are_batched_in_order_and_get_their_offsets(client: Client) -> None:
+    with Producer(client, "s", max_batch_entries=100, linger_ms=50) as producer:
+        futures = [producer.send(b"%d" % i) for i in range(250)]
+        assert [f.result(10) for f in futures] == list(range(250))
+    # 250 entries sent at once in batches of at most 100: three appends.
+    assert producer.batches_sent == 3
+    assert _payloads(client, "s") == [b"%d" % i for i in range(250)]
+
+
+def test_max_batch_bytes_splits_batches(client: Client) -> None:
+    with Producer(client, "s", max_batch_bytes=2500, linger_ms=50) as producer:
+        futures = [producer.send(b"x" * 1000) for _ in range(6)]
+    assert [f.result(0) for f in futures] == list(range(6))
+    assert producer.batches_sent == 3
+
+
+def test_linger_waits_for_more_entries_and_flush_cuts_it_short(client: Client) -> None:
+    with Producer(client, "s", linger_ms=60_000) as producer:
+        future = producer.send(b"one")
+        time.sleep(0.2)
+        assert not future.done()  # lingering for company
+        started = time.monotonic()
+        producer.flush(timeout=10)
+        assert future.result(0) == 0
+        assert time.monotonic() - started < 5
+
+
+def test_tags_headers_and_records(client: Client) -> None:
+    with Producer(client, "s", linger_ms=1) as producer:
+        producer.send(b"a", tag="k1", headers={"h": b"v"})
+        producer.send(Record(b"b", tag="k2"))
+        producer.send(b"c")
+    assert [(e.payload, e.tag, e.headers) for e in client.read("s", 0)] == [
+        (b"a", "k1", {"h": b"v"}),
+        (b"b", "k2", {}),
+        (b"c", "", {}),
+    ]
+
+
+def test_sends_from_many_threads_keep_each_threads_order(client: Client) -> None:
+    results: dict[int, list[int]] = {}
+
+    def work(producer: Producer, thread: int) -> None:
+        futures = [producer.send(b"%d-%d" % (thread, i)) for i in range(100)]
+        results[thread] = [f.result(20) for f in futures]
+
+    with Producer(client, "s", max_batch_entries=50, linger_ms=2, max_buffered=60) as producer:
+        threads = [threading.Thread(target=work, args=(producer, t)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    offsets = [o for t in range(4) for o in results[t]]
+    assert sorted(offsets) == list(range(400))
+    assert all(results[t] == sorted(results[t]) for t in range(4))
+
+
+def test_a_refused_batch_fails_its_futures_and_the_producer_goes_on(client: Client) -> None:
+    # The test server's max_entry_bytes is 4 KiB.
+    with Producer(client, "s", linger_ms=1) as producer:
+        too_big = producer.send(b"x" * 5000)
+        producer.flush(timeout=10)
+        fine = producer.send(b"ok")
+    with pytest.raises(ResourceExhaustedError, match="max_entry_bytes"):
+        too_big.result(0)
+    assert fine.result(0) == 0
+    assert producer.retries == 0  # not a transient error
+
+
+def test_send_after_close_is_refused(client: Client) -> None:
+    producer = Producer(client, "s")
+    future = producer.send(b"last")
+    producer.close()
+    assert future.result(0) == 0  # close flushed it
+    with pytest.raises(ProducerClosedError):
+        producer.send(b"too late")
+
+
+class _LostReply(grpc.RpcError):
+    """What a client sees when the connection drops after the server has written the batch."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "connection lost (test)"
+
+    def trailing_metadata(self) -> tuple:
+        return ()
+
+
+class DropReplies(grpc.UnaryUnaryClientInterceptor):
+    """Lets the first `count` Append calls reach the server, then throws their replies away."""
+
+    def __init__(self, count: int) -> None:
+        self.remaining = count
+        self.requests: list[Any] = []
+
+    def intercept_unary_unary(self, continuation: Callable, details: Any, request: Any) -> Any:
+        outcome = continuation(details, request)
+        if details.method.endswith("/Append"):
+            self.requests.append(request)
+            if self.remaining:
+                self.remaining -= 1
+                outcome.result()  # the server has written the batch
+                raise _LostReply()
+        return outcome
+
+
+def test_a_retry_after_a_lost_reply_writes_nothing_twice(server: ServerThread) -> None:
+    interceptor = DropReplies(count=2)
+    channel = grpc.intercept_channel(grpc.insecure_channel(server.target), interceptor)
+    try:
+        client = Client(channel=channel, timeout=10)
+        with Producer(client, "s", linger_ms=1, initial_backoff_s=0.01) as producer:
+            futures = [producer.send(b"%d" % i) for i in range(5)]
+            producer.flush(timeout=10)
+            later = producer.send(b"after")
+        assert [f.result(0) for f in futures] == [0, 1, 2, 3, 4]
+        assert later.result(0) == 5
+        assert producer.retries == 2 and producer.duplicates == 1
+        # Every attempt of the first batch carried the same producer id and sequence.
+        first, *retries = [
+            r for r in interceptor.requests if list(r.payloads) == [b"%d" % i for i in range(5)]
+        ]
+        assert len(retries) == 2
+        assert {(r.producer_id, r.producer_sequence) for r in retries} == {
+            (first.producer_id, first.producer_sequence)
+        }
+        assert first.producer_id == producer.producer_id
+        with Client(server.target) as plain:
+            assert _payloads(plain, "s") == [b"0", b"1", b"2", b"3", b"4", b"after"]
+    finally:
+        channel.close()
+
+
+def test_retries_ride_out_a_server_restart(start_server: Callable[..., ServerThread], tmp_path) -> None:
+    data = tmp_path / "restart"
+    first = start_server(data)
+    port = first.server.port
+    # Reconnect soon after the server is back, not after gRPC's default backoff of seconds.
+    fast_reconnect = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 200)]
+    with Client(first.target, timeout=5, options=fast_reconnect) as client:
+        producer = Producer(client, "s", linger_ms=1, initial_backoff_s=0.02, max_backoff_s=0.2)
+        try:
+            assert producer.send(b"before").result(10) == 0
+            first.stop()
+            pending = [producer.send(b"during-%d" % i) for i in range(3)]
+            time.sleep(0.5)
+            assert not any(f.done() for f in pending)
+            assert producer.retries > 0
+            start_server(data, port=port)
+            assert [f.result(20) for f in pending] == [1, 2, 3]
+        finally:
+            producer.close(timeout=20)
+        assert _payloads(client, "s") == [b"before", b"during-0", b"during-1", b"during-2"]
+
+
+def test_a_delivery_timeout_fails_the_batch(start_server: Callable[..., ServerThread]) -> None:
+    server = start_server()
+    target = server.target
+    server.stop()
+    with Client(target, timeout=1) as client:
+        producer = Producer(client, "s", delivery_timeout_s=0.5, initial_backoff_s=0.05, linger_ms=1)
+        future = producer.send(b"nowhere")
+        with pytest.raises(UnavailableError):
+            future.result(10)
+        producer.close(timeout=5)
