@@ -1,0 +1,230 @@
+"""The `streamlog` command: main() against a real server, and the console script as a process."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from clients import Client
+from clients.cli import EXIT_CONFLICT, EXIT_NOT_FOUND, EXIT_UNAVAILABLE, EXIT_USAGE, main
+from tests.clients.tlsserver import TOKEN, Certs, TlsServer
+from tests.service.helpers import ServerThread
+
+STREAMLOG = shutil.which("streamlog", path=str(Path(sys.executable).parent))
+
+
+def run(server: ServerThread | str, *argv: str, stdin: str | None = None) -> tuple[int, str]:
+    """main(argv) with --address; returns (exit code, stdout)."""
+    target = server if isinstance(server, str) else server.target
+    out = io.StringIO()
+    saved = sys.stdin
+    if stdin is not None:
+        sys.stdin = io.StringIO(stdin)
+    try:
+        code = main([*argv, "--address", target], out=out)
+    finally:
+        sys.stdin = saved
+    return code, out.getvalue()
+
+
+def lines_json(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_append_arguments_then_read_them(server: ServerThread) -> None:
+    code, out = run(server, "append", "orders", "one", "two", "--tag", "k", "--header", "src=cli")
+    assert code == 0 and "offsets 0..1" in out
+    code, out = run(server, "append", "orders", "three", "--json")
+    assert json.loads(out) == {"stream": "orders", "first_offset": 2, "last_offset": 2, "count": 1}
+    code, out = run(server, "read", "orders", "--json")
+    assert code == 0
+    records = lines_json(out)
+    assert [(r["offset"], r["payload"], r.get("tag"), r.get("headers")) for r in records] == [
+        (0, "one", "k", {"src": "cli"}),
+        (1, "two", "k", {"src": "cli"}),
+        (2, "three", None, None),
+    ]
+    code, out = run(server, "read", "orders", "--from", "1", "--count", "1")
+    assert code == 0
+    (line,) = out.splitlines()
+    assert line.split()[0] == "1" and "[k]" in line and "two" in line and "src=cli" in line
+    code, out = run(server, "read", "orders", "--last", "2", "--json")
+    assert [r["offset"] for r in lines_json(out)] == [1, 2]
+
+
+def test_append_from_stdin_lines_and_json_lines(server: ServerThread) -> None:
+    code, out = run(server, "append", "s", "--json", stdin="alpha\nbeta\n")
+    assert code == 0 and json.loads(out)["count"] == 2
+    jsonl = "\n".join(
+        [
+            json.dumps({"payload": "text", "tag": "t1", "headers": {"h": "v"}}),
+            "",
+            json.dumps({"payload_base64": "AP8=", "headers_base64": {"bin": "AQI="}}),
+        ]
+    )
+    code, _ = run(server, "append", "s", "--jsonl", stdin=jsonl)
+    assert code == 0
+    with Client(server.target) as client:
+        entries = client.read("s", 0).entries
+    assert [(e.payload, e.tag, e.headers) for e in entries] == [
+        (b"alpha", "", {}),
+        (b"beta", "", {}),
+        (b"text", "t1", {"h": b"v"}),
+        (b"\x00\xff", "", {"bin": b"\x01\x02"}),
+    ]
+    code, _ = run(server, "append", "s", "--jsonl", stdin="not json\n")
+    assert code == EXIT_USAGE
+
+
+def test_conditional_append_and_exit_codes(server: ServerThread, capsys: pytest.CaptureFixture) -> None:
+    assert run(server, "append", "e", "created", "--expect-offset", "0")[0] == 0
+    assert run(server, "append", "e", "again", "--expect-offset", "0")[0] == EXIT_CONFLICT
+    assert "FAILED_PRECONDITION" in capsys.readouterr().err
+    assert run(server, "info", "missing")[0] == EXIT_NOT_FOUND
+    assert run(server, "append", "bad\x00name", "x")[0] == EXIT_USAGE
+    assert run(server, "delete", "e")[0] == EXIT_USAGE  # needs --yes
+    assert run(server, "delete", "e", "--yes")[0] == 0
+    assert run(server, "info", "e")[0] == EXIT_NOT_FOUND
+    with pytest.raises(SystemExit) as caught:
+        main(["read"])
+    assert caught.value.code == 2
+
+
+def test_an_unreachable_server_exits_5(start_server) -> None:
+    server = start_server()
+    target = server.target
+    server.stop()
+    assert run(target, "info", "--timeout", "2")[0] == EXIT_UNAVAILABLE
+
+
+def test_address_from_the_environment(server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STREAMLOG_ADDRESS", server.target)
+    out = io.StringIO()
+    assert main(["append", "env", "x"], out=out) == 0
+    assert "offsets 0..0" in out.getvalue()
+
+
+def test_tail_prints_the_newest_and_follows(server: ServerThread) -> None:
+    with Client(server.target) as client:
+        client.append("t", [b"%d" % i for i in range(20)])
+        code, out = run(server, "tail", "t", "-n", "3", "--json")
+        assert [r["payload"] for r in lines_json(out)] == ["17", "18", "19"]
+
+        def append_later() -> None:
+            time.sleep(0.3)
+            client.append("t", [b"new-1", b"new-2"])
+
+        writer = threading.Thread(target=append_later)
+        writer.start()
+        code, out = run(server, "tail", "t", "-f", "-n", "1", "--limit", "3", "--json")
+        writer.join()
+    assert code == 0
+    assert [r["payload"] for r in lines_json(out)] == ["19", "new-1", "new-2"]
+
+
+def test_info_trim_and_config(server: ServerThread) -> None:
+    with Client(server.target) as client:
+        client.append("a", [b"%d" % i for i in range(40)])
+        client.append("b", b"x")
+    code, out = run(server, "info")
+    assert code == 0
+    rows = [line.split() for line in out.splitlines()]
+    assert rows[0][:4] == ["STREAM", "ENTRIES", "FIRST", "NEXT"]
+    assert [r[:4] for r in rows[1:]] == [["a", "40", "0", "40"], ["b", "1", "0", "1"]]
+    code, out = run(server, "trim", "a", "--to", "30", "--json")
+    assert json.loads(out) == {"stream": "a", "first_offset": 30}
+    code, out = run(server, "info", "a")
+    assert "30..39" in out and "10 retained, 40 ever added" in out
+    code, out = run(server, "config", "a", "--max-entries", "1000", "--fsync", "always", "--json")
+    config = json.loads(out)
+    assert (config["max_entries"], config["fsync"]) == (1000, "always")
+    code, out = run(server, "config", "a", "--max-entries", "none", "--compaction", "on", "--json")
+    config = json.loads(out)
+    # Only the options given change; the rest of the configuration is kept.
+    assert (config["max_entries"], config["compaction"], config["fsync"]) == (None, True, "always")
+    code, out = run(server, "config", "a")
+    assert "compaction" in out and "on" in out
+
+
+def test_export_then_import_round_trips_binary_payloads(
+    server: ServerThread, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    with Client(server.target) as client:
+        client.append("src", [b"text", b"\x00\xff\xfe"])
+        from clients import Record
+
+        client.append("src", [Record(b"tagged", tag="k", headers={"h": b"\x80"})])
+    target = tmp_path / "src.jsonl"
+    code, out = run(server, "export", "src", "-o", str(target), "--progress")
+    assert code == 0 and "exported 3 entries" in out
+    assert "export src: 3 entries of 3 (100%)" in capsys.readouterr().err
+    code, out = run(server, "import", "copy", "-i", str(target), "--json")
+    assert json.loads(out) == {"stream": "copy", "imported": 3, "first_offset": 0, "last_offset": 2}
+    with Client(server.target) as client:
+        original = client.read("src", 0).entries
+        copied = client.read("copy", 0).entries
+    assert [(e.payload, e.tag, e.headers) for e in copied] == [
+        (e.payload, e.tag, e.headers) for e in original
+    ]
+    code, out = run(server, "export", "src", "--from", "1", "--to", "2")
+    assert [r["offset"] for r in lines_json(out)] == [1]
+
+
+def test_inspect_a_data_directory(server: ServerThread, capsys: pytest.CaptureFixture) -> None:
+    with Client(server.target) as client:
+        client.append("x", [b"payload"] * 40)
+    data = str(server.settings.data_dir)
+    assert main(["inspect", data]) == 0
+    listing = capsys.readouterr().out
+    assert "base=0" in listing and "nodes" in listing
+    assert main(["inspect", "--verify", data]) == 0
+    assert "ok: no damage found" in capsys.readouterr().out
+    assert main(["inspect", "--verify", data, data]) == EXIT_USAGE
+
+
+def test_bench_measures_and_cleans_up(server: ServerThread) -> None:
+    code, out = run(server, "bench", "--entries", "1000", "--batch", "100", "--size", "50", "--json")
+    assert code == 0
+    figures = json.loads(out)
+    assert (
+        figures["entries"] == 1000
+        and figures["append_entries_per_s"] > 0
+        and figures["read_entries_per_s"] > 0
+    )
+    with Client(server.target) as client:
+        assert client.list_streams() == []  # the bench stream was deleted
+
+
+def test_tls_and_token_flags(tls_server: TlsServer, certs: Certs) -> None:
+    argv = ["info", "secure", "--tls-ca", str(certs.ca), "--tls-cert", str(certs.client_cert)]
+    argv += ["--tls-key", str(certs.client_key), "--token", TOKEN, "--json"]
+    code, out = run(tls_server.target, *argv)
+    assert code == 0 and json.loads(out)["name"] == "secure"
+
+
+def test_the_console_script_help_and_serve_exec(tmp_path: Path) -> None:
+    assert STREAMLOG is not None, "the streamlog console script is not installed (pip install -e .)"
+    helped = subprocess.run([STREAMLOG, "--help"], capture_output=True, text=True, timeout=30)
+    assert helped.returncode == 0
+    for command in ("serve", "append", "tail", "groups", "export", "inspect", "bench"):
+        assert command in helped.stdout
+    # `serve` execs the server's own command line: its flags, its exit code for bad settings.
+    env = {**os.environ, "STREAMLOG_FSYNC": "sometimes"}
+    served = subprocess.run(
+        [STREAMLOG, "serve", "--data", str(tmp_path), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+    )
+    assert served.returncode == 2
+    assert "fsync: must be one of" in served.stderr
