@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["StreamLogService"]
 SERVICE_NAME = SERVICE.full_name
 # RPCs whose servicer methods return the serialized reply (stored records + fields).
-RAW_REPLY_METHODS = frozenset({"Read", "Subscribe"})
+RAW_REPLY_METHODS = frozenset({"Read", "Subscribe", "Claim", "AutoClaim"})
 
 _HANDLER_FACTORIES = {
     (False, False): grpc.unary_unary_rpc_method_handler,
@@ -138,6 +138,7 @@ class StreamLogServer:
             await self.stop()
             raise
         self.engine.add_append_listener(self._waiters.on_append)
+        self._servicer.listen_to(self.engine)
         self._servicer.attach_engine(self.engine)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %d streams", len(self.engine.list_streams()))
@@ -164,6 +165,8 @@ class StreamLogServer:
             self._servicer.start_draining()
         if self._waiters is not None:
             self._waiters.close()
+        if self._servicer is not None:
+            self._servicer.group_waits.close()
         if self._server is not None:
             await self._server.stop(self.settings.shutdown_grace_ms / 1000)
         if self._executor is not None:

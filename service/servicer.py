@@ -14,6 +14,14 @@ in-memory slice under a per-stream lock). Appends to "always"-fsync streams, and
 admin calls that create, rename or delete files, run in a small thread pool so a
 disk sync never stalls the loop; concurrent "always" appends then share one
 fdatasync inside the engine (group commit).
+
+Consumer groups follow the same rule. A group call journals its change and, on
+an "always" stream, waits for the journal's sync: such calls (group reads,
+acks, nacks, claims, queries that may retire expired entries) run in the thread
+pool for "always" streams and on the loop otherwise; group admin calls that
+create or remove files (CreateGroup, DeleteGroup, ...) always run in the pool.
+Blocked group readers queue per group and are served in arrival order
+(service/groupwaits.py).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import bisect
+import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -31,7 +40,7 @@ from typing import Any, TypeVar
 import grpc
 from streamlog.v1 import streamlog_pb2 as pb
 
-from service import validation
+from service import groupwire, validation
 from service.config import MAX_STREAM_NAME_BYTES, Settings
 from service.errors import (
     ServiceError,
@@ -41,19 +50,23 @@ from service.errors import (
     translate_errors,
     unavailable,
 )
+from service.groupwaits import GroupReadOptions, GroupWaits, WaitResult, has_news
 from service.waiters import Waiters, Wake
 from service.wire import entries_hold_only_payloads
-from storage import Engine, Gap, ReadResult, StreamConfig, StreamNotFoundError
+from storage import (
+    CorruptionError,
+    Engine,
+    GroupReadResult,
+    PreconditionError,
+    ReadResult,
+    StreamConfig,
+    StreamNotFoundError,
+)
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_GAP_REASONS = {
-    "evicted": pb.GAP_REASON_EVICTED,
-    "compacted": pb.GAP_REASON_COMPACTED,
-    "corrupt": pb.GAP_REASON_CORRUPT,
-}
 _FSYNC_TO_PROTO = {
     None: pb.FSYNC_POLICY_UNSPECIFIED,
     "always": pb.FSYNC_POLICY_ALWAYS,
@@ -72,16 +85,16 @@ _END_OF_STREAM = 2**63 - 1
 _DEADLINE_MARGIN_MIN_S = 0.005
 _DEADLINE_MARGIN_MAX_S = 0.2
 
+# Group-mode fields of ReadRequest/SubscribeRequest that are unset (None) when not given.
+_GROUP_OPTIONAL_MS = ("retry_ms", "expire_ms", "claim_idle_ms")
+
 _payload = attrgetter("payload")
 _tag = attrgetter("tag")
 _headers = attrgetter("headers")
 _deliver_at = attrgetter("deliver_at_ms")
 
 
-def _gap(gap: Gap | None) -> pb.Gap | None:
-    if gap is None:
-        return None
-    return pb.Gap(start_offset=gap.start, end_offset=gap.end, reason=_GAP_REASONS[gap.reason])
+_gap = groupwire.gap_to_proto
 
 
 def _forward_next(result: ReadResult, offset: int) -> int:
@@ -192,6 +205,28 @@ def _after_token(token: str) -> str:
         raise invalid_argument("page_token: not a token this server issued") from None
 
 
+def _has_group_fields(request: pb.ReadRequest | pb.SubscribeRequest) -> bool:
+    """Whether a plain (non-group) read or subscription sets a field that needs `group`."""
+    return bool(
+        request.consumer
+        or request.noack
+        or request.HasField("retry_ms")
+        or request.HasField("expire_ms")
+        or request.HasField("claim_idle_ms")
+    )
+
+
+def _group_options(
+    request: pb.ReadRequest | pb.SubscribeRequest, count: int, max_bytes: int
+) -> GroupReadOptions:
+    consumer = validation.name("consumer", request.consumer)
+    optional = {
+        name: validation.non_negative(name, getattr(request, name)) if request.HasField(name) else None
+        for name in _GROUP_OPTIONAL_MS
+    }
+    return GroupReadOptions(consumer, count, max_bytes, noack=request.noack, **optional)
+
+
 class StreamLogServicer:
     """The StreamLogService handlers. Every method runs on the server's event loop."""
 
@@ -202,10 +237,17 @@ class StreamLogServicer:
         self._engine: Engine | None = None
         self._draining = False
         self.subscriptions = 0
+        # Blocked group readers, served in arrival order; the dispatcher reads through _read_group.
+        self.group_waits = GroupWaits(self._dispatch_read)
 
     def attach_engine(self, engine: Engine) -> None:
         """Start serving from `engine` (opened and recovered); until then calls get UNAVAILABLE."""
         self._engine = engine
+
+    def listen_to(self, engine: Engine) -> None:
+        """Register the wake-ups of blocked group readers with the engine (once per engine)."""
+        engine.add_append_listener(self.group_waits.on_append)
+        engine.add_group_listener(self.group_waits.on_group_change)
 
     def start_draining(self) -> None:
         """From now on, new calls get UNAVAILABLE and subscriptions end at their next step."""
@@ -221,6 +263,89 @@ class StreamLogServicer:
     async def _in_thread(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(function, *args, **kwargs))
+
+    async def _group_call(self, engine: Engine, stream: str, function: Callable[..., T], *args: Any) -> T:
+        """A group call that may wait for a journal sync: in a thread on "always" streams, else here."""
+        if engine.stream_fsync(stream) == "always":
+            return await self._in_thread(function, *args)
+        return function(*args)
+
+    async def _read_group(
+        self, engine: Engine, stream: str, group: str, options: GroupReadOptions
+    ) -> GroupReadResult:
+        call = functools.partial(
+            engine.read_group,
+            stream,
+            group,
+            options.consumer,
+            options.count,
+            max_bytes=options.max_bytes,
+            retry_ms=options.retry_ms,
+            expire_ms=options.expire_ms,
+            noack=options.noack,
+            claim_idle_ms=options.claim_idle_ms,
+        )
+        return await self._group_call(engine, stream, call)
+
+    async def _dispatch_read(self, stream: str, group: str, options: GroupReadOptions) -> GroupReadResult:
+        return await self._read_group(self._ready(), stream, group, options)
+
+    async def _group_read_or_wait(
+        self, engine: Engine, stream: str, group: str, options: GroupReadOptions, wait_s: float | None
+    ) -> WaitResult:
+        """A group read that waits (wait_s seconds, None: forever) while it finds nothing.
+
+        Returns the read's result (with entries, or empty at once when wait_s is 0), or
+        why the wait ended without one (TIMEOUT, DELETED, CLOSED).
+        """
+        waits = self.group_waits
+        if not waits.busy(stream, group):
+            # Nobody queued ahead: read now.
+            fsync_always = engine.stream_fsync(stream) == "always"
+            result = await self._read_group(engine, stream, group, options)
+            if has_news(result) or wait_s == 0:
+                return result
+            if not fsync_always:
+                # Read on the loop with no await since, so no append or ack went unseen: queue up
+                # without reading again, and be woken when the read said something falls due.
+                return await waits.wait(
+                    stream, group, options, wait_s, due_ms=result.next_due_ms, read_first=False
+                )
+        # Readers are queued ahead (they are served first), or the read above ran in a thread:
+        # queue up, and the group's dispatcher reads for the queue in arrival order.
+        return await waits.wait(stream, group, options, wait_s)
+
+    def _ack_items(
+        self, offsets: Sequence[int], ranges: Sequence[pb.OffsetRange], names: tuple[str, str]
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """Offsets and [start, end) ranges to acknowledge, checked against max_ack_offsets and signs."""
+        items = len(offsets) + len(ranges)
+        limit = self._settings.max_ack_offsets
+        if items > limit:
+            raise limit_exceeded("max_ack_offsets", limit, f"{', '.join(names)}: {items} items in one call")
+        if offsets and min(offsets) < 0:
+            raise invalid_argument(f"{names[0]}: must not be negative")
+        spans = []
+        for index, span in enumerate(ranges):
+            validation.non_negative(f"{names[1]}[{index}].start_offset", span.start_offset)
+            if span.end_offset < span.start_offset:
+                raise invalid_argument(
+                    f"{names[1]}[{index}]: end_offset {span.end_offset} is before "
+                    f"start_offset {span.start_offset}"
+                )
+            spans.append((span.start_offset, span.end_offset))
+        return list(offsets), spans
+
+    def _offsets(self, offsets: Sequence[int]) -> list[int]:
+        """The offsets of a Nack or Claim: at least one, none negative, at most max_ack_offsets."""
+        if not offsets:
+            raise invalid_argument("offsets: at least one offset is required")
+        limit = self._settings.max_ack_offsets
+        if len(offsets) > limit:
+            raise limit_exceeded("max_ack_offsets", limit, f"offsets: {len(offsets)} offsets in one call")
+        if min(offsets) < 0:
+            raise invalid_argument("offsets: must not be negative")
+        return list(offsets)
 
     def _wait_limit_s(self, context: grpc.aio.ServicerContext, block_ms: int) -> float:
         """How long a blocking call may wait: block_ms, or less if the deadline comes first."""
@@ -288,6 +413,12 @@ class StreamLogServicer:
             "max_bytes", request.max_bytes, settings.default_read_bytes, settings.max_read_bytes
         )
         block_ms = validation.at_most("block_ms", request.block_ms, "max_block_ms", settings.max_block_ms)
+        if request.group:
+            return await self._group_read(engine, stream, request, count, max_bytes, block_ms, context)
+        if _has_group_fields(request) or request.ack_offsets or request.ack_ranges:
+            raise invalid_argument(
+                "group: consumer, retry_ms, expire_ms, noack, claim_idle_ms and acks need a group"
+            )
         if request.reverse:
             result = engine.read(stream, offset, count, max_bytes=max_bytes, reverse=True)
             return _read_reply(result, _reverse_next(result))
@@ -321,6 +452,41 @@ class StreamLogServicer:
                     return pb.ReadResponse(next_offset=offset).SerializeToString()
                 return _read_reply(result, offset)
 
+    async def _group_read(
+        self,
+        engine: Engine,
+        stream: str,
+        request: pb.ReadRequest,
+        count: int,
+        max_bytes: int,
+        block_ms: int,
+        context: grpc.aio.ServicerContext,
+    ) -> bytes:
+        """Read in group mode: acknowledge what the request carries, then read (and wait) as a consumer."""
+        group = validation.name("group", request.group)
+        options = _group_options(request, count, max_bytes)
+        if request.reverse:
+            raise invalid_argument("reverse: group reads go forward only")
+        offsets, ranges = self._ack_items(
+            request.ack_offsets, request.ack_ranges, ("ack_offsets", "ack_ranges")
+        )
+        acks: dict[str, int] = {}
+        if offsets or ranges:
+            # First, so that the room it makes in a bounded pending list serves this very read.
+            acked = await self._group_call(engine, stream, engine.ack, stream, group, offsets, ranges)
+            acks = {"acknowledged": acked.acked, "ack_unknown": acked.unknown}
+        if block_ms:
+            waited = await self._group_read_or_wait(
+                engine, stream, group, options, self._wait_limit_s(context, block_ms)
+            )
+            if waited is Wake.DELETED:
+                raise not_found(f"stream {stream!r} was deleted")
+            # TIMEOUT, or CLOSED (draining): an empty reply, as a plain blocking read's timeout.
+            result = waited if isinstance(waited, GroupReadResult) else None
+        else:
+            result = await self._read_group(engine, stream, group, options)
+        return groupwire.read_reply(pb.ReadResponse, result, engine.read(stream, 0, 0), **acks)
+
     @translate_errors
     async def Subscribe(
         self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext
@@ -334,12 +500,20 @@ class StreamLogServicer:
         max_bytes = validation.bounded(
             "max_bytes", request.max_bytes, settings.default_read_bytes, settings.max_read_bytes
         )
-        offset = self._start_offset(engine, stream, request)
-        if self.subscriptions >= settings.max_subscriptions:
-            raise limit_exceeded(
-                "max_subscriptions", settings.max_subscriptions, "too many subscriptions on this server"
+        if request.group:
+            # aclosing: when the client goes away, the inner generator's cleanup runs now, not at GC.
+            async with contextlib.aclosing(
+                self._group_subscribe(engine, stream, request, count, max_bytes)
+            ) as replies:
+                async for reply in replies:
+                    yield reply
+            return
+        if _has_group_fields(request):
+            raise invalid_argument(
+                "group: consumer, retry_ms, expire_ms, noack and claim_idle_ms need a group"
             )
-        self.subscriptions += 1
+        offset = self._start_offset(engine, stream, request)
+        self._take_subscription()
         try:
             first = True
             seen = False
@@ -373,6 +547,41 @@ class StreamLogServicer:
         finally:
             self.subscriptions -= 1
 
+    def _take_subscription(self) -> None:
+        limit = self._settings.max_subscriptions
+        if self.subscriptions >= limit:
+            raise limit_exceeded("max_subscriptions", limit, "too many subscriptions on this server")
+        self.subscriptions += 1
+
+    async def _group_subscribe(
+        self, engine: Engine, stream: str, request: pb.SubscribeRequest, count: int, max_bytes: int
+    ) -> AsyncIterator[bytes]:
+        """Subscribe in group mode: batches of the entries the group hands this consumer, as they come."""
+        group = validation.name("group", request.group)
+        options = _group_options(request, count, max_bytes)
+        if request.start or request.offset or request.timestamp_ms:
+            raise invalid_argument(
+                "start, offset, timestamp_ms: not used in group mode (the group keeps its position)"
+            )
+        self._take_subscription()
+        try:
+            # The first reply goes out at once, even empty: the subscriber then knows it is
+            # registered (and a fresh consumer exists in the group).
+            wait_s: float | None = 0
+            while True:
+                if self._draining:
+                    raise unavailable("server is shutting down; subscribe again")
+                waited = await self._group_read_or_wait(engine, stream, group, options, wait_s)
+                if waited is Wake.DELETED:
+                    raise not_found(f"stream {stream!r} was deleted")
+                if waited is Wake.CLOSED:
+                    raise unavailable("server is shutting down; subscribe again")
+                if isinstance(waited, GroupReadResult) and (wait_s == 0 or has_news(waited)):
+                    yield groupwire.read_reply(pb.SubscribeResponse, waited, engine.read(stream, 0, 0))
+                wait_s = None
+        finally:
+            self.subscriptions -= 1
+
     def _start_offset(self, engine: Engine, stream: str, request: pb.SubscribeRequest) -> int:
         start = request.start
         if start in (pb.START_POSITION_UNSPECIFIED, pb.START_POSITION_OFFSET):
@@ -395,26 +604,216 @@ class StreamLogServicer:
         engine = self._ready()
         stream = validation.stream(request.stream)
         group = validation.name("group", request.group)
-        items = len(request.offsets) + len(request.ranges)
-        if not items:
+        if not request.offsets and not request.ranges:
             raise invalid_argument("offsets, ranges: nothing to acknowledge")
-        limit = self._settings.max_ack_offsets
-        if items > limit:
-            raise limit_exceeded("max_ack_offsets", limit, f"offsets, ranges: {items} items in one Ack")
-        if request.offsets and min(request.offsets) < 0:
-            raise invalid_argument("offsets: must not be negative")
-        for index, span in enumerate(request.ranges):
-            validation.non_negative(f"ranges[{index}].start_offset", span.start_offset)
-            if span.end_offset < span.start_offset:
-                raise invalid_argument(
-                    f"ranges[{index}]: end_offset {span.end_offset} is before "
-                    f"start_offset {span.start_offset}"
+        offsets, ranges = self._ack_items(request.offsets, request.ranges, ("offsets", "ranges"))
+        result = await self._group_call(engine, stream, engine.ack, stream, group, offsets, ranges)
+        return pb.AckResponse(acknowledged=result.acked, unknown=result.unknown)
+
+    @translate_errors
+    async def Nack(self, request: pb.NackRequest, context: grpc.aio.ServicerContext) -> pb.NackResponse:
+        engine = self._ready()
+        stream = validation.stream(request.stream)
+        group = validation.name("group", request.group)
+        offsets = self._offsets(request.offsets)
+        delay_ms = validation.non_negative("delay_ms", request.delay_ms)
+        result = await self._group_call(engine, stream, engine.nack, stream, group, offsets, delay_ms)
+        return pb.NackResponse(released=result.released, unknown=result.unknown)
+
+    @translate_errors
+    async def Claim(self, request: pb.ClaimRequest, context: grpc.aio.ServicerContext) -> bytes:
+        engine = self._ready()
+        stream = validation.stream(request.stream)
+        group = validation.name("group", request.group)
+        consumer = validation.name("consumer", request.consumer)
+        min_idle_ms = validation.non_negative("min_idle_ms", request.min_idle_ms)
+        offsets = self._offsets(request.offsets)
+        result = await self._group_call(
+            engine, stream, engine.claim, stream, group, consumer, min_idle_ms, offsets
+        )
+        return groupwire.claim_reply(pb.ClaimResponse, result)
+
+    @translate_errors
+    async def AutoClaim(self, request: pb.AutoClaimRequest, context: grpc.aio.ServicerContext) -> bytes:
+        engine = self._ready()
+        settings = self._settings
+        stream = validation.stream(request.stream)
+        group = validation.name("group", request.group)
+        consumer = validation.name("consumer", request.consumer)
+        min_idle_ms = validation.non_negative("min_idle_ms", request.min_idle_ms)
+        cursor = validation.non_negative("cursor", request.cursor)
+        count = validation.bounded(
+            "count", request.count, settings.default_read_entries, settings.max_read_entries
+        )
+        next_cursor, result = await self._group_call(
+            engine, stream, engine.autoclaim, stream, group, consumer, min_idle_ms, cursor, count
+        )
+        return groupwire.claim_reply(pb.AutoClaimResponse, result, next_cursor=next_cursor)
+
+    # ------------------------------------------------------------------ group admin
+
+    def _group_start(
+        self, engine: Engine, stream: str, request: pb.CreateGroupRequest | pb.SetGroupOffsetRequest
+    ) -> Callable[[], str | int]:
+        """Check a group's start fields now; the returned function resolves them (in the thread)."""
+        start = request.start
+        if start in (pb.START_POSITION_UNSPECIFIED, pb.START_POSITION_OFFSET):
+            offset = validation.non_negative("offset", request.offset)
+
+            def at_offset() -> int:
+                end = engine.read(stream, 0, 0).next_offset
+                if offset > end:
+                    # As Trim: the stream may get there later, so the request is not malformed.
+                    raise ServiceError(
+                        grpc.StatusCode.OUT_OF_RANGE,
+                        f"offset: {offset} is past the end of stream {stream!r} (next_offset {end})",
+                    )
+                return offset
+
+            return at_offset
+        if start == pb.START_POSITION_TIMESTAMP:
+            timestamp_ms = validation.non_negative("timestamp_ms", request.timestamp_ms)
+            return lambda: engine.seek_time(stream, timestamp_ms)
+        if start == pb.START_POSITION_OLDEST:
+            return lambda: "oldest"
+        if start == pb.START_POSITION_LATEST:
+            return lambda: "newest"
+        raise invalid_argument(f"start: unknown start position {start}")
+
+    @translate_errors
+    async def CreateGroup(
+        self, request: pb.CreateGroupRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CreateGroupResponse:
+        engine = self._ready()
+        stream = validation.stream(request.stream)
+        group = validation.name("group", request.group)
+        start = self._group_start(engine, stream, request)
+        entries_read = (
+            validation.non_negative("entries_read", request.entries_read)
+            if request.HasField("entries_read")
+            else None
+        )
+        config = groupwire.config_from_proto(request.config)
+        if config.dead_letter_stream == stream:
+            raise invalid_argument("config.dead_letter_stream: must not be the group's own stream")
+
+        def create() -> pb.GroupInfo:
+            if request.create_stream and not engine.exists(stream):
+                engine.create_stream(stream)
+            try:
+                info = engine.create_group(
+                    stream, group, start=start(), entries_read=entries_read, config=config
                 )
-        if not engine.exists(stream):
-            raise not_found(f"stream {stream!r} does not exist")
-        # Consumer groups are not part of this version of the service, so no group
-        # exists yet and there is nothing to acknowledge.
-        raise not_found(f"consumer group {group!r} does not exist on stream {stream!r}")
+            except PreconditionError as exc:  # the one precondition of create_group: the name is free
+                raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
+            return groupwire.info_to_proto(info)
+
+        return pb.CreateGroupResponse(group=await self._in_thread(create))
+
+    @translate_errors
+    async def DeleteGroup(
+        self, request: pb.DeleteGroupRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteGroupResponse:
+        engine = self._ready()
+        stream = validation.stream(request.stream)
+        group = validation.name("group", request.group)
+        await self._in_thread(engine.delete_group, stream, group)
+        # Its blocked readers read again, find no group, and end with NOT_FOUND.
+        self.group_waits.kick(stream, group)
+        return pb.DeleteGroupResponse()
+
+    @translate_errors
+    async def ListGroups(
+        self, request: pb.ListGroupsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListGroupsResponse:
+        engine = self._ready()
+        stream = validation.stream(request.stream)
+        infos = await self._group_call(engine, stream, engine.list_groups, stream)
+        return pb.ListGroupsResponse(groups=[groupwire.info_to_proto(info) for info in infos])
+
+    @translate_errors
+    async def GetGroupInfo(
+        self, request: pb.GetGroupInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetGroupInfoResponse:
+        engine = self._ready()
+        stream = validation.stream(request.stream)
+        group = validation.name("group", request.group)
+        info = await self._group_call(engine, stream, engine.group_info, stream, group)
+        return pb.GetGroupInfoResponse(group=groupwire.info_to_proto(info))
+
+    @translate_errors
+    async def SetGroupOffset(
+        self, request: pb.SetGroupOffsetRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SetGroupOffsetResponse:
+        engine = self._ready()
+        stream = validation.stream(request.stream)
+        group = validation.name("group", request.group)
+        start = self._group_start(engine, stream, request)
+        entries_read = (
+            validation.non_negative("entries_read", request.entries_read)
+            if request.HasField("entries_read")
+            else None
+        )
+
+        def seek() -> pb.GroupInfo:
+            return groupwire.info_to_proto(engine.set_group_offset(stream, group, start(), entries_read))
+
+        return pb.SetGroupOffsetResponse(group=await self._in_thread(seek))
+
+    @translate_errors
+    async def SetGroupConfig(
+        self, request: pb.SetGroupConfigRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SetGroupConfigResponse:
+        engine = self._ready()
+        stream = validation.stream(request.stream)
+        group = validation.name("group", request.group)
+        config = groupwire.config_from_proto(request.config)
+        if config.dead_letter_stream == stream:
+            raise invalid_argument("config.dead_letter_stream: must not be the group's own stream")
+        info = await self._in_thread(engine.set_group_config, stream, group, config)
+        return pb.SetGroupConfigResponse(group=groupwire.info_to_proto(info))
+
+    @translate_errors
+    async def DeleteConsumer(
+        self, request: pb.DeleteConsumerRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteConsumerResponse:
+        engine = self._ready()
+        stream = validation.stream(request.stream)
+        group = validation.name("group", request.group)
+        consumer = validation.name("consumer", request.consumer)
+        released = await self._in_thread(engine.delete_consumer, stream, group, consumer)
+        return pb.DeleteConsumerResponse(released=released)
+
+    @translate_errors
+    async def GetPending(
+        self, request: pb.GetPendingRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetPendingResponse:
+        engine = self._ready()
+        settings = self._settings
+        stream = validation.stream(request.stream)
+        group = validation.name("group", request.group)
+        consumer = validation.name("consumer", request.consumer) if request.consumer else None
+        min_idle_ms = validation.non_negative("min_idle_ms", request.min_idle_ms)
+        start = validation.non_negative("start_offset", request.start_offset)
+        end = None
+        if request.HasField("end_offset"):
+            end = request.end_offset
+            if end < start:
+                raise invalid_argument(f"end_offset: {end} is before start_offset {start}")
+        count = validation.bounded(
+            "count", request.count, settings.default_read_entries, settings.max_read_entries
+        )
+        query = functools.partial(
+            engine.pending,
+            stream,
+            group,
+            consumer=consumer,
+            min_idle_ms=min_idle_ms,
+            start=start,
+            end=end,
+            count=count,
+        )
+        return groupwire.pending_to_proto(await self._group_call(engine, stream, query))
 
     # ------------------------------------------------------------------ admin
 
@@ -453,6 +852,13 @@ class StreamLogServicer:
         engine = self._ready()
         stream = validation.stream(request.stream)
         info = engine.info(stream)
+        groups: int | None = None
+        try:
+            groups = len(await self._group_call(engine, stream, engine.list_groups, stream))
+        except CorruptionError as exc:
+            # Unreadable group state must not hide the stream's own description: leave `groups` unset.
+            log.warning("stream %r: consumer groups not counted: %s", stream, exc)
+        holder = engine.retention_holder(stream)
         return pb.GetStreamInfoResponse(
             info=pb.StreamInfo(
                 name=info.name,
@@ -468,6 +874,10 @@ class StreamLogServicer:
                 config=_config_to_proto(info.config),
                 effective_fsync=_FSYNC_TO_PROTO[engine.stream_fsync(stream)],
                 damaged=[_gap(gap) for gap in info.damaged],
+                groups=groups,
+                retention_holder=None
+                if holder is None
+                else pb.RetentionHolder(group=holder[0], offset=holder[1]),
             )
         )
 
@@ -479,6 +889,7 @@ class StreamLogServicer:
         stream = validation.stream(request.stream)
         await self._in_thread(engine.delete_stream, stream)
         self._waiters.on_delete(stream)
+        self.group_waits.on_delete(stream)
         return pb.DeleteStreamResponse()
 
     @translate_errors

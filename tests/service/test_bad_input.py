@@ -22,10 +22,12 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 OUT_OF_RANGE = grpc.StatusCode.OUT_OF_RANGE
+ALREADY_EXISTS = grpc.StatusCode.ALREADY_EXISTS
 
 CANARY = "canary"
 CANARY_PAYLOADS = [b"c%d" % i for i in range(20)]
 EXISTING = "existing"  # has 5 entries
+GROUP = "grp"  # a consumer group on EXISTING
 BAD_NAMES = [
     ("", "must not be empty"),
     ("x" * 256, "the limit is 255"),
@@ -58,6 +60,74 @@ for name, why in BAD_NAMES:
         ("SetStreamConfig", pb.SetStreamConfigRequest(stream=name), INVALID, why),
         ("SeekTime", pb.SeekTimeRequest(stream=name), INVALID, why),
         ("CountRange", pb.CountRangeRequest(stream=name), INVALID, why),
+        ("Nack", pb.NackRequest(stream=name, group=GROUP, offsets=[0]), INVALID, why),
+        ("Nack", pb.NackRequest(stream=EXISTING, group=name, offsets=[0]), INVALID, ("group:", why)),
+        ("CreateGroup", pb.CreateGroupRequest(stream=name, group="g"), INVALID, why),
+        ("CreateGroup", pb.CreateGroupRequest(stream=EXISTING, group=name), INVALID, ("group:", why)),
+        ("DeleteGroup", pb.DeleteGroupRequest(stream=name, group=GROUP), INVALID, why),
+        ("DeleteGroup", pb.DeleteGroupRequest(stream=EXISTING, group=name), INVALID, ("group:", why)),
+        ("ListGroups", pb.ListGroupsRequest(stream=name), INVALID, why),
+        ("GetGroupInfo", pb.GetGroupInfoRequest(stream=name, group=GROUP), INVALID, why),
+        ("GetGroupInfo", pb.GetGroupInfoRequest(stream=EXISTING, group=name), INVALID, ("group:", why)),
+        ("SetGroupOffset", pb.SetGroupOffsetRequest(stream=name, group=GROUP), INVALID, why),
+        ("SetGroupOffset", pb.SetGroupOffsetRequest(stream=EXISTING, group=name), INVALID, ("group:", why)),
+        ("SetGroupConfig", pb.SetGroupConfigRequest(stream=name, group=GROUP), INVALID, why),
+        ("SetGroupConfig", pb.SetGroupConfigRequest(stream=EXISTING, group=name), INVALID, ("group:", why)),
+        ("DeleteConsumer", pb.DeleteConsumerRequest(stream=name, group=GROUP, consumer="c"), INVALID, why),
+        (
+            "DeleteConsumer",
+            pb.DeleteConsumerRequest(stream=EXISTING, group=GROUP, consumer=name),
+            INVALID,
+            ("consumer:", why),
+        ),
+        ("Claim", pb.ClaimRequest(stream=name, group=GROUP, consumer="c", offsets=[0]), INVALID, why),
+        (
+            "Claim",
+            pb.ClaimRequest(stream=EXISTING, group=GROUP, consumer=name, offsets=[0]),
+            INVALID,
+            ("consumer:", why),
+        ),
+        ("AutoClaim", pb.AutoClaimRequest(stream=name, group=GROUP, consumer="c"), INVALID, why),
+        (
+            "AutoClaim",
+            pb.AutoClaimRequest(stream=EXISTING, group=name, consumer="c"),
+            INVALID,
+            ("group:", why),
+        ),
+        ("GetPending", pb.GetPendingRequest(stream=name, group=GROUP), INVALID, why),
+        ("GetPending", pb.GetPendingRequest(stream=EXISTING, group=name), INVALID, ("group:", why)),
+        ("Read", pb.ReadRequest(stream=EXISTING, group=GROUP, consumer=name), INVALID, ("consumer:", why)),
+        (
+            "Subscribe",
+            pb.SubscribeRequest(stream=EXISTING, group=GROUP, consumer=name),
+            INVALID,
+            ("consumer:", why),
+        ),
+    ]
+    if name:  # an empty group is a plain read, whose consumer field is refused ("need a group")
+        CASES.append(
+            ("Read", pb.ReadRequest(stream=EXISTING, group=name, consumer="c"), INVALID, ("group:", why))
+        )
+# Bad GroupConfig values, refused the same way by CreateGroup and SetGroupConfig.
+BAD_GROUP_CONFIGS = [
+    (pb.GroupConfig(retry_ms=-1), "config.retry_ms: must not be negative"),
+    (pb.GroupConfig(expire_ms=-5), "config.expire_ms"),
+    (pb.GroupConfig(idle_release_ms=-1), "config.idle_release_ms"),
+    (pb.GroupConfig(max_pending=0), "config.max_pending: must be positive"),
+    (pb.GroupConfig(max_deliveries=-2), "config.max_deliveries: must be positive"),
+    (pb.GroupConfig(delay_ms=-1), "config.delay_ms"),
+    (pb.GroupConfig(dead_letter_stream="a\x00b"), "config.dead_letter_stream: must not contain NUL"),
+    (pb.GroupConfig(dead_letter_stream=EXISTING), "must not be the group's own stream"),
+]
+for config, why in BAD_GROUP_CONFIGS:
+    CASES += [
+        ("CreateGroup", pb.CreateGroupRequest(stream=EXISTING, group="g", config=config), INVALID, why),
+        (
+            "SetGroupConfig",
+            pb.SetGroupConfigRequest(stream=EXISTING, group=GROUP, config=config),
+            INVALID,
+            why,
+        ),
     ]
 CASES += [
     # Append: empty batch, limits (named in the message), bad fields.
@@ -137,6 +207,269 @@ CASES += [
     ("Ack", pb.AckRequest(stream=EXISTING, group="g", offsets=range(11)), EXHAUSTED, "max_ack_offsets=10"),
     ("Ack", pb.AckRequest(stream="missing", group="g", offsets=[0]), NOT_FOUND, "stream 'missing'"),
     ("Ack", pb.AckRequest(stream=EXISTING, group="g", offsets=[0]), NOT_FOUND, "group 'g' does not exist"),
+    # Read and Subscribe in group mode.
+    ("Read", pb.ReadRequest(stream=EXISTING, group=GROUP), INVALID, "consumer: must not be empty"),
+    ("Read", pb.ReadRequest(stream=EXISTING, consumer="c"), INVALID, "need a group"),
+    ("Read", pb.ReadRequest(stream=EXISTING, noack=True), INVALID, "need a group"),
+    ("Read", pb.ReadRequest(stream=EXISTING, retry_ms=5), INVALID, "need a group"),
+    ("Read", pb.ReadRequest(stream=EXISTING, ack_offsets=[1]), INVALID, "need a group"),
+    ("Read", pb.ReadRequest(stream=EXISTING, group=GROUP, consumer="c", reverse=True), INVALID, "reverse"),
+    (
+        "Read",
+        pb.ReadRequest(stream=EXISTING, group=GROUP, consumer="c", retry_ms=-1),
+        INVALID,
+        "retry_ms: must not be negative",
+    ),
+    (
+        "Read",
+        pb.ReadRequest(stream=EXISTING, group=GROUP, consumer="c", expire_ms=-1),
+        INVALID,
+        "expire_ms: must not be negative",
+    ),
+    (
+        "Read",
+        pb.ReadRequest(stream=EXISTING, group=GROUP, consumer="c", claim_idle_ms=-1, block_ms=100),
+        INVALID,
+        "claim_idle_ms: must not be negative",
+    ),
+    (
+        "Read",
+        pb.ReadRequest(stream=EXISTING, group=GROUP, consumer="c", ack_offsets=[2, -1]),
+        INVALID,
+        "ack_offsets: must not be negative",
+    ),
+    (
+        "Read",
+        pb.ReadRequest(
+            stream=EXISTING,
+            group=GROUP,
+            consumer="c",
+            ack_ranges=[pb.OffsetRange(start_offset=3, end_offset=1)],
+        ),
+        INVALID,
+        "ack_ranges[0]: end_offset 1 is before start_offset 3",
+    ),
+    (
+        "Read",
+        pb.ReadRequest(stream=EXISTING, group=GROUP, consumer="c", ack_offsets=range(11)),
+        EXHAUSTED,
+        "max_ack_offsets=10",
+    ),
+    (
+        "Read",
+        pb.ReadRequest(stream=EXISTING, group="nope", consumer="c"),
+        NOT_FOUND,
+        "group 'nope' does not exist",
+    ),
+    (
+        "Read",
+        pb.ReadRequest(stream=EXISTING, group="nope", consumer="c", block_ms=1000),
+        NOT_FOUND,
+        "group 'nope' does not exist",
+    ),
+    (
+        "Read",
+        pb.ReadRequest(stream="missing", group=GROUP, consumer="c"),
+        NOT_FOUND,
+        "'missing' does not exist",
+    ),
+    (
+        "Read",
+        pb.ReadRequest(stream="missing", group=GROUP, consumer="c", block_ms=1000),
+        NOT_FOUND,
+        "'missing' does not exist",
+    ),
+    ("Subscribe", pb.SubscribeRequest(stream=EXISTING, group=GROUP), INVALID, "consumer: must not be empty"),
+    ("Subscribe", pb.SubscribeRequest(stream=EXISTING, consumer="c"), INVALID, "need a group"),
+    (
+        "Subscribe",
+        pb.SubscribeRequest(stream=EXISTING, group=GROUP, consumer="c", offset=3),
+        INVALID,
+        "not used in group mode",
+    ),
+    (
+        "Subscribe",
+        pb.SubscribeRequest(stream=EXISTING, group=GROUP, consumer="c", start=pb.START_POSITION_OLDEST),
+        INVALID,
+        "not used in group mode",
+    ),
+    (
+        "Subscribe",
+        pb.SubscribeRequest(stream=EXISTING, group=GROUP, consumer="c", retry_ms=-1),
+        INVALID,
+        "retry_ms: must not be negative",
+    ),
+    (
+        "Subscribe",
+        pb.SubscribeRequest(stream=EXISTING, group="nope", consumer="c"),
+        NOT_FOUND,
+        "group 'nope' does not exist",
+    ),
+    (
+        "Subscribe",
+        pb.SubscribeRequest(stream="missing", group=GROUP, consumer="c"),
+        NOT_FOUND,
+        "'missing' does not exist",
+    ),
+    # Nack.
+    ("Nack", pb.NackRequest(stream=EXISTING, group=GROUP), INVALID, "offsets: at least one offset"),
+    ("Nack", pb.NackRequest(stream=EXISTING, group=GROUP, offsets=[1, -1]), INVALID, "offsets: must not be"),
+    ("Nack", pb.NackRequest(stream=EXISTING, group=GROUP, offsets=[1], delay_ms=-1), INVALID, "delay_ms"),
+    (
+        "Nack",
+        pb.NackRequest(stream=EXISTING, group=GROUP, offsets=range(11)),
+        EXHAUSTED,
+        "max_ack_offsets=10",
+    ),
+    ("Nack", pb.NackRequest(stream=EXISTING, group="nope", offsets=[1]), NOT_FOUND, "group 'nope'"),
+    ("Nack", pb.NackRequest(stream="missing", group=GROUP, offsets=[1]), NOT_FOUND, "stream 'missing'"),
+    # CreateGroup.
+    ("CreateGroup", pb.CreateGroupRequest(stream=EXISTING, group=GROUP), ALREADY_EXISTS, "already exists"),
+    (
+        "CreateGroup",
+        pb.CreateGroupRequest(stream=EXISTING, group="g", offset=-1),
+        INVALID,
+        "offset: must not",
+    ),
+    (
+        "CreateGroup",
+        pb.CreateGroupRequest(stream=EXISTING, group="g", offset=6),
+        OUT_OF_RANGE,
+        "past the end",
+    ),
+    ("CreateGroup", pb.CreateGroupRequest(stream=EXISTING, group="g", start=99), INVALID, "unknown start"),
+    (
+        "CreateGroup",
+        pb.CreateGroupRequest(stream=EXISTING, group="g", start=pb.START_POSITION_TIMESTAMP, timestamp_ms=-1),
+        INVALID,
+        "timestamp_ms: must not be negative",
+    ),
+    (
+        "CreateGroup",
+        pb.CreateGroupRequest(stream=EXISTING, group="g", entries_read=-1),
+        INVALID,
+        "entries_read: must not be negative",
+    ),
+    (
+        "CreateGroup",
+        pb.CreateGroupRequest(stream="missing", group="g"),
+        NOT_FOUND,
+        "'missing' does not exist",
+    ),
+    # DeleteGroup, ListGroups, GetGroupInfo.
+    ("DeleteGroup", pb.DeleteGroupRequest(stream=EXISTING, group="nope"), NOT_FOUND, "group 'nope'"),
+    ("DeleteGroup", pb.DeleteGroupRequest(stream="missing", group=GROUP), NOT_FOUND, "'missing' does not"),
+    ("ListGroups", pb.ListGroupsRequest(stream="missing"), NOT_FOUND, "'missing' does not exist"),
+    ("GetGroupInfo", pb.GetGroupInfoRequest(stream=EXISTING, group="nope"), NOT_FOUND, "group 'nope'"),
+    ("GetGroupInfo", pb.GetGroupInfoRequest(stream="missing", group=GROUP), NOT_FOUND, "'missing' does not"),
+    # SetGroupOffset, SetGroupConfig.
+    (
+        "SetGroupOffset",
+        pb.SetGroupOffsetRequest(stream=EXISTING, group=GROUP, offset=6),
+        OUT_OF_RANGE,
+        "offset: 6 is past the end",
+    ),
+    ("SetGroupOffset", pb.SetGroupOffsetRequest(stream=EXISTING, group=GROUP, offset=-1), INVALID, "offset"),
+    (
+        "SetGroupOffset",
+        pb.SetGroupOffsetRequest(stream=EXISTING, group=GROUP, start=7),
+        INVALID,
+        "unknown start",
+    ),
+    (
+        "SetGroupOffset",
+        pb.SetGroupOffsetRequest(stream=EXISTING, group=GROUP, entries_read=-3),
+        INVALID,
+        "entries_read: must not be negative",
+    ),
+    ("SetGroupOffset", pb.SetGroupOffsetRequest(stream=EXISTING, group="nope"), NOT_FOUND, "group 'nope'"),
+    ("SetGroupConfig", pb.SetGroupConfigRequest(stream=EXISTING, group="nope"), NOT_FOUND, "group 'nope'"),
+    ("SetGroupConfig", pb.SetGroupConfigRequest(stream="missing", group=GROUP), NOT_FOUND, "'missing'"),
+    # DeleteConsumer.
+    (
+        "DeleteConsumer",
+        pb.DeleteConsumerRequest(stream=EXISTING, group="nope", consumer="c"),
+        NOT_FOUND,
+        "group 'nope'",
+    ),
+    # Claim, AutoClaim.
+    ("Claim", pb.ClaimRequest(stream=EXISTING, group=GROUP, consumer="c"), INVALID, "offsets: at least one"),
+    (
+        "Claim",
+        pb.ClaimRequest(stream=EXISTING, group=GROUP, consumer="c", offsets=[0], min_idle_ms=-1),
+        INVALID,
+        "min_idle_ms: must not be negative",
+    ),
+    (
+        "Claim",
+        pb.ClaimRequest(stream=EXISTING, group=GROUP, consumer="c", offsets=[-4]),
+        INVALID,
+        "offsets: must not be negative",
+    ),
+    (
+        "Claim",
+        pb.ClaimRequest(stream=EXISTING, group=GROUP, consumer="c", offsets=range(11)),
+        EXHAUSTED,
+        "max_ack_offsets=10",
+    ),
+    (
+        "Claim",
+        pb.ClaimRequest(stream=EXISTING, group="nope", consumer="c", offsets=[0]),
+        NOT_FOUND,
+        "group 'nope'",
+    ),
+    (
+        "AutoClaim",
+        pb.AutoClaimRequest(stream=EXISTING, group=GROUP, consumer="c", cursor=-1),
+        INVALID,
+        "cursor: must not be negative",
+    ),
+    (
+        "AutoClaim",
+        pb.AutoClaimRequest(stream=EXISTING, group=GROUP, consumer="c", count=-1),
+        INVALID,
+        "count: must not be negative",
+    ),
+    (
+        "AutoClaim",
+        pb.AutoClaimRequest(stream=EXISTING, group=GROUP, consumer="c", min_idle_ms=-1),
+        INVALID,
+        "min_idle_ms",
+    ),
+    ("AutoClaim", pb.AutoClaimRequest(stream=EXISTING, group=GROUP), INVALID, "consumer: must not be empty"),
+    (
+        "AutoClaim",
+        pb.AutoClaimRequest(stream=EXISTING, group="nope", consumer="c"),
+        NOT_FOUND,
+        "group 'nope'",
+    ),
+    # GetPending.
+    (
+        "GetPending",
+        pb.GetPendingRequest(stream=EXISTING, group=GROUP, start_offset=4, end_offset=2),
+        INVALID,
+        "end_offset: 2 is before start_offset 4",
+    ),
+    (
+        "GetPending",
+        pb.GetPendingRequest(stream=EXISTING, group=GROUP, start_offset=-1),
+        INVALID,
+        "start_offset",
+    ),
+    ("GetPending", pb.GetPendingRequest(stream=EXISTING, group=GROUP, count=-1), INVALID, "count: must not"),
+    (
+        "GetPending",
+        pb.GetPendingRequest(stream=EXISTING, group=GROUP, min_idle_ms=-1),
+        INVALID,
+        "min_idle_ms",
+    ),
+    (
+        "GetPending",
+        pb.GetPendingRequest(stream=EXISTING, group=GROUP, consumer="a\x00"),
+        INVALID,
+        "consumer:",
+    ),
+    ("GetPending", pb.GetPendingRequest(stream=EXISTING, group="nope"), NOT_FOUND, "group 'nope'"),
     # ListStreams.
     ("ListStreams", pb.ListStreamsRequest(page_size=-1), INVALID, "page_size"),
     ("ListStreams", pb.ListStreamsRequest(page_token="not base64!"), INVALID, "page_token"),
@@ -203,6 +536,7 @@ def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerTh
                 pb.AppendRequest(stream=CANARY, entries=[pb.Entry(payload=p) for p in CANARY_PAYLOADS])
             )
             stub.Append(pb.AppendRequest(stream=EXISTING, entries=_entries(1, 2, 3, 4, 5)))
+            stub.CreateGroup(pb.CreateGroupRequest(stream=EXISTING, group=GROUP))
         yield server
     finally:
         server.stop()
@@ -253,6 +587,12 @@ def test_bad_input_is_refused_with_the_right_status(
     assert (existing.first_offset, existing.next_offset) == (0, 5)
     listed = stub.ListStreams(pb.ListStreamsRequest(page_size=5), timeout=5).streams
     assert list(listed) == [CANARY, EXISTING]
+    # The group is untouched: no consumer created, nothing delivered, same position and config.
+    groups = stub.ListGroups(pb.ListGroupsRequest(stream=EXISTING), timeout=5).groups
+    assert [(g.name, g.next_offset, g.pending, len(g.consumers), g.counters.delivered) for g in groups] == [
+        (GROUP, 0, 0, 0, 0)
+    ]
+    assert groups[0].config == pb.GroupConfig()
 
 
 def test_every_rpc_has_bad_input_cases() -> None:

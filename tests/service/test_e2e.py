@@ -367,7 +367,7 @@ def test_admin_rpcs(stub: pb_grpc.StreamLogServiceStub) -> None:
     assert append(stub, "b", b"new").first_offset == 0  # a new stream, from offset 0
 
 
-def test_ack_answers_not_found_until_groups_exist(stub: pb_grpc.StreamLogServiceStub) -> None:
+def test_ack_of_a_group_that_does_not_exist_is_not_found(stub: pb_grpc.StreamLogServiceStub) -> None:
     append(stub, "s", b"a")
     with pytest.raises(grpc.RpcError) as caught:
         stub.Ack(pb.AckRequest(stream="s", group="g", offsets=[0]))

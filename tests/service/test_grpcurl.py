@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from streamlog.v1 import streamlog_pb2 as pb
 
 from tests.service.helpers import ServerThread
 
@@ -53,7 +54,9 @@ def test_grpcurl_lists_describes_checks_health_appends_and_reads(server: ServerT
         "streamlog.v1.StreamLogService",
     ]
     methods = grpcurl(server, "list", "streamlog.v1.StreamLogService").split()
-    assert "streamlog.v1.StreamLogService.Append" in methods and len(methods) == 11
+    rpcs = pb.DESCRIPTOR.services_by_name["StreamLogService"].methods
+    assert sorted(methods) == sorted(f"streamlog.v1.StreamLogService.{m.name}" for m in rpcs)
+    assert "streamlog.v1.StreamLogService.CreateGroup" in methods
 
     service = grpcurl(server, "describe", "streamlog.v1.StreamLogService")
     assert (
@@ -121,3 +124,34 @@ def test_grpcurl_subscribe_streams_batches(server: ServerThread) -> None:
 def test_grpcurl_shows_status_and_message_of_bad_input(server: ServerThread) -> None:
     output = grpcurl(server, "streamlog.v1.StreamLogService/Read", data={"stream": ""}, ok=False)
     assert "Code: InvalidArgument" in output and "stream: must not be empty" in output
+
+
+def test_grpcurl_drives_a_consumer_group(server: ServerThread) -> None:
+    """The README's and API.md's group examples: create, read with acks in the same call, pending."""
+    call = "streamlog.v1.StreamLogService/"
+    grpcurl(
+        server, call + "Append", data={"stream": "orders", "payloads": [b64(b"%d" % i) for i in range(3)]}
+    )
+    created = json.loads(
+        grpcurl(
+            server,
+            call + "CreateGroup",
+            data={"stream": "orders", "group": "billing", "start": "START_POSITION_OLDEST"},
+        )
+    )
+    assert created["group"]["name"] == "billing" and created["group"]["lag"] == "3"
+
+    read = {"stream": "orders", "group": "billing", "consumer": "worker-1", "count": 2}
+    first = json.loads(grpcurl(server, call + "Read", data=read))
+    assert [e.get("offset", "0") for e in first["entries"]] == ["0", "1"]
+    assert first["delivery_counts"] == [1, 1]
+    # Acknowledge the batch and read the next one in one call.
+    read["ack_ranges"] = [{"start_offset": 0, "end_offset": 2}]
+    second = json.loads(grpcurl(server, call + "Read", data=read))
+    assert [e["offset"] for e in second["entries"]] == ["2"] and second["acknowledged"] == "2"
+
+    pending = json.loads(grpcurl(server, call + "GetPending", data={"stream": "orders", "group": "billing"}))
+    assert pending["count"] == "1" and pending["consumers"] == [{"consumer": "worker-1", "pending": "1"}]
+    assert [(e["offset"], e["consumer"], e["delivery_count"]) for e in pending["entries"]] == [
+        ("2", "worker-1", 1)
+    ]

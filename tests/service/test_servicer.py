@@ -47,6 +47,7 @@ class Harness:
         self.engine.add_append_listener(self.waiters.on_append)
         self.executor = CountingExecutor()
         self.servicer = StreamLogServicer(self.settings, self.waiters, self.executor)
+        self.servicer.listen_to(self.engine)
         self.servicer.attach_engine(engine or self.engine)
 
     def close(self) -> None:
