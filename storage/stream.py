@@ -37,6 +37,7 @@ from storage.errors import (
 )
 from storage.format import (
     NODE_DELAYED,
+    NODE_PREFIX_SIZE,
     NODE_PRODUCER,
     NODE_SPARSE,
     NODE_ZSTD,
@@ -175,9 +176,13 @@ class Stream:
         for leftover in (f for f in files if f.endswith(".tmp")):
             fs.remove(self.directory / leftover)  # a rewrite that crashed before its rename
         names = [f for f in files if f.endswith(SEGMENT_SUFFIX)]
-        # A segment whose header never became durable was being created when a crash hit:
-        # it holds no entry (nothing is written before creation completes). Remove it.
-        while names and not any(fs.read_head(self.directory / names[-1], SEGMENT_HEADER_SIZE)):
+        # A trailing segment in which no node was ever written holds no entry: remove it. It may
+        # be a creation that a crash cut short (header torn or missing, preallocation lost), and
+        # a new segment of the same name must be creatable at the same base offset.
+        while names:
+            head = fs.read_head(self.directory / names[-1], SEGMENT_HEADER_SIZE + NODE_PREFIX_SIZE)
+            if any(head[SEGMENT_HEADER_SIZE:]):
+                break
             fs.remove(self.directory / names.pop())
         expected = int(names[0].split(".")[0]) if names else None
         for i, fname in enumerate(names):

@@ -18,7 +18,7 @@ snapshot is then reopened and checked:
   recovery's own writes were made durable), the stream accepts new appends
   (enough to roll a segment) which read back, and they survive a further crash.
 
-CI runs 360 crash points over six variants (about 10 s on two cores);
+CI runs 1,000 crash points over six variants (about 25 s on two cores);
 `STREAMLOG_CRASH_POINTS=N` spreads about N over them for a long run. A failure
 names the variant, seed and crash point; rerun one seed with
 `STREAMLOG_CRASH_SEED=... pytest tests/storage/test_crash_sweep.py -k VARIANT`.
@@ -76,13 +76,13 @@ class Variant:
 
 
 VARIANTS = [
-    Variant("always-power", "always", "power", 80),
-    Variant("always-kill9", "always", "process", 60, write_share=0.8),
+    Variant("always-power", "always", "power", 220),
+    Variant("always-kill9", "always", "process", 170, write_share=0.8),
     Variant(
         "always-power-ops",
         "always",
         "power",
-        80,
+        220,
         ops=frozenset({"trim", "evict", "keep_last", "retention", "compact", "aux", "reopen"}),
         tagged=True,
         write_share=0.2,
@@ -91,12 +91,12 @@ VARIANTS = [
         "everysec-power-ops",
         "everysec",
         "power",
-        60,
+        170,
         ops=frozenset({"trim", "retention", "aux", "reopen"}),
         write_share=0.3,
     ),
-    Variant("everysec-power-compaction", "everysec", "power", 40, ops=frozenset({"compact"}), tagged=True),
-    Variant("no-power", "no", "power", 40, ops=frozenset({"evict", "reopen"}), write_share=0.5),
+    Variant("everysec-power-compaction", "everysec", "power", 110, ops=frozenset({"compact"}), tagged=True),
+    Variant("no-power", "no", "power", 110, ops=frozenset({"evict", "reopen"}), write_share=0.5),
 ]
 
 
