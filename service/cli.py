@@ -14,7 +14,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from service.config import FSYNC_POLICIES, LOG_LEVELS, ConfigError, Settings, load_settings
+from service import logs
+from service.config import FSYNC_POLICIES, LOG_FORMATS, LOG_LEVELS, ConfigError, Settings, load_settings
 
 _DEFAULTS = Settings()
 EXIT_USAGE = 2  # argparse's code for bad command lines; bad settings are the same kind of mistake
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--log-level", choices=LOG_LEVELS, help=f"(default: {_DEFAULTS.log_level})")
     serve.add_argument(
+        "--log-format", choices=LOG_FORMATS, help=f"one line per event (default: {_DEFAULTS.log_format})"
+    )
+    serve.add_argument(
         "--set",
         dest="overrides",
         type=_key_value,
@@ -83,17 +87,14 @@ def _serve(args: argparse.Namespace) -> int:
                 "port": args.port,
                 "fsync": args.fsync,
                 "log_level": args.log_level,
+                "log_format": args.log_format,
             },
             overrides=dict(args.overrides),
         )
     except ConfigError as exc:
         print(f"streamlog serve: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    logs.configure(settings.log_level, settings.log_format)
     # Imported here so `streamlog --help` works before the code is generated.
     try:
         from service.server import serve
@@ -104,6 +105,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(serve(settings))
+    except ConfigError as exc:
+        # TLS, token or ACL files that do not load: the same kind of mistake as a bad setting.
+        logging.getLogger("streamlog").error("cannot run the server: %s", exc)
+        return EXIT_USAGE
     except (StorageError, OSError, RuntimeError) as exc:
         # Start-up failures: data directory locked or unreadable, port taken, ...
         logging.getLogger("streamlog").error("cannot run the server: %s", exc)

@@ -3,8 +3,12 @@
 Every setting has one name, used everywhere: as a key in the TOML file (flat, no
 tables), as `STREAMLOG_<NAME>` in the environment (e.g. `STREAMLOG_PORT=7071`),
 and as `--set NAME=VALUE` on the command line (a few common ones also have their
-own flags: --data, --host, --port, --fsync, --log-level). The TOML file comes from
-`--config FILE` or `STREAMLOG_CONFIG`.
+own flags: --data, --host, --port, --fsync, --log-level, --log-format). The TOML
+file comes from `--config FILE` or `STREAMLOG_CONFIG`.
+
+No setting holds a secret itself: TLS keys and bearer tokens live in files named by
+`tls_key_file` and `tokens_file`, so the settings can be printed at start-up
+(`describe`); a value whose name says it is secret is masked all the same.
 
 Values are checked once, here, so the server never starts half-configured: a bad
 value stops start-up with a `ConfigError` naming the setting, where the value came
@@ -16,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,7 @@ ENV_PREFIX = "STREAMLOG_"
 ENV_CONFIG_FILE = "STREAMLOG_CONFIG"
 FSYNC_POLICIES = ("always", "everysec", "no")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
 MAX_STREAM_NAME_BYTES = 255
 
 # Room for everything in a response besides the entries themselves (offsets, gap,
@@ -84,6 +89,50 @@ class Settings:
     # On SIGTERM: how long in-flight calls get to finish before they are cancelled.
     shutdown_grace_ms: int = 5_000
 
+    # Logging: one line per event, as text or as one JSON object (service/logs.py).
+    log_format: str = "text"
+
+    # TLS (service/auth.py): PEM files; with tls_client_ca_file, clients must present a
+    # certificate it signed (mutual TLS). Changed files are picked up without a restart.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""
+    # Authentication and authorization: bearer tokens (TOML file) and per-stream rules
+    # (TOML file). With acl_file set, every call but health and reflection needs an
+    # identity (a token, or a client certificate under mutual TLS) and a rule allowing it.
+    tokens_file: str = ""
+    acl_file: str = ""
+    # How often the TLS, token and ACL files are checked for changes; 0: only on SIGHUP.
+    reload_interval_ms: int = 10_000
+    # A second, plaintext port serving only the health service (0: none), for probes that
+    # cannot do TLS or present client certificates (Kubernetes gRPC probes cannot).
+    health_port: int = 0
+    # Prometheus metrics over HTTP (service/metrics.py); 0: no metrics endpoint.
+    # metrics_host empty: the same address as `host`.
+    metrics_port: int = 0
+    metrics_host: str = ""
+
+    # Limits on what clients can make the server hold (service/limits.py). Each refusal
+    # is RESOURCE_EXHAUSTED naming the limit and its value.
+    max_streams: int = 100_000
+    max_groups_per_stream: int = 1_000
+    max_consumers_per_group: int = 10_000
+    # Groups get at most this many pending entries (their max_pending; 0: no server cap, as
+    # in Redis). Set, a group created or reconfigured without max_pending gets this value.
+    max_pending_per_group: int = 0
+    max_subscriptions_per_connection: int = 1_000
+    max_blocked_reads: int = 10_000
+    # A subscriber that takes no reply for this long (its client stopped reading) is cut off.
+    subscriber_send_timeout_ms: int = 30_000
+    # gRPC connection management: concurrent calls per connection, keepalive pings that
+    # find dead peers, the most often a client may ping, closing idle connections (0: never).
+    max_concurrent_calls_per_connection: int = 2_000
+    max_metadata_bytes: int = 16 << 10
+    keepalive_time_ms: int = 60_000
+    keepalive_timeout_ms: int = 20_000
+    min_client_ping_interval_ms: int = 10_000
+    max_connection_idle_ms: int = 0
+
 
 # name -> (lowest, highest) for integer settings; None means no bound on that side.
 _INT_RANGES: dict[str, tuple[int | None, int | None]] = {
@@ -109,9 +158,33 @@ _INT_RANGES: dict[str, tuple[int | None, int | None]] = {
     "max_subscriptions": (1, None),
     "append_threads": (1, 256),
     "shutdown_grace_ms": (0, 3_600_000),
+    "reload_interval_ms": (0, 86_400_000),
+    "health_port": (0, 65_535),
+    "metrics_port": (0, 65_535),
+    "max_streams": (1, None),
+    "max_groups_per_stream": (1, None),
+    "max_consumers_per_group": (1, None),
+    "max_pending_per_group": (0, None),
+    "max_subscriptions_per_connection": (1, None),
+    "max_blocked_reads": (1, None),
+    "subscriber_send_timeout_ms": (100, 3_600_000),
+    "max_concurrent_calls_per_connection": (1, 2**31 - 1),
+    "max_metadata_bytes": (1 << 10, 1 << 24),
+    "keepalive_time_ms": (1_000, 2**31 - 1),
+    "keepalive_timeout_ms": (1_000, 2**31 - 1),
+    "min_client_ping_interval_ms": (0, 2**31 - 1),
+    "max_connection_idle_ms": (0, 2**31 - 1),
 }
 
-_CHOICES: dict[str, tuple[str, ...]] = {"fsync": FSYNC_POLICIES, "log_level": LOG_LEVELS}
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "fsync": FSYNC_POLICIES,
+    "log_level": LOG_LEVELS,
+    "log_format": LOG_FORMATS,
+}
+# Settings naming a file the server reads at start-up (and again when it changes).
+FILE_SETTINGS = ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "tokens_file", "acl_file")
+# Parts of a setting's name that mark its value as secret: masked when settings are printed.
+_SECRET_MARKERS = ("password", "secret", "token")
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 _TYPES: dict[str, type] = {
@@ -287,6 +360,16 @@ def validate(settings: Settings, sources: Mapping[str, str] | None = None) -> No
                 f"{small} ({getattr(settings, small)}, from {where(small)}) must not be larger than "
                 f"{large} ({getattr(settings, large)}, from {where(large)})"
             )
+    _validate_security(settings, where)
+    for name in ("health_port", "metrics_port"):
+        port = getattr(settings, name)
+        if port and port == settings.port:
+            raise ConfigError(f"{name} ({port}, from {where(name)}) must differ from port")
+    if settings.max_subscriptions_per_connection > settings.max_concurrent_calls_per_connection:
+        raise ConfigError(
+            "max_subscriptions_per_connection must not be larger than max_concurrent_calls_per_connection "
+            f"({settings.max_subscriptions_per_connection} > {settings.max_concurrent_calls_per_connection})"
+        )
     # The engine checks its own settings (e.g. a segment must hold a full batch).
     try:
         engine_config(settings)
@@ -299,6 +382,45 @@ def validate(settings: Settings, sources: Mapping[str, str] | None = None) -> No
             f"max_message_bytes ({settings.max_message_bytes}, from {where('max_message_bytes')}) must hold "
             f"a full read reply: max_read_bytes + max_entry_bytes + {RESPONSE_OVERHEAD_BYTES} = {reply_bytes}"
         )
+
+
+def _validate_security(settings: Settings, where: Callable[[str], str]) -> None:
+    """TLS files come as a set, and authorization needs a way to tell who is calling."""
+    for name in FILE_SETTINGS:
+        path = getattr(settings, name)
+        if path and not Path(path).is_file():
+            raise ConfigError(f"{name}: {path} is not a readable file (from {where(name)})")
+    if bool(settings.tls_cert_file) != bool(settings.tls_key_file):
+        raise ConfigError("tls_cert_file and tls_key_file: set both (TLS) or neither (plaintext)")
+    if settings.tls_client_ca_file and not settings.tls_cert_file:
+        raise ConfigError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+    if settings.tokens_file and not settings.acl_file:
+        raise ConfigError(
+            "tokens_file needs acl_file: once callers are identified, every call is denied unless a rule "
+            'allows it (to allow every known caller everything: a rule with principals = ["*"], '
+            'streams = ["*"], permissions = ["admin"])'
+        )
+    if settings.acl_file and not (settings.tokens_file or settings.tls_client_ca_file):
+        raise ConfigError(
+            "acl_file needs a way to identify callers: tokens_file (bearer tokens), "
+            "tls_client_ca_file (client certificates), or both"
+        )
+
+
+def is_secret(name: str) -> bool:
+    """Whether a setting's value must not be printed (file settings hold paths, not secrets)."""
+    return name not in FILE_SETTINGS and any(marker in name for marker in _SECRET_MARKERS)
+
+
+def describe(settings: Settings) -> dict[str, Any]:
+    """Every setting and its value, for the start-up log; secret values masked."""
+    values: dict[str, Any] = {}
+    for name in _FIELDS:
+        value = getattr(settings, name)
+        if is_secret(name) and value:
+            value = "********"
+        values[name] = str(value) if isinstance(value, Path) else value
+    return values
 
 
 def engine_config(settings: Settings, *, background: bool = True) -> EngineConfig:

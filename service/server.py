@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from streamlog.v1 import streamlog_pb2 as pb
 
 from service.config import Settings, engine_config
+from service.ops import Operations
 from service.servicer import StreamLogServicer
 from service.waiters import Waiters
 from storage import Engine
@@ -89,6 +90,7 @@ class StreamLogServer:
         self._waiters: Waiters | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._stopped = False
+        self.ops: Operations | None = None
 
     @property
     def address(self) -> str:
@@ -110,6 +112,9 @@ class StreamLogServer:
         self._servicer = StreamLogServicer(settings, self._waiters, self._executor)
         self._health = health.aio.HealthServicer()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        # TLS, auth, limits, metrics (service/ops.py); bad TLS, token or ACL files stop start-up here.
+        servicer = self._servicer
+        self.ops = ops = Operations(settings, SERVICE, lambda: self.engine, lambda: servicer.subscriptions)
 
         server = grpc.aio.server(
             options=[
@@ -118,7 +123,9 @@ class StreamLogServer:
                 # Without this, a second server on the same port would silently share
                 # it (SO_REUSEPORT) instead of failing to start.
                 ("grpc.so_reuseport", 0),
-            ]
+                *ops.server_options(),
+            ],
+            interceptors=ops.interceptors(),
         )
         handlers = method_handlers(self._servicer)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
@@ -127,10 +134,15 @@ class StreamLogServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        self.port = server.add_insecure_port(_address(settings.host, settings.port))
+        self.port = ops.add_port(server, _address(settings.host, settings.port))
         self._server = server
         await server.start()
         log.info("listening on %s (data %s, fsync %s)", self.address, settings.data_dir, settings.fsync)
+        try:
+            await ops.start(self._health, _address)
+        except BaseException:
+            await self.stop()
+            raise
 
         try:
             self.engine = await loop.run_in_executor(self._executor, self._open_engine)
@@ -169,6 +181,8 @@ class StreamLogServer:
             self._servicer.group_waits.close()
         if self._server is not None:
             await self._server.stop(self.settings.shutdown_grace_ms / 1000)
+        if self.ops is not None:
+            await self.ops.stop(self.settings.shutdown_grace_ms / 1000)
         if self._executor is not None:
             # Appends still in a thread finish before the engine closes under them.
             await asyncio.to_thread(self._executor.shutdown, wait=True)
@@ -191,6 +205,9 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
     for signum in signals:
         loop.add_signal_handler(signum, stop.set)
     server = StreamLogServer(settings)
+    # SIGHUP re-reads the TLS certificates, tokens and access rules (see service/auth.py).
+    loop.add_signal_handler(signal.SIGHUP, lambda: server.ops and server.ops.reload("SIGHUP"))
+    signals = (*signals, signal.SIGHUP)
     try:
         await server.start()
         _tune_for_latency()

@@ -1,0 +1,604 @@
+"""Who may call what: TLS and mutual TLS, bearer tokens, per-stream access rules.
+
+**Transport.** With `tls_cert_file` and `tls_key_file` the server speaks TLS only;
+with `tls_client_ca_file` too, every client must present a certificate that CA
+signed (mutual TLS). The files are re-read when they change (checked every
+`reload_interval_ms`, and on SIGHUP): gRPC's dynamic server credentials ask
+`TlsCredentials` for the current certificates at each new connection, so renewed
+certificates apply to new connections without a restart. A replacement that does
+not load (a key that does not match its certificate, a truncated file) is refused
+and logged, and the previous certificates stay in use.
+
+**Identity.** A call names its caller with `authorization: Bearer <token>`
+metadata; the token file maps tokens (or their SHA-256, so the file need not hold
+secrets) to a principal and its roles. Tokens are compared with
+`hmac.compare_digest` against every entry, so the time taken says nothing about
+how close a guess was. Under mutual TLS, a call without a token is the principal
+named by its certificate's common name.
+
+**Authorization.** With `acl_file` set, every StreamLogService call needs an
+identity (else UNAUTHENTICATED) and a rule that allows it (else
+PERMISSION_DENIED): nothing is allowed by default. Health and reflection stay
+open, so probes and grpcurl's `list` work without credentials. A rule names
+principals (a name, `role:NAME`, or `*` for any identified caller), stream-name
+patterns (`fnmatch`: `*`, `?`, `[abc]`), optionally consumer-group patterns, and
+permissions:
+
+- `read`: Read, Subscribe, GetStreamInfo, SeekTime, CountRange, ListGroups; with
+  a group: group reads, Ack, Nack, Claim, AutoClaim, GetPending, GetGroupInfo.
+- `write`: Append (and being the dead-letter stream of a group one configures).
+- `admin`: DeleteStream, Trim, SetStreamConfig; with a group: CreateGroup,
+  DeleteGroup, SetGroupOffset, SetGroupConfig, DeleteConsumer. `admin` includes
+  `read` and `write`.
+
+A rule without `groups` covers its streams and all their groups; a rule with
+`groups` covers only calls on those groups (a worker may consume through group
+"billing" without being able to read the stream directly or touch other groups).
+ListStreams is open to every identified caller and lists only the streams some
+rule lets it touch; its page tokens are then opaque handles, so a page that ends
+on a hidden stream does not reveal that stream's name.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import dataclasses
+import fnmatch
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import ssl
+import tomllib
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+from streamlog.v1 import streamlog_pb2 as pb
+
+from service.config import ConfigError, Settings
+from service.interceptors import StreamBehavior, UnaryBehavior, WrappingInterceptor, iterate
+
+log = logging.getLogger(__name__)
+
+READ, WRITE, ADMIN = "read", "write", "admin"
+PERMISSIONS = (READ, WRITE, ADMIN)
+_GRANTS = {READ: frozenset({READ}), WRITE: frozenset({WRITE}), ADMIN: frozenset(PERMISSIONS)}
+ANY_PRINCIPAL = "*"
+ROLE_PREFIX = "role:"
+# Shorter tokens are refused: a bearer token is a password that is never typed.
+MIN_TOKEN_CHARS = 16
+# ListStreams page handles kept per server; a client holding an older one lists again.
+PAGE_HANDLES = 10_000
+_DECISION_CACHE = 65_536
+
+
+@dataclasses.dataclass(frozen=True)
+class Principal:
+    """An identified caller: a name, its roles, and how it was identified."""
+
+    name: str
+    roles: frozenset[str] = frozenset()
+    via: str = "token"  # "token" or "certificate"
+
+
+@dataclasses.dataclass(frozen=True)
+class Access:
+    """What an RPC needs: a permission, on the stream or (group_scoped) on the request's group."""
+
+    permission: str
+    group_scoped: bool = False
+    # Read and Subscribe act on a group only when the request names one.
+    group_if_named: bool = False
+
+
+# Every StreamLogService RPC except ListStreams (filtered instead). An RPC missing here is
+# refused at start-up when authorization is on, so a new RPC is never open by accident.
+METHOD_ACCESS: dict[str, Access] = {
+    "Append": Access(WRITE),
+    "Read": Access(READ, group_if_named=True),
+    "Subscribe": Access(READ, group_if_named=True),
+    "GetStreamInfo": Access(READ),
+    "SeekTime": Access(READ),
+    "CountRange": Access(READ),
+    "ListGroups": Access(READ),
+    "Ack": Access(READ, group_scoped=True),
+    "Nack": Access(READ, group_scoped=True),
+    "Claim": Access(READ, group_scoped=True),
+    "AutoClaim": Access(READ, group_scoped=True),
+    "GetPending": Access(READ, group_scoped=True),
+    "GetGroupInfo": Access(READ, group_scoped=True),
+    "CreateGroup": Access(ADMIN, group_scoped=True),
+    "DeleteGroup": Access(ADMIN, group_scoped=True),
+    "SetGroupOffset": Access(ADMIN, group_scoped=True),
+    "SetGroupConfig": Access(ADMIN, group_scoped=True),
+    "DeleteConsumer": Access(ADMIN, group_scoped=True),
+    "DeleteStream": Access(ADMIN),
+    "Trim": Access(ADMIN),
+    "SetStreamConfig": Access(ADMIN),
+}
+LIST_METHOD = "ListStreams"
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def _read_toml(path: str, what: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as handle:
+            return tomllib.load(handle)
+    except OSError as exc:
+        raise ConfigError(f"{what} {path} cannot be read: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{what} {path} is not valid TOML: {exc}") from None
+
+
+def _string_list(value: Any, where: str, *, allow_empty: bool = False) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{where}: expected a list of non-empty strings, got {value!r}")
+    if not value and not allow_empty:
+        raise ConfigError(f"{where}: must not be empty")
+    return tuple(value)
+
+
+def _check_keys(table: Mapping[str, Any], allowed: Iterable[str], where: str) -> None:
+    unknown = sorted(set(table) - set(allowed))
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {', '.join(unknown)}; known: {', '.join(allowed)}")
+
+
+class TokenStore:
+    """Bearer tokens -> principals. Only SHA-256 digests of the tokens are kept in memory."""
+
+    def __init__(self, entries: Iterable[tuple[bytes, Principal]] = ()) -> None:
+        self._entries = list(entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, token: str) -> Principal | None:
+        """The principal holding `token`, in time independent of which entry (if any) matches."""
+        digest = hashlib.sha256(token.encode()).digest()
+        found = None
+        for known, principal in self._entries:
+            # No early exit: every entry is compared, so timing reveals nothing.
+            if hmac.compare_digest(digest, known):
+                found = principal
+        return found
+
+
+def load_tokens(path: str) -> TokenStore:
+    """Read a tokens file: `[[tokens]]` tables with principal, token or sha256, roles."""
+    document = _read_toml(path, "tokens file")
+    _check_keys(document, ("tokens",), f"tokens file {path}")
+    tables = document.get("tokens", [])
+    if not isinstance(tables, list):
+        raise ConfigError(f"tokens file {path}: `tokens` must be an array of tables ([[tokens]])")
+    entries: list[tuple[bytes, Principal]] = []
+    seen: set[bytes] = set()
+    for index, table in enumerate(tables):
+        where = f"tokens file {path}, tokens[{index}]"
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: expected a table")
+        _check_keys(table, ("principal", "token", "sha256", "roles"), where)
+        name = table.get("principal")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where}: `principal` must be a non-empty string")
+        roles = frozenset(_string_list(table.get("roles", []), f"{where}, roles", allow_empty=True))
+        if ("token" in table) == ("sha256" in table):
+            raise ConfigError(f"{where}: set exactly one of `token` and `sha256`")
+        if "token" in table:
+            token = table["token"]
+            if not isinstance(token, str) or len(token) < MIN_TOKEN_CHARS:
+                raise ConfigError(
+                    f"{where}: `token` must be a string of at least {MIN_TOKEN_CHARS} characters"
+                )
+            digest = hashlib.sha256(token.encode()).digest()
+        else:
+            text = table["sha256"]
+            try:
+                digest = bytes.fromhex(text) if isinstance(text, str) else b""
+            except ValueError:
+                digest = b""
+            if len(digest) != hashlib.sha256().digest_size:
+                raise ConfigError(f"{where}: `sha256` must be 64 hexadecimal digits")
+        if digest in seen:
+            raise ConfigError(f"{where}: the same token is listed twice")
+        seen.add(digest)
+        entries.append((digest, Principal(name, roles, "token")))
+    return TokenStore(entries)
+
+
+def hash_token(token: str) -> str:
+    """The `sha256` value to put in a tokens file for `token`."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    principals: tuple[str, ...]
+    streams: tuple[str, ...]
+    groups: tuple[str, ...] | None
+    grants: frozenset[str]
+
+    def applies_to(self, principal: Principal) -> bool:
+        for who in self.principals:
+            if who == ANY_PRINCIPAL or who == principal.name:
+                return True
+            if who.startswith(ROLE_PREFIX) and who[len(ROLE_PREFIX) :] in principal.roles:
+                return True
+        return False
+
+    def covers_stream(self, stream: str) -> bool:
+        return any(fnmatch.fnmatchcase(stream, pattern) for pattern in self.streams)
+
+
+class Acl:
+    """Access rules; immutable, so a reload swaps in a new one (and a fresh decision cache)."""
+
+    def __init__(self, rules: Iterable[Rule]) -> None:
+        self.rules = tuple(rules)
+        self._decisions: dict[tuple[Principal, str, str, str | None], bool] = {}
+
+    def allows(self, principal: Principal, permission: str, stream: str, group: str | None = None) -> bool:
+        """Whether a rule grants `permission` on `stream` (group None) or on `group` of `stream`."""
+        key = (principal, permission, stream, group)
+        decision = self._decisions.get(key)
+        if decision is None:
+            decision = any(self._grants(rule, principal, permission, stream, group) for rule in self.rules)
+            if len(self._decisions) >= _DECISION_CACHE:
+                self._decisions.clear()  # crude bound; refilling costs a few fnmatch calls
+            self._decisions[key] = decision
+        return decision
+
+    @staticmethod
+    def _grants(rule: Rule, principal: Principal, permission: str, stream: str, group: str | None) -> bool:
+        if permission not in rule.grants or not rule.applies_to(principal) or not rule.covers_stream(stream):
+            return False
+        if rule.groups is None:
+            return True  # a stream rule covers the stream and every group on it
+        return group is not None and any(fnmatch.fnmatchcase(group, pattern) for pattern in rule.groups)
+
+    def visible(self, principal: Principal, stream: str) -> bool:
+        """Whether any rule lets `principal` do anything with `stream` (ListStreams shows it)."""
+        return any(rule.applies_to(principal) and rule.covers_stream(stream) for rule in self.rules)
+
+
+def load_acl(path: str) -> Acl:
+    """Read an ACL file: `[[rules]]` tables with principals, streams, groups, permissions."""
+    document = _read_toml(path, "acl file")
+    _check_keys(document, ("rules",), f"acl file {path}")
+    tables = document.get("rules", [])
+    if not isinstance(tables, list):
+        raise ConfigError(f"acl file {path}: `rules` must be an array of tables ([[rules]])")
+    rules = []
+    for index, table in enumerate(tables):
+        where = f"acl file {path}, rules[{index}]"
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: expected a table")
+        _check_keys(table, ("principals", "streams", "groups", "permissions"), where)
+        for key in ("principals", "streams", "permissions"):
+            if key not in table:
+                raise ConfigError(f"{where}: `{key}` is required")
+        permissions = _string_list(table["permissions"], f"{where}, permissions")
+        bad = [p for p in permissions if p not in PERMISSIONS]
+        if bad:
+            raise ConfigError(f"{where}: unknown permissions {bad}; known: {', '.join(PERMISSIONS)}")
+        groups = table.get("groups")
+        rules.append(
+            Rule(
+                principals=_string_list(table["principals"], f"{where}, principals"),
+                streams=_string_list(table["streams"], f"{where}, streams"),
+                groups=None if groups is None else _string_list(groups, f"{where}, groups"),
+                grants=frozenset().union(*(_GRANTS[p] for p in permissions)),
+            )
+        )
+    return Acl(rules)
+
+
+# ---------------------------------------------------------------------------- TLS
+
+
+class TlsCredentials:
+    """Server certificates from files, swapped in for new connections when the files change."""
+
+    def __init__(self, cert_file: str, key_file: str, client_ca_file: str = "") -> None:
+        self.cert_file, self.key_file, self.client_ca_file = cert_file, key_file, client_ca_file
+        self._current = self._load()
+        self._pending: Any = None  # a new configuration for gRPC's next fetch
+
+    def _load(self) -> Any:
+        """Read and check the files: the key must match the certificate, the CA must parse."""
+        try:
+            check = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            check.load_cert_chain(self.cert_file, self.key_file)
+            if self.client_ca_file:
+                check.load_verify_locations(self.client_ca_file)
+            cert, key = Path(self.cert_file).read_bytes(), Path(self.key_file).read_bytes()
+            ca = Path(self.client_ca_file).read_bytes() if self.client_ca_file else None
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"TLS files ({self.cert_file}, {self.key_file}) do not load: {exc}") from None
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.dynamic_ssl_server_credentials(
+            self._current, self._fetch, require_client_authentication=bool(self.client_ca_file)
+        )
+
+    def _fetch(self) -> Any:
+        # Called by gRPC (on its own threads) before each handshake: None keeps the current one.
+        pending, self._pending = self._pending, None
+        return pending
+
+    def reload(self) -> None:
+        """Load the files again; a failure raises ConfigError and leaves the old certificates."""
+        self._current = self._load()
+        self._pending = self._current
+
+    def files(self) -> list[str]:
+        return [f for f in (self.cert_file, self.key_file, self.client_ca_file) if f]
+
+
+# ---------------------------------------------------------------------------- calls
+
+
+class AuthState:
+    """The tokens and rules in force; `reload` swaps both or neither."""
+
+    def __init__(self, tokens_file: str, acl_file: str) -> None:
+        self.tokens_file, self.acl_file = tokens_file, acl_file
+        self.tokens, self.acl = self._load()
+
+    def _load(self) -> tuple[TokenStore, Acl]:
+        tokens = load_tokens(self.tokens_file) if self.tokens_file else TokenStore()
+        return tokens, load_acl(self.acl_file)
+
+    def reload(self) -> None:
+        self.tokens, self.acl = self._load()
+
+    def files(self) -> list[str]:
+        return [f for f in (self.tokens_file, self.acl_file) if f]
+
+
+def _metadata_value(context: grpc.aio.ServicerContext, key: str) -> list[str]:
+    return [value for name, value in (context.invocation_metadata() or ()) if name == key]
+
+
+class Denied(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.code, self.message, self.reason = code, message, reason
+
+
+# observer(event, detail): told of every refusal, e.g. to count it (service/metrics.py).
+Observer = Callable[[str, str], None]
+
+
+class AuthInterceptor(WrappingInterceptor):
+    """Identifies the caller of each StreamLogService call and checks the rules."""
+
+    def __init__(
+        self, service: Any, state: AuthState, observer: Observer | None = None, *, certificates: bool = False
+    ) -> None:
+        """`certificates`: mutual TLS is on, so a client certificate identifies a caller too."""
+        super().__init__(service.full_name)
+        missing = [m.name for m in service.methods if m.name not in METHOD_ACCESS and m.name != LIST_METHOD]
+        if missing:
+            raise ConfigError(f"no access rule class for RPCs {', '.join(missing)} (service/auth.py)")
+        self.state = state
+        self._observer = observer
+        self._certificates = certificates
+        # ListStreams page handle -> (principal name, the servicer's token); oldest dropped first.
+        self._pages: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
+
+    # -- identity and decisions
+
+    def identify(self, context: grpc.aio.ServicerContext) -> Principal:
+        headers = _metadata_value(context, "authorization")
+        if len(headers) > 1:
+            raise Denied(grpc.StatusCode.UNAUTHENTICATED, "more than one authorization header", "malformed")
+        if headers:
+            scheme, _, token = headers[0].partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                raise Denied(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "authorization metadata must be `Bearer <token>`",
+                    "malformed",
+                )
+            principal = self.state.tokens.lookup(token.strip())
+            if principal is None:
+                raise Denied(grpc.StatusCode.UNAUTHENTICATED, "unknown bearer token", "unknown_token")
+            return principal
+        names = (context.auth_context() or {}).get("x509_common_name")
+        if names:
+            return Principal(names[0].decode("utf-8", "replace"), frozenset(), "certificate")
+        accepted = [
+            "`authorization: Bearer <token>` metadata" if self.state.tokens_file else "",
+            "a client certificate" if self._certificates else "",
+        ]
+        raise Denied(
+            grpc.StatusCode.UNAUTHENTICATED,
+            "this server needs credentials: " + " or ".join(a for a in accepted if a),
+            "missing",
+        )
+
+    def check(self, method: str, request: Any, principal: Principal) -> None:
+        access = METHOD_ACCESS[method]
+        stream = request.stream
+        # getattr: Read and Subscribe requests gained `group` with consumer groups.
+        named = getattr(request, "group", "")
+        group = named if access.group_scoped or (access.group_if_named and named) else None
+        if not self.state.acl.allows(principal, access.permission, stream, group):
+            target = f"stream {stream!r}" + (f" group {group!r}" if group is not None else "")
+            raise Denied(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{principal.name!r} may not {method} on {target}: no rule grants {access.permission}",
+                "denied",
+            )
+        if method == "CreateGroup" and getattr(request, "create_stream", False):
+            self._need(principal, WRITE, stream, f"{method} with create_stream")
+        config = getattr(request, "config", None)
+        dead_letters = getattr(config, "dead_letter_stream", "") if method in _GROUP_CONFIG_METHODS else ""
+        if dead_letters:
+            self._need(principal, WRITE, dead_letters, f"{method} with dead_letter_stream")
+
+    def _need(self, principal: Principal, permission: str, stream: str, what: str) -> None:
+        if not self.state.acl.allows(principal, permission, stream):
+            raise Denied(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{principal.name!r} may not {what} {stream!r}: no rule grants {permission} on it",
+                "denied",
+            )
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, method: str, denied: Denied) -> None:
+        log.info(
+            "call refused: %s",
+            denied.message,
+            extra={"method": method, "peer": context.peer(), "code": denied.code.name},
+        )
+        if self._observer is not None:
+            self._observer("auth", denied.reason)
+        await context.abort(denied.code, denied.message)
+
+    # -- wrappers
+
+    def wrap_unary(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
+        if method == LIST_METHOD:
+            return self._wrap_list(behavior)
+
+        async def authorized(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                self.check(method, request, self.identify(context))
+            except Denied as denied:
+                await self._refuse(context, method, denied)
+            return await behavior(request, context)
+
+        return authorized
+
+    def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
+        async def authorized(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                self.check(method, request, self.identify(context))
+            except Denied as denied:
+                await self._refuse(context, method, denied)
+            async for reply in iterate(behavior, request, context):
+                yield reply
+
+        return authorized
+
+    def _wrap_list(self, behavior: UnaryBehavior) -> UnaryBehavior:
+        async def filtered(request: pb.ListStreamsRequest, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                principal = self.identify(context)
+            except Denied as denied:
+                await self._refuse(context, LIST_METHOD, denied)
+            if request.page_token:
+                held = self._pages.get(request.page_token)
+                if held is None or held[0] != principal.name:
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        "page_token: not a token this server issued to you, or too old; list again",
+                    )
+                inner = pb.ListStreamsRequest()
+                inner.CopyFrom(request)
+                inner.page_token = held[1]
+                request = inner
+            reply = await behavior(request, context)
+            acl = self.state.acl
+            visible = [name for name in reply.streams if acl.visible(principal, name)]
+            handle = ""
+            if reply.next_page_token:
+                handle = base64.urlsafe_b64encode(secrets.token_bytes(18)).decode()
+                self._pages[handle] = (principal.name, reply.next_page_token)
+                while len(self._pages) > PAGE_HANDLES:
+                    self._pages.popitem(last=False)
+            return pb.ListStreamsResponse(streams=visible, next_page_token=handle)
+
+        return filtered
+
+
+_GROUP_CONFIG_METHODS = frozenset({"CreateGroup", "SetGroupConfig"})
+
+
+# ---------------------------------------------------------------------------- reloading
+
+
+class FileWatcher:
+    """Notices when files change: a new size, modification time or inode (a replaced file,
+    as Kubernetes does when it updates a mounted Secret through a symlink swap)."""
+
+    def __init__(self, paths: Iterable[str]) -> None:
+        self._paths = list(paths)
+        self._seen = self._snapshot()
+
+    def _snapshot(self) -> dict[str, tuple[int, int, int] | None]:
+        seen: dict[str, tuple[int, int, int] | None] = {}
+        for path in self._paths:
+            try:
+                st = os.stat(path)
+            except OSError:
+                seen[path] = None  # missing for now (mid-replacement); a change when it returns
+                continue
+            seen[path] = (st.st_mtime_ns, st.st_size, st.st_ino)
+        return seen
+
+    def changed(self) -> bool:
+        now = self._snapshot()
+        changed, self._seen = now != self._seen, now
+        return changed
+
+
+class Security:
+    """The TLS credentials and auth state of one server, and their reloading."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.tls = (
+            TlsCredentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
+            if settings.tls_cert_file
+            else None
+        )
+        self.auth = AuthState(settings.tokens_file, settings.acl_file) if settings.acl_file else None
+        files = (self.tls.files() if self.tls else []) + (self.auth.files() if self.auth else [])
+        self._watcher = FileWatcher(files)
+        self.reloads = 0
+        self.failed_reloads = 0
+
+    def add_port(self, server: grpc.aio.Server, address: str) -> int:
+        if self.tls is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, self.tls.server_credentials())
+
+    def interceptor(self, service: Any, observer: Observer | None = None) -> AuthInterceptor | None:
+        if self.auth is None:
+            return None
+        certificates = self.tls is not None and bool(self.tls.client_ca_file)
+        return AuthInterceptor(service, self.auth, observer, certificates=certificates)
+
+    def reload(self, reason: str) -> bool:
+        """Re-read every file; keep the old state of a part whose files do not load."""
+        ok = True
+        for part in (self.tls, self.auth):
+            if part is None:
+                continue
+            try:
+                part.reload()
+            except ConfigError as exc:
+                ok = False
+                log.error("reload (%s) refused, keeping the previous state: %s", reason, exc)
+        if ok:
+            self.reloads += 1
+            log.info("reloaded TLS and auth files (%s)", reason)
+        else:
+            self.failed_reloads += 1
+        return ok
+
+    def reload_if_changed(self) -> bool | None:
+        """Reload when a file changed since the last look; None when nothing changed."""
+        if not self._watcher.changed():
+            return None
+        return self.reload("files changed")

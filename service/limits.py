@@ -1,0 +1,338 @@
+"""Limits on what clients can make a server hold, beyond those on a single request.
+
+The servicer and the engine refuse oversized requests (message, batch, entry and
+tag sizes, ack lists) and cap the total of subscriptions. This module adds the
+limits that need to look across calls, as server interceptors:
+
+- `max_streams`: a call that would create a stream (an Append to a new name,
+  CreateGroup with create_stream, a new dead-letter stream) when the server holds
+  that many already.
+- `max_groups_per_stream`, `max_consumers_per_group`: CreateGroup, and the first
+  group read or claim by a new consumer name.
+- `max_pending_per_group` (when set): a group's `max_pending` (its bounded pending
+  list, which stops new deliveries when full); a group created or reconfigured
+  without one gets this value, and asking for more is refused.
+- `max_subscriptions_per_connection` (per client connection) and
+  `max_blocked_reads` (Reads waiting with block_ms, server-wide).
+- `subscriber_send_timeout_ms`: a subscriber whose client stops taking replies
+  is cut off once a reply has waited that long to be sent. Until then it holds
+  one reply, as gRPC's flow control stops the sends: never unbounded memory.
+
+Every refusal is RESOURCE_EXHAUSTED with the limit's name and value in the message.
+Connection-level limits are gRPC server options (`server_options`): concurrent
+calls per connection, metadata size, keepalive pings that find dead peers, and the
+keepalive enforcement that closes connections of clients pinging too often.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from service.config import Settings
+from service.errors import limit_exceeded
+from service.interceptors import StreamBehavior, UnaryBehavior, WrappingInterceptor, iterate
+from storage import Engine, StorageError
+
+log = logging.getLogger(__name__)
+
+# The stream count is refreshed from the engine at most this often (listing costs O(streams)).
+_STREAM_COUNT_TTL_S = 1.0
+_CONSUMER_METHODS = frozenset({"Claim", "AutoClaim"})
+_GROUP_READ_METHODS = frozenset({"Read", "Subscribe"})
+_FORGET_METHODS = frozenset({"DeleteConsumer", "DeleteGroup", "DeleteStream"})
+
+
+def server_options(settings: Settings) -> list[tuple[str, Any]]:
+    """gRPC server options enforcing the connection-level limits."""
+    options: list[tuple[str, Any]] = [
+        ("grpc.max_concurrent_streams", settings.max_concurrent_calls_per_connection),
+        ("grpc.max_metadata_size", settings.max_metadata_bytes),
+        # The server pings idle connections to find peers that vanished without a FIN
+        # (a crashed host, a dropped NAT entry), which would otherwise hold calls forever.
+        ("grpc.keepalive_time_ms", settings.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", settings.keepalive_timeout_ms),
+        # Keepalive enforcement: a client pinging more often than this (without data) gets
+        # strikes, then GOAWAY "too_many_pings". Clients may ping when they have no call.
+        ("grpc.http2.min_ping_interval_without_data_ms", settings.min_client_ping_interval_ms),
+        ("grpc.http2.max_ping_strikes", 2),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+    if settings.max_connection_idle_ms:
+        options.append(("grpc.max_connection_idle_ms", settings.max_connection_idle_ms))
+    return options
+
+
+class LimitError(Exception):
+    def __init__(self, limit: str, value: int, message: str) -> None:
+        super().__init__(limit_exceeded(limit, value, message).message)
+        self.limit = limit
+
+
+Observer = Callable[[str, str], None]
+
+
+class LimitsInterceptor(WrappingInterceptor):
+    """The cross-call limits. `engine()` is None until the server has recovered its data."""
+
+    def __init__(
+        self,
+        service_name: str,
+        settings: Settings,
+        engine: Callable[[], Engine | None],
+        observer: Observer | None = None,
+    ) -> None:
+        super().__init__(service_name)
+        self._settings = settings
+        self._engine = engine
+        self._observer = observer
+        self._subscriptions_by_peer: collections.Counter[str] = collections.Counter()
+        self.blocked_reads = 0
+        self._stream_count = 0
+        self._stream_count_at = float("-inf")
+        # Streams this interceptor let a call create, not yet seen in a refreshed count.
+        self._creating: set[str] = set()
+        # (stream, group) -> consumer names known to exist, so reads by known consumers are free.
+        self._consumers: dict[tuple[str, str], set[str]] = {}
+
+    # -- checks
+
+    def _count_streams(self, engine: Engine) -> int:
+        now = time.monotonic()
+        if now - self._stream_count_at > _STREAM_COUNT_TTL_S:
+            names = engine.list_streams()
+            self._stream_count, self._stream_count_at = len(names), now
+            self._creating.clear()
+        return self._stream_count + len(self._creating)
+
+    def _new_stream(self, engine: Engine, stream: str, what: str) -> None:
+        if not stream or engine.exists(stream) or stream in self._creating:
+            return
+        limit = self._settings.max_streams
+        if self._count_streams(engine) >= limit:
+            raise LimitError("max_streams", limit, f"{what}: the server holds {limit} streams")
+        self._creating.add(stream)
+
+    async def _new_consumer(self, engine: Engine, stream: str, group: str, consumer: str) -> None:
+        if not (stream and group and consumer):
+            return  # the servicer refuses what is missing
+        known = self._consumers.get((stream, group))
+        if known is not None and consumer in known:
+            return
+        try:
+            # In a thread: group_info settles the group, which may sync its journal.
+            info = await asyncio.to_thread(engine.group_info, stream, group)
+        except StorageError:
+            return  # no such stream or group: the servicer answers that
+        known = {c.name for c in info.consumers}
+        self._consumers[(stream, group)] = known
+        limit = self._settings.max_consumers_per_group
+        if consumer not in known and len(known) >= limit:
+            raise LimitError(
+                "max_consumers_per_group",
+                limit,
+                f"consumer {consumer!r}: group {group!r} has {limit} consumers",
+            )
+        known.add(consumer)
+
+    async def _new_group(self, engine: Engine, request: Any) -> None:
+        try:
+            groups = await asyncio.to_thread(engine.list_groups, request.stream)
+        except StorageError:
+            return
+        limit = self._settings.max_groups_per_stream
+        if len(groups) >= limit and request.group not in {g.name for g in groups}:
+            raise LimitError(
+                "max_groups_per_stream", limit, f"group {request.group!r}: stream has {limit} groups"
+            )
+
+    def _pending_bound(self, request: Any) -> Any:
+        """The request with its group config's max_pending set to at most max_pending_per_group."""
+        limit = self._settings.max_pending_per_group
+        config = request.config
+        if not limit:
+            return request
+        if config.HasField("max_pending"):
+            if config.max_pending > limit:
+                raise LimitError(
+                    "max_pending_per_group", limit, f"config.max_pending: {config.max_pending} asked"
+                )
+            return request
+        bounded = type(request)()
+        bounded.CopyFrom(request)
+        bounded.config.max_pending = limit
+        return bounded
+
+    async def check(self, method: str, request: Any, engine: Engine) -> Any:
+        """Raise LimitError for a call past a limit; return the request to serve (maybe bounded)."""
+        if method == "Append":
+            self._new_stream(engine, request.stream, "stream")
+        elif method in ("CreateGroup", "SetGroupConfig"):
+            if method == "CreateGroup":
+                if request.create_stream:
+                    self._new_stream(engine, request.stream, "create_stream")
+                await self._new_group(engine, request)
+            self._new_stream(engine, request.config.dead_letter_stream, "config.dead_letter_stream")
+            request = self._pending_bound(request)
+        elif method in _CONSUMER_METHODS or (method in _GROUP_READ_METHODS and getattr(request, "group", "")):
+            await self._new_consumer(engine, request.stream, request.group, request.consumer)
+        elif method in _FORGET_METHODS:
+            self._forget(request)
+        return request
+
+    def _forget(self, request: Any) -> None:
+        # Stale names would only let a deleted consumer come back past the limit; drop them.
+        if hasattr(request, "group"):
+            self._consumers.pop((request.stream, request.group), None)
+        else:
+            for key in [k for k in self._consumers if k[0] == request.stream]:
+                del self._consumers[key]
+
+    async def _refuse(
+        self, context: grpc.aio.ServicerContext, method: str, request: Any, exc: LimitError
+    ) -> None:
+        log.info(
+            "limit reached: %s",
+            exc,
+            extra={
+                "method": method,
+                "stream": getattr(request, "stream", ""),
+                "group": getattr(request, "group", ""),
+                "peer": context.peer(),
+                "limit": exc.limit,
+            },
+        )
+        if self._observer is not None:
+            self._observer("limit", exc.limit)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+
+    # -- wrappers
+
+    def wrap_unary(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
+        settings = self._settings
+
+        async def limited(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            engine = self._engine()
+            if engine is not None:
+                try:
+                    request = await self.check(method, request, engine)
+                except LimitError as exc:
+                    await self._refuse(context, method, request, exc)
+            if method != "Read" or request.block_ms <= 0:
+                return await behavior(request, context)
+            if self.blocked_reads >= settings.max_blocked_reads:
+                await self._refuse(
+                    context,
+                    method,
+                    request,
+                    LimitError(
+                        "max_blocked_reads", settings.max_blocked_reads, "block_ms: too many blocked reads"
+                    ),
+                )
+            self.blocked_reads += 1
+            try:
+                return await behavior(request, context)
+            finally:
+                self.blocked_reads -= 1
+
+        return limited
+
+    def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
+        limit = self._settings.max_subscriptions_per_connection
+
+        async def limited(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            engine = self._engine()
+            if engine is not None:
+                try:
+                    request = await self.check(method, request, engine)
+                except LimitError as exc:
+                    await self._refuse(context, method, request, exc)
+            # The peer address names the client's connection (its address and port).
+            peer = context.peer()
+            by_peer = self._subscriptions_by_peer
+            if by_peer[peer] >= limit:
+                await self._refuse(
+                    context,
+                    method,
+                    request,
+                    LimitError(
+                        "max_subscriptions_per_connection", limit, "too many subscriptions on this connection"
+                    ),
+                )
+            by_peer[peer] += 1
+            try:
+                async for reply in iterate(behavior, request, context):
+                    yield reply
+            finally:
+                by_peer[peer] -= 1
+                if not by_peer[peer]:
+                    del by_peer[peer]
+
+        return limited
+
+    def subscriptions_on(self, peer: str) -> int:
+        return self._subscriptions_by_peer.get(peer, 0)
+
+
+class SendTimeoutInterceptor(WrappingInterceptor):
+    """Cuts off subscribers that stop taking replies. Install it first (outermost):
+    it sends every reply itself, with `context.write`, to time each send."""
+
+    def __init__(self, service_name: str, timeout_ms: int, observer: Observer | None = None) -> None:
+        super().__init__(service_name)
+        self._timeout_s = timeout_ms / 1000
+        self._timeout_ms = timeout_ms
+        self._observer = observer
+        self.cut_off = 0
+
+    def wrap_unary(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
+        return behavior
+
+    def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
+        timeout_s = self._timeout_s
+
+        async def timed(request: Any, context: grpc.aio.ServicerContext) -> None:
+            replies = iterate(behavior, request, context)
+            try:
+                async for reply in replies:
+                    try:
+                        # A send waits while the client's flow-control window is full. (A timeout
+                        # scope, not wait_for: no task per reply on the subscriber hot path.)
+                        async with asyncio.timeout(timeout_s):
+                            await context.write(reply)
+                    except TimeoutError:
+                        await self._cut_off(context, method, request)
+            finally:
+                # Runs the inner layers' cleanup (subscription counts, metrics) now.
+                await replies.aclose()
+
+        return timed
+
+    async def _cut_off(self, context: grpc.aio.ServicerContext, method: str, request: Any) -> None:
+        self.cut_off += 1
+        message = limit_exceeded(
+            "subscriber_send_timeout_ms",
+            self._timeout_ms,
+            f"subscriber too slow: a reply waited {self._timeout_ms} ms for the client to take it; "
+            "resubscribe from the last next_offset received",
+        ).message
+        log.warning(
+            "subscriber cut off: %s",
+            message,
+            extra={
+                "method": method,
+                "stream": getattr(request, "stream", ""),
+                "group": getattr(request, "group", ""),
+                "peer": context.peer(),
+                "limit": "subscriber_send_timeout_ms",
+            },
+        )
+        if self._observer is not None:
+            self._observer("limit", "subscriber_send_timeout_ms")
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)

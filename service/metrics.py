@@ -1,0 +1,407 @@
+"""Prometheus metrics, served over HTTP on `metrics_port` (`/metrics`).
+
+Two sources:
+
+- **Calls**, counted as they happen by `MetricsInterceptor`: RPC latency per
+  method and status code; per stream, appends (calls, entries, request bytes),
+  reads (calls and reply bytes, plain or group), subscriptions started and the
+  replies and bytes they sent; refusals by the auth and limits layers; latency of
+  appends to `fsync=always` streams.
+- **State**, sampled from the engine at scrape time by `EngineCollector` (nothing
+  on the hot path): streams, entries, segments, nodes and bytes on disk, in total
+  and per stream; per consumer group its lag, pending, scheduled, consumers and
+  counters (deliveries, redeliveries, acks, expiries, dead letters); active
+  subscriptions and blocked reads.
+
+The engine does not expose the time of its fdatasync calls. The closest figure
+the service sees is `streamlog_durable_append_seconds`: appends to `always`
+streams, request to reply, each of which includes its (group-commit) fdatasync.
+
+Each server has its own registry, so several servers in one process (tests) do
+not mix their figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import grpc
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from service.interceptors import StreamBehavior, UnaryBehavior, WrappingInterceptor, iterate
+from storage import Engine
+
+log = logging.getLogger(__name__)
+
+# From a cached read (~50 us) to a blocking read's wait (up to max_block_ms) and long Subscribes.
+RPC_BUCKETS = (
+    *(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05),
+    *(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
+# fdatasync on SSDs takes 0.1-10 ms; slow disks and group commit under load reach 100 ms and more.
+DURABLE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2.5)
+
+
+def _code_name(context: grpc.aio.ServicerContext, exc: BaseException | None) -> str:
+    code = context.code()
+    if code is not None:
+        return code.name if isinstance(code, grpc.StatusCode) else str(code)
+    if exc is None:
+        return "OK"
+    # A cancelled call (client gone, deadline passed) or an exception grpc reports as UNKNOWN.
+    return "CANCELLED" if isinstance(exc, asyncio.CancelledError) else "UNKNOWN"
+
+
+def _mode(request: Any) -> str:
+    # getattr: Read and Subscribe requests gained `group` with consumer groups.
+    return "group" if getattr(request, "group", "") else "plain"
+
+
+def _size(reply: Any) -> int:
+    # Read and Subscribe replies are sent as serialized bytes (see service/servicer.py).
+    return len(reply) if isinstance(reply, bytes) else reply.ByteSize()
+
+
+class Metrics:
+    """The registry and the call metrics of one server."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.rpc_seconds = Histogram(
+            "streamlog_rpc_duration_seconds",
+            "StreamLogService calls by method and status code, from handler start to reply "
+            "(for Subscribe: the subscription's lifetime).",
+            ["method", "code"],
+            buckets=RPC_BUCKETS,
+            registry=r,
+        )
+        self.append_requests = Counter(
+            "streamlog_append_requests", "Append calls that succeeded, per stream.", ["stream"], registry=r
+        )
+        self.appended_entries = Counter(
+            "streamlog_appended_entries",
+            "Entries appended (duplicates of idempotent retries not counted), per stream.",
+            ["stream"],
+            registry=r,
+        )
+        self.append_bytes = Counter(
+            "streamlog_append_request_bytes",
+            "Serialized size of successful Append requests, per stream.",
+            ["stream"],
+            registry=r,
+        )
+        self.durable_append_seconds = Histogram(
+            "streamlog_durable_append_seconds",
+            "Appends to fsync=always streams, request to reply; each includes its group-commit fdatasync.",
+            buckets=DURABLE_BUCKETS,
+            registry=r,
+        )
+        self.read_requests = Counter(
+            "streamlog_read_requests",
+            "Read calls that succeeded, per stream and mode (plain or group).",
+            ["stream", "mode"],
+            registry=r,
+        )
+        self.read_bytes = Counter(
+            "streamlog_read_reply_bytes", "Bytes of Read replies, per stream.", ["stream"], registry=r
+        )
+        self.subscriptions = Counter(
+            "streamlog_subscriptions_started",
+            "Subscribe calls accepted, per stream and mode (plain or group).",
+            ["stream", "mode"],
+            registry=r,
+        )
+        self.subscribe_replies = Counter(
+            "streamlog_subscribe_replies", "Replies sent to subscribers, per stream.", ["stream"], registry=r
+        )
+        self.subscribe_bytes = Counter(
+            "streamlog_subscribe_reply_bytes", "Bytes sent to subscribers.", ["stream"], registry=r
+        )
+        self.refusals = Counter(
+            "streamlog_refusals",
+            "Calls refused before reaching the service: kind auth (reason missing, malformed, "
+            "unknown_token, denied) or limit (reason: the limit's name).",
+            ["kind", "reason"],
+            registry=r,
+        )
+        self._per_stream = (
+            self.append_requests,
+            self.appended_entries,
+            self.append_bytes,
+            self.read_bytes,
+            self.subscribe_replies,
+            self.subscribe_bytes,
+        )
+        self._per_stream_mode = (self.read_requests, self.subscriptions)
+
+    def refused(self, kind: str, reason: str) -> None:
+        """The observer given to the auth and limits interceptors."""
+        self.refusals.labels(kind, reason).inc()
+
+    def forget_stream(self, stream: str) -> None:
+        """Drop a deleted stream's series, so deleted names do not accumulate."""
+        for metric in self._per_stream:
+            with contextlib.suppress(KeyError):
+                metric.remove(stream)
+        for metric in self._per_stream_mode:
+            for mode in ("plain", "group"):
+                with contextlib.suppress(KeyError):
+                    metric.remove(stream, mode)
+
+    def expose(self) -> bytes:
+        """The text exposition format, as /metrics serves it."""
+        return prometheus_client.generate_latest(self.registry)
+
+
+class MetricsInterceptor(WrappingInterceptor):
+    """Times every StreamLogService call and counts what it moved."""
+
+    def __init__(self, service_name: str, metrics: Metrics, engine: Callable[[], Engine | None]) -> None:
+        super().__init__(service_name)
+        self._m = metrics
+        self._engine = engine
+
+    def wrap_unary(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
+        m = self._m
+        histogram = m.rpc_seconds
+        ok = histogram.labels(method, "OK")  # bound once: the common case costs no label lookup
+        account = getattr(self, f"_account_{method}", None)
+
+        async def measured(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            start = time.perf_counter()
+            try:
+                reply = await behavior(request, context)
+            except BaseException as exc:
+                histogram.labels(method, _code_name(context, exc)).observe(time.perf_counter() - start)
+                raise
+            elapsed = time.perf_counter() - start
+            code = context.code()
+            if code is None or code == grpc.StatusCode.OK:
+                ok.observe(elapsed)
+                if account is not None:
+                    account(request, reply, elapsed)
+            else:
+                histogram.labels(method, _code_name(context, None)).observe(elapsed)
+            return reply
+
+        return measured
+
+    def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
+        m = self._m
+
+        async def measured(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            start = time.perf_counter()
+            stream = request.stream
+            replies = m.subscribe_replies.labels(stream)
+            sent = m.subscribe_bytes.labels(stream)
+            started = False
+            failure: BaseException | None = None
+            try:
+                async for reply in iterate(behavior, request, context):
+                    if not started:
+                        # Counted at the first reply: a refused Subscribe sends none.
+                        started = True
+                        m.subscriptions.labels(stream, _mode(request)).inc()
+                    replies.inc()
+                    sent.inc(_size(reply))
+                    yield reply
+            except BaseException as exc:
+                failure = exc
+                raise
+            finally:
+                code = _code_name(context, failure)
+                m.rpc_seconds.labels(method, code).observe(time.perf_counter() - start)
+
+        return measured
+
+    # Per-method accounting of successful calls: _account_<Method>(request, reply, elapsed_s).
+
+    def _account_Append(self, request: Any, reply: Any, elapsed: float) -> None:
+        m, stream = self._m, request.stream
+        m.append_requests.labels(stream).inc()
+        if not reply.duplicate:
+            m.appended_entries.labels(stream).inc(reply.last_offset - reply.first_offset + 1)
+        m.append_bytes.labels(stream).inc(request.ByteSize())
+        engine = self._engine()
+        if engine is not None and engine.stream_fsync(stream) == "always":
+            m.durable_append_seconds.observe(elapsed)
+
+    def _account_Read(self, request: Any, reply: Any, elapsed: float) -> None:
+        self._m.read_requests.labels(request.stream, _mode(request)).inc()
+        self._m.read_bytes.labels(request.stream).inc(_size(reply))
+
+    def _account_DeleteStream(self, request: Any, reply: Any, elapsed: float) -> None:
+        self._m.forget_stream(request.stream)
+
+
+class EngineCollector(Collector):
+    """Engine and server state, read at scrape time (on the HTTP server's thread)."""
+
+    def __init__(
+        self,
+        engine: Callable[[], Engine | None],
+        subscriptions: Callable[[], int],
+        blocked_reads: Callable[[], int],
+    ) -> None:
+        self._engine = engine
+        self._subscriptions = subscriptions
+        self._blocked_reads = blocked_reads
+
+    def describe(self) -> list:
+        return []  # the families depend on the engine's state: nothing to check at registration
+
+    def collect(self) -> Iterator[Any]:
+        engine = self._engine()
+        ready = 1 if engine is not None else 0
+        yield GaugeMetricFamily("streamlog_ready", "1 once the engine has recovered its data.", ready)
+        yield GaugeMetricFamily(
+            "streamlog_active_subscriptions", "Open Subscribe calls.", self._subscriptions()
+        )
+        blocked = self._blocked_reads()
+        yield GaugeMetricFamily("streamlog_blocked_reads", "Reads waiting with block_ms.", blocked)
+        if engine is None:
+            return
+        try:
+            yield from self._engine_families(engine)
+        except Exception as exc:  # the engine closing under a scrape (shutdown), or a bug: never a 500 loop
+            log.warning("metrics: engine state unavailable: %s", exc)
+
+    def _engine_families(self, engine: Engine) -> Iterator[Any]:
+        stats = engine.stats()
+        totals = {
+            "streams": "Streams the server holds.",
+            "entries": "Entries retained, all streams.",
+            "segments": "Segment files, all streams.",
+            "nodes": "Macro nodes, all streams.",
+            "bytes_on_disk": "Bytes of segment files (preallocated space included), all streams.",
+        }
+        for key, help_text in totals.items():
+            yield GaugeMetricFamily(f"streamlog_{key}", help_text, stats[key])
+        yield GaugeMetricFamily(
+            "streamlog_unreadable_streams",
+            "Stream directories whose metadata failed its checks at start-up (not served).",
+            len(stats["unreadable_streams"]),
+        )
+        yield CounterMetricFamily("streamlog_node_cache_hits", "Node cache hits.", stats["cache_hits"])
+        yield CounterMetricFamily(
+            "streamlog_node_cache_misses", "Decoded-node cache misses.", stats["cache_misses"]
+        )
+
+        per_stream = {
+            "entries": GaugeMetricFamily("streamlog_stream_entries", "Entries retained.", labels=["stream"]),
+            "bytes_on_disk": GaugeMetricFamily(
+                "streamlog_stream_bytes_on_disk", "Bytes of the stream's segment files.", labels=["stream"]
+            ),
+            "segments": GaugeMetricFamily("streamlog_stream_segments", "Segment files.", labels=["stream"]),
+            "first_offset": GaugeMetricFamily(
+                "streamlog_stream_first_offset", "Oldest retained offset.", labels=["stream"]
+            ),
+            "next_offset": GaugeMetricFamily(
+                "streamlog_stream_next_offset", "Offset the next append gets.", labels=["stream"]
+            ),
+            "damaged": GaugeMetricFamily(
+                "streamlog_stream_damaged_ranges", "Ranges lost to damage (CORRUPT gaps).", labels=["stream"]
+            ),
+        }
+        added = CounterMetricFamily(
+            "streamlog_stream_entries_added", "Entries ever appended to the stream.", labels=["stream"]
+        )
+        last_append = GaugeMetricFamily(
+            "streamlog_stream_last_append_timestamp_seconds", "Time of the newest entry.", labels=["stream"]
+        )
+        for name, info in stats["per_stream"].items():
+            for key, family in per_stream.items():
+                value = len(info.damaged) if key == "damaged" else getattr(info, key)
+                family.add_metric([name], value)
+            added.add_metric([name], info.entries_added)
+            if info.last_timestamp_ms:
+                last_append.add_metric([name], info.last_timestamp_ms / 1000)
+        yield from per_stream.values()
+        yield added
+        yield last_append
+        yield from self._group_families(engine, list(stats["per_stream"]))
+
+    @staticmethod
+    def _group_families(engine: Engine, streams: list[str]) -> Iterator[Any]:
+        labels = ["stream", "group"]
+        gauges = {
+            "lag": GaugeMetricFamily(
+                "streamlog_group_lag", "Entries still to receive (absent when unknown).", labels=labels
+            ),
+            "pending": GaugeMetricFamily(
+                "streamlog_group_pending", "Entries delivered and not acknowledged.", labels=labels
+            ),
+            "scheduled": GaugeMetricFamily(
+                "streamlog_group_scheduled", "Delayed entries waiting to become due.", labels=labels
+            ),
+            "consumers": GaugeMetricFamily("streamlog_group_consumers", "Consumers.", labels=labels),
+            "active": GaugeMetricFamily(
+                "streamlog_group_last_active_timestamp_seconds",
+                "Last read, acknowledgement or claim.",
+                labels=labels,
+            ),
+        }
+        counters = {
+            name: CounterMetricFamily(f"streamlog_group_{name}", help_text, labels=labels)
+            for name, help_text in (
+                ("delivered", "First deliveries."),
+                ("redelivered", "Redeliveries: retries, claims, deliveries of released entries."),
+                ("acked", "Entries acknowledged."),
+                ("expired", "Entries dropped by expire_ms or max_deliveries (no dead-letter stream)."),
+                ("dead_lettered", "Entries appended to the dead-letter stream."),
+                ("evicted", "Pending or delayed entries the stream no longer had."),
+            )
+        }
+        for stream in streams:
+            try:
+                groups = engine.list_groups(stream)
+            except Exception:  # deleted since the listing: nothing to report for it
+                continue
+            for info in groups:
+                key = [stream, info.name]
+                if info.lag is not None:
+                    gauges["lag"].add_metric(key, info.lag)
+                gauges["pending"].add_metric(key, info.pending)
+                gauges["scheduled"].add_metric(key, info.scheduled)
+                gauges["consumers"].add_metric(key, len(info.consumers))
+                gauges["active"].add_metric(key, info.active_ms / 1000)
+                for name, family in counters.items():
+                    family.add_metric(key, getattr(info.counters, name))
+        yield from gauges.values()
+        yield from counters.values()
+
+
+class MetricsServer:
+    """The HTTP endpoint; `start` binds it, `stop` closes it."""
+
+    def __init__(self, metrics: Metrics, host: str, port: int) -> None:
+        self._metrics, self._host, self._port = metrics, host, port
+        self._httpd: Any = None
+        self._thread: Any = None
+
+    @property
+    def port(self) -> int:
+        return self._httpd.server_port if self._httpd is not None else self._port
+
+    def start(self) -> None:
+        self._httpd, self._thread = prometheus_client.start_http_server(
+            self._port, addr=self._host, registry=self._metrics.registry
+        )
+        log.info("metrics on http://%s:%d/metrics", self._host, self.port)
+
+    def stop(self) -> None:
+        if self._httpd is None:
+            return
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=10)
+        self._httpd = None

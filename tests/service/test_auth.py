@@ -1,0 +1,531 @@
+"""Authentication and authorization: token and ACL files, the allow/deny matrix for every RPC,
+TLS and mutual TLS handshakes, and reloading of certificates, tokens and rules."""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from streamlog.v1 import streamlog_pb2 as pb
+from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
+
+from service import auth
+from service.config import ConfigError, Settings, validate
+from service.server import SERVICE
+from tests.service.certs import CertificateAuthority
+from tests.service.helpers import ServerThread
+
+TOKENS = {
+    "reader": "reader-token-0123456789",
+    "writer": "writer-token-0123456789",
+    "admin": "admin-token-01234567890",
+    "worker": "worker-token-0123456789",
+    "stranger": "stranger-token-01234567",
+}
+
+TOKENS_TOML = f"""
+[[tokens]]
+principal = "reader"
+token = "{TOKENS["reader"]}"
+
+[[tokens]]
+principal = "writer"
+sha256 = "{auth.hash_token(TOKENS["writer"])}"
+roles = ["producers"]
+
+[[tokens]]
+principal = "admin"
+token = "{TOKENS["admin"]}"
+
+[[tokens]]
+principal = "worker"
+token = "{TOKENS["worker"]}"
+
+[[tokens]]
+principal = "stranger"
+token = "{TOKENS["stranger"]}"
+"""
+
+ACL_TOML = """
+[[rules]]
+principals = ["reader"]
+streams = ["s*"]
+permissions = ["read"]
+
+[[rules]]
+principals = ["role:producers"]
+streams = ["s*", "dlq"]
+permissions = ["write"]
+
+[[rules]]
+principals = ["admin"]
+streams = ["*"]
+permissions = ["admin"]
+
+# The worker consumes stream s1 through group g1 only.
+[[rules]]
+principals = ["worker"]
+streams = ["s1"]
+groups = ["g1"]
+permissions = ["read"]
+
+[[rules]]
+principals = ["stranger"]
+streams = ["elsewhere-*"]
+permissions = ["admin"]
+"""
+
+
+def write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def bearer(principal: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {TOKENS[principal]}"),)
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def test_token_lookup_finds_plain_and_hashed_tokens(tmp_path: Path) -> None:
+    store = auth.load_tokens(write(tmp_path / "t.toml", TOKENS_TOML))
+    assert store.lookup(TOKENS["reader"]) == auth.Principal("reader", frozenset(), "token")
+    writer = store.lookup(TOKENS["writer"])
+    assert writer is not None and writer.name == "writer" and writer.roles == {"producers"}
+    assert store.lookup(TOKENS["reader"] + "x") is None
+    assert store.lookup("") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[[tokens]]\nprincipal = "a"\n', "exactly one of `token` and `sha256`"),
+        ('[[tokens]]\nprincipal = "a"\ntoken = "short"\n', "at least 16 characters"),
+        ('[[tokens]]\nprincipal = "a"\nsha256 = "abc"\n', "64 hexadecimal digits"),
+        ('[[tokens]]\ntoken = "0123456789abcdef"\n', "`principal` must be"),
+        ('[[tokens]]\nprincipal = "a"\ntoken = "0123456789abcdef"\ncolour = 1\n', "unknown keys colour"),
+        (
+            '[[tokens]]\nprincipal = "a"\ntoken = "0123456789abcdef"\n'
+            '[[tokens]]\nprincipal = "b"\ntoken = "0123456789abcdef"\n',
+            "listed twice",
+        ),
+        ("tokens = [", "not valid TOML"),
+    ],
+)
+def test_bad_token_files_are_refused_with_the_reason(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        auth.load_tokens(write(tmp_path / "t.toml", text))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[[rules]]\nprincipals = ["a"]\nstreams = ["*"]\npermissions = ["fly"]\n', "unknown permissions"),
+        ('[[rules]]\nprincipals = ["a"]\npermissions = ["read"]\n', "`streams` is required"),
+        ('[[rules]]\nprincipals = []\nstreams = ["*"]\npermissions = ["read"]\n', "must not be empty"),
+        (
+            '[[rules]]\nprincipals = ["a"]\nstreams = ["*"]\npermissions = ["read"]\nhost = "x"\n',
+            "unknown keys",
+        ),
+        ('rules = "all"\n', "array of tables"),
+    ],
+)
+def test_bad_acl_files_are_refused_with_the_reason(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        auth.load_acl(write(tmp_path / "a.toml", text))
+
+
+def test_acl_decisions_follow_patterns_roles_groups_and_admin_implies_the_rest(tmp_path: Path) -> None:
+    acl = auth.load_acl(write(tmp_path / "a.toml", ACL_TOML))
+    reader = auth.Principal("reader")
+    writer = auth.Principal("writer", frozenset({"producers"}))
+    admin = auth.Principal("admin")
+    worker = auth.Principal("worker")
+    assert acl.allows(reader, "read", "s1") and acl.allows(reader, "read", "s1", "any-group")
+    assert not acl.allows(reader, "read", "t1") and not acl.allows(reader, "write", "s1")
+    assert acl.allows(writer, "write", "s9") and not acl.allows(writer, "read", "s9")
+    assert not acl.allows(auth.Principal("writer"), "write", "s9")  # the role, not the name, grants it
+    assert all(acl.allows(admin, p, "anything") for p in auth.PERMISSIONS)
+    assert acl.allows(worker, "read", "s1", "g1")
+    assert not acl.allows(worker, "read", "s1")  # no plain reads: the rule names groups
+    assert not acl.allows(worker, "read", "s1", "g2") and not acl.allows(worker, "read", "s2", "g1")
+    assert acl.visible(worker, "s1") and not acl.visible(worker, "s2")
+
+
+def test_settings_refuse_auth_without_rules_or_identities(tmp_path: Path) -> None:
+    tokens = write(tmp_path / "t.toml", TOKENS_TOML)
+    rules = write(tmp_path / "a.toml", ACL_TOML)
+    with pytest.raises(ConfigError, match="tokens_file needs acl_file"):
+        validate(Settings(tokens_file=tokens))
+    with pytest.raises(ConfigError, match="acl_file needs a way to identify callers"):
+        validate(Settings(acl_file=rules))
+    with pytest.raises(ConfigError, match="set both"):
+        validate(Settings(tls_cert_file=tokens))
+    with pytest.raises(ConfigError, match="is not a readable file"):
+        validate(Settings(tokens_file=str(tmp_path / "missing"), acl_file=rules))
+    validate(Settings(tokens_file=tokens, acl_file=rules))
+
+
+def test_every_rpc_has_an_access_class() -> None:
+    # A new RPC must be classified in service/auth.py, or servers with auth refuse to start.
+    unclassified = [m.name for m in SERVICE.methods if m.name not in auth.METHOD_ACCESS]
+    assert unclassified in ([], [auth.LIST_METHOD])
+
+
+# ---------------------------------------------------------------------------- the matrix
+
+# Expected decisions, written out by hand (not derived from auth.METHOD_ACCESS, which they check).
+# "r": needs read on the stream; "w": write; "a": admin; "gr"/"ga": read/admin on the group.
+EXPECTED_CLASS = {
+    "Append": "w",
+    "Read": "r",
+    "Subscribe": "r",
+    "GetStreamInfo": "r",
+    "SeekTime": "r",
+    "CountRange": "r",
+    "ListGroups": "r",
+    "Ack": "gr",
+    "Nack": "gr",
+    "Claim": "gr",
+    "AutoClaim": "gr",
+    "GetPending": "gr",
+    "GetGroupInfo": "gr",
+    "CreateGroup": "ga",
+    "DeleteGroup": "ga",
+    "SetGroupOffset": "ga",
+    "SetGroupConfig": "ga",
+    "DeleteConsumer": "ga",
+    "DeleteStream": "a",
+    "Trim": "a",
+    "SetStreamConfig": "a",
+}
+# Who passes each class on stream s1 (group g1 where the call names one).
+ALLOWED = {
+    "r": {"reader", "admin"},
+    "w": {"writer", "admin"},
+    "a": {"admin"},
+    "gr": {"reader", "admin", "worker"},
+    "ga": {"admin"},
+}
+DENIED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+def request_for(method: Any, **fields: Any) -> Any:
+    """A request of `method`'s type for stream s1 (and group g1, consumer c1, where it has them)."""
+    request = getattr(pb, method.input_type.name)()
+    names = {f.name for f in request.DESCRIPTOR.fields}
+    defaults = {"stream": "s1", "group": "g1", "consumer": "c1"}
+    for name, value in defaults.items():
+        if name in names and method.name not in ("Read", "Subscribe"):
+            setattr(request, name, value)
+    if "stream" in names:
+        request.stream = "s1"
+    extra = {"Append": {"payloads": [b"x"]}, "Trim": {"keep_last": 1}}.get(method.name, {})
+    for name, value in {**extra, **fields}.items():
+        field = getattr(request, name)
+        if isinstance(value, list):
+            field.extend(value)
+        else:
+            setattr(request, name, value)
+    if "offsets" in names and not request.offsets and method.name in ("Ack", "Nack", "Claim"):
+        request.offsets.append(0)
+    return request
+
+
+def call(channel: grpc.Channel, method: Any, request: Any, metadata: Any) -> grpc.StatusCode:
+    """The status code of one call (OK for a Subscribe that sent its first reply)."""
+    path = f"/{SERVICE.full_name}/{method.name}"
+    reply_type = getattr(pb, method.output_type.name)
+    if method.server_streaming:
+        stream = channel.unary_stream(path, request_serializer=type(request).SerializeToString)
+        replies = stream(request, metadata=metadata, timeout=10)
+        try:
+            next(iter(replies))
+            return grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            return exc.code()
+        finally:
+            replies.cancel()
+    unary = channel.unary_unary(
+        path, request_serializer=type(request).SerializeToString, response_deserializer=reply_type.FromString
+    )
+    try:
+        unary(request, metadata=metadata, timeout=10)
+        return grpc.StatusCode.OK
+    except grpc.RpcError as exc:
+        return exc.code()
+
+
+@pytest.fixture
+def auth_server(start_server: Callable[..., ServerThread], tmp_path: Path) -> ServerThread:
+    server = start_server(
+        tokens_file=write(tmp_path / "tokens.toml", TOKENS_TOML),
+        acl_file=write(tmp_path / "acl.toml", ACL_TOML),
+    )
+    # Something to read, so allowed calls reach the engine (their answers vary; none is an auth refusal).
+    server.server.engine.append("s1", [b"a", b"b"])
+    return server
+
+
+@pytest.fixture
+def auth_channel(auth_server: ServerThread) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(auth_server.target) as channel:
+        yield channel
+
+
+def test_the_allow_deny_matrix_for_every_rpc(auth_channel: grpc.Channel) -> None:
+    methods = [m for m in SERVICE.methods if m.name != auth.LIST_METHOD]
+    assert {m.name for m in methods} <= set(EXPECTED_CLASS), "classify new RPCs in EXPECTED_CLASS"
+    mismatches = []
+    for method in methods:
+        allowed = ALLOWED[EXPECTED_CLASS[method.name]]
+        for principal in TOKENS:
+            code = call(auth_channel, method, request_for(method), bearer(principal))
+            if (principal in allowed) == (code in DENIED):
+                mismatches.append((method.name, principal, code.name))
+            if principal not in allowed and code != grpc.StatusCode.PERMISSION_DENIED:
+                mismatches.append((method.name, principal, code.name, "expected PERMISSION_DENIED"))
+        # No credentials, a wrong token, a malformed header: UNAUTHENTICATED, whatever the RPC.
+        for metadata in (
+            (),
+            (("authorization", "Bearer not-a-known-token"),),
+            (("authorization", "Basic x"),),
+        ):
+            code = call(auth_channel, method, request_for(method), metadata)
+            if code != grpc.StatusCode.UNAUTHENTICATED:
+                mismatches.append((method.name, metadata, code.name))
+    assert mismatches == []
+
+
+def test_group_reads_need_the_group_and_plain_reads_need_the_stream(auth_channel: grpc.Channel) -> None:
+    names = {m.name: m for m in SERVICE.methods}
+    if "group" not in {f.name for f in pb.ReadRequest.DESCRIPTOR.fields}:
+        pytest.skip("this proto has no group reads")
+    for name in ("Read", "Subscribe"):
+        method = names[name]
+        in_group = request_for(method, group="g1", consumer="c1")
+        other_group = request_for(method, group="g2", consumer="c1")
+        assert call(auth_channel, method, in_group, bearer("worker")) not in DENIED
+        assert call(auth_channel, method, other_group, bearer("worker")) == grpc.StatusCode.PERMISSION_DENIED
+        assert (
+            call(auth_channel, method, request_for(method), bearer("worker"))
+            == grpc.StatusCode.PERMISSION_DENIED
+        )
+        assert call(auth_channel, method, other_group, bearer("reader")) not in DENIED
+
+
+def test_a_dead_letter_stream_needs_write_permission_on_it(auth_channel: grpc.Channel) -> None:
+    names = {m.name: m for m in SERVICE.methods}
+    if "CreateGroup" not in names:
+        pytest.skip("this proto has no consumer groups")
+    method = names["CreateGroup"]
+    # "stranger" administers elsewhere-* only: it may dead-letter there, not into another stream.
+    inside = request_for(method, stream="elsewhere-1", create_stream=True)
+    inside.config.dead_letter_stream = "elsewhere-dlq"
+    outside = request_for(method, stream="elsewhere-1", group="g2", create_stream=True)
+    outside.config.dead_letter_stream = "s1"
+    assert call(auth_channel, method, outside, bearer("stranger")) == grpc.StatusCode.PERMISSION_DENIED
+    assert call(auth_channel, method, inside, bearer("stranger")) not in DENIED
+    assert call(auth_channel, method, outside, bearer("admin")) not in DENIED
+
+
+def test_list_streams_shows_only_what_the_caller_may_touch(auth_server: ServerThread) -> None:
+    engine = auth_server.server.engine
+    for name in ("s2", "s3", "t1", "t2", "t3", "t4", "t5", "u1"):
+        engine.append(name, [b"x"])
+    with grpc.insecure_channel(auth_server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        # Pages of 2 (of 9 names); the hidden t* names end pages, and their tokens must not name them.
+        seen, token, tokens = [], "", []
+        for _ in range(10):
+            reply = stub.ListStreams(
+                pb.ListStreamsRequest(page_size=2, page_token=token), metadata=bearer("reader"), timeout=5
+            )
+            seen += reply.streams
+            token = reply.next_page_token
+            tokens.append(token)
+            if not token:
+                break
+        assert seen == ["s1", "s2", "s3"]
+        # The servicer's own tokens carry the page's last name; the caller gets random handles.
+        for handle in filter(None, tokens):
+            assert b"streamlog.v1/streams" not in base64.urlsafe_b64decode(handle + "==")
+        # A handle is bound to the principal it was issued to.
+        first = stub.ListStreams(pb.ListStreamsRequest(page_size=2), metadata=bearer("reader"), timeout=5)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ListStreams(
+                pb.ListStreamsRequest(page_size=2, page_token=first.next_page_token),
+                metadata=bearer("admin"),
+                timeout=5,
+            )
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        every = stub.ListStreams(pb.ListStreamsRequest(page_size=5), metadata=bearer("admin"), timeout=5)
+        assert list(every.streams) == ["s1", "s2", "s3", "t1", "t2"]
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ListStreams(pb.ListStreamsRequest(), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_health_and_reflection_stay_open(auth_channel: grpc.Channel) -> None:
+    health = health_pb2_grpc.HealthStub(auth_channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    reflect = reflection_pb2_grpc.ServerReflectionStub(auth_channel)
+    replies = reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    services = {s.name for s in next(replies).list_services_response.service}
+    assert SERVICE.full_name in services
+
+
+def test_tokens_and_rules_reload_on_change(start_server: Callable[..., ServerThread], tmp_path: Path) -> None:
+    tokens = write(tmp_path / "tokens.toml", TOKENS_TOML)
+    rules = write(tmp_path / "acl.toml", ACL_TOML)
+    server = start_server(tokens_file=tokens, acl_file=rules, reload_interval_ms=100)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        request = pb.AppendRequest(stream="s1", payloads=[b"x"])
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Append(request, metadata=bearer("reader"), timeout=5)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+        grant = '[[rules]]\nprincipals = ["reader"]\nstreams = ["s1"]\npermissions = ["write"]\n'
+        write(Path(rules), ACL_TOML + grant)
+        fresh = "fresh-token-0123456789"
+        write(Path(tokens), TOKENS_TOML + f'\n[[tokens]]\nprincipal = "reader"\ntoken = "{fresh}"\n')
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the watcher looks every 100 ms
+            try:
+                stub.Append(request, metadata=(("authorization", f"Bearer {fresh}"),), timeout=5)
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() in DENIED
+                time.sleep(0.05)
+        else:
+            pytest.fail("the new token and rule were not picked up")
+
+        # A broken file is refused; the rules in force stay.
+        write(Path(rules), "rules = [")
+        assert server.server.ops.reload("test") is False
+        stub.Append(request, metadata=bearer("reader"), timeout=5)
+
+
+def test_start_up_refuses_unloadable_auth_files(tmp_path: Path) -> None:
+    tokens = write(tmp_path / "tokens.toml", '[[tokens]]\nprincipal = "a"\ntoken = "short"\n')
+    rules = write(tmp_path / "acl.toml", ACL_TOML)
+    server = ServerThread(Settings(data_dir=tmp_path / "data", port=0, tokens_file=tokens, acl_file=rules))
+    try:
+        with pytest.raises(ConfigError, match="at least 16 characters"):
+            server.start()
+    finally:
+        server.stop()
+
+
+# ---------------------------------------------------------------------------- TLS
+
+
+@pytest.fixture(scope="module")
+def pki() -> dict[str, Any]:
+    ca, other = CertificateAuthority(), CertificateAuthority("another CA")
+    return {
+        "ca": ca,
+        "other": other,
+        "server": ca.issue("streamlog", server=True),
+        "server2": other.issue("streamlog", server=True),
+        "alice": ca.issue("alice", server=False),
+        "mallory": other.issue("alice", server=False),
+    }
+
+
+def tls_files(tmp_path: Path, pki: dict[str, Any], *, mutual: bool) -> dict[str, str]:
+    cert, key = pki["server"].write(tmp_path, "server")
+    files = {"tls_cert_file": str(cert), "tls_key_file": str(key)}
+    if mutual:
+        ca = tmp_path / "clients-ca.crt"
+        ca.write_bytes(pki["ca"].cert_pem)
+        files["tls_client_ca_file"] = str(ca)
+    return files
+
+
+def secure_call(
+    server: ServerThread, roots: bytes, client: Any = None, metadata: Any = ()
+) -> grpc.StatusCode:
+    credentials = grpc.ssl_channel_credentials(
+        roots, client.key_pem if client else None, client.cert_pem if client else None
+    )
+    # A private subchannel pool: each check makes its own connection (and handshake).
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    with grpc.secure_channel(f"localhost:{server.server.port}", credentials, options=options) as channel:
+        try:
+            pb_grpc.StreamLogServiceStub(channel).GetStreamInfo(
+                pb.GetStreamInfoRequest(stream="s1"), metadata=metadata, timeout=5
+            )
+            return grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            return exc.code()
+
+
+def test_tls_serves_verified_clients_and_refuses_plaintext(
+    start_server: Callable[..., ServerThread], tmp_path: Path, pki: dict[str, Any]
+) -> None:
+    server = start_server(**tls_files(tmp_path, pki, mutual=False))
+    server.server.engine.append("s1", [b"x"])
+    assert secure_call(server, pki["ca"].cert_pem) == grpc.StatusCode.OK
+    # A client that does not trust the server's CA fails the handshake.
+    assert secure_call(server, pki["other"].cert_pem) == grpc.StatusCode.UNAVAILABLE
+    with grpc.insecure_channel(server.target) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.StreamLogServiceStub(channel).GetStreamInfo(
+                pb.GetStreamInfoRequest(stream="s1"), timeout=5
+            )
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_mutual_tls_needs_a_client_certificate_from_the_ca(
+    start_server: Callable[..., ServerThread], tmp_path: Path, pki: dict[str, Any]
+) -> None:
+    server = start_server(**tls_files(tmp_path, pki, mutual=True))
+    server.server.engine.append("s1", [b"x"])
+    roots = pki["ca"].cert_pem
+    assert secure_call(server, roots, pki["alice"]) == grpc.StatusCode.OK
+    assert secure_call(server, roots) == grpc.StatusCode.UNAVAILABLE  # no certificate
+    assert secure_call(server, roots, pki["mallory"]) == grpc.StatusCode.UNAVAILABLE  # signed by another CA
+
+
+def test_a_client_certificate_names_the_principal_for_the_rules(
+    start_server: Callable[..., ServerThread], tmp_path: Path, pki: dict[str, Any]
+) -> None:
+    rules = write(
+        tmp_path / "acl.toml",
+        '[[rules]]\nprincipals = ["alice"]\nstreams = ["s1"]\npermissions = ["read"]\n' + ACL_TOML,
+    )
+    tokens = write(tmp_path / "tokens.toml", TOKENS_TOML)
+    server = start_server(**tls_files(tmp_path, pki, mutual=True), acl_file=rules, tokens_file=tokens)
+    server.server.engine.append("s1", [b"x"])
+    roots, alice = pki["ca"].cert_pem, pki["alice"]
+    assert secure_call(server, roots, alice) == grpc.StatusCode.OK
+    # A token, when sent, names the caller instead: "stranger" may not read s1.
+    assert secure_call(server, roots, alice, bearer("stranger")) == grpc.StatusCode.PERMISSION_DENIED
+    assert secure_call(server, roots, alice, bearer("reader")) == grpc.StatusCode.OK
+
+
+def test_renewed_certificates_apply_to_new_connections_without_restart(
+    start_server: Callable[..., ServerThread], tmp_path: Path, pki: dict[str, Any]
+) -> None:
+    files = tls_files(tmp_path, pki, mutual=False)
+    server = start_server(**files)
+    server.server.engine.append("s1", [b"x"])
+    assert secure_call(server, pki["ca"].cert_pem) == grpc.StatusCode.OK
+    # A key that does not match the certificate is refused; the old pair stays in use.
+    Path(files["tls_key_file"]).write_bytes(pki["server2"].key_pem)
+    assert server.server.ops.reload("test") is False
+    assert secure_call(server, pki["ca"].cert_pem) == grpc.StatusCode.OK
+    pki["server2"].write(tmp_path, "server")
+    assert server.server.ops.reload("test") is True
+    assert secure_call(server, pki["other"].cert_pem) == grpc.StatusCode.OK
+    assert secure_call(server, pki["ca"].cert_pem) == grpc.StatusCode.UNAVAILABLE

@@ -1,0 +1,261 @@
+"""Limits across calls (service/limits.py) and gRPC connection limits: each one hit, and answered
+RESOURCE_EXHAUSTED with the limit's name and value (the request-size limits are in test_bad_input)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+from streamlog.v1 import streamlog_pb2 as pb
+from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
+
+from service.server import SERVICE
+from tests.service.helpers import ServerThread, append
+
+EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+HAS_GROUPS = "CreateGroup" in SERVICE.methods_by_name
+needs_groups = pytest.mark.skipif(not HAS_GROUPS, reason="this proto has no consumer groups")
+
+
+def refused(call: Callable[[], object]) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value
+
+
+def own_connection(target: str, **options: object) -> grpc.Channel:
+    """A channel with its own TCP connection (channels otherwise share one per target)."""
+    return grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1), *options.items()])
+
+
+def test_max_streams(start_server: Callable[..., ServerThread]) -> None:
+    server = start_server(max_streams=3)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        for name in ("a", "b", "c"):
+            append(stub, name, b"x")
+        error = refused(lambda: append(stub, "d", b"x"))
+        assert error.code() == EXHAUSTED and "max_streams=3" in error.details()
+        append(stub, "a", b"more")  # existing streams take appends as before
+        stub.DeleteStream(pb.DeleteStreamRequest(stream="c"), timeout=5)
+        # The count is refreshed at most once a second; a freed slot is usable once it is.
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                append(stub, "d", b"x")
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == EXHAUSTED
+                time.sleep(0.2)
+        else:
+            pytest.fail("a deleted stream did not free its slot")
+
+
+def test_max_subscriptions_per_connection(start_server: Callable[..., ServerThread]) -> None:
+    server = start_server(max_subscriptions_per_connection=2)
+    with own_connection(server.target) as first, own_connection(server.target) as second:
+        stub = pb_grpc.StreamLogServiceStub(first)
+        calls = [stub.Subscribe(pb.SubscribeRequest(stream=f"s{i}"), timeout=30) for i in range(2)]
+        for subscription in calls:
+            next(subscription)  # the first reply: the subscription is open
+        error = refused(lambda: next(stub.Subscribe(pb.SubscribeRequest(stream="s9"), timeout=30)))
+        assert error.code() == EXHAUSTED and "max_subscriptions_per_connection=2" in error.details()
+        # Another connection has its own allowance.
+        other = pb_grpc.StreamLogServiceStub(second).Subscribe(pb.SubscribeRequest(stream="s9"), timeout=30)
+        next(other)
+        other.cancel()
+        # A subscription that ends frees its place on the connection.
+        calls[0].cancel()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            again = stub.Subscribe(pb.SubscribeRequest(stream="s9"), timeout=30)
+            try:
+                next(again)
+                again.cancel()
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == EXHAUSTED
+                time.sleep(0.05)
+        else:
+            pytest.fail("the cancelled subscription kept its place")
+        calls[1].cancel()
+
+
+def test_max_blocked_reads(start_server: Callable[..., ServerThread]) -> None:
+    server = start_server(max_blocked_reads=1)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        append(stub, "t", b"t0")
+        waiting = stub.Read.future(pb.ReadRequest(stream="s", offset=0, block_ms=5_000), timeout=10)
+        deadline = time.monotonic() + 5
+        while server.call(lambda: server.server.ops.limits.blocked_reads) < 1:
+            assert time.monotonic() < deadline, "the blocking read never started waiting"
+            time.sleep(0.01)
+        error = refused(lambda: stub.Read(pb.ReadRequest(stream="s", offset=0, block_ms=100), timeout=5))
+        assert error.code() == EXHAUSTED and "max_blocked_reads=1" in error.details()
+        # Reads that do not block are not counted.
+        assert [e.payload for e in stub.Read(pb.ReadRequest(stream="t", offset=0), timeout=5).entries] == [
+            b"t0"
+        ]
+        append(stub, "s", b"wake")
+        assert [e.payload for e in waiting.result(timeout=5).entries] == [b"wake"]
+
+
+def test_a_subscriber_that_stops_reading_is_cut_off(start_server: Callable[..., ServerThread]) -> None:
+    server = start_server(subscriber_send_timeout_ms=300)
+    with own_connection(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        subscription = stub.Subscribe(pb.SubscribeRequest(stream="s"), timeout=60)
+        next(subscription)
+        # ~8 MiB of replies: far more than the connection's flow-control windows and socket buffers.
+        payload = b"p" * 4000
+        for _ in range(130):
+            append(stub, "s", *[payload] * 16)
+        deadline = time.monotonic() + 15
+        while server.call(lambda: server.server.ops.send_timeout.cut_off) == 0:
+            assert time.monotonic() < deadline, "the stalled subscriber was not cut off"
+            time.sleep(0.05)
+        received = 0
+        with pytest.raises(grpc.RpcError) as info:
+            for reply in subscription:  # what was sent before the cut arrives, then the status
+                received += len(reply.entries)
+        assert info.value.code() == EXHAUSTED
+        assert "subscriber_send_timeout_ms=300" in info.value.details()
+        assert "resubscribe" in info.value.details()
+        assert 0 < received < 130 * 16
+
+
+def test_a_compressed_message_is_limited_by_its_decompressed_size(stub: pb_grpc.StreamLogServiceStub) -> None:
+    # 1.6 MB of zeros gzip to a few KB: the 1 MiB max_message_bytes applies to what it expands to.
+    request = pb.AppendRequest(stream="s", payloads=[bytes(4000)] * 400)
+    error = refused(lambda: stub.Append(request, compression=grpc.Compression.Gzip, timeout=5))
+    assert error.code() == EXHAUSTED and "larger than max" in error.details()
+    small = pb.AppendRequest(stream="s", payloads=[bytes(4000)] * 10)
+    assert stub.Append(small, compression=grpc.Compression.Gzip, timeout=5).last_offset == 9
+
+
+def test_keepalive_enforcement_closes_connections_that_ping_too_often(
+    start_server: Callable[..., ServerThread],
+) -> None:
+    server = start_server(min_client_ping_interval_ms=5_000)
+    # A client pinging every 200 ms, also when no data flows (a subscription waiting for appends).
+    pings = {
+        "grpc.keepalive_time_ms": 200,
+        "grpc.keepalive_permit_without_calls": 1,
+        "grpc.http2.max_pings_without_data": 0,
+    }
+    with own_connection(server.target, **pings) as channel:
+        started = time.monotonic()
+        subscription = pb_grpc.StreamLogServiceStub(channel).Subscribe(
+            pb.SubscribeRequest(stream="s"), timeout=20
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in subscription:
+                pass
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "too many pings" in info.value.details().lower()
+        assert time.monotonic() - started < 15
+
+
+# ---------------------------------------------------------------------------- consumer groups
+
+
+@needs_groups
+def test_max_groups_per_stream(start_server: Callable[..., ServerThread]) -> None:
+    server = start_server(max_groups_per_stream=2)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        append(stub, "s", b"x")
+        for group in ("g1", "g2"):
+            stub.CreateGroup(pb.CreateGroupRequest(stream="s", group=group), timeout=5)
+        error = refused(lambda: stub.CreateGroup(pb.CreateGroupRequest(stream="s", group="g3"), timeout=5))
+        assert error.code() == EXHAUSTED and "max_groups_per_stream=2" in error.details()
+        # An existing name still gets its usual answer, not the limit.
+        error = refused(lambda: stub.CreateGroup(pb.CreateGroupRequest(stream="s", group="g1"), timeout=5))
+        assert error.code() == grpc.StatusCode.ALREADY_EXISTS
+
+
+@needs_groups
+def test_max_consumers_per_group(start_server: Callable[..., ServerThread]) -> None:
+    server = start_server(max_consumers_per_group=2)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        append(stub, "s", *[b"x"] * 10)
+        stub.CreateGroup(pb.CreateGroupRequest(stream="s", group="g"), timeout=5)
+
+        def read(consumer: str) -> pb.ReadResponse:
+            return stub.Read(pb.ReadRequest(stream="s", group="g", consumer=consumer, count=1), timeout=5)
+
+        read("c1")
+        read("c2")
+        error = refused(lambda: read("c3"))
+        assert error.code() == EXHAUSTED and "max_consumers_per_group=2" in error.details()
+        claim = pb.ClaimRequest(stream="s", group="g", consumer="c3", offsets=[0])
+        assert refused(lambda: stub.Claim(claim, timeout=5)).code() == EXHAUSTED
+        read("c1")  # known consumers go on
+        stub.DeleteConsumer(pb.DeleteConsumerRequest(stream="s", group="g", consumer="c2"), timeout=5)
+        read("c3")
+
+
+@needs_groups
+def test_max_pending_per_group_bounds_group_configs(start_server: Callable[..., ServerThread]) -> None:
+    server = start_server(max_pending_per_group=5)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        append(stub, "s", *[b"x"] * 20)
+        created = stub.CreateGroup(pb.CreateGroupRequest(stream="s", group="g"), timeout=5)
+        assert created.group.config.max_pending == 5
+        too_many = pb.CreateGroupRequest(stream="s", group="h", config=pb.GroupConfig(max_pending=6))
+        error = refused(lambda: stub.CreateGroup(too_many, timeout=5))
+        assert error.code() == EXHAUSTED and "max_pending_per_group=5" in error.details()
+        error = refused(
+            lambda: stub.SetGroupConfig(
+                pb.SetGroupConfigRequest(stream="s", group="g", config=pb.GroupConfig(max_pending=100)),
+                timeout=5,
+            )
+        )
+        assert error.code() == EXHAUSTED
+        # The bound holds: a consumer that never acknowledges gets 5 entries, then no new ones.
+        got = stub.Read(pb.ReadRequest(stream="s", group="g", consumer="c", count=20), timeout=5)
+        assert len(got.entries) == 5
+        assert not stub.Read(pb.ReadRequest(stream="s", group="g", consumer="c", count=20), timeout=5).entries
+
+
+def test_limits_are_reported_by_name_in_the_log(
+    start_server: Callable[..., ServerThread], caplog: pytest.LogCaptureFixture
+) -> None:
+    server = start_server(max_streams=1)
+    with grpc.insecure_channel(server.target) as channel, caplog.at_level("INFO", logger="service.limits"):
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        append(stub, "a", b"x")
+        refused(lambda: append(stub, "b", b"x"))
+    records = [r for r in caplog.records if r.name == "service.limits"]
+    assert len(records) == 1
+    record = records[0]
+    assert (record.limit, record.stream, record.method) == ("max_streams", "b", "Append")  # type: ignore[attr-defined]
+    assert record.peer.startswith("ipv4:127.0.0.1:")  # type: ignore[attr-defined]
+
+
+def test_concurrent_new_streams_do_not_pass_max_streams(start_server: Callable[..., ServerThread]) -> None:
+    server = start_server(max_streams=5, fsync="always", append_threads=4)
+    results: list[grpc.StatusCode] = []
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+
+        def create(name: str) -> None:
+            try:
+                append(stub, name, b"x")
+                results.append(grpc.StatusCode.OK)
+            except grpc.RpcError as exc:
+                results.append(exc.code())
+
+        threads = [threading.Thread(target=create, args=(f"n{i}",)) for i in range(12)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+    assert results.count(grpc.StatusCode.OK) == 5 and results.count(EXHAUSTED) == 7
+    assert len(server.server.engine.list_streams()) == 5

@@ -1,0 +1,143 @@
+"""Prometheus metrics: present on the HTTP port, and moving with traffic."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+from collections.abc import Callable
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from streamlog.v1 import streamlog_pb2 as pb
+from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
+
+from service.server import SERVICE
+from tests.service.helpers import ServerThread, append
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def scrape(server: ServerThread) -> Samples:
+    port = server.server.ops.metrics_server.port
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        assert reply.status == 200
+        text = reply.read().decode()
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.fixture
+def metered(start_server: Callable[..., ServerThread]) -> ServerThread:
+    return start_server(metrics_port=free_port(), fsync="always", max_streams=3)
+
+
+def test_metrics_are_served_and_follow_traffic(metered: ServerThread) -> None:
+    before = scrape(metered)
+    assert value(before, "streamlog_ready") == 1
+    assert value(before, "streamlog_streams") == 0
+    with grpc.insecure_channel(metered.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        for _ in range(3):
+            append(stub, "rides", *[b"x" * 100] * 10)
+        stub.Read(pb.ReadRequest(stream="rides", offset=0, count=5), timeout=5)
+        with pytest.raises(grpc.RpcError):
+            stub.GetStreamInfo(pb.GetStreamInfoRequest(stream="missing"), timeout=5)
+        subscription = stub.Subscribe(pb.SubscribeRequest(stream="rides"), timeout=30)
+        first = next(subscription)
+        assert len(first.entries) == 30
+        during = scrape(metered)
+        subscription.cancel()
+
+    assert value(during, "streamlog_appended_entries_total", stream="rides") == 30
+    assert value(during, "streamlog_append_requests_total", stream="rides") == 3
+    assert value(during, "streamlog_append_request_bytes_total", stream="rides") > 3000
+    assert value(during, "streamlog_read_requests_total", stream="rides", mode="plain") == 1
+    assert value(during, "streamlog_read_reply_bytes_total", stream="rides") > 500
+    assert value(during, "streamlog_subscriptions_started_total", stream="rides", mode="plain") == 1
+    assert value(during, "streamlog_subscribe_replies_total", stream="rides") >= 1
+    assert value(during, "streamlog_active_subscriptions") == 1
+    # RPC latency per method and code.
+    assert value(during, "streamlog_rpc_duration_seconds_count", method="Append", code="OK") == 3
+    assert (
+        value(during, "streamlog_rpc_duration_seconds_count", method="GetStreamInfo", code="NOT_FOUND") == 1
+    )
+    # Appends to an fsync=always stream are timed with their fdatasync.
+    assert value(during, "streamlog_durable_append_seconds_count") == 3
+    assert value(during, "streamlog_durable_append_seconds_sum") > 0
+    # Engine state, sampled at scrape time.
+    assert value(during, "streamlog_streams") == 1
+    assert value(during, "streamlog_entries") == 30
+    assert value(during, "streamlog_segments") >= 1 and value(during, "streamlog_bytes_on_disk") > 0
+    assert value(during, "streamlog_stream_entries", stream="rides") == 30
+    assert value(during, "streamlog_stream_next_offset", stream="rides") == 30
+    assert value(during, "streamlog_stream_entries_added_total", stream="rides") == 30
+
+
+def test_refusals_are_counted_by_limit(metered: ServerThread) -> None:
+    with grpc.insecure_channel(metered.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        for name in ("a", "b", "c"):
+            append(stub, name, b"x")
+        with pytest.raises(grpc.RpcError):
+            append(stub, "d", b"x")
+    samples = scrape(metered)
+    assert value(samples, "streamlog_refusals_total", kind="limit", reason="max_streams") == 1
+    assert (
+        value(samples, "streamlog_rpc_duration_seconds_count", method="Append", code="RESOURCE_EXHAUSTED")
+        == 1
+    )
+
+
+def test_deleted_streams_leave_no_series(metered: ServerThread) -> None:
+    with grpc.insecure_channel(metered.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        append(stub, "gone", b"x")
+        assert value(scrape(metered), "streamlog_appended_entries_total", stream="gone") == 1
+        stub.DeleteStream(pb.DeleteStreamRequest(stream="gone"), timeout=5)
+    samples = scrape(metered)
+    assert not [key for key in samples if ("stream", "gone") in key[1]]
+
+
+@pytest.mark.skipif("CreateGroup" not in SERVICE.methods_by_name, reason="this proto has no consumer groups")
+def test_group_lag_pending_and_redeliveries(metered: ServerThread) -> None:
+    with grpc.insecure_channel(metered.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        append(stub, "orders", *[b"o"] * 10)
+        stub.CreateGroup(pb.CreateGroupRequest(stream="orders", group="billing"), timeout=5)
+        before = scrape(metered)
+        got = stub.Read(pb.ReadRequest(stream="orders", group="billing", consumer="c1", count=4), timeout=5)
+        stub.Ack(pb.AckRequest(stream="orders", group="billing", offsets=[got.entries[0].offset]), timeout=5)
+        stub.Nack(
+            pb.NackRequest(stream="orders", group="billing", offsets=[got.entries[1].offset]), timeout=5
+        )
+        stub.Read(pb.ReadRequest(stream="orders", group="billing", consumer="c2", count=1), timeout=5)
+        after = scrape(metered)
+    key = {"stream": "orders", "group": "billing"}
+    assert value(before, "streamlog_group_lag", **key) == 10
+    assert value(before, "streamlog_group_pending", **key) == 0
+    assert value(after, "streamlog_group_lag", **key) == 6
+    assert value(after, "streamlog_group_pending", **key) == 3  # 4 read, 1 acked; the nacked one redelivered
+    assert value(after, "streamlog_group_delivered_total", **key) == 4
+    assert value(after, "streamlog_group_redelivered_total", **key) == 1
+    assert value(after, "streamlog_group_acked_total", **key) == 1
+    assert value(after, "streamlog_group_consumers", **key) == 2
+    assert value(after, "streamlog_group_dead_lettered_total", **key) == 0
+    assert value(after, "streamlog_read_requests_total", stream="orders", mode="group") == 2
+
+
+def test_no_metrics_port_means_no_endpoint(server: ServerThread) -> None:
+    assert server.server.ops.metrics is None and server.server.ops.metrics_server is None
