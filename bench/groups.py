@@ -1,0 +1,261 @@
+"""Consumer groups vs Redis Streams, seed 004's queue workload side by side: python -m bench.groups [--quick]
+
+A group on a stream of 1000 entries (100-byte payloads) is consumed 50 at a
+time, with acknowledgement, until empty; 10 rounds (10,000 entries), each on a
+fresh stream and group filled before the clock starts. Modes:
+
+streamlog (its own `streamlog serve`, fsync everysec, on a loopback port):
+
+- `read_batch`: one Read per batch, carrying the acknowledgement of the
+  previous batch (ack_ranges) and the group read of the next: seed 004's
+  "single round trip". The last call acknowledges the last batch and finds
+  the group empty.
+- `read_one`: one entry per Read (count 1), acknowledging the previous entry
+  in the same call.
+- `subscribe`: one Subscribe in group mode (count 50); each batch is
+  acknowledged by an Ack sent without waiting for it (one Ack per batch); the
+  round ends when all 1000 entries arrived and every Ack was answered.
+
+Redis (its own redis-server, appendfsync everysec), through
+bench.redis_baseline.xreadgroup_consume: XREADGROUP COUNT 50 then XACK
+(`batch`, two round trips per batch), the same pipelined (`pipelined`: XACK of
+the previous batch and XREADGROUP of the next in one round trip), and
+XREADGROUP COUNT 1 + XACK (`one_at_a_time`).
+
+Every figure is the median of --repeat runs (all runs are listed); every run
+checks that it consumed every entry once and left nothing pending. Figures are
+`ms_per_batch` (per 50 entries, in every mode) and `entries_per_s`, one JSON
+object per line (bench.common.emit). Targets (issue 4): read_batch <= 0.86 ms
+per batch (seed 004's best, its Lua multi-consume); subscribe >= Redis
+pipelined entries/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+from streamlog.v1 import streamlog_pb2 as pb
+from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
+
+from bench import redis_baseline
+from bench.common import Timer, cpu_steal_ticks, emit
+from bench.service import _channel, streamlog_server
+
+STREAM_LEN = 1000
+COUNT = 50
+PAYLOAD = 100
+TARGET_MS_PER_BATCH = 0.86  # seed 004: its single-command Lua consume of 50 messages
+
+Stub = pb_grpc.StreamLogServiceStub
+
+
+def _acks(entries: Sequence[pb.Entry]) -> dict[str, list]:
+    """ReadRequest/AckRequest fields acknowledging `entries`: one range when their offsets are contiguous."""
+    if not entries:
+        return {}
+    first, last = entries[0].offset, entries[-1].offset
+    if last - first + 1 == len(entries):
+        return {"ranges": [pb.OffsetRange(start_offset=first, end_offset=last + 1)]}
+    return {"offsets": [e.offset for e in entries]}
+
+
+def _read_acks(entries: Sequence[pb.Entry]) -> dict[str, list]:
+    return {f"ack_{name}": value for name, value in _acks(entries).items()}
+
+
+class Rounds:
+    """Fresh streams and groups for each round, filled and created before the clock starts."""
+
+    def __init__(self, stub: Stub, payloads: list[bytes]) -> None:
+        self.stub = stub
+        self.payloads = payloads
+
+    def prepare(self) -> str:
+        stream = f"bench-group-{uuid.uuid4().hex}"
+        self.stub.Append(pb.AppendRequest(stream=stream, payloads=self.payloads))
+        self.stub.CreateGroup(pb.CreateGroupRequest(stream=stream, group="g", start=pb.START_POSITION_OLDEST))
+        return stream
+
+    def check_and_drop(self, stream: str, mode: str, consumed: int) -> None:
+        group = self.stub.GetGroupInfo(pb.GetGroupInfoRequest(stream=stream, group="g")).group
+        if consumed != STREAM_LEN or group.pending or group.counters.acked != STREAM_LEN:
+            raise AssertionError(
+                f"{mode}: consumed {consumed}/{STREAM_LEN}, {group.pending} pending, "
+                f"{group.counters.acked} acknowledged"
+            )
+        self.stub.DeleteStream(pb.DeleteStreamRequest(stream=stream))
+
+
+def read_batches(stub: Stub, stream: str, count: int) -> int:
+    """Read + acknowledge-the-previous in one call until the group is empty; returns entries consumed."""
+    consumed = 0
+    acks: dict[str, list] = {}
+    for _ in range(STREAM_LEN + 2):  # bound: STREAM_LEN / count reads and a last, empty one
+        reply = stub.Read(pb.ReadRequest(stream=stream, group="g", consumer="c1", count=count, **acks))
+        entries = reply.entries
+        if not entries:
+            break  # this call also acknowledged the final batch
+        consumed += len(entries)
+        acks = _read_acks(entries)
+    return consumed
+
+
+def subscribe_batches(stub: Stub, stream: str) -> int:
+    """A group-mode Subscribe; each batch acknowledged by an Ack not waited for until the end."""
+    consumed = 0
+    acks: list[grpc.Future] = []
+    request = pb.SubscribeRequest(stream=stream, group="g", consumer="c1", count=COUNT)
+    call = stub.Subscribe(request, timeout=60)
+    try:
+        for reply in call:
+            entries = reply.entries
+            if entries:
+                acks.append(stub.Ack.future(pb.AckRequest(stream=stream, group="g", **_acks(entries))))
+                consumed += len(entries)
+            if consumed >= STREAM_LEN:
+                break
+    finally:
+        call.cancel()
+    for ack in acks:
+        ack.result(timeout=60)
+    return consumed
+
+
+def measure(rounds: Rounds, mode: str, n_rounds: int) -> dict[str, Any]:
+    consume: Callable[[Stub, str], int] = {
+        "read_batch": lambda stub, stream: read_batches(stub, stream, COUNT),
+        "read_one": lambda stub, stream: read_batches(stub, stream, 1),
+        "subscribe": subscribe_batches,
+    }[mode]
+    elapsed = 0.0
+    total = 0
+    for _ in range(n_rounds):
+        stream = rounds.prepare()
+        with Timer() as t:
+            consumed = consume(rounds.stub, stream)
+        elapsed += t.elapsed
+        rounds.check_and_drop(stream, mode, consumed)
+        total += consumed
+    return {
+        "mode": mode,
+        "entries": total,
+        "ms_per_batch": elapsed * 1e3 / (total / COUNT),
+        "entries_per_s": total / elapsed,
+    }
+
+
+def _median(repeat: int, measure_once: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], list[float]]:
+    """The run with the median entries/s, and every run's entries/s (loopback figures are noisy)."""
+    runs = sorted((measure_once() for _ in range(max(1, repeat))), key=lambda f: f["entries_per_s"])
+    return runs[len(runs) // 2], [round(r["entries_per_s"]) for r in runs]
+
+
+def run(rounds: int, repeat: int) -> None:
+    common = {"stream_len": STREAM_LEN, "count": COUNT, "payload_bytes": PAYLOAD, "rounds": rounds}
+    steal_before = cpu_steal_ticks()
+    payloads = [os.urandom(PAYLOAD) for _ in range(STREAM_LEN)]
+    ours: dict[str, dict[str, Any]] = {}
+    with streamlog_server("everysec") as address, _channel(address) as channel:
+        stub = Stub(channel)
+        setup = Rounds(stub, payloads)
+        measure(setup, "read_batch", 1)  # warm-up: connection, code paths, caches
+        for mode in ("read_batch", "read_one", "subscribe"):
+            fig, runs = _median(repeat, lambda mode=mode: measure(setup, mode, rounds))
+            ours[mode] = fig
+            labels = {"system": "streamlog", "mode": mode, "fsync": "everysec", "entries": fig["entries"]}
+            emit("group_consume.ms_per_batch", fig["ms_per_batch"], "ms", **labels, **common)
+            emit(
+                "group_consume.entries_per_s",
+                fig["entries_per_s"],
+                "entries/s",
+                **labels,
+                **common,
+                runs=runs,
+            )
+
+    theirs: dict[str, dict[str, Any]] = {}
+    with redis_baseline.RedisServer("everysec") as server:
+        r = server.client()
+        for pipelined, one_at_a_time in ((False, False), (True, False), (False, True)):
+            fig, runs = _median(
+                repeat,
+                lambda p=pipelined, o=one_at_a_time: redis_baseline.xreadgroup_consume(
+                    r,
+                    total=rounds * STREAM_LEN,
+                    count=COUNT,
+                    pipelined=p,
+                    one_at_a_time=o,
+                    stream_len=STREAM_LEN,
+                    payload_size=PAYLOAD,
+                ),
+            )
+            theirs[fig["mode"]] = fig
+            labels = {
+                "system": "redis",
+                "mode": fig["mode"],
+                "appendfsync": "everysec",
+                "entries": fig["entries"],
+                "redis_version": server.version,
+                "hiredis": redis_baseline.hiredis_in_use(),
+            }
+            emit("group_consume.ms_per_batch", fig["ms_per_batch"], "ms", **labels, **common)
+            emit(
+                "group_consume.entries_per_s",
+                fig["entries_per_s"],
+                "entries/s",
+                **labels,
+                **common,
+                runs=runs,
+            )
+
+    batch_ms = ours["read_batch"]["ms_per_batch"]
+    emit(
+        "group_consume.target.read_batch_ms",
+        batch_ms,
+        "ms",
+        target=f"<= {TARGET_MS_PER_BATCH}",
+        met=batch_ms <= TARGET_MS_PER_BATCH,
+    )
+    ratio = ours["subscribe"]["entries_per_s"] / theirs["pipelined"]["entries_per_s"]
+    emit(
+        "group_consume.target.subscribe_vs_redis_pipelined",
+        ratio,
+        "x",
+        target=">= 1",
+        met=ratio >= 1,
+    )
+    emit(
+        "group_consume.read_batch_vs_redis_pipelined",
+        ours["read_batch"]["entries_per_s"] / theirs["pipelined"]["entries_per_s"],
+        "x",
+    )
+    emit(
+        "group_consume.read_one_vs_redis_one_at_a_time",
+        ours["read_one"]["entries_per_s"] / theirs["one_at_a_time"]["entries_per_s"],
+        "x",
+    )
+    steal_after = cpu_steal_ticks()
+    if steal_before and steal_after and steal_after[1] > steal_before[1]:
+        # The hypervisor's share of the CPU during the run: when high, it explains a noisy figure.
+        steal = 100 * (steal_after[0] - steal_before[0]) / (steal_after[1] - steal_before[1])
+        emit("group_consume.cpu_steal_pct", steal, "%")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=10, help="rounds of 1000 entries per run (default 10)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per figure; the median is reported")
+    parser.add_argument("--quick", action="store_true", help="2 rounds, 1 run: a smoke run")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.repeat = 2, 1
+    run(args.rounds, args.repeat)
+
+
+if __name__ == "__main__":
+    main()
