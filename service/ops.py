@@ -90,6 +90,7 @@ class Operations:
             await server.start()
             log.info("health checks on port %d (plaintext)", self.health_port)
         if self.metrics is not None:
+            self.metrics.registry.register(metrics.LoopLagCollector(asyncio.get_running_loop()))
             self.metrics_server = metrics.MetricsServer(
                 self.metrics, settings.metrics_host or settings.host, settings.metrics_port
             )

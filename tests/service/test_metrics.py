@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import threading
+import time
 import urllib.request
 from collections.abc import Callable
 
@@ -141,3 +143,17 @@ def test_group_lag_pending_and_redeliveries(metered: ServerThread) -> None:
 
 def test_no_metrics_port_means_no_endpoint(server: ServerThread) -> None:
     assert server.server.ops.metrics is None and server.server.ops.metrics_server is None
+
+
+def test_event_loop_lag_is_measured_at_each_scrape(metered: ServerThread) -> None:
+    idle = value(scrape(metered), "streamlog_event_loop_lag_seconds")
+    assert 0 < idle < 1
+    blocked = threading.Event()
+
+    def block_the_loop() -> None:
+        blocked.set()
+        time.sleep(0.3)  # a handler that forgot to await: the loop can run nothing else
+
+    metered.loop.call_soon_threadsafe(block_the_loop)
+    assert blocked.wait(5)
+    assert value(scrape(metered), "streamlog_event_loop_lag_seconds") >= 0.1
