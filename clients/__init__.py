@@ -1,6 +1,6 @@
 """streamlog clients: the Python client library and the `streamlog` command.
 
-    from clients import Client, AsyncClient, Producer, Record
+    from clients import Client, AsyncClient, Producer, Consumer, Record
 
 They talk to a server over gRPC only (the layering rule of docs: clients never
 import `service`); the one exception is the CLI's offline `inspect`, which calls
@@ -23,6 +23,7 @@ _EXPORTS = {
     "CancelledError": "clients.errors",
     "ClaimResult": "clients.types",
     "Client": "clients.client",
+    "Consumer": "clients.consumer",
     "ConsumerInfo": "clients.types",
     "DataLossError": "clients.errors",
     "DeadlineExceededError": "clients.errors",
@@ -34,6 +35,7 @@ _EXPORTS = {
     "GroupCounters": "clients.types",
     "GroupInfo": "clients.types",
     "InvalidArgumentError": "clients.errors",
+    "Message": "clients.consumer",
     "NackResult": "clients.types",
     "NotFoundError": "clients.errors",
     "OffsetMismatchError": "clients.errors",
@@ -65,6 +67,7 @@ __all__ = [
     "CancelledError",
     "ClaimResult",
     "Client",
+    "Consumer",
     "ConsumerInfo",
     "DataLossError",
     "DeadlineExceededError",
@@ -76,6 +79,7 @@ __all__ = [
     "GroupCounters",
     "GroupInfo",
     "InvalidArgumentError",
+    "Message",
     "NackResult",
     "NotFoundError",
     "OffsetMismatchError",
@@ -111,6 +115,7 @@ def __getattr__(name: str) -> Any:
 if TYPE_CHECKING:
     from clients.aio import AsyncClient, AsyncSubscription
     from clients.client import Client, Subscription
+    from clients.consumer import Consumer, Message
     from clients.errors import (
         AlreadyExistsError,
         CancelledError,

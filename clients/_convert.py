@@ -142,16 +142,17 @@ def entries(messages: Sequence[pb.Entry], delivery_counts: Sequence[int] = ()) -
 
 
 def read_result(reply: pb.ReadResponse | pb.SubscribeResponse) -> ReadResult:
-    """A Read reply or a Subscribe batch; group fields are read where the message has them."""
+    """A Read reply or a Subscribe batch (only Read replies carry acknowledgement counts)."""
+    acked = isinstance(reply, pb.ReadResponse)
     return ReadResult(
-        entries=entries(reply.entries, getattr(reply, "delivery_counts", ())),
+        entries=entries(reply.entries, reply.delivery_counts),
         first_offset=reply.first_offset,
         next_offset=reply.next_offset,
         end_offset=reply.end_offset,
         gap=gap(reply.gap) if reply.HasField("gap") else None,
-        acknowledged=getattr(reply, "acknowledged", 0),
-        ack_unknown=getattr(reply, "ack_unknown", 0),
-        pending_full=getattr(reply, "pending_full", False),
+        acknowledged=reply.acknowledged if acked else 0,
+        ack_unknown=reply.ack_unknown if acked else 0,
+        pending_full=reply.pending_full,
     )
 
 
@@ -202,7 +203,7 @@ def stream_config(message: pb.StreamConfig) -> StreamConfig:
 
 def stream_info(message: pb.StreamInfo) -> StreamInfo:
     holder = None
-    if "retention_holder" in message.DESCRIPTOR.fields_by_name and message.HasField("retention_holder"):
+    if message.HasField("retention_holder"):
         holder = RetentionHolder(message.retention_holder.group, message.retention_holder.offset)
     return StreamInfo(
         name=message.name,
@@ -218,7 +219,7 @@ def stream_info(message: pb.StreamInfo) -> StreamInfo:
         config=stream_config(message.config),
         effective_fsync=_FSYNC_FROM_PB.get(message.effective_fsync),
         damaged=[gap(g) for g in message.damaged],
-        groups=getattr(message, "groups", 0),
+        groups=message.groups,
         retention_holder=holder,
     )
 
@@ -311,7 +312,7 @@ def claim_result(reply: pb.ClaimResponse | pb.AutoClaimResponse) -> ClaimResult:
     return ClaimResult(
         entries=entries(reply.entries, reply.delivery_counts),
         deleted_offsets=list(reply.deleted_offsets),
-        next_cursor=getattr(reply, "next_cursor", 0),
+        next_cursor=reply.next_cursor if isinstance(reply, pb.AutoClaimResponse) else 0,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -228,3 +229,34 @@ def test_the_console_script_help_and_serve_exec(tmp_path: Path) -> None:
     )
     assert served.returncode == 2
     assert "fsync: must be one of" in served.stderr
+
+
+def test_groups_commands(server: ServerThread) -> None:
+    with Client(server.target) as client:
+        client.append("jobs", [b"j0", b"j1", b"j2", b"j3"])
+    code, out = run(server, "groups", "create", "jobs", "workers", "--max-deliveries", "5")
+    assert code == 0 and "at offset 0" in out
+    assert run(server, "groups", "create", "jobs", "workers")[0] == EXIT_CONFLICT
+    code, out = run(server, "groups", "read", "jobs", "workers", "w1", "--count", "3", "--json")
+    assert [(r["offset"], r["delivery_count"]) for r in lines_json(out)] == [(0, 1), (1, 1), (2, 1)]
+    code, out = run(server, "groups", "list", "jobs")
+    header, row = out.splitlines()
+    assert header.split()[:4] == ["GROUP", "NEXT", "LAG", "PENDING"]
+    assert row.split()[:5] == ["workers", "3", "1", "3", "1"]
+    code, out = run(server, "groups", "pending", "jobs", "workers", "--json")
+    pending = json.loads(out)
+    assert (pending["count"], pending["consumers"]) == (3, {"w1": 3})
+    code, out = run(server, "groups", "ack", "jobs", "workers", "0", "--range", "1-2")
+    assert code == 0 and "acknowledged 2" in out
+    code, out = run(server, "groups", "claim", "jobs", "workers", "w2", "2", "--json")
+    assert [e["offset"] for e in json.loads(out)["entries"]] == [2]
+    code, out = run(server, "groups", "info", "jobs", "workers")
+    assert re.search(r"max deliveries\s+5\n", out) and re.search(r"^w2\s+1\s", out, re.M)
+    code, out = run(server, "groups", "read", "jobs", "workers", "w1", "--ack", "--json")
+    assert [r["offset"] for r in lines_json(out)] == [3]
+    code, out = run(server, "info", "jobs")
+    assert "workers" in out  # the stream's groups are listed with it
+    code, out = run(server, "groups", "delete", "jobs", "workers", "--consumer", "w2")
+    assert code == 0 and "1 entries released" in out
+    assert run(server, "groups", "delete", "jobs", "workers")[0] == 0
+    assert run(server, "groups", "info", "jobs", "workers")[0] == EXIT_NOT_FOUND

@@ -214,7 +214,7 @@ def test_read_request_and_result_with_a_gap(fake: Fake) -> None:
     )
     request = fake.answer("Read", reply)
     assert (request.stream, request.offset, request.count, request.max_bytes) == ("s", 5, 10, 1000)
-    assert (request.block_ms, request.reverse) == (0, False)
+    assert (request.block_ms, request.reverse, request.group) == (0, False, "")
     result = future.result(5)
     assert result.entries == [Entry(8, 3, b"p", "t", {"h": b"1"})]
     assert result.gap == Gap(5, 8, "evicted") and result.gap.count == 3
@@ -360,3 +360,94 @@ def test_count_sends_an_open_end_as_absent(fake: Fake) -> None:
     request = fake.answer("CountRange", pb.CountRangeResponse(count=0))
     assert request.HasField("end_offset") and request.end_offset == 0
     future.result(5)
+
+
+# ------------------------------------------------------------------ groups
+
+
+def test_group_read_carries_acks_and_only_the_options_given(fake: Fake) -> None:
+    future = fake.call(
+        fake.client.read_group,
+        "s",
+        "g",
+        "c",
+        count=5,
+        block_ms=100,
+        ack=[1, 2],
+        ack_ranges=[(10, 20)],
+        retry_ms=0,
+    )
+    reply = pb.ReadResponse(
+        entries=[pb.Entry(offset=30, payload=b"x"), pb.Entry(offset=31, payload=b"y")],
+        delivery_counts=[1, 3],
+        acknowledged=11,
+        ack_unknown=1,
+        pending_full=True,
+    )
+    request = fake.answer("Read", reply)
+    assert (request.group, request.consumer, request.count, request.block_ms) == ("g", "c", 5, 100)
+    assert list(request.ack_offsets) == [1, 2]
+    assert [(r.start_offset, r.end_offset) for r in request.ack_ranges] == [(10, 20)]
+    # retry_ms=0 is a value (redeliver at once), not "unset"; the others were not given.
+    assert request.HasField("retry_ms") and request.retry_ms == 0
+    assert not request.HasField("expire_ms") and not request.HasField("claim_idle_ms")
+    result = future.result(5)
+    assert [(e.offset, e.delivery_count) for e in result] == [(30, 1), (31, 3)]
+    assert (result.acknowledged, result.ack_unknown, result.pending_full) == (11, 1, True)
+
+
+def test_create_group_maps_start_config_and_the_reply(fake: Fake) -> None:
+    from clients import GroupConfig
+
+    config = GroupConfig(retry_ms=500, max_deliveries=3, dead_letter_stream="dlq")
+    future = fake.call(fake.client.create_group, "s", "g", 7, config=config, create_stream=True)
+    reply = pb.CreateGroupResponse(
+        group=pb.GroupInfo(
+            stream="s",
+            name="g",
+            config=pb.GroupConfig(retry_ms=500, max_deliveries=3, dead_letter_stream="dlq"),
+            next_offset=7,
+            entries_read=7,
+            entries_added=9,
+            pending=0,
+            consumers=[pb.ConsumerInfo(name="c", pending=2, seen_ms=5)],
+        )
+    )
+    request = fake.answer("CreateGroup", reply)
+    assert (request.start, request.offset, request.create_stream) == (pb.START_POSITION_OFFSET, 7, True)
+    assert request.config.retry_ms == 500 and not request.config.HasField("expire_ms")
+    assert not request.HasField("entries_read")
+    group = future.result(5)
+    assert group.config == config
+    assert (group.next_offset, group.lag, group.entries_added) == (7, None, 9)  # lag unset: unknown
+    assert [(c.name, c.pending, c.active_ms) for c in group.consumers] == [("c", 2, None)]
+
+
+def test_ack_ranges_accept_python_ranges(fake: Fake) -> None:
+    future = fake.call(fake.client.ack, "s", "g", [4], ranges=[range(0, 3)])
+    request = fake.answer("Ack", pb.AckResponse(acknowledged=4, unknown=0))
+    assert list(request.offsets) == [4]
+    assert [(r.start_offset, r.end_offset) for r in request.ranges] == [(0, 3)]
+    assert future.result(5).acknowledged == 4
+    with pytest.raises(ValueError):
+        fake.client.ack("s", "g", ranges=[range(0, 10, 2)])
+
+
+def test_pending_summary_and_rows(fake: Fake) -> None:
+    future = fake.call(fake.client.pending, "s", "g", consumer="c", end_offset=50)
+    reply = pb.GetPendingResponse(
+        count=2,
+        lowest_offset=3,
+        highest_offset=9,
+        consumers=[pb.ConsumerPending(consumer="c", pending=1)],
+        released=1,
+        entries=[pb.PendingEntry(offset=3, consumer="c", idle_ms=10, delivery_count=2, due_ms=99)],
+    )
+    request = fake.answer("GetPending", reply)
+    assert request.consumer == "c" and request.HasField("end_offset") and request.end_offset == 50
+    pending = future.result(5)
+    assert (pending.count, pending.lowest_offset, pending.highest_offset, pending.released) == (2, 3, 9, 1)
+    assert pending.consumers == {"c": 1}
+    assert [(p.offset, p.consumer, p.idle_ms, p.delivery_count, p.due_ms) for p in pending.entries] == [
+        (3, "c", 10, 2, 99)
+    ]

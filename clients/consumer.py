@@ -1,0 +1,317 @@
+"""Consumer: a consumer-group loop with at-least-once delivery.
+
+    with Consumer(client, "orders", "billing", create=True) as consumer:
+        consumer.run(handle)                  # handle(message) for every entry, until stop()
+
+    with Consumer(client, "orders", "billing") as consumer:
+        for message in consumer:              # the same, as a loop
+            process(message.payload)          # acknowledged when the loop asks for the next one
+
+A message is acknowledged after its handler returns (or when the loop moves on),
+never before, so a crash while processing means redelivery, not loss. The
+acknowledgements of a batch travel in the next group Read (one round trip per
+batch), or in an Ack at `close()`. A handler that raises has its message nacked
+with `nack_delay_ms`: the group redelivers it (to this or another consumer) after
+that delay, with its delivery count raised.
+
+Long work: when the group redelivers unacknowledged entries after `retry_ms` (set
+on the group, or passed here), the consumer re-claims the message in hand every
+`extend_every_s` (by default half of retry_ms) so it is not redelivered elsewhere
+meanwhile. A re-claim counts as a delivery; the consumer stops extending one
+delivery short of the group's max_deliveries, where the group would drop it.
+
+`close()` (or leaving the `with` block) sends the outstanding acknowledgements and
+leaves the group: DeleteConsumer hands the entries it still holds (fetched but not
+processed) back to the group, for immediate redelivery to the other consumers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import socket
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from clients.client import Client
+from clients.errors import AlreadyExistsError, TransientError
+from clients.types import Entry, Start
+
+log = logging.getLogger(__name__)
+
+
+def compress_offsets(offsets: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """Offsets as single offsets and half-open ranges of consecutive ones (fewer items on the wire)."""
+    singles: list[int] = []
+    ranges: list[tuple[int, int]] = []
+    ordered = sorted(set(offsets))
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        if j > i:
+            ranges.append((ordered[i], ordered[j] + 1))
+        else:
+            singles.append(ordered[i])
+        i = j + 1
+    return singles, ranges
+
+
+class Message:
+    """One delivered entry, with ack() and nack(). Settling it twice does nothing the second time."""
+
+    __slots__ = ("_consumer", "entry", "settled")
+
+    def __init__(self, consumer: Consumer, entry: Entry) -> None:
+        self._consumer = consumer
+        self.entry = entry
+        self.settled = False
+
+    @property
+    def offset(self) -> int:
+        return self.entry.offset
+
+    @property
+    def payload(self) -> bytes:
+        return self.entry.payload
+
+    @property
+    def tag(self) -> str:
+        return self.entry.tag
+
+    @property
+    def headers(self) -> Mapping[str, bytes]:
+        return self.entry.headers
+
+    @property
+    def timestamp_ms(self) -> int:
+        return self.entry.timestamp_ms
+
+    @property
+    def delivery_count(self) -> int:
+        """Deliveries by the group when this message was fetched (1 the first time)."""
+        return self.entry.delivery_count
+
+    def ack(self) -> None:
+        """Acknowledge (sent with the consumer's next read, or at close)."""
+        if not self.settled:
+            self.settled = True
+            self._consumer._acks.append(self.offset)
+
+    def nack(self, delay_ms: int | None = None) -> None:
+        """Give it back to the group now, for redelivery after `delay_ms` (default: the consumer's)."""
+        if not self.settled:
+            self.settled = True
+            consumer = self._consumer
+            delay = consumer.nack_delay_ms if delay_ms is None else delay_ms
+            consumer.client.nack(consumer.stream, consumer.group, [self.offset], delay_ms=delay)
+            consumer.nacked += 1
+
+    def __repr__(self) -> str:
+        return f"Message(offset={self.offset}, delivery_count={self.delivery_count}, settled={self.settled})"
+
+
+class Consumer:
+    """A member `name` of consumer group `group` on `stream`.
+
+    batch_size: entries per read. block_ms: how long a read waits for entries (also how
+    quickly stop() takes effect). retry_ms / claim_idle_ms: passed to every read (see
+    ReadRequest). create: create the group (at `start`) if it does not exist.
+    extend_every_s: re-claim the message in hand this often; None derives it from
+    retry_ms, 0 turns it off. give_up_after_s: how long transient errors (server down)
+    may last before iteration raises.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        stream: str,
+        group: str,
+        name: str | None = None,
+        *,
+        batch_size: int = 100,
+        block_ms: int = 2000,
+        nack_delay_ms: int = 1000,
+        retry_ms: int | None = None,
+        claim_idle_ms: int | None = None,
+        extend_every_s: float | None = None,
+        create: bool = False,
+        start: Start = "oldest",
+        give_up_after_s: float = 60.0,
+    ) -> None:
+        self.client = client
+        self.stream = stream
+        self.group = group
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.batch_size = batch_size
+        self.block_ms = block_ms
+        self.nack_delay_ms = nack_delay_ms
+        self.retry_ms = retry_ms
+        self.claim_idle_ms = claim_idle_ms
+        self.give_up_after_s = give_up_after_s
+        # Counters, for tests and monitoring.
+        self.delivered = 0
+        self.nacked = 0
+        self.extended = 0
+
+        self._acks: list[int] = []
+        self._extensions: dict[int, int] = {}  # offset -> re-claims made while it was in hand
+        self._held: deque[Message] = deque()  # fetched, not yet handed out
+        self._current: Message | None = None
+        self._stopping = threading.Event()
+        self._closed = False
+        if create:
+            # Another consumer may have created it first: that is the same outcome.
+            with contextlib.suppress(AlreadyExistsError):
+                client.create_group(stream, group, start, create_stream=True)
+        self._max_deliveries: int | None = None
+        self.extend_every_s = self._extend_interval(extend_every_s)
+        self._heartbeat: threading.Thread | None = None
+        if self.extend_every_s:
+            self._heartbeat = threading.Thread(
+                target=self._extend_loop, name=f"streamlog-consumer-{self.name}"
+            )
+            self._heartbeat.daemon = True
+            self._heartbeat.start()
+
+    def _extend_interval(self, requested: float | None) -> float:
+        if requested == 0:
+            return 0.0
+        config = self.client.group_info(self.stream, self.group).config
+        self._max_deliveries = config.max_deliveries
+        if requested is not None:
+            return requested
+        retry_ms = self.retry_ms if self.retry_ms is not None else config.retry_ms
+        return retry_ms / 2000 if retry_ms else 0.0
+
+    # ------------------------------------------------------------------ the loop
+
+    def __iter__(self) -> Iterator[Message]:
+        while not self._stopping.is_set():
+            if not self._held:
+                self._fetch()
+                continue
+            message = self._held.popleft()
+            self._current = message
+            yield message
+            # The loop asked for the next message: this one is done.
+            message.ack()
+            self._current = None
+
+    def run(self, handler: Callable[[Message], Any], *, max_messages: int | None = None) -> int:
+        """Call `handler` for each message until stop() (or `max_messages`); return how many ran.
+
+        A handler that returns acknowledges its message; one that raises nacks it.
+        """
+        handled = 0
+        for message in self:
+            try:
+                handler(message)
+            except Exception:
+                log.exception("consumer %s: handler failed on offset %d; nacked", self.name, message.offset)
+                message.nack()
+            handled += 1
+            if max_messages is not None and handled >= max_messages:
+                message.ack()
+                self._current = None
+                break
+        return handled
+
+    def stop(self) -> None:
+        """Make the loop end after the message in hand (safe from any thread or a signal handler)."""
+        self._stopping.set()
+
+    def _fetch(self) -> None:
+        """One group read (carrying the acknowledgements so far); retries transient failures."""
+        started = time.monotonic()
+        backoff = 0.05
+        while True:
+            sending = list(self._acks)
+            singles, ranges = compress_offsets(sending)
+            try:
+                result = self.client.read_group(
+                    self.stream,
+                    self.group,
+                    self.name,
+                    count=self.batch_size,
+                    block_ms=self.block_ms,
+                    ack=singles,
+                    ack_ranges=ranges,
+                    retry_ms=self.retry_ms,
+                    claim_idle_ms=self.claim_idle_ms,
+                )
+            except TransientError:
+                if self._stopping.is_set() or time.monotonic() - started > self.give_up_after_s:
+                    raise
+                pause = random.uniform(backoff / 2, backoff)
+                log.warning("consumer %s: server unavailable; retrying in %.2f s", self.name, pause)
+                self._stopping.wait(pause)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            # Only now are the acknowledgements known to have arrived (acks are idempotent,
+            # so resending them after a failed read is harmless).
+            del self._acks[: len(sending)]
+            self._extensions.clear()
+            self.delivered += len(result.entries)
+            self._held.extend(Message(self, entry) for entry in result.entries)
+            return
+
+    def _extend_loop(self) -> None:
+        while not self._stopping.wait(self.extend_every_s):
+            message = self._current
+            if message is None or message.settled:
+                continue
+            limit = self._max_deliveries
+            if (
+                limit is not None
+                and message.delivery_count + self._extensions.get(message.offset, 0) + 1 >= limit
+            ):
+                continue  # one more delivery would make the group drop it
+            try:
+                claimed = self.client.claim(self.stream, self.group, self.name, [message.offset])
+            except Exception as exc:
+                log.warning("consumer %s: could not extend offset %d: %s", self.name, message.offset, exc)
+                continue
+            if claimed.entries:
+                self.extended += 1
+                self._extensions[message.offset] = self._extensions.get(message.offset, 0) + 1
+
+    # ------------------------------------------------------------------ leaving
+
+    def close(self) -> None:
+        """Send outstanding acknowledgements and leave the group (held entries go back to it)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stopping.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(5)
+        if self._acks:
+            singles, ranges = compress_offsets(self._acks)
+            self.client.ack(self.stream, self.group, singles, ranges=ranges)
+            self._acks.clear()
+        released = self.client.delete_consumer(self.stream, self.group, self.name)
+        log.debug("consumer %s left %s/%s; %d entries released", self.name, self.stream, self.group, released)
+
+    def __enter__(self) -> Consumer:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, traceback: object) -> None:
+        current = self._current
+        if exc is not None and current is not None and not current.settled:
+            # The loop body failed on this message: give it back after the delay, so
+            # leaving the group (which redelivers held entries at once) does not.
+            try:
+                current.nack()
+            except Exception as nack_error:
+                log.warning(
+                    "consumer %s: could not nack offset %d: %s", self.name, current.offset, nack_error
+                )
+        self.close()

@@ -1,0 +1,185 @@
+"""Consumer groups from the client: the group calls, and the Consumer loop, against a real server."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from clients import (
+    AlreadyExistsError,
+    Client,
+    Consumer,
+    GroupConfig,
+    Message,
+    NotFoundError,
+)
+from clients.consumer import compress_offsets
+
+
+def _fill(client: Client, stream: str, count: int) -> None:
+    client.append(stream, [b"job-%d" % i for i in range(count)])
+
+
+def test_group_calls_round_trip(client: Client) -> None:
+    _fill(client, "s", 6)
+    created = client.create_group("s", "g", "oldest", config=GroupConfig(max_deliveries=5))
+    assert (created.name, created.next_offset, created.lag, created.pending) == ("g", 0, 6, 0)
+    assert created.config.max_deliveries == 5
+    with pytest.raises(AlreadyExistsError):
+        client.create_group("s", "g")
+
+    batch = client.read_group("s", "g", "c1", count=4)
+    assert [(e.offset, e.delivery_count) for e in batch] == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    # Acknowledge in the next read: one round trip.
+    more = client.read_group("s", "g", "c1", count=10, ack=[0], ack_ranges=[(1, 3)])
+    assert more.acknowledged == 3 and [e.offset for e in more] == [4, 5]
+
+    pending = client.pending("s", "g")
+    assert (pending.count, pending.lowest_offset, pending.highest_offset) == (3, 3, 5)
+    assert pending.consumers == {"c1": 3}
+    assert [(p.offset, p.consumer, p.delivery_count) for p in pending.entries] == [
+        (3, "c1", 1),
+        (4, "c1", 1),
+        (5, "c1", 1),
+    ]
+    assert client.nack("s", "g", [3, 99]).released == 1
+    claimed = client.claim("s", "g", "c2", [4])
+    assert [(e.offset, e.delivery_count) for e in claimed.entries] == [(4, 2)]
+    auto = client.auto_claim("s", "g", "c2", min_idle_ms=0)
+    assert 5 in [e.offset for e in auto.entries] and auto.next_cursor == 0
+
+    info = client.group_info("s", "g")
+    assert {c.name: c.pending for c in info.consumers}["c2"] >= 2
+    assert info.counters.acked == 3
+    assert client.ack("s", "g", [4], ranges=[range(5, 6)]).acknowledged == 2
+    assert client.delete_consumer("s", "g", "c1") == 0
+    moved = client.set_group_offset("s", "g", "latest")
+    assert moved.next_offset == 6 and moved.lag == 0
+    updated = client.set_group_config("s", "g", GroupConfig(retry_ms=1000))
+    assert updated.config == GroupConfig(retry_ms=1000)
+    assert [g.name for g in client.list_groups("s")] == ["g"]
+    assert client.info("s").groups == 1
+    client.delete_group("s", "g")
+    with pytest.raises(NotFoundError):
+        client.group_info("s", "g")
+
+
+def test_group_subscription_delivers_and_acks(client: Client) -> None:
+    client.create_group("s", "g", create_stream=True)
+    with client.subscribe_group("s", "g", "sub") as subscription:
+        assert next(subscription).entries == []  # the first reply comes at once
+        _fill(client, "s", 3)
+        got = []
+        for batch in subscription:
+            got.extend(batch.entries)
+            if len(got) >= 3:
+                break
+    assert [e.offset for e in got] == [0, 1, 2] and all(e.delivery_count == 1 for e in got)
+    assert client.ack("s", "g", [e.offset for e in got]).acknowledged == 3
+    assert client.group_info("s", "g").pending == 0
+
+
+def test_offsets_compress_into_ranges() -> None:
+    assert compress_offsets([5, 1, 2, 3, 9, 10, 3]) == ([5], [(1, 4), (9, 11)])
+    assert compress_offsets([]) == ([], [])
+
+
+def test_run_handles_every_message_once_and_leaves_the_group(client: Client) -> None:
+    _fill(client, "s", 25)
+    handled: list[int] = []
+    with Consumer(client, "s", "g", "worker", create=True, batch_size=10, block_ms=200) as consumer:
+        assert consumer.run(lambda m: handled.append(m.offset), max_messages=25) == 25
+    assert handled == list(range(25))
+    info = client.group_info("s", "g")
+    assert (info.pending, info.next_offset, info.lag, info.consumers) == (0, 25, 0, [])
+    assert info.counters.acked == 25
+
+
+def test_a_failing_handler_nacks_and_the_message_comes_back(client: Client) -> None:
+    _fill(client, "s", 4)
+    seen: list[tuple[int, int]] = []
+
+    def handler(message: Message) -> None:
+        seen.append((message.offset, message.delivery_count))
+        if message.offset == 1 and message.delivery_count == 1:
+            raise RuntimeError("transient trouble")
+
+    with Consumer(client, "s", "g", create=True, nack_delay_ms=100, block_ms=500) as consumer:
+        consumer.run(handler, max_messages=5)
+    assert seen[:4] == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    assert seen[4] == (1, 2)  # redelivered after the nack delay, one delivery more
+    assert consumer.nacked == 1
+    assert client.group_info("s", "g").pending == 0
+
+
+def test_the_loop_form_acks_what_it_moved_past_and_releases_the_rest(client: Client) -> None:
+    _fill(client, "s", 5)
+    with Consumer(client, "s", "g", "first", create=True, batch_size=5) as consumer:
+        for message in consumer:
+            if message.offset == 2:
+                break
+    # 0 and 1 were processed (the loop asked for more); 2 was in hand when the loop
+    # left, 3 and 4 were fetched but never handed out: all three go back to the group.
+    info = client.group_info("s", "g")
+    assert info.counters.acked == 2 and info.consumers == []
+    again = client.read_group("s", "g", "second", count=10)
+    assert [(e.offset, e.delivery_count) for e in again] == [(2, 2), (3, 2), (4, 2)]
+
+
+def test_an_error_in_the_loop_body_nacks_with_delay(client: Client) -> None:
+    _fill(client, "s", 2)
+    with pytest.raises(ValueError), Consumer(client, "s", "g", create=True, nack_delay_ms=60_000) as consumer:
+        for message in consumer:
+            raise ValueError(f"cannot handle {message.offset}")
+    pending = client.pending("s", "g")
+    released = {p.offset: p for p in pending.entries}
+    # Offset 0 failed: released, due only after the nack delay. Offset 1 was never
+    # handed out: released for immediate redelivery.
+    assert released[0].consumer == "" and released[0].due_ms is not None
+    assert [e.offset for e in client.read_group("s", "g", "other", count=10)] == [1]
+
+
+def test_stop_from_another_thread_ends_run(client: Client) -> None:
+    _fill(client, "s", 3)
+    with Consumer(client, "s", "g", create=True, block_ms=100) as consumer:
+        timer = threading.Timer(0.5, consumer.stop)
+        timer.start()
+        started = time.monotonic()
+        assert consumer.run(lambda m: None) == 3
+        timer.join()
+    assert time.monotonic() - started < 3
+
+
+@pytest.mark.parametrize("extend", [True, False])
+def test_long_work_is_extended_so_it_is_not_redelivered_elsewhere(client: Client, extend: bool) -> None:
+    _fill(client, "s", 1)
+    client.create_group("s", "g", config=GroupConfig(retry_ms=400))
+    stolen: list[int] = []
+    started = threading.Event()
+
+    def slow(message: Message) -> None:
+        started.set()
+        time.sleep(1.2)
+
+    def rival() -> None:
+        started.wait(5)
+        deadline = time.monotonic() + 1.1
+        while time.monotonic() < deadline and not stolen:
+            got = client.read_group("s", "g", "rival", count=1, block_ms=200)
+            stolen.extend(e.offset for e in got)
+
+    thief = threading.Thread(target=rival)
+    thief.start()
+    consumer = Consumer(client, "s", "g", "slow", block_ms=100, extend_every_s=None if extend else 0)
+    try:
+        assert consumer.extend_every_s == (0.2 if extend else 0.0)  # half the group's retry_ms
+        consumer.run(slow, max_messages=1)
+    finally:
+        thief.join(5)
+        consumer.close()
+    if extend:
+        assert stolen == [] and consumer.extended >= 2
+    else:
+        assert stolen == [0]  # redelivered to the rival while still being worked on
