@@ -1,0 +1,72 @@
+'use strict';
+// Runs against a real server: STREAMLOG_ADDRESS=host:port node --test test/
+// (tests/clients/test_node.py starts one and runs this).
+
+const assert = require('node:assert/strict');
+const { test, after } = require('node:test');
+const { Client, StreamlogError } = require('..');
+
+const address = process.env.STREAMLOG_ADDRESS;
+if (!address) throw new Error('set STREAMLOG_ADDRESS to a running streamlog server');
+const client = new Client(address, { timeoutMs: 10000 });
+after(() => client.close());
+
+test('append and read back, both batch forms', async () => {
+  const first = await client.append('node-orders', ['one', Buffer.from('two')]);
+  assert.deepEqual([first.firstOffset, first.lastOffset, first.duplicate], [0, 1, false]);
+  const second = await client.append('node-orders', [{ payload: 'three', tag: 'k', headers: { h: Buffer.from('v') } }]);
+  assert.equal(second.firstOffset, 2);
+  const batch = await client.read('node-orders', 0);
+  assert.deepEqual(batch.entries.map((e) => [e.offset, e.payload.toString(), e.tag]),
+    [[0, 'one', ''], [1, 'two', ''], [2, 'three', 'k']]);
+  assert.equal(batch.entries[2].headers.h.toString(), 'v');
+  assert.equal(batch.nextOffset, 3);
+  assert.equal(batch.gap, null);
+});
+
+test('idempotent and conditional appends', async () => {
+  const once = await client.append('node-events', 'a', { producerId: 'node-p', producerSequence: 1 });
+  const again = await client.append('node-events', 'a', { producerId: 'node-p', producerSequence: 1 });
+  assert.equal(again.duplicate, true);
+  assert.equal(again.firstOffset, once.firstOffset);
+  await assert.rejects(
+    client.append('node-events', 'b', { expectedNextOffset: 0 }),
+    (error) => error instanceof StreamlogError && error.nextOffset === 1 && error.code === 9,
+  );
+});
+
+test('subscribe receives history, then live entries', async () => {
+  await client.append('node-live', ['h1', 'h2']);
+  const seen = [];
+  for await (const batch of client.subscribe('node-live', { start: 'oldest' })) {
+    for (const entry of batch.entries) seen.push(entry.payload.toString());
+    if (seen.length === 2) await client.append('node-live', 'live');
+    if (seen.length === 3) break;
+  }
+  assert.deepEqual(seen, ['h1', 'h2', 'live']);
+});
+
+test('a consumer group reads, acknowledges, and has nothing pending after', async () => {
+  await client.append('node-jobs', ['j0', 'j1', 'j2']);
+  await client.createGroup('node-jobs', 'workers', { start: 'oldest' });
+  const batch = await client.readGroup('node-jobs', 'workers', 'w1', { count: 10 });
+  assert.deepEqual(batch.entries.map((e) => [e.payload.toString(), e.deliveryCount]),
+    [['j0', 1], ['j1', 1], ['j2', 1]]);
+  let info = await client.groupInfo('node-jobs', 'workers');
+  assert.equal(info.pending, 3);
+  const acked = await client.ack('node-jobs', 'workers', batch.entries.map((e) => e.offset));
+  assert.deepEqual(acked, { acknowledged: 3, unknown: 0 });
+  info = await client.groupInfo('node-jobs', 'workers');
+  assert.deepEqual([info.pending, info.nextOffset, info.lag], [0, 3, 0]);
+  await client.append('node-jobs', 'j3');
+  // Acknowledging in the read itself: nothing new pending but the entry just read.
+  const next = await client.readGroup('node-jobs', 'workers', 'w1', { count: 10, blockMs: 2000 });
+  assert.deepEqual(next.entries.map((e) => e.payload.toString()), ['j3']);
+  const last = await client.readGroup('node-jobs', 'workers', 'w1', { ack: [3] });
+  assert.equal(last.entries.length, 0);
+  assert.equal((await client.groupInfo('node-jobs', 'workers')).pending, 0);
+});
+
+test('errors carry the status code', async () => {
+  await assert.rejects(client.info('node-missing'), (error) => error.code === 5 && /NOT_FOUND/.test(error.message));
+});
