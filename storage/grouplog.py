@@ -37,7 +37,7 @@ from pathlib import Path
 from crc32c import crc32c
 
 from storage import groups as g
-from storage.errors import CorruptionError
+from storage.errors import CorruptionError, InvalidArgumentError
 from storage.fs import FileSystem, SegmentFile
 
 log = logging.getLogger("streamlog.storage")
@@ -262,6 +262,11 @@ class _Reader:
         return None if value == 0 else value - 1
 
 
+# More offsets than any pending list can hold in memory (about 250 bytes each): a length
+# field this large is damage, and expanding it would exhaust memory instead of failing.
+MAX_OFFSETS_PER_FIELD = 1 << 24
+
+
 def _decode_field(r: _Reader, kind: str):
     if kind == "s":
         return r.text(r.varint())
@@ -278,7 +283,7 @@ def _decode_field(r: _Reader, kind: str):
         text = r.text(r.varint())
         try:
             return g.GroupConfig.from_dict(json.loads(text))
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, AttributeError, InvalidArgumentError) as exc:
             raise CorruptionError(f"group config in a group op is unreadable: {exc}") from exc
     if kind == "L":
         out: list[int] = []
@@ -288,6 +293,8 @@ def _decode_field(r: _Reader, kind: str):
             length = r.varint()
             if start < 0:
                 raise CorruptionError("negative offset in a group op")
+            if len(out) + length > MAX_OFFSETS_PER_FIELD:
+                raise CorruptionError(f"a group op lists more than {MAX_OFFSETS_PER_FIELD} offsets")
             out.extend(range(start, start + length))
             prev = start + length
         return tuple(out)

@@ -56,7 +56,7 @@ from storage.groups import (
     validate_label,
 )
 from storage.names import dirname_for, validate_name
-from storage.records import decode_records
+from storage.records import decode_records, skim_records
 from storage.results import Gap
 
 log = logging.getLogger("streamlog.storage")
@@ -79,57 +79,6 @@ def _check_offsets(offsets: Iterable[int]) -> list[int]:
     for offset in out:
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
             raise InvalidArgumentError("offsets must be non-negative integers")
-    return out
-
-
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    byte = buf[pos]
-    if byte < 0x80:
-        return byte, pos + 1
-    result, shift = byte & 0x7F, 7
-    while True:
-        pos += 1
-        byte = buf[pos]
-        result |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return result, pos + 1
-        shift += 7
-
-
-def split_records(chunks: Iterable[bytes]) -> list[tuple[int, int, int, bytes]]:
-    """(offset, timestamp_ms, deliver_at_ms, record) for each record in `ReadResult.records` chunks.
-
-    Skims the fields (see storage.records) without decoding tags, payloads or headers.
-    """
-    out = []
-    for chunk in chunks:
-        pos, end = 0, len(chunk)
-        try:
-            while pos < end:
-                if chunk[pos] != 0x0A:
-                    raise CorruptionError("entry record does not start with key 0x0a")
-                length, p = _varint(chunk, pos + 1)
-                stop = p + length
-                if chunk[p] != 0x08:
-                    raise CorruptionError("entry record does not start with its offset")
-                offset, p = _varint(chunk, p + 1)
-                if chunk[p] != 0x10:
-                    raise CorruptionError("entry record has no timestamp after its offset")
-                timestamp, p = _varint(chunk, p + 1)
-                due = 0
-                while p < stop:
-                    key = chunk[p]
-                    if key == 0x30:
-                        due, p = _varint(chunk, p + 1)
-                    elif key in (0x1A, 0x22, 0x2A):
-                        n, p = _varint(chunk, p + 1)
-                        p += n
-                    else:
-                        raise CorruptionError(f"unexpected field key {key:#x} in entry record")
-                out.append((offset, timestamp, due, chunk[pos:stop]))
-                pos = stop
-        except IndexError as exc:
-            raise CorruptionError("entry record runs past the end of its chunk") from exc
     return out
 
 
@@ -484,7 +433,7 @@ class GroupManager:
                 j += 1
             start, stop = want[i], want[j] + 1
             result = self._engine.read(stream, start, stop - start)
-            for offset, _, _, record in split_records(result.records):
+            for offset, _, _, record in skim_records(result.records):
                 if start <= offset < stop:
                     found[offset] = record
             i = j + 1
@@ -673,7 +622,7 @@ class GroupManager:
                 cursor = last + 1
             else:
                 stopped = False
-                for offset, timestamp, due, record in split_records(result.records):
+                for offset, timestamp, due, record in skim_records(result.records):
                     verdict = group.admit(now, timestamp, due)
                     if verdict == g.STOP:
                         stop_due = timestamp + delay

@@ -17,7 +17,7 @@ decodes these bytes itself: `storage` does not depend on protobuf.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -250,6 +250,41 @@ def decode_records(buf: bytes | memoryview) -> list[Entry]:
         entry, pos = decode_record(buf, pos, end)
         entries.append(entry)
     return entries
+
+
+def skim_records(chunks: Iterable[bytes]) -> list[tuple[int, int, int, bytes]]:
+    """(offset, timestamp_ms, deliver_at_ms, record) for each record in `ReadResult.records` chunks.
+
+    Reads only those three fields and skips the others by their wire type, without
+    decoding tags, payloads or headers: consumer groups need no more to route entries.
+    """
+    out = []
+    for chunk in chunks:
+        pos, end = 0, len(chunk)
+        while pos < end:
+            offset, timestamp = record_offset_and_timestamp(chunk, pos)
+            length, body = _read_varint(chunk, pos + 1, end)
+            stop = body + length
+            if stop > end:
+                raise CorruptionError("entry record runs past the end of its chunk")
+            p = body
+            due = 0
+            while p < stop:
+                key, p = _read_varint(chunk, p, stop)
+                if key == 0x30:
+                    due, p = _read_varint(chunk, p, stop)
+                elif key & 7 == 0:
+                    _, p = _read_varint(chunk, p, stop)
+                elif key & 7 == 2:
+                    n, p = _read_varint(chunk, p, stop)
+                    p += n
+                else:
+                    raise CorruptionError(f"unexpected field key {key:#x} in entry record")
+            if p != stop:
+                raise CorruptionError("a field runs past the end of its entry record")
+            out.append((offset, timestamp, due, chunk[pos:stop]))
+            pos = stop
+    return out
 
 
 def record_offset_and_timestamp(buf: bytes | memoryview, pos: int) -> tuple[int, int]:

@@ -9,6 +9,7 @@ as well as drawn at random, so the decoders are driven past their magic checks.
 from __future__ import annotations
 
 import contextlib
+import os
 import struct
 import tempfile
 from array import array
@@ -26,7 +27,11 @@ from storage.stream import decode_meta, encode_meta
 
 from .conftest import SMALL
 
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=int(os.environ.get("STREAMLOG_FUZZ_EXAMPLES", "300")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 @st.composite
