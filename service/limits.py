@@ -96,7 +96,9 @@ class LimitsInterceptor(WrappingInterceptor):
         self.blocked_reads = 0
         self._stream_count = 0
         self._stream_count_at = float("-inf")
-        # Streams this interceptor let a call create, not yet seen in a refreshed count.
+        # Streams this interceptor let calls create since the count was refreshed, and those
+        # calls still running (their stream may not be in the engine yet when the count is).
+        self._created: set[str] = set()
         self._creating: set[str] = set()
         # (stream, group) -> consumer names known to exist, so reads by known consumers are free.
         self._consumers: dict[tuple[str, str], set[str]] = {}
@@ -108,16 +110,19 @@ class LimitsInterceptor(WrappingInterceptor):
         if now - self._stream_count_at > _STREAM_COUNT_TTL_S:
             names = engine.list_streams()
             self._stream_count, self._stream_count_at = len(names), now
-            self._creating.clear()
-        return self._stream_count + len(self._creating)
+            # Names in the fresh count are no longer extra; those of running calls still are.
+            self._created = {name for name in self._creating if not engine.exists(name)}
+        return self._stream_count + len(self._created)
 
-    def _new_stream(self, engine: Engine, stream: str, what: str) -> None:
-        if not stream or engine.exists(stream) or stream in self._creating:
-            return
+    def _new_stream(self, engine: Engine, stream: str, what: str) -> str | None:
+        """Count `stream` as created if it is new; return it if this call is creating it."""
+        if not stream or engine.exists(stream) or stream in self._created:
+            return None
         limit = self._settings.max_streams
         if self._count_streams(engine) >= limit:
             raise LimitError("max_streams", limit, f"{what}: the server holds {limit} streams")
-        self._creating.add(stream)
+        self._created.add(stream)
+        return stream
 
     async def _new_consumer(self, engine: Engine, stream: str, group: str, consumer: str) -> None:
         if not (stream and group and consumer):
@@ -172,11 +177,11 @@ class LimitsInterceptor(WrappingInterceptor):
     async def check(self, method: str, request: Any, engine: Engine) -> Any:
         """Raise LimitError for a call past a limit; return the request to serve (maybe bounded)."""
         if method == "Append":
-            self._new_stream(engine, request.stream, "stream")
+            self._track(self._new_stream(engine, request.stream, "stream"))
         elif method in ("CreateGroup", "SetGroupConfig"):
             if method == "CreateGroup":
                 if request.create_stream:
-                    self._new_stream(engine, request.stream, "create_stream")
+                    self._track(self._new_stream(engine, request.stream, "create_stream"))
                 await self._new_group(engine, request)
             self._new_stream(engine, request.config.dead_letter_stream, "config.dead_letter_stream")
             request = self._pending_bound(request)
@@ -185,6 +190,15 @@ class LimitsInterceptor(WrappingInterceptor):
         elif method in _FORGET_METHODS:
             self._forget(request)
         return request
+
+    def _track(self, stream: str | None) -> None:
+        if stream is not None:
+            self._creating.add(stream)
+
+    def _done(self, method: str, request: Any) -> None:
+        """A call that may have created a stream has finished."""
+        if method in ("Append", "CreateGroup"):
+            self._creating.discard(request.stream)
 
     def _forget(self, request: Any) -> None:
         # Stale names would only let a deleted consumer come back past the limit; drop them.
@@ -225,7 +239,10 @@ class LimitsInterceptor(WrappingInterceptor):
                 except LimitError as exc:
                     await self._refuse(context, method, request, exc)
             if method != "Read" or request.block_ms <= 0:
-                return await behavior(request, context)
+                try:
+                    return await behavior(request, context)
+                finally:
+                    self._done(method, request)
             if self.blocked_reads >= settings.max_blocked_reads:
                 await self._refuse(
                     context,

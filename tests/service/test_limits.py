@@ -3,17 +3,21 @@ RESOURCE_EXHAUSTED with the limit's name and value (the request-size limits are 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import pytest
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
+from service import limits
 from service.server import SERVICE
-from tests.service.helpers import ServerThread, append
+from storage import Engine
+from tests.service.helpers import ServerThread, append, small_settings
 
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 HAS_GROUPS = "CreateGroup" in SERVICE.methods_by_name
@@ -259,3 +263,38 @@ def test_concurrent_new_streams_do_not_pass_max_streams(start_server: Callable[.
             thread.join(timeout=30)
     assert results.count(grpc.StatusCode.OK) == 5 and results.count(EXHAUSTED) == 7
     assert len(server.server.engine.list_streams()) == 5
+
+
+def test_streams_still_being_created_count_across_a_refresh(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Appends to new streams in flight (fsync=always runs them in threads) are counted even when
+    the cached stream count is refreshed before the engine shows their streams."""
+    clock = [0.0]
+    monkeypatch.setattr(limits.time, "monotonic", lambda: clock[0])
+    engine = Engine(tmp_path / "data")
+    try:
+        engine.append("existing", [b"x"])
+        guard = limits.LimitsInterceptor(
+            SERVICE.full_name, small_settings(tmp_path, max_streams=3), lambda: engine
+        )
+
+        async def scenario() -> list[str]:
+            outcomes = []
+            for name in ("a", "b", "c"):
+                clock[0] += 5  # every check refreshes the count from the engine
+                try:
+                    await guard.check("Append", pb.AppendRequest(stream=name, payloads=[b"x"]), engine)
+                    outcomes.append("ok")
+                except limits.LimitError as exc:
+                    outcomes.append(exc.limit)
+            return outcomes
+
+        # "a" and "b" pass and stay in flight (never finished): "c" would be the fourth stream.
+        assert asyncio.run(scenario()) == ["ok", "ok", "max_streams"]
+        guard._done("Append", pb.AppendRequest(stream="a"))  # "a" failed: its slot comes back
+        clock[0] += 5
+        request = pb.AppendRequest(stream="c", payloads=[b"x"])
+        assert asyncio.run(guard.check("Append", request, engine)) is request
+    finally:
+        engine.close()
