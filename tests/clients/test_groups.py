@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -183,3 +184,66 @@ def test_long_work_is_extended_so_it_is_not_redelivered_elsewhere(client: Client
         assert stolen == [] and consumer.extended >= 2
     else:
         assert stolen == [0]  # redelivered to the rival while still being worked on
+
+
+def test_async_group_calls(server) -> None:
+    from clients import AsyncClient
+
+    async def scenario() -> None:
+        async with AsyncClient(server.target, timeout=10) as client:
+            await client.append("s", [b"a", b"b", b"c"])
+            group = await client.create_group("s", "g", "oldest")
+            assert (group.next_offset, group.lag) == (0, 3)
+            batch = await client.read_group("s", "g", "c1", count=2)
+            assert [(e.offset, e.delivery_count) for e in batch] == [(0, 1), (1, 1)]
+            assert (await client.pending("s", "g")).consumers == {"c1": 2}
+            assert (await client.nack("s", "g", [1])).released == 1
+            claimed = await client.claim("s", "g", "c2", [0])
+            assert [e.offset for e in claimed.entries] == [0]
+            async with client.subscribe_group("s", "g", "c3") as subscription:
+                offsets: list[int] = []
+                async for got in subscription:
+                    offsets.extend(e.offset for e in got)
+                    if len(offsets) >= 2:
+                        break
+            assert sorted(offsets) == [1, 2]  # the nacked entry and the new one
+            assert (await client.ack("s", "g", [0, 1, 2])).acknowledged == 3
+            assert await client.delete_consumer("s", "g", "c1") == 0
+            info = await client.group_info("s", "g")
+            assert (info.pending, info.lag) == (0, 0)
+            assert [g.name for g in await client.list_groups("s")] == ["g"]
+            await client.delete_group("s", "g")
+            with pytest.raises(NotFoundError):
+                await client.group_info("s", "g")
+
+    asyncio.run(scenario())
+
+
+def test_the_consumer_rides_out_a_server_restart(start_server, tmp_path) -> None:
+    data = tmp_path / "restart"
+    first = start_server(data)
+    port = first.server.port
+    fast_reconnect = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 200)]
+    with Client(first.target, timeout=5, options=fast_reconnect) as client:
+        _fill(client, "s", 3)
+        handled: list[int] = []
+
+        def handle(message: Message) -> None:
+            handled.append(message.offset)
+            if message.offset == 0:
+                # The next read (carrying this message's ack) finds the server gone; it is
+                # back half a second later.
+                first.stop()
+                threading.Timer(0.5, start_server, args=(data,), kwargs={"port": port}).start()
+
+        consumer = Consumer(client, "s", "g", "survivor", create=True, batch_size=1, block_ms=200)
+        safety = threading.Timer(20, consumer.stop)  # never hang the suite if the restart fails
+        safety.start()
+        try:
+            consumer.run(handle, max_messages=3)
+        finally:
+            safety.cancel()
+            consumer.close()
+        assert handled == [0, 1, 2]
+        info = client.group_info("s", "g")
+        assert (info.pending, info.counters.acked, info.consumers) == (0, 3, [])
