@@ -14,7 +14,8 @@ Exit codes: 0 success; 1 the call failed on the server (internal error, data
 loss, a limit, ...); 2 bad command line or arguments (including INVALID_ARGUMENT);
 3 stream or group not found; 4 conflict (a conditional append lost the race,
 ALREADY_EXISTS, OUT_OF_RANGE); 5 server unreachable or the call timed out;
-130 interrupted. `inspect verify` exits 1 when it finds damage.
+6 not allowed (UNAUTHENTICATED, PERMISSION_DENIED); 130 interrupted.
+`inspect --verify` exits 1 when it finds damage.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ EXIT_USAGE = 2
 EXIT_NOT_FOUND = 3
 EXIT_CONFLICT = 4
 EXIT_UNAVAILABLE = 5
+EXIT_DENIED = 6
 EXIT_INTERRUPTED = 130
 
 DEFAULT_ADDRESS = "localhost:7070"
@@ -853,7 +855,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="streamlog",
         description="streamlog: a persistent, append-only stream service. Run `streamlog COMMAND --help`.",
         epilog="Exit codes: 0 ok, 1 failed on the server, 2 bad usage, 3 not found, 4 conflict, "
-        "5 unavailable or timed out, 130 interrupted.",
+        "5 unavailable or timed out, 6 not allowed, 130 interrupted.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = _connection_options()
@@ -1033,6 +1035,8 @@ def _exit_code(error: Exception) -> int:
         grpc.StatusCode.FAILED_PRECONDITION: EXIT_CONFLICT,
         grpc.StatusCode.ALREADY_EXISTS: EXIT_CONFLICT,
         grpc.StatusCode.OUT_OF_RANGE: EXIT_CONFLICT,
+        grpc.StatusCode.UNAUTHENTICATED: EXIT_DENIED,
+        grpc.StatusCode.PERMISSION_DENIED: EXIT_DENIED,
     }.get(error.code, EXIT_FAILURE)
 
 

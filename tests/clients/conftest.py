@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 
 from clients import Client
-from tests.clients.tlsserver import Certs, TlsServer, make_certs
 from tests.service.helpers import ServerThread, small_settings
 
 
@@ -37,15 +36,3 @@ def server(start_server: Callable[..., ServerThread]) -> ServerThread:
 def client(server: ServerThread) -> Iterator[Client]:
     with Client(server.target, timeout=10) as c:
         yield c
-
-
-@pytest.fixture(scope="session")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
-    return make_certs(tmp_path_factory.mktemp("certs"))
-
-
-@pytest.fixture
-def tls_server(certs: Certs) -> Iterator[TlsServer]:
-    server = TlsServer(certs)
-    yield server
-    server.stop()

@@ -17,7 +17,6 @@ import pytest
 
 from clients import Client
 from clients.cli import EXIT_CONFLICT, EXIT_NOT_FOUND, EXIT_UNAVAILABLE, EXIT_USAGE, main
-from tests.clients.tlsserver import TOKEN, Certs, TlsServer
 from tests.service.helpers import ServerThread
 
 STREAMLOG = shutil.which("streamlog", path=str(Path(sys.executable).parent))
@@ -203,13 +202,6 @@ def test_bench_measures_and_cleans_up(server: ServerThread) -> None:
     )
     with Client(server.target) as client:
         assert client.list_streams() == []  # the bench stream was deleted
-
-
-def test_tls_and_token_flags(tls_server: TlsServer, certs: Certs) -> None:
-    argv = ["info", "secure", "--tls-ca", str(certs.ca), "--tls-cert", str(certs.client_cert)]
-    argv += ["--tls-key", str(certs.client_key), "--token", TOKEN, "--json"]
-    code, out = run(tls_server.target, *argv)
-    assert code == 0 and json.loads(out)["name"] == "secure"
 
 
 def test_the_console_script_help_and_serve_exec(tmp_path: Path) -> None:

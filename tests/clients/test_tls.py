@@ -1,67 +1,148 @@
-"""TLS (server verification, client certificates) and bearer tokens, against a TLS server."""
+"""TLS, mutual TLS and bearer tokens: the clients and the CLI against a real server that requires them."""
 
 from __future__ import annotations
 
 import asyncio
+import io
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
-from clients import AsyncClient, Client, UnauthenticatedError, UnavailableError
-from tests.clients.tlsserver import TOKEN, Certs, TlsServer
+from clients import AsyncClient, Client, PermissionDeniedError, UnauthenticatedError, UnavailableError
+from clients.cli import EXIT_DENIED, main
+from tests.service.certs import CertificateAuthority
+from tests.service.helpers import ServerThread
+
+APP_TOKEN = "app-token-0123456789abcdef"
+VIEWER_TOKEN = "viewer-token-0123456789abc"
+TOKENS_TOML = f"""
+[[tokens]]
+principal = "app"
+token = "{APP_TOKEN}"
+
+[[tokens]]
+principal = "viewer"
+token = "{VIEWER_TOKEN}"
+"""
+ACL_TOML = """
+[[rules]]
+principals = ["app"]
+streams = ["*"]
+permissions = ["admin"]
+
+[[rules]]
+principals = ["viewer"]
+streams = ["*"]
+permissions = ["read"]
+"""
 
 
-def _tls_client(server: TlsServer, certs: Certs, **overrides) -> Client:
+@dataclass(frozen=True)
+class Pki:
+    ca: Path
+    client_cert: Path
+    client_key: Path
+    other_ca: Path
+
+
+@pytest.fixture
+def secure(start_server: Callable[..., ServerThread], tmp_path: Path) -> tuple[ServerThread, Pki]:
+    """A server with mutual TLS (clients need a certificate from the CA) and bearer tokens."""
+    ca, other = CertificateAuthority(), CertificateAuthority("another CA")
+    server_cert, server_key = ca.issue("server", server=True).write(tmp_path, "server")
+    client_cert, client_key = ca.issue("client", server=False).write(tmp_path, "client")
+    (tmp_path / "ca.crt").write_bytes(ca.cert_pem)
+    (tmp_path / "other.crt").write_bytes(other.cert_pem)
+    (tmp_path / "tokens.toml").write_text(TOKENS_TOML)
+    (tmp_path / "acl.toml").write_text(ACL_TOML)
+    server = start_server(
+        tls_cert_file=str(server_cert),
+        tls_key_file=str(server_key),
+        tls_client_ca_file=str(tmp_path / "ca.crt"),
+        tokens_file=str(tmp_path / "tokens.toml"),
+        acl_file=str(tmp_path / "acl.toml"),
+    )
+    return server, Pki(tmp_path / "ca.crt", client_cert, client_key, tmp_path / "other.crt")
+
+
+def _client(server: ServerThread, pki: Pki, **overrides) -> Client:
     options = dict(
-        token=TOKEN,
-        root_certificates=certs.ca,  # a path; PEM bytes work too
-        certificate_chain=certs.client_cert.read_bytes(),
-        private_key=certs.client_key,
+        token=APP_TOKEN,
+        root_certificates=pki.ca,  # a path; PEM bytes work too
+        certificate_chain=pki.client_cert.read_bytes(),
+        private_key=pki.client_key,
         timeout=5,
     )
     options.update(overrides)
-    return Client(server.target, **options)
+    return Client(f"localhost:{server.server.port}", **options)
 
 
-def test_tls_with_a_client_certificate_and_a_token(tls_server: TlsServer, certs: Certs) -> None:
-    with _tls_client(tls_server, certs) as client:
-        info = client.info("secure")
-    assert (info.name, info.next_offset) == ("secure", 42)
+def test_mutual_tls_and_a_token(secure: tuple[ServerThread, Pki]) -> None:
+    server, pki = secure
+    with _client(server, pki) as client:
+        assert client.append("secure", [b"a", b"b"]).last_offset == 1
+        assert [e.payload for e in client.read("secure", 0)] == [b"a", b"b"]
 
 
-def test_a_wrong_token_is_unauthenticated(tls_server: TlsServer, certs: Certs) -> None:
-    with _tls_client(tls_server, certs, token="wrong") as client, pytest.raises(UnauthenticatedError):
+def test_a_wrong_token_is_unauthenticated_and_a_weak_one_denied(secure: tuple[ServerThread, Pki]) -> None:
+    server, pki = secure
+    with _client(server, pki, token="not-a-token-0123456789") as client, pytest.raises(UnauthenticatedError):
         client.info("secure")
+    with _client(server, pki, token=VIEWER_TOKEN) as client, pytest.raises(PermissionDeniedError):
+        client.append("secure", b"x")
 
 
-def test_a_server_the_roots_do_not_vouch_for_is_unreachable(tls_server: TlsServer, certs: Certs) -> None:
-    # The client's own certificate is not a CA that signed the server's: the handshake fails.
+def test_untrusted_servers_and_missing_certificates_fail_the_handshake(
+    secure: tuple[ServerThread, Pki],
+) -> None:
+    server, pki = secure
+    with _client(server, pki, root_certificates=pki.other_ca) as client, pytest.raises(UnavailableError):
+        client.info("secure", timeout=3)
     with (
-        _tls_client(tls_server, certs, root_certificates=certs.client_cert) as client,
+        _client(server, pki, certificate_chain=None, private_key=None) as client,
         pytest.raises(UnavailableError),
     ):
         client.info("secure", timeout=3)
+    with Client(server.target, token=APP_TOKEN, timeout=3) as plaintext, pytest.raises(UnavailableError):
+        plaintext.info("secure")
 
 
-def test_plaintext_to_a_tls_server_fails(tls_server: TlsServer) -> None:
-    with Client(tls_server.target, token=TOKEN, timeout=3) as client, pytest.raises(UnavailableError):
-        client.info("secure")
-
-
-def test_a_certificate_without_its_key_is_refused_at_once(certs: Certs) -> None:
+def test_a_certificate_without_its_key_is_refused_at_once(tmp_path: Path) -> None:
+    (tmp_path / "client.crt").write_text("not used")
     with pytest.raises(ValueError, match="private key"):
-        Client("127.0.0.1:1", certificate_chain=certs.client_cert)
+        Client("127.0.0.1:1", certificate_chain=tmp_path / "client.crt")
 
 
-def test_async_client_over_tls(tls_server: TlsServer, certs: Certs) -> None:
-    async def scenario() -> str:
+def test_async_client_over_mutual_tls(secure: tuple[ServerThread, Pki]) -> None:
+    server, pki = secure
+
+    async def scenario() -> int:
         async with AsyncClient(
-            tls_server.target,
-            token=TOKEN,
-            root_certificates=certs.ca.read_bytes(),
-            certificate_chain=certs.client_cert,
-            private_key=certs.client_key,
+            f"localhost:{server.server.port}",
+            token=APP_TOKEN,
+            root_certificates=pki.ca.read_bytes(),
+            certificate_chain=pki.client_cert,
+            private_key=pki.client_key,
             timeout=5,
         ) as client:
-            return (await client.info("async")).name
+            await client.append("async", b"x")
+            return (await client.info("async")).next_offset
 
-    assert asyncio.run(scenario()) == "async"
+    assert asyncio.run(scenario()) == 1
+
+
+def test_cli_tls_and_token_flags(secure: tuple[ServerThread, Pki], monkeypatch: pytest.MonkeyPatch) -> None:
+    server, pki = secure
+    monkeypatch.setenv("STREAMLOG_TOKEN", APP_TOKEN)
+    tls = ["--tls-ca", str(pki.ca), "--tls-cert", str(pki.client_cert), "--tls-key", str(pki.client_key)]
+    address = ["--address", f"localhost:{server.server.port}"]
+    out = io.StringIO()
+    assert main(["append", "cli", "one", *tls, *address], out=out) == 0
+    out = io.StringIO()
+    assert main(["info", "cli", "--json", *tls, *address], out=out) == 0
+    assert json.loads(out.getvalue())["next_offset"] == 1
+    assert main(["info", "cli", *tls, *address, "--token", VIEWER_TOKEN]) == 0  # reading is allowed
+    assert main(["append", "cli", "x", *tls, *address, "--token", VIEWER_TOKEN]) == EXIT_DENIED
