@@ -581,6 +581,9 @@ class Security:
 
     def reload(self, reason: str) -> bool:
         """Re-read every file; keep the old state of a part whose files do not load."""
+        if self.tls is None and self.auth is None:
+            log.info("reload (%s): no TLS, token or ACL files are configured", reason)
+            return True
         ok = True
         for part in (self.tls, self.auth):
             if part is None:
