@@ -42,7 +42,7 @@ def test_acks_are_one_range_for_contiguous_batches_and_offsets_otherwise() -> No
     assert groups._acks([]) == {}
 
 
-@pytest.mark.parametrize("mode", ["read_batch", "subscribe"])
+@pytest.mark.parametrize("mode", ["read_batch", "subscribe", "subscribe_ack_each"])
 def test_a_round_consumes_every_entry_once_and_leaves_nothing_pending(
     rounds: groups.Rounds, mode: str
 ) -> None:
