@@ -1,0 +1,1 @@
+"""Runnable examples built on streamlog (run them from the repository root)."""

@@ -1,0 +1,255 @@
+"""Rocket Rides end to end, in one command, against a streamlog server it starts itself.
+
+    python -m examples.rides --rides 5000
+
+1. starts `streamlog serve` on a free port with a fresh data directory;
+2. starts two consumer-group workers (`worker.py`), each in its own process under
+   a supervisor that restarts it when it crashes (they crash ~10% of batches);
+3. starts the Spark Structured Streaming job (`spark_job.py`) on local[2];
+4. runs the API simulator (`api.py`): rides into the log, ~10% of batches twice;
+5. waits until both workers have committed the last ride and Spark has read
+   everything, then compares the three totals with the API's ground truth.
+
+It exits 0 when the two workers and Spark agree exactly with the ground truth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+from clients import AlreadyExistsError, Client, GroupConfig
+from examples.rides import api, worker
+
+REPO = Path(__file__).resolve().parents[2]
+WORKERS = ("consumer0", "consumer1")
+MAX_RESTARTS = 500  # per worker; a worker crashing ~10% of batches needs far fewer
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _streamlog_command() -> str:
+    beside = Path(sys.executable).with_name("streamlog")
+    found = str(beside) if beside.exists() else shutil.which("streamlog")
+    if not found:
+        raise RuntimeError("the streamlog command is not installed (make venv, or pip install -e .)")
+    return found
+
+
+class Server:
+    """`streamlog serve` in a child process, on a free port of 127.0.0.1."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.port = _free_port()
+        self.endpoint = f"127.0.0.1:{self.port}"
+        command = [_streamlog_command(), "serve", "--data", str(data_dir), "--port", str(self.port)]
+        self.process = subprocess.Popen([*command, "--log-level", "warning"])
+        deadline = time.monotonic() + 60
+        with Client(self.endpoint, timeout=2) as client:
+            while True:
+                with contextlib.suppress(Exception):
+                    if client.health() == "SERVING":
+                        return
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"streamlog serve did not start on {self.endpoint}")
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()  # SIGTERM: the server drains and flushes
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+
+@dataclass
+class Supervised:
+    """A worker process restarted each time it crashes, like forego in the article."""
+
+    name: str
+    command: list[str]
+    seed: int
+    crashes: int = 0
+    exit_code: int | None = None
+    thread: threading.Thread = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._stopping = threading.Event()
+        self._process: subprocess.Popen | None = None
+        self.thread = threading.Thread(target=self._run, name=f"supervise-{self.name}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        }
+        for _ in range(MAX_RESTARTS):
+            if self._stopping.is_set():
+                return
+            # A seed per (run, worker, restart): the crashes of a run can be replayed.
+            command = [*self.command, "--crash-seed", f"{self.seed}-{self.name}-{self.crashes}"]
+            self._process = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL)
+            code = self._process.wait()
+            if code != worker.CRASH_EXIT:
+                self.exit_code = code
+                return
+            self.crashes += 1
+        self.exit_code = -1
+
+    def stop(self) -> None:
+        self._stopping.set()
+        process = self._process
+        if process is not None and process.poll() is None:
+            process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(10)
+        self.thread.join(15)
+
+
+@dataclass
+class Report:
+    rides: int
+    entries: int
+    double_sent_batches: int
+    truth: Decimal
+    workers: dict[str, Decimal]
+    worker_crashes: dict[str, int]
+    spark: dict[str, Any]
+
+    @property
+    def agreed(self) -> bool:
+        return all(total == self.truth for total in self.workers.values()) and (
+            self.spark["total_distance"] == self.truth and self.spark["rides"] == self.rides
+        )
+
+    def lines(self) -> list[str]:
+        out = [
+            f"API: {self.rides} rides, {self.entries} log entries "
+            f"({self.double_sent_batches} batches sent twice), total_distance={self.truth}"
+        ]
+        for name, total in self.workers.items():
+            out.append(f"{name}: total_distance={total} ({self.worker_crashes[name]} crashes before commit)")
+        out.append(
+            f"spark ride_totals: total_distance={self.spark['total_distance']} rides={self.spark['rides']} "
+            f"last_ride_id={self.spark['last_ride_id']}"
+        )
+        out.append("all totals agree with the ground truth" if self.agreed else "TOTALS DISAGREE")
+        return out
+
+
+def run(
+    rides: int,
+    data_dir: Path,
+    spark: Any = None,
+    seed: int = 0,
+    crash_rate: float = 0.1,
+    double_send_rate: float = 0.1,
+    timeout_s: float = 600,
+) -> Report:
+    """Run the whole pipeline once; `spark` is a session to use (else one is made and stopped)."""
+    from examples.rides import spark_job
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    own_session = spark is None
+    server = Server(data_dir / "server")
+    supervised: list[Supervised] = []
+    query = None
+    try:
+        with Client(server.endpoint, timeout=30) as client:
+            for name in WORKERS:  # the stream exists before Spark plans its first batch
+                with contextlib.suppress(AlreadyExistsError):
+                    client.create_group(
+                        api.STREAM,
+                        name,
+                        "oldest",
+                        config=GroupConfig(retention_hold=True),
+                        create_stream=True,
+                    )
+            for name in WORKERS:
+                command = [
+                    sys.executable, "-m", "examples.rides.worker", "--endpoint", server.endpoint,
+                    "--name", name, "--db", str(data_dir / f"{name}.db"), "--crash-rate", str(crash_rate),
+                    "--until-ride", str(rides),
+                ]  # fmt: skip
+                supervised.append(Supervised(name, command, seed))
+            if own_session:
+                spark = spark_job.session()
+            table, checkpoint = data_dir / "ride_totals", data_dir / "spark-checkpoint"
+            query = spark_job.totals_query(spark, server.endpoint, api.STREAM, table, checkpoint)
+            sent = api.simulate(
+                client, data_dir / "api.db", rides, double_send_rate=double_send_rate, seed=seed
+            )
+            deadline = time.monotonic() + timeout_s
+            for job in supervised:
+                job.thread.join(max(deadline - time.monotonic(), 0))
+                if job.exit_code != 0:
+                    raise RuntimeError(
+                        f"worker {job.name} ended with {job.exit_code} after {job.crashes} crashes"
+                    )
+            query.processAllAvailable()
+            query.stop()
+            _, truth = api.ground_truth(data_dir / "api.db")
+            totals = {}
+            for name in WORKERS:
+                db = worker.open_db(data_dir / f"{name}.db")
+                try:
+                    totals[name] = worker.state(db, name)[2]
+                finally:
+                    db.close()
+            return Report(
+                rides,
+                sent.entries,
+                sent.double_sent,
+                truth,
+                totals,
+                {job.name: job.crashes for job in supervised},
+                spark_job.read_totals(spark, table),
+            )
+    finally:
+        if query is not None:
+            query.stop()
+        for job in supervised:
+            job.stop()
+        server.stop()
+        if own_session and spark is not None:
+            spark.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Rocket Rides on streamlog: API, two workers and Spark.")
+    parser.add_argument("--rides", type=int, default=5000)
+    parser.add_argument("--data", type=Path, help="working directory (default: a new temporary one)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--crash-rate", type=float, default=0.1)
+    parser.add_argument("--double-send-rate", type=float, default=0.1)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    data = args.data or Path(tempfile.mkdtemp(prefix="rocket-rides-"))
+    print(f"working directory: {data}", flush=True)
+    report = run(
+        args.rides, data, seed=args.seed, crash_rate=args.crash_rate, double_send_rate=args.double_send_rate
+    )
+    for line in report.lines():
+        print(line)
+    return 0 if report.agreed else 1
