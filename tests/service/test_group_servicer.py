@@ -136,8 +136,9 @@ def test_a_redelivery_falling_due_wakes_a_blocked_reader_without_polling(tmp_pat
         waited = time.monotonic() - started
         assert [e.offset for e in reply.entries] == [0] and list(reply.delivery_counts) == [2]
         assert 0.25 <= waited < 2
-        # One read when the call came, one when the timer fired: no reads in between.
-        assert counting.group_reads == 2
+        # One read when the call came, one when the timer fired (one more if the wall clock and the
+        # loop's clock disagree by a hair and it fired a little early): a poller would read dozens.
+        assert counting.group_reads in (2, 3)
 
     run(tmp_path, scenario)
 
