@@ -1,4 +1,4 @@
-"""What idle clients cost a server: python -m bench.idle [--connections 10000] [--subscribers 5000]
+"""What idle clients cost a server: python -m bench.idle [--connections 10000] [--subscribers 2000]
 
 Starts `streamlog serve`, measures its resident memory (RssAnon: heap, not
 mapped segments), then opens idle connections (each a separate HTTP/2
@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
@@ -40,6 +41,20 @@ def _status(pid: int) -> dict[str, int]:
 def _channel(address: str) -> grpc.Channel:
     # A local subchannel pool: each channel gets its own connection instead of sharing one.
     return grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+def _wait_serving(channel: grpc.Channel) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.05)  # start-up only: the port opens and recovery ends without telling us
+    raise RuntimeError("streamlog serve did not become SERVING in 30 s")
 
 
 def _settle(pid: int, seconds: float = 2.0) -> dict[str, int]:
@@ -70,7 +85,7 @@ def run(connections: int, subscribers: int) -> None:
         address = f"127.0.0.1:{port}"
         try:
             with grpc.insecure_channel(address) as probe:
-                grpc.channel_ready_future(probe).result(timeout=30)
+                _wait_serving(probe)
                 pb_grpc.StreamLogServiceStub(probe).Append(pb.AppendRequest(stream="idle", payloads=[b"x"]))
             base = _settle(server.pid)
             emit("idle_server_heap", base["RssAnon"] / 1024, "MB", state="started")
@@ -111,7 +126,7 @@ def run(connections: int, subscribers: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--connections", type=int, default=10_000)
-    parser.add_argument("--subscribers", type=int, default=5_000)
+    parser.add_argument("--subscribers", type=int, default=2_000)
     args = parser.parse_args()
     run(args.connections, args.subscribers)
 
