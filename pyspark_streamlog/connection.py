@@ -131,6 +131,24 @@ class Connection:
         request = pb.ReadRequest(stream=stream, offset=offset, count=count, max_bytes=max_bytes)
         return self._call("Read", stream, lambda: self._read_raw(request, timeout=self.timeout_s))
 
+    def read_ahead(self, stream: str, offset: int, count: int, max_bytes: int) -> Callable[[], bytes]:
+        """Start a Read now; the returned function waits for its reply.
+
+        A task asks for its next reply before handing the current one to Spark,
+        so the server prepares it meanwhile. A failed call is made again, with
+        read()'s retries and error messages.
+        """
+        request = pb.ReadRequest(stream=stream, offset=offset, count=count, max_bytes=max_bytes)
+        future = self._read_raw.future(request, timeout=self.timeout_s)
+
+        def result() -> bytes:
+            try:
+                return future.result()
+            except grpc.RpcError:
+                return self.read(stream, offset, count, max_bytes)
+
+        return result
+
     def append(
         self,
         stream: str,

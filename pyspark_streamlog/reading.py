@@ -187,14 +187,20 @@ def read_range(part: StreamRange) -> Iterator[pa.RecordBatch]:
     """The entries of [part.start, part.end), one record batch per Read reply."""
     connection = Connection(part.endpoint, part.timeout_s)
     schema = to_arrow_schema(spark_schema(part.payload_as_string, part.include_headers), timezone="UTC")
+
+    def ask(offset: int):
+        return connection.read_ahead(part.stream, offset, min(READ_ENTRIES, part.end - offset), READ_BYTES)
+
     offset = part.start
+    pending = ask(offset) if offset < part.end else None
     # Every turn either moves `offset` forward or ends the loop, so there are at
     # most (end - start) turns; the bound is a guard against a server bug.
     for _ in range(part.end - part.start + 1):
-        if offset >= part.end:
+        if pending is None:
             return
-        raw = connection.read(part.stream, offset, min(READ_ENTRIES, part.end - offset), READ_BYTES)
-        reply = decode_read_response(raw)
+        reply = decode_read_response(pending())
+        following = reply.next_offset
+        pending = ask(following) if offset < following < part.end else None
         gap = reply.gap
         if gap is not None and gap.is_loss and gap.start_offset < part.end and gap.end_offset > offset:
             clipped = Gap(max(gap.start_offset, offset), min(gap.end_offset, part.end), gap.reason)
@@ -202,11 +208,11 @@ def read_range(part: StreamRange) -> Iterator[pa.RecordBatch]:
         rows = int(np.searchsorted(reply.offsets, part.end))
         if rows:
             yield to_batch(reply.head(rows), part, schema)
-        if reply.next_offset <= offset:
+        if following <= offset:
             # No entry and no gap: the stream now ends before `end` (deleted and
             # recreated, or its tail lost); the rest of the range is gone.
             lost = Gap(offset, part.end, f"missing: the stream now ends at {reply.end_offset}")
             data_loss(_gap_message(part.stream, lost), part.fail_on_data_loss)
             return
-        offset = reply.next_offset
+        offset = following
     raise AssertionError(f"read of {part.stream!r} [{part.start}, {part.end}) made no progress")

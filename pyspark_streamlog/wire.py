@@ -145,30 +145,88 @@ def _decode_gap(raw: bytes, pos: int, end: int) -> Gap:
     return Gap(start, stop, GAP_REASONS.get(reason, f"unknown({reason})"))
 
 
-def _scan(raw: bytes) -> tuple[list[int], list[int], int, int, int, Gap | None]:
-    """Entry body positions and lengths, and the reply's other fields, in one pass."""
+def _lengths(buf: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Length varints (up to 5 bytes) at each position: values, sizes, and which ones end in time.
+
+    Unlike _varints it never raises: it also runs at positions that merely might
+    start an entry, where the bytes can be anything.
+    """
+    byte = buf[pos]
+    value = (byte & 0x7F).astype(np.int64)
+    size = np.ones(len(pos), dtype=np.int64)
+    active = np.flatnonzero(byte >= 0x80)
+    for shift in (7, 14, 21, 28):
+        if not len(active):
+            break
+        byte = buf[pos[active] + size[active]]
+        value[active] |= (byte & 0x7F).astype(np.int64) << shift
+        size[active] += 1
+        active = active[byte >= 0x80]
+    ok = np.ones(len(pos), dtype=bool)
+    ok[active] = False
+    return value, size, ok
+
+
+def _leading_entries(buf: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Body positions and lengths of the entries a reply starts with, and where they end.
+
+    Entries are chained: each one's length says where the next field starts. To
+    follow the chain without a Python turn per entry, every 0x0A byte is taken
+    as a possible entry start and linked to the possible start its length points
+    at; then pointer doubling (each round doubles the jump length, so ~log2(n)
+    rounds) collects every candidate reachable from the first byte. Candidates
+    inside payloads are never reached from it, since real entries link only to
+    real entries.
+    """
+    empty = np.zeros(0, dtype=np.int64)
+    if size == 0 or buf[0] != 0x0A:
+        return empty, empty, 0
+    candidates = np.flatnonzero(buf[:size] == 0x0A)
+    count = len(candidates)
+    lengths, sizes, ok = _lengths(buf, candidates + 1)
+    after = candidates + 1 + sizes + lengths
+    index = np.searchsorted(candidates, after)
+    linked = ok & (index < count) & (candidates[np.minimum(index, count - 1)] == after)
+    jump = np.append(np.where(linked, index, count), count)  # `count`: the chain ends here
+    reached = np.zeros(1, dtype=np.int64)
+    for _ in range(64):  # 2**64 jumps would be more entries than any reply holds
+        found = jump[reached]
+        found = found[found < count]
+        if not len(found):
+            break
+        reached = np.concatenate([reached, found])
+        jump = jump[jump]
+    chain = np.sort(reached)
+    last = chain[-1]
+    if not ok[last] or after[last] > size:
+        # A broken last entry: leave it to the byte-by-byte scan, which reports it.
+        chain = chain[:-1]
+        return candidates[chain] + 1 + sizes[chain], lengths[chain], int(candidates[last])
+    return candidates[chain] + 1 + sizes[chain], lengths[chain], int(after[last])
+
+
+def _scan(raw: bytes, buf: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int, int, Gap | None]:
+    """Entry body positions and lengths, and the reply's other fields.
+
+    The server sends its entries first; _leading_entries finds those at numpy
+    speed, and the loop below reads whatever follows (the reply's own fields,
+    and entries in any other order a sender may choose) a field at a time.
+    """
     size = len(raw)
+    lead_starts, lead_lengths, pos = _leading_entries(buf, size)
     starts: list[int] = []
     lengths: list[int] = []
-    add_start, add_length = starts.append, lengths.append
     first = following = end_offset = 0
     gap = None
-    pos = 0
     while pos < size:
-        if raw[pos] == 0x0A:
-            # The hot loop: one entry per turn; lengths under 128 take the first branch.
-            length = raw[pos + 1] if pos + 1 < size else 0x80
-            if length < 0x80:
-                pos += 2
-            else:
-                length, pos = _varint(raw, pos + 1, size)
-            add_start(pos)
-            add_length(length)
-            pos += length
-            continue
         key, pos = _varint(raw, pos, size)
         field, wire_type = key >> 3, key & 7
-        if wire_type == 0 and field in (2, 3, 5):
+        if key == 0x0A:
+            length, pos = _varint(raw, pos, size)
+            starts.append(pos)
+            lengths.append(length)
+            pos += length
+        elif wire_type == 0 and field in (2, 3, 5):
             value, pos = _varint(raw, pos, size)
             if field == 2:
                 first = _signed(value)
@@ -186,7 +244,10 @@ def _scan(raw: bytes) -> tuple[list[int], list[int], int, int, int, Gap | None]:
             pos = _skip(raw, wire_type, pos, size)
     if pos != size:
         raise WireError("the last entry runs past the end of the reply")
-    return starts, lengths, first, following, end_offset, gap
+    if starts:
+        lead_starts = np.concatenate([lead_starts, np.array(starts, dtype=np.int64)])
+        lead_lengths = np.concatenate([lead_lengths, np.array(lengths, dtype=np.int64)])
+    return lead_starts, lead_lengths, first, following, end_offset, gap
 
 
 def _varints(buf: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -300,9 +361,9 @@ def _rest_of_entry(raw: bytes, pos: int, end: int) -> list[tuple[str, bytes]] | 
 
 def decode_read_response(raw: bytes) -> ReadReply:
     """Decode a serialized ReadResponse (or SubscribeResponse: same field numbers)."""
-    starts, lengths, first, following, end_offset, gap = _scan(raw)
-    rows = len(starts)
-    if rows == 0:
+    buf = np.frombuffer(raw + _PAD, dtype=np.uint8)
+    starts, lengths, first, following, end_offset, gap = _scan(raw, buf)
+    if len(starts) == 0:
         empty = np.zeros(0, dtype=np.int64)
         return ReadReply(
             empty,
@@ -315,10 +376,8 @@ def decode_read_response(raw: bytes) -> ReadReply:
             end_offset,
             gap,
         )
-    padded = raw + _PAD
-    buf = np.frombuffer(padded, dtype=np.uint8)
-    pos = np.array(starts, dtype=np.int64)
-    stop = pos + np.array(lengths, dtype=np.int64)
+    pos = starts.copy()
+    stop = starts + lengths
     if not ((buf[pos] == 0x08).all()):
         return _decode_with_protobuf(raw)
     offsets, sizes = _varints(buf, pos + 1)

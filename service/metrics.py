@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -34,7 +35,7 @@ from typing import Any
 import grpc
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from service.interceptors import StreamBehavior, UnaryBehavior, WrappingInterceptor, iterate
@@ -320,6 +321,15 @@ class EngineCollector(Collector):
             "Stream directories whose metadata failed its checks at start-up (not served).",
             len(stats["unreadable_streams"]),
         )
+        times = stats["fsync_seconds"]
+        if times is not None:
+            buckets = [("+Inf" if math.isinf(le) else repr(le), count) for le, count in times.buckets()]
+            yield HistogramMetricFamily(
+                "streamlog_fsync_seconds",
+                "Time of each fdatasync/fsync the engine made (segments, group journals, directories).",
+                buckets=buckets,
+                sum_value=times.total_s,
+            )
         yield CounterMetricFamily("streamlog_node_cache_hits", "Node cache hits.", stats["cache_hits"])
         yield CounterMetricFamily(
             "streamlog_node_cache_misses", "Decoded-node cache misses.", stats["cache_misses"]

@@ -8,9 +8,16 @@ crash or power loss at any sync point. Segment bytes are written only through
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import errno
+import itertools
+import math
 import mmap
 import os
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from storage.errors import CorruptionError, DiskFullError, DurabilityError
@@ -18,13 +25,43 @@ from storage.errors import CorruptionError, DiskFullError, DurabilityError
 SEGMENT_MIN_BYTES = 64  # a segment header; anything shorter is a file whose creation a crash cut short
 
 
+class SyncTimes:
+    """How long every file sync took, as cumulative histogram buckets (for the fsync latency metric)."""
+
+    BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, math.inf)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = [0] * len(self.BUCKETS_S)
+        self.total_s = 0.0
+        self.count = 0
+
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - started
+            with self._lock:
+                self._counts[bisect.bisect_left(self.BUCKETS_S, elapsed)] += 1
+                self.total_s += elapsed
+                self.count += 1
+
+    def buckets(self) -> list[tuple[float, int]]:
+        """(upper bound in seconds, syncs that took at most that long), Prometheus style."""
+        with self._lock:
+            return list(zip(self.BUCKETS_S, itertools.accumulate(self._counts), strict=True))
+
+
 class SegmentFile:
     """A fixed-size file mapped into memory: write at a position, read a range, sync."""
 
-    def __init__(self, path: Path, fd: int, size: int, writable: bool) -> None:
+    def __init__(self, path: Path, fd: int, size: int, writable: bool, times: SyncTimes) -> None:
         self.path = path
         self.size = size
         self.writable = writable
+        self._times = times
         self._fd = fd
         access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
         self._map = mmap.mmap(fd, size, access=access) if size else None
@@ -40,7 +77,8 @@ class SegmentFile:
         if self._fd < 0:
             return  # closed: the segment was deleted, nothing of it needs to last
         try:
-            os.fdatasync(self._fd)
+            with self._times.timed():
+                os.fdatasync(self._fd)
         except OSError as exc:
             raise DurabilityError(f"fdatasync of {self.path} failed: {exc}") from exc
 
@@ -55,6 +93,9 @@ class SegmentFile:
 
 class FileSystem:
     """The real file system. Paths are `pathlib.Path` objects."""
+
+    def __init__(self) -> None:
+        self.sync_times = SyncTimes()
 
     def create_segment(self, path: Path, size: int, header: bytes) -> SegmentFile:
         """Create, preallocate and write the header of a segment, durably.
@@ -75,7 +116,7 @@ class FileSystem:
                 raise DiskFullError(f"no space to create segment {path.name} ({size} bytes)") from exc
             raise DurabilityError(f"cannot create segment {path.name}: {exc}") from exc
         self.sync_dir(path.parent)
-        return SegmentFile(path, fd, size, writable=True)
+        return SegmentFile(path, fd, size, writable=True, times=self.sync_times)
 
     def open_segment(self, path: Path, writable: bool) -> SegmentFile:
         fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
@@ -83,7 +124,7 @@ class FileSystem:
         if size < SEGMENT_MIN_BYTES:
             os.close(fd)
             raise CorruptionError(f"segment {path.name} is {size} bytes, shorter than its header")
-        return SegmentFile(path, fd, size, writable)
+        return SegmentFile(path, fd, size, writable, self.sync_times)
 
     def write_file_atomic(self, path: Path, data: bytes) -> None:
         """Replace `path` with `data` so that a crash leaves either the old or the new file."""
@@ -146,7 +187,8 @@ class FileSystem:
     def sync_dir(self, path: Path) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            os.fsync(fd)
+            with self.sync_times.timed():
+                os.fsync(fd)
         except OSError as exc:
             raise DurabilityError(f"fsync of directory {path} failed: {exc}") from exc
         finally:

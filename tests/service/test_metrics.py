@@ -157,3 +157,17 @@ def test_event_loop_lag_is_measured_at_each_scrape(metered: ServerThread) -> Non
     metered.loop.call_soon_threadsafe(block_the_loop)
     assert blocked.wait(5)
     assert value(scrape(metered), "streamlog_event_loop_lag_seconds") >= 0.1
+
+
+def test_fsync_latency_histogram_counts_the_syncs_of_always_appends(metered: ServerThread) -> None:
+    before = value(scrape(metered), "streamlog_fsync_seconds_count")
+    with grpc.insecure_channel(metered.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        for _ in range(5):
+            append(stub, "synced", b"x")  # fsync=always: each append waits for a sync
+    after = scrape(metered)
+    assert value(after, "streamlog_fsync_seconds_count") >= before + 5
+    assert value(after, "streamlog_fsync_seconds_sum") > 0
+    assert value(after, "streamlog_fsync_seconds_bucket", le="+Inf") == value(
+        after, "streamlog_fsync_seconds_count"
+    )
