@@ -24,28 +24,33 @@ bench.redis_baseline.xreadgroup_consume: XREADGROUP COUNT 50 then XACK
 the previous batch and XREADGROUP of the next in one round trip), and
 XREADGROUP COUNT 1 + XACK (`one_at_a_time`).
 
-Every figure is the median of --repeat runs (all runs are listed); every run
-checks that it consumed every entry once and left nothing pending. Figures are
+Both servers run side by side and every repetition runs every mode of both,
+so load on a shared machine falls on both columns alike. Every figure is the
+median of --repeat runs (all runs are listed); every run checks that it
+consumed every entry once and left nothing pending. Figures are
 `ms_per_batch` (per 50 entries, in every mode) and `entries_per_s`, one JSON
 object per line (bench.common.emit). Targets (issue 4): read_batch <= 0.86 ms
 per batch (seed 004's best, its Lua multi-consume); subscribe >= Redis
-pipelined entries/s.
+pipelined entries/s. For scale, the run also reports the round trip of an
+empty call to each server (a gRPC health check, a Redis PING).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
 from bench import redis_baseline
-from bench.common import Timer, cpu_steal_ticks, emit
+from bench.common import Timer, cpu_steal_ticks, emit, percentiles
 from bench.service import _channel, streamlog_server
 
 STREAM_LEN = 1000
@@ -156,70 +161,85 @@ def measure(rounds: Rounds, mode: str, n_rounds: int) -> dict[str, Any]:
     }
 
 
-def _median(repeat: int, measure_once: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], list[float]]:
+OURS = ("read_batch", "read_one", "subscribe", "subscribe_ack_each")
+THEIRS = {"batch": (False, False), "pipelined": (True, False), "one_at_a_time": (False, True)}
+
+
+def round_trip_floor(call: Callable[[], object], samples: int = 2000) -> float:
+    """p50 of an empty request's round trip, in us: what any call pays before doing anything."""
+    for _ in range(100):
+        call()
+    times = []
+    for _ in range(samples):
+        started = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - started) * 1e6)
+    return percentiles(times, (50,))[0]
+
+
+def _median(runs: list[dict[str, Any]]) -> tuple[dict[str, Any], list[float]]:
     """The run with the median entries/s, and every run's entries/s (loopback figures are noisy)."""
-    runs = sorted((measure_once() for _ in range(max(1, repeat))), key=lambda f: f["entries_per_s"])
-    return runs[len(runs) // 2], [round(r["entries_per_s"]) for r in runs]
+    ordered = sorted(runs, key=lambda f: f["entries_per_s"])
+    return ordered[len(ordered) // 2], [round(r["entries_per_s"]) for r in ordered]
 
 
 def run(rounds: int, repeat: int) -> None:
     common = {"stream_len": STREAM_LEN, "count": COUNT, "payload_bytes": PAYLOAD, "rounds": rounds}
     steal_before = cpu_steal_ticks()
     payloads = [os.urandom(PAYLOAD) for _ in range(STREAM_LEN)]
-    ours: dict[str, dict[str, Any]] = {}
-    with streamlog_server("everysec") as address, _channel(address) as channel:
-        stub = Stub(channel)
-        setup = Rounds(stub, payloads)
-        measure(setup, "read_batch", 1)  # warm-up: connection, code paths, caches
-        for mode in ("read_batch", "read_one", "subscribe", "subscribe_ack_each"):
-            fig, runs = _median(repeat, lambda mode=mode: measure(setup, mode, rounds))
-            ours[mode] = fig
-            labels = {"system": "streamlog", "mode": mode, "fsync": "everysec", "entries": fig["entries"]}
-            emit("group_consume.ms_per_batch", fig["ms_per_batch"], "ms", **labels, **common)
-            emit(
-                "group_consume.entries_per_s",
-                fig["entries_per_s"],
-                "entries/s",
-                **labels,
-                **common,
-                runs=runs,
-            )
-
-    theirs: dict[str, dict[str, Any]] = {}
-    with redis_baseline.RedisServer("everysec") as server:
+    samples: dict[str, list[dict[str, Any]]] = {mode: [] for mode in (*OURS, *THEIRS)}
+    with (
+        streamlog_server("everysec") as address,
+        _channel(address) as channel,
+        redis_baseline.RedisServer("everysec") as server,
+    ):
+        setup = Rounds(Stub(channel), payloads)
         r = server.client()
-        for pipelined, one_at_a_time in ((False, False), (True, False), (False, True)):
-            fig, runs = _median(
-                repeat,
-                lambda p=pipelined, o=one_at_a_time: redis_baseline.xreadgroup_consume(
-                    r,
-                    total=rounds * STREAM_LEN,
-                    count=COUNT,
-                    pipelined=p,
-                    one_at_a_time=o,
-                    stream_len=STREAM_LEN,
-                    payload_size=PAYLOAD,
-                ),
-            )
-            theirs[fig["mode"]] = fig
-            labels = {
-                "system": "redis",
-                "mode": fig["mode"],
-                "appendfsync": "everysec",
-                "entries": fig["entries"],
-                "redis_version": server.version,
-                "hiredis": redis_baseline.hiredis_in_use(),
-            }
-            emit("group_consume.ms_per_batch", fig["ms_per_batch"], "ms", **labels, **common)
-            emit(
-                "group_consume.entries_per_s",
-                fig["entries_per_s"],
-                "entries/s",
-                **labels,
-                **common,
-                runs=runs,
-            )
+        measure(setup, "read_batch", 1)  # warm-up: connection, code paths, caches
+        # Both systems run side by side, mode after mode, in every repetition: a burst of load
+        # on this shared machine then hits both, not one half of the table.
+        for _ in range(max(1, repeat)):
+            for mode in OURS:
+                samples[mode].append(measure(setup, mode, rounds))
+            for mode, (pipelined, one_at_a_time) in THEIRS.items():
+                samples[mode].append(
+                    redis_baseline.xreadgroup_consume(
+                        r,
+                        total=rounds * STREAM_LEN,
+                        count=COUNT,
+                        pipelined=pipelined,
+                        one_at_a_time=one_at_a_time,
+                        stream_len=STREAM_LEN,
+                        payload_size=PAYLOAD,
+                    )
+                )
+        redis_labels = {"redis_version": server.version, "hiredis": redis_baseline.hiredis_in_use()}
+        # How much of a call is the transport: a gRPC health check, a Redis PING.
+        health = health_pb2_grpc.HealthStub(channel)
+        floors = {
+            "streamlog": round_trip_floor(lambda: health.Check(health_pb2.HealthCheckRequest())),
+            "redis": round_trip_floor(r.ping),
+        }
 
+    ours: dict[str, dict[str, Any]] = {}
+    theirs: dict[str, dict[str, Any]] = {}
+    for mode, runs in samples.items():
+        fig, values = _median(runs)
+        if mode in OURS:
+            ours[mode] = fig
+            labels: dict[str, Any] = {"system": "streamlog", "mode": mode, "fsync": "everysec"}
+        else:
+            theirs[mode] = fig
+            labels = {"system": "redis", "mode": mode, "appendfsync": "everysec", **redis_labels}
+        labels["entries"] = fig["entries"]
+        emit("group_consume.ms_per_batch", fig["ms_per_batch"], "ms", **labels, **common)
+        emit(
+            "group_consume.entries_per_s", fig["entries_per_s"], "entries/s", **labels, **common, runs=values
+        )
+
+    for system, floor in floors.items():
+        call = "grpc.health.v1.Health/Check" if system == "streamlog" else "PING"
+        emit("group_consume.round_trip_floor_p50", floor, "us", system=system, call=call)
     batch_ms = ours["read_batch"]["ms_per_batch"]
     emit(
         "group_consume.target.read_batch_ms",
