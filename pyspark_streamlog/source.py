@@ -168,6 +168,10 @@ class StreamlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         offsets = {}
         for stream, (first, following) in self._states().items():
             start = resolve(self._connection, stream, self.options.starting[stream], first, following)
+            if start > following:
+                raise OptionError(
+                    f"startingOffsets for {stream!r} is {start}, past the stream's end ({following})"
+                )
             offsets[stream] = _check_start(self.options, stream, start, first)
         return offsets
 

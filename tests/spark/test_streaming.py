@@ -125,3 +125,10 @@ def test_fail_on_data_loss_when_retention_overtakes_a_stopped_query(spark, serve
     lenient = source(spark, server, streams="metrics", startingOffsets="earliest", failOnDataLoss="false")
     run_available_now(lenient, tmp_path / "out", tmp_path / "cp")
     assert offsets_in(spark, tmp_path / "out") == list(range(500)) + list(range(700, 1000))
+
+
+def test_a_starting_offset_past_the_end_is_refused(spark, server, stub, tmp_path) -> None:
+    fill(stub, "short", 10)
+    frame = source(spark, server, streams="short", startingOffsets='{"short": 11}')
+    with pytest.raises(Exception, match=r"startingOffsets for 'short' is 11, past the stream's end \(10\)"):
+        run_available_now(frame, tmp_path / "out", tmp_path / "cp")
