@@ -12,6 +12,7 @@ interceptor is one `intercept_service` await and the wrapper itself.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -55,11 +56,13 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
         self._wrapped[path] = (handler, wrapped)
         return wrapped
 
+    @abc.abstractmethod
     def wrap_unary(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
-        raise NotImplementedError
+        """The handler of unary `method`, wrapped (or `behavior` itself to leave it alone)."""
 
+    @abc.abstractmethod
     def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
-        raise NotImplementedError
+        """The handler of server-streaming `method`, wrapped (or `behavior` itself)."""
 
 
 async def iterate(
