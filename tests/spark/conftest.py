@@ -48,8 +48,7 @@ def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.warehouse.dir", str(warehouse))
-        # Streaming tests wait for progress; do not idle between micro-batches.
-        .config("spark.sql.streaming.pollingDelay", "10ms")
+        .config("spark.ui.showConsoleProgress", "false")
     )
     try:
         session = builder.getOrCreate()
