@@ -8,8 +8,9 @@ appends 0, 1, 2, ... per target stream, and cuts rows into appends by count
 and size only, so a retried task (or a micro-batch replayed after a restart)
 sends the same batches under the same sequences, and the server answers
 `duplicate` instead of writing them again. That makes the sink exactly-once
-as long as the rows Spark hands each task are the same on a retry, which holds
-for deterministic queries over a replayable source (as with Spark's file sink).
+as long as Spark hands a retried task the same rows in the same order: true of
+queries that read, select and filter a replayable source; after a shuffle the
+order within a task can change, and docs/SPARK.md says to sort within partitions.
 
 Appends are visible to readers as soon as the server acknowledges them; Spark's
 commit on the driver has nothing left to publish, and an aborted batch leaves
