@@ -109,6 +109,8 @@ class Engine:
                 self._fs.remove_tree(directory)  # a delete that crashed half-way
                 continue
             if not self._fs.exists(directory / META_FILE):
+                if not any(name.endswith(".seg") for name in self._fs.listdir(directory)):
+                    self._fs.remove_tree(directory)  # a creation that a crash cut short
                 continue
             try:
                 stream = Stream.open(self._ctx, directory)

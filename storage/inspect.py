@@ -114,6 +114,8 @@ def verify(data_dir: Path) -> list[str]:
     if not streams.is_dir():
         return [f"{data_dir} is not a streamlog data directory (no streams/)"]
     for directory in sorted(p for p in streams.iterdir() if p.is_dir()):
+        if not (directory / META_FILE).exists() and not any(directory.glob(f"*{SEGMENT_SUFFIX}")):
+            continue  # a stream creation a crash cut short: start-up removes it, nothing was in it
         try:
             name, _, _ = decode_meta((directory / META_FILE).read_bytes())
         except (OSError, CorruptionError, ValueError, KeyError) as exc:

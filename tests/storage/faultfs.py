@@ -381,6 +381,19 @@ class FaultFS:
                     node.durable[part] = child
                 node = child
 
+    def export(self, path: Path, dest: Path) -> None:
+        """Write the live tree under `path` into the real directory `dest` (for offline tools)."""
+        with self._lock:
+            stack = [(self._dir(path), dest)]
+            while stack:
+                directory, target = stack.pop()
+                target.mkdir(parents=True, exist_ok=True)
+                for name, node in directory.entries.items():
+                    if isinstance(node, _Dir):
+                        stack.append((node, target / name))
+                    else:
+                        (target / name).write_bytes(bytes(node.data))
+
     def file_bytes(self, path: Path) -> bytes:
         """The live content of a file."""
         with self._lock:

@@ -29,13 +29,22 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from storage import CorruptionError, DiskFullError, DurabilityError, Engine, EngineConfig, StreamConfig
+from storage import (
+    CorruptionError,
+    DiskFullError,
+    DurabilityError,
+    Engine,
+    EngineConfig,
+    StreamConfig,
+    inspect,
+)
 from tests.storage.conftest import SMALL as CONFTEST_SMALL
 from tests.storage.faultfs import Crash, FaultFS, FaultSegmentFile
 
@@ -528,6 +537,13 @@ def content(engine: Engine, problems: list[str]) -> tuple:
     return tuple(out)
 
 
+def offline_verify(state: FaultFS) -> list[str]:
+    """What `python -m storage.inspect verify` finds in a state left by a clean close: nothing."""
+    with tempfile.TemporaryDirectory() as tmp:
+        state.export(ROOT, Path(tmp))
+        return [f"storage.inspect verify: {p}" for p in inspect.verify(Path(tmp))]
+
+
 def verify(case: Case) -> list[str]:
     """Reopen a crash state and check it; returns the problems found (empty when all is well)."""
     problems: list[str] = []
@@ -553,6 +569,7 @@ def verify(case: Case) -> list[str]:
         engine = open_engine(state, variant.fsync, clock)
         if content(engine, found) != recovered:
             found.append("the content differs from what recovery gave")
+        found.extend(offline_verify(state))
         note(found)
         phase, found = "appending after recovery", []
         rng = random.Random(case.seed)
