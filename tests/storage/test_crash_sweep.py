@@ -18,7 +18,7 @@ snapshot is then reopened and checked:
   recovery's own writes were made durable), the stream accepts new appends
   (enough to roll a segment) which read back, and they survive a further crash.
 
-CI runs 1,000 crash points over six variants (about 25 s on two cores);
+CI runs 1,150 crash points over seven variants (about 30 s on two cores);
 `STREAMLOG_CRASH_POINTS=N` spreads about N over them for a long run. A failure
 names the variant, seed and crash point; rerun one seed with
 `STREAMLOG_CRASH_SEED=... pytest tests/storage/test_crash_sweep.py -k VARIANT`.
@@ -50,6 +50,7 @@ from tests.storage.faultfs import Crash, FaultFS, FaultSegmentFile
 
 ROOT = Path("/faultfs/data")
 MAIN = "main"
+GROUP = "g"
 AUX = "aux"
 SMALL = {**CONFTEST_SMALL, "compression": True, "compaction_interval_ms": 1}
 TAGS = [f"key-{i}" for i in range(6)]
@@ -106,6 +107,9 @@ VARIANTS = [
     ),
     Variant("everysec-power-compaction", "everysec", "power", 110, ops=frozenset({"compact"}), tagged=True),
     Variant("no-power", "no", "power", 110, ops=frozenset({"evict", "reopen"}), write_share=0.5),
+    Variant(
+        "always-power-groups", "always", "power", 150, ops=frozenset({"group", "reopen"}), write_share=0.2
+    ),
 ]
 
 
@@ -150,6 +154,10 @@ class Model:
     inflight: str | None = None
     aux: AuxModel = field(default_factory=AuxModel)
     aux_inflight: str | None = None
+    group_created: bool = False
+    delivered: frozenset[int] = frozenset()  # group reads whose reply came back
+    acked: frozenset[int] = frozenset()  # acks whose reply came back
+    acking: frozenset[int] = frozenset()  # the ack under way, if any
 
 
 @dataclass(frozen=True)
@@ -164,6 +172,10 @@ class Snapshot:
     aux_attempted: int
     aux_exists: bool
     aux_inflight: str | None
+    group_created: bool = False
+    delivered: frozenset[int] = frozenset()
+    acked: frozenset[int] = frozenset()
+    acking: frozenset[int] = frozenset()
 
 
 def snapshot(model: Model) -> Snapshot:
@@ -179,6 +191,10 @@ def snapshot(model: Model) -> Snapshot:
         aux.attempted,
         aux.exists,
         model.aux_inflight,
+        model.group_created,
+        model.delivered,
+        model.acked,
+        model.acking,
     )
 
 
@@ -306,12 +322,16 @@ def run_workload(variant: Variant, seed: int, k: int) -> list[Case]:
     model.inflight = "create"
     engine.create_stream(MAIN, config)
     model.created, model.inflight = True, None
+    if "group" in variant.ops:
+        model.inflight = "create_group"
+        engine.create_group(MAIN, GROUP)
+        model.group_created, model.inflight = True, None
 
     weights = {"append": 70, "maintain": 10}
     weights.update(
         {
             op: w
-            for op, w in dict(trim=2, evict=2, keep_last=2, compact=3, aux=6, reopen=2).items()
+            for op, w in dict(trim=2, evict=2, keep_last=2, compact=3, aux=6, reopen=2, group=25).items()
             if op in variant.ops
         }
     )
@@ -351,6 +371,8 @@ def run_workload(variant: Variant, seed: int, k: int) -> list[Case]:
         elif op == "aux":
             model.inflight = None
             aux_op(engine, model, rng)
+        elif op == "group":
+            group_op(engine, model, rng)
         if op in FIRST_MOVERS | {"reopen"}:
             model.committed_first = engine.info(MAIN).first_offset
         model.inflight = None
@@ -366,6 +388,32 @@ def run_workload(variant: Variant, seed: int, k: int) -> list[Case]:
         model.ts,
     )
     return [*reservoir.items, final]
+
+
+def group_op(engine: Engine, model: Model, rng: random.Random) -> None:
+    """A group read, then an ack of some of what is pending: each change waits for its journal sync."""
+    taken = engine.read_group(MAIN, GROUP, rng.choice(["c1", "c2"]), rng.randint(1, 20))
+    model.delivered = model.delivered | set(taken.offsets)
+    unacked = sorted(model.delivered - model.acked)
+    chosen = frozenset(o for o in unacked if rng.random() < 0.6)
+    if chosen:
+        model.inflight, model.acking = "ack", chosen
+        engine.ack(MAIN, GROUP, offsets=sorted(chosen))
+        model.acked, model.acking = model.acked | chosen, frozenset()
+
+
+def check_group(case: Case, engine: Engine, problems: list[str]) -> None:
+    """In "always" mode, a delivery or ack whose reply came back survives any crash."""
+    snap = case.snap
+    if not snap.group_created or case.variant.fsync != "always":
+        return
+    pending = {row.offset for row in engine.pending(MAIN, GROUP, count=1_000_000).rows}
+    lost = (snap.delivered - snap.acked - snap.acking) - pending
+    if lost:
+        problems.append(f"delivered, unacknowledged entries are no longer pending: {sorted(lost)[:10]}")
+    back = (snap.acked & pending) - snap.acking
+    if back:
+        problems.append(f"acknowledged entries are pending again: {sorted(back)[:10]}")
 
 
 def aux_op(engine: Engine, model: Model, rng: random.Random) -> None:
@@ -561,6 +609,7 @@ def verify(case: Case) -> list[str]:
             found.append(f"unreadable after a crash: {engine.unreadable}")
         check_main(case, engine, found)
         check_aux(case, engine, found)
+        check_group(case, engine, found)
         recovered = content(engine, found)
         note(found)
         phase, found = "clean close + power loss", []
