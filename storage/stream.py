@@ -146,10 +146,8 @@ class Stream:
         self.last_compaction_ms = 0
         self.closed = False
         self._holes: bool | None = None  # cached answer of _has_holes(); None = recompute
-        cfg = ctx.config
-        self.producers = ProducerTable(
-            cfg.dedup_batches_per_producer, cfg.dedup_window_ms, cfg.dedup_max_producers
-        )
+        self.producers = _producer_table(ctx.config)
+        self._tags = _TagIndex()  # compaction's index, built up round by round
 
     # ------------------------------------------------------------------ open / create
 
@@ -771,7 +769,15 @@ class Stream:
                     raise
 
     def compact(self, now_ms: int) -> int:
-        """Keep only the latest entry per tag in sealed segments. Returns the entries removed."""
+        """Keep only the latest entry per tag in sealed segments. Returns the entries removed.
+
+        Incremental, like Kafka's cleaner with its dirty section: the index of the
+        latest offset per tag is kept between rounds and only records appended since
+        the last round are decoded. A round rewrites only the sealed segments that
+        hold a superseded entry or an expired tombstone, selecting survivors by
+        offset without decoding their records. (After a restart the first round
+        rebuilds the index from the whole stream.)
+        """
         # Superseding entries must be on disk before what they supersede is removed,
         # or a power loss could lose a key altogether.
         self.sync()
@@ -779,37 +785,42 @@ class Stream:
             with self.lock:
                 sealed = self.segments[:-1]
                 refs = list(self.nodes)
-            latest: dict[str, int] = {}
+                first = self.first_offset
+            index = self._tags
             for ref in refs:
+                if ref.end_offset <= index.scanned_to:
+                    continue
                 try:
                     view = self._view(ref)
                 except CorruptionError:
                     continue
-                data = view.slice(0, view.count)
+                start = view.index_of(index.scanned_to)
+                data = view.slice(start, view.count)
                 pos = 0
-                for _ in range(view.count):
+                for _ in range(start, view.count):
                     entry, pos = decode_record(data, pos)
                     if entry.tag:
-                        latest[entry.tag] = entry.offset
-            horizon = now_ms - self.config.tombstone_retention_ms
+                        index.note(entry.tag, entry.offset, not entry.payload, entry.timestamp_ms)
+                index.scanned_to = max(index.scanned_to, ref.end_offset)
+            doomed = index.doomed(now_ms - self.config.tombstone_retention_ms, first)
             removed = 0
             for segment in sealed:
+                base, end = segment.base_offset, segment.end_offset()
+                if not any(base <= offset < end for offset in doomed):
+                    continue
                 try:
                     bodies = self._bodies(segment)
                 except CorruptionError as exc:
                     log.error("stream %r: segment %s not compacted: %s", self.name, segment.path.name, exc)
                     continue
                 kept_bodies = []
-                changed = False
                 for body, lo, hi, flags in bodies:
-                    kept = _compact_body(body, latest, horizon)
-                    if kept is not body:
-                        changed = True
-                        removed += body.count - (kept.count if kept else 0)
+                    kept = _without_offsets(body, doomed)
+                    removed += body.count - (kept.count if kept else 0)
                     if kept is not None:
                         kept_bodies.append((kept, lo, hi, flags))
-                if changed:
-                    self._rewrite(segment, kept_bodies)
+                self._rewrite(segment, kept_bodies)
+                index.forget(o for o in doomed if base <= o < end)
             self.last_compaction_ms = now_ms
             return removed
 
@@ -871,17 +882,36 @@ def _producer_table(cfg: EngineConfig) -> ProducerTable:
     return ProducerTable(cfg.dedup_batches_per_producer, cfg.dedup_window_ms, cfg.dedup_max_producers)
 
 
-def _compact_body(body: NodeBody, latest: dict[str, int], tombstone_horizon_ms: int) -> NodeBody | None:
-    """The body without superseded entries (and expired tombstones); `body` itself if nothing goes."""
-    keep: list[int] = []
-    pos = 0
-    for i in range(body.count):
-        entry, pos = decode_record(body.blob, pos)
-        if not entry.tag or (
-            latest.get(entry.tag) == entry.offset
-            and (entry.payload or entry.timestamp_ms >= tombstone_horizon_ms)
-        ):
-            keep.append(i)
+class _TagIndex:
+    """For compaction: the latest offset of each tag, and the offsets that newer ones superseded."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, tuple[int, bool, int]] = {}  # tag -> (offset, is tombstone, timestamp)
+        self.superseded: set[int] = set()
+        self.scanned_to = 0  # records below this offset are in the index
+
+    def note(self, tag: str, offset: int, tombstone: bool, timestamp_ms: int) -> None:
+        previous = self.latest.get(tag)
+        if previous is not None:
+            self.superseded.add(previous[0])
+        self.latest[tag] = (offset, tombstone, timestamp_ms)
+
+    def doomed(self, tombstone_horizon_ms: int, first_offset: int) -> set[int]:
+        """Offsets to remove: superseded ones, and tombstones older than the horizon."""
+        self.superseded = {o for o in self.superseded if o >= first_offset}  # trimmed ones are gone
+        expired = {o for o, tomb, ts in self.latest.values() if tomb and ts < tombstone_horizon_ms}
+        return self.superseded | expired
+
+    def forget(self, removed) -> None:
+        removed = set(removed)
+        self.superseded -= removed
+        for tag in [t for t, (o, _, _) in self.latest.items() if o in removed]:
+            del self.latest[tag]  # an expired tombstone: the key is gone
+
+
+def _without_offsets(body: NodeBody, drop: set[int]) -> NodeBody | None:
+    """The body without the entries at the offsets in `drop` (None if nothing is left)."""
+    keep = [i for i in range(body.count) if body.offset_at(i) not in drop]
     if len(keep) == body.count:
         return body
     if not keep:

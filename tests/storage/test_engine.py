@@ -469,3 +469,28 @@ def test_invalid_config_is_refused():
         EngineConfig(segment_bytes=1024)
     with pytest.raises(InvalidArgumentError):
         StreamConfig(max_entries=-1)
+
+
+def test_compaction_rounds_decode_only_what_was_appended_since_the_last(open_engine, monkeypatch):
+    from storage import stream as stream_module
+
+    engine = open_engine(compaction_interval_ms=0)
+    engine.create_stream("kv", StreamConfig(compaction=True))
+    for i in range(600):
+        engine.append("kv", [f"v{i}".ljust(200).encode()], tags=[f"k{i % 7}"])
+    first_removed = engine.compact("kv")
+    decoded = []
+    real = stream_module.decode_record
+
+    def counting(*args, **kwargs):
+        decoded.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stream_module, "decode_record", counting)
+    for i in range(600, 610):
+        engine.append("kv", [f"v{i}".ljust(200).encode()], tags=[f"k{i % 7}"])
+    engine.compact("kv")
+    assert first_removed > 400
+    assert len(decoded) <= 10  # the new records only, not the whole stream again
+    survivors = engine.read("kv", 0, 1000).entries()
+    assert {e.tag for e in survivors} == {f"k{i}" for i in range(7)}
