@@ -4,27 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from clients import Client
-from tests.service.helpers import ServerThread, small_settings
+from tests.service.helpers import ServerThread, serve_for_test
 
 
 @pytest.fixture
 def start_server(tmp_path: Path) -> Iterator[Callable[..., ServerThread]]:
-    """Start servers with the service tests' small settings; every one is stopped at teardown."""
-    servers: list[ServerThread] = []
-
-    def start(data_dir: Path | None = None, **overrides: Any) -> ServerThread:
-        server = ServerThread(small_settings(data_dir or tmp_path / "data", **overrides))
-        servers.append(server)
-        return server.start()
-
-    yield start
-    for server in reversed(servers):
-        server.stop()
+    """Start servers with overrides; every one is stopped at teardown."""
+    yield from serve_for_test(tmp_path)
 
 
 @pytest.fixture

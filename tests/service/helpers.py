@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -131,3 +131,21 @@ def append(
 
 def payloads_of(reply: pb.ReadResponse | pb.SubscribeResponse) -> list[bytes]:
     return [e.payload for e in reply.entries]
+
+
+def serve_for_test(
+    tmp_path: Path, make_settings: Callable[..., Settings] | None = None
+) -> Iterator[Callable[..., ServerThread]]:
+    """The body of a `start_server` fixture: start servers (settings from `make_settings`, by
+    default the small ones) with overrides; every one is stopped at teardown."""
+    make_settings = make_settings or small_settings
+    servers: list[ServerThread] = []
+
+    def start(data_dir: Path | None = None, **overrides: Any) -> ServerThread:
+        server = ServerThread(make_settings(data_dir or tmp_path / "data", **overrides))
+        servers.append(server)
+        return server.start()
+
+    yield start
+    for server in reversed(servers):
+        server.stop()

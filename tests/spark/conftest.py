@@ -19,7 +19,7 @@ import grpc
 import pytest
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
-from tests.service.helpers import ServerThread
+from tests.service.helpers import ServerThread, serve_for_test
 from tests.spark.helpers import settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,17 +67,8 @@ def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 @pytest.fixture
 def start_server(tmp_path: Path) -> Iterator[Callable[..., ServerThread]]:
-    """Start servers (default limits unless overridden); every one is stopped at teardown."""
-    servers: list[ServerThread] = []
-
-    def start(data_dir: Path | None = None, **overrides: Any) -> ServerThread:
-        server = ServerThread(settings(data_dir or tmp_path / "data", **overrides))
-        servers.append(server)
-        return server.start()
-
-    yield start
-    for server in reversed(servers):
-        server.stop()
+    """Start servers with overrides; every one is stopped at teardown."""
+    yield from serve_for_test(tmp_path, settings)
 
 
 @pytest.fixture
