@@ -39,9 +39,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -57,7 +58,8 @@ STREAM_LEN = 1000
 COUNT = 50
 PAYLOAD = 100
 TARGET_MS_PER_BATCH = 0.86  # seed 004: its single-command Lua consume of 50 messages
-ACK_EVERY = 200  # entries per Ack in `subscribe` mode
+ACK_EVERY = 200  # entries per Ack in `subscribe` and `consume_stream` modes
+CONSUME_AHEAD = 4  # batches a `consume_stream` session asks for in advance
 
 Stub = pb_grpc.StreamLogServiceStub
 
@@ -137,12 +139,64 @@ def subscribe_batches(stub: Stub, stream: str, ack_every: int) -> int:
     return consumed
 
 
+class _Requests:
+    """The client's side of a Consume call: requests put here are sent in order; close() ends it."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[pb.ConsumeRequest | None] = queue.SimpleQueue()
+
+    def put(self, **fields: Any) -> None:
+        self._queue.put(pb.ConsumeRequest(**fields))
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def __iter__(self) -> Iterator[pb.ConsumeRequest]:
+        while (request := self._queue.get()) is not None:
+            yield request
+
+
+def consume_batches(stub: Stub, stream: str, ahead: int, ack_every: int) -> int:
+    """A Consume session: `ahead` batches asked for in advance, one more per batch received,
+    and the entries acknowledged in the session every `ack_every` entries. ahead=1 and
+    ack_every=COUNT is one request and one reply per batch: read + ack of the previous batch
+    in one round trip. The round ends when the client closes and the server confirms (OK)."""
+    requests = _Requests()
+    requests.put(stream=stream, group="g", consumer="c1", count=COUNT, batches=ahead)
+    call = stub.Consume(iter(requests), timeout=60)
+    consumed = 0
+    unacked: list[pb.Entry] = []
+    try:
+        for reply in call:
+            entries = reply.entries
+            consumed += len(entries)
+            unacked.extend(entries)
+            done = consumed >= STREAM_LEN
+            acks = {}
+            if unacked and (len(unacked) >= ack_every or done):
+                acks = _read_acks(unacked)
+                unacked = []
+            if done:
+                requests.put(**acks)
+                requests.close()
+                for _ in call:  # the reply reporting the last acknowledgements, then OK
+                    pass
+                break
+            requests.put(batches=1, **acks)
+    finally:
+        requests.close()
+        call.cancel()
+    return consumed
+
+
 def measure(rounds: Rounds, mode: str, n_rounds: int) -> dict[str, Any]:
     consume: Callable[[Stub, str], int] = {
         "read_batch": lambda stub, stream: read_batches(stub, stream, COUNT),
         "read_one": lambda stub, stream: read_batches(stub, stream, 1),
         "subscribe": lambda stub, stream: subscribe_batches(stub, stream, ACK_EVERY),
         "subscribe_ack_each": lambda stub, stream: subscribe_batches(stub, stream, COUNT),
+        "consume_batch": lambda stub, stream: consume_batches(stub, stream, 1, COUNT),
+        "consume_stream": lambda stub, stream: consume_batches(stub, stream, CONSUME_AHEAD, ACK_EVERY),
     }[mode]
     elapsed = 0.0
     total = 0
@@ -161,7 +215,7 @@ def measure(rounds: Rounds, mode: str, n_rounds: int) -> dict[str, Any]:
     }
 
 
-OURS = ("read_batch", "read_one", "subscribe", "subscribe_ack_each")
+OURS = ("read_batch", "read_one", "subscribe", "subscribe_ack_each", "consume_batch", "consume_stream")
 THEIRS = {"batch": (False, False), "pipelined": (True, False), "one_at_a_time": (False, True)}
 
 

@@ -25,7 +25,7 @@ patterns (`fnmatch`: `*`, `?`, `[abc]`), optionally consumer-group patterns, and
 permissions:
 
 - `read`: Read, Subscribe, GetStreamInfo, SeekTime, CountRange, ListGroups; with
-  a group: group reads, Ack, Nack, Claim, AutoClaim, GetPending, GetGroupInfo.
+  a group: group reads, Consume, Ack, Nack, Claim, AutoClaim, GetPending, GetGroupInfo.
 - `write`: Append (and being the dead-letter stream of a group one configures).
 - `admin`: DeleteStream, Trim, SetStreamConfig; with a group: CreateGroup,
   DeleteGroup, SetGroupOffset, SetGroupConfig, DeleteConsumer. `admin` includes
@@ -106,6 +106,7 @@ METHOD_ACCESS: dict[str, Access] = {
     "CountRange": Access(READ),
     "ListGroups": Access(READ),
     "Ack": Access(READ, group_scoped=True),
+    "Consume": Access(READ, group_scoped=True),
     "Nack": Access(READ, group_scoped=True),
     "Claim": Access(READ, group_scoped=True),
     "AutoClaim": Access(READ, group_scoped=True),

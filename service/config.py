@@ -75,6 +75,8 @@ class Settings:
     default_read_bytes: int = 1 << 20
     max_read_bytes: int = 8 << 20
     subscribe_batch_entries: int = 1000
+    # Batches a Consume session may have asked for and not yet received.
+    max_consume_batches: int = 1000
     default_page_size: int = 100
     max_page_size: int = 1000
 
@@ -152,6 +154,7 @@ _INT_RANGES: dict[str, tuple[int | None, int | None]] = {
     "default_read_bytes": (1, None),
     "max_read_bytes": (1, None),
     "subscribe_batch_entries": (1, None),
+    "max_consume_batches": (1, 2**31 - 1),
     "default_page_size": (1, None),
     "max_page_size": (1, 2**31 - 1),
     "max_block_ms": (0, 2**31 - 1),

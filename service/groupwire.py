@@ -115,12 +115,12 @@ def pending_to_proto(info: PendingInfo) -> pb.GetPendingResponse:
 
 
 def read_reply(
-    reply_type: type[pb.ReadResponse] | type[pb.SubscribeResponse],
+    reply_type: type[pb.ReadResponse] | type[pb.SubscribeResponse] | type[pb.ConsumeResponse],
     result: GroupReadResult | None,
     bounds: ReadResult,
     **extra: int,
 ) -> bytes:
-    """A serialized ReadResponse or SubscribeResponse for a group read (None: nothing came).
+    """A serialized Read, Subscribe or Consume reply for a group read (None: nothing came).
 
     `bounds` is a read of no entries, for the stream's first and end offsets; `extra`
     holds the acknowledgement counts of a Read that carried acks.

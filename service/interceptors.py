@@ -22,10 +22,12 @@ UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 # A server-streaming behavior: an async generator function, or a coroutine function that
 # sends with `context.write` (grpc.aio accepts both).
 StreamBehavior = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any] | Awaitable[None]]
+# A bidirectional behavior: the requests in, the replies out.
+SessionBehavior = Callable[[AsyncIterator[Any], grpc.aio.ServicerContext], AsyncIterator[Any]]
 
 
 class WrappingInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps the unary-request handlers of one service; subclasses define the wrappers."""
+    """Wraps the handlers of one service; subclasses define the wrappers."""
 
     def __init__(self, service_name: str) -> None:
         self._prefix = f"/{service_name}/"
@@ -49,12 +51,36 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
             wrapped = handler._replace(unary_unary=self.wrap_unary(method, handler.unary_unary))
         elif handler.unary_stream is not None:
             wrapped = handler._replace(unary_stream=self.wrap_stream(method, handler.unary_stream))
+        elif handler.stream_stream is not None:
+            wrapped = handler._replace(stream_stream=self._wrap_session(method, handler.stream_stream))
         else:
-            # StreamLogService has no client-streaming RPC; one added later passes unwrapped
-            # here, and the subclasses refuse to start when they must see every call (auth).
+            # StreamLogService has no client-streaming-only RPC; one added later passes
+            # unwrapped here, and auth refuses to start when an RPC has no access rule.
             return handler
         self._wrapped[path] = (handler, wrapped)
         return wrapped
+
+    def _wrap_session(self, method: str, behavior: SessionBehavior) -> SessionBehavior:
+        """A bidirectional call, wrapped as a server-streaming one whose request is its first message.
+
+        That message names the stream and group for the whole call (the servicer refuses
+        later messages that set them), so what wrap_stream checks on it holds throughout.
+        """
+
+        async def session(
+            requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Any]:
+            opening = await anext(requests, None)
+            if opening is None:
+                return  # the client closed its side without a word
+
+            def opened(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                return behavior(_prepended(request, requests), context)
+
+            async for reply in iterate(self.wrap_stream(method, opened), opening, context):
+                yield reply
+
+        return session
 
     @abc.abstractmethod
     def wrap_unary(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
@@ -79,3 +105,10 @@ async def iterate(
             yield reply
     else:
         await result  # type: ignore[misc]
+
+
+async def _prepended(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """`first`, then the messages of `rest`: a session's requests after a layer read the first."""
+    yield first
+    async for request in rest:
+        yield request

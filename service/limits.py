@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 # The stream count is refreshed from the engine at most this often (listing costs O(streams)).
 _STREAM_COUNT_TTL_S = 1.0
-_CONSUMER_METHODS = frozenset({"Claim", "AutoClaim"})
+_CONSUMER_METHODS = frozenset({"Claim", "AutoClaim", "Consume"})
 _GROUP_READ_METHODS = frozenset({"Read", "Subscribe"})
 _FORGET_METHODS = frozenset({"DeleteConsumer", "DeleteGroup", "DeleteStream"})
 

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["StreamLogService"]
 SERVICE_NAME = SERVICE.full_name
 # RPCs whose servicer methods return the serialized reply (stored records + fields).
-RAW_REPLY_METHODS = frozenset({"Read", "Subscribe", "Claim", "AutoClaim"})
+RAW_REPLY_METHODS = frozenset({"Read", "Subscribe", "Consume", "Claim", "AutoClaim"})
 
 _HANDLER_FACTORIES = {
     (False, False): grpc.unary_unary_rpc_method_handler,

@@ -42,6 +42,7 @@ from streamlog.v1 import streamlog_pb2 as pb
 
 from service import groupwire, validation
 from service.config import MAX_STREAM_NAME_BYTES, Settings
+from service.consume import ConsumeSession, SessionCalls
 from service.errors import (
     ServiceError,
     invalid_argument,
@@ -217,7 +218,7 @@ def _has_group_fields(request: pb.ReadRequest | pb.SubscribeRequest) -> bool:
 
 
 def _group_options(
-    request: pb.ReadRequest | pb.SubscribeRequest, count: int, max_bytes: int
+    request: pb.ReadRequest | pb.SubscribeRequest | pb.ConsumeRequest, count: int, max_bytes: int
 ) -> GroupReadOptions:
     consumer = validation.name("consumer", request.consumer)
     optional = {
@@ -579,6 +580,50 @@ class StreamLogServicer:
                 if isinstance(waited, GroupReadResult) and (wait_s == 0 or has_news(waited)):
                     yield groupwire.read_reply(pb.SubscribeResponse, waited, engine.read(stream, 0, 0))
                 wait_s = None
+        finally:
+            self.subscriptions -= 1
+
+    @translate_errors
+    async def Consume(
+        self, requests: AsyncIterator[pb.ConsumeRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        engine = self._ready()
+        opening = await anext(requests, None)
+        if opening is None:
+            return  # the client closed its side without opening a session
+        settings = self._settings
+        stream = validation.stream(opening.stream)
+        group = validation.name("group", opening.group)
+        count = validation.bounded(
+            "count", opening.count, settings.default_read_entries, settings.max_read_entries
+        )
+        max_bytes = validation.bounded(
+            "max_bytes", opening.max_bytes, settings.default_read_bytes, settings.max_read_bytes
+        )
+        options = _group_options(opening, count, max_bytes)
+
+        async def ack(offsets: list[int], ranges: list[tuple[int, int]]) -> tuple[int, int]:
+            result = await self._group_call(engine, stream, engine.ack, stream, group, offsets, ranges)
+            return result.acked, result.unknown
+
+        def reply(result: GroupReadResult | None, acknowledged: int, unknown: int) -> bytes:
+            counts = {"acknowledged": acknowledged, "ack_unknown": unknown}
+            return groupwire.read_reply(pb.ConsumeResponse, result, engine.read(stream, 0, 0), **counts)
+
+        calls = SessionCalls(
+            read_or_wait=functools.partial(self._group_read_or_wait, engine, stream, group, options),
+            ack=ack,
+            ack_items=functools.partial(self._ack_items, names=("ack_offsets", "ack_ranges")),
+            reply=reply,
+            draining=lambda: self._draining,
+            stream=stream,
+            max_batches=settings.max_consume_batches,
+        )
+        self._take_subscription()
+        try:
+            async with contextlib.aclosing(ConsumeSession(calls).run(opening, requests)) as replies:
+                async for reply_bytes in replies:
+                    yield reply_bytes
         finally:
             self.subscriptions -= 1
 

@@ -193,6 +193,7 @@ EXPECTED_CLASS = {
     "CountRange": "r",
     "ListGroups": "r",
     "Ack": "gr",
+    "Consume": "gr",
     "Nack": "gr",
     "Claim": "gr",
     "AutoClaim": "gr",
@@ -241,9 +242,17 @@ def request_for(method: Any, **fields: Any) -> Any:
 
 
 def call(channel: grpc.Channel, method: Any, request: Any, metadata: Any) -> grpc.StatusCode:
-    """The status code of one call (OK for a Subscribe that sent its first reply)."""
+    """The status code of one call (OK for a Subscribe that sent its first reply, and for a
+    Consume session of one request that ended OK)."""
     path = f"/{SERVICE.full_name}/{method.name}"
     reply_type = getattr(pb, method.output_type.name)
+    if method.client_streaming:
+        session = channel.stream_stream(path, request_serializer=type(request).SerializeToString)
+        try:
+            list(session(iter([request]), metadata=metadata, timeout=10))
+            return grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            return exc.code()
     if method.server_streaming:
         stream = channel.unary_stream(path, request_serializer=type(request).SerializeToString)
         replies = stream(request, metadata=metadata, timeout=10)

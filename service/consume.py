@@ -1,0 +1,174 @@
+"""Consume sessions: a consumer-group read loop steered by the client over one bidirectional call.
+
+The client's side of the call carries acknowledgements and credit (batches wanted);
+the server sends a batch only while it owes one, so entries are assigned to the
+consumer when it asked for them, never buffered ahead of its pace (NATS's pull
+consumers, Kafka's fetch sessions). One request and one reply per batch costs a
+message each way on an open call: no per-call set-up, which is most of what a
+unary gRPC call costs in Python.
+
+Two tasks share a session. The handler's task waits for credit, reads (queueing
+in the group's wait line, served in arrival order, while there is nothing) and
+sends. A reader task takes the client's requests as they come, so that
+acknowledgements apply at once, even while a read waits: the room they make in
+a bounded pending list then wakes that read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from streamlog.v1 import streamlog_pb2 as pb
+
+from service.errors import invalid_argument, limit_exceeded, not_found, unavailable
+from service.groupwaits import WaitResult, has_news
+from service.waiters import Wake
+from storage import GroupReadResult
+
+# Fields that only the first request of a session may set: they name and shape it.
+OPENING_FIELDS = ("stream", "group", "consumer", "count", "max_bytes", "noack")
+OPENING_OPTIONAL_FIELDS = ("retry_ms", "expire_ms", "claim_idle_ms")
+
+
+@dataclass(frozen=True, slots=True)
+class SessionCalls:
+    """What a session asks of the servicer, bound to its stream, group and read options."""
+
+    # A group read that waits wait_s seconds (None: until entries come) while it finds nothing.
+    read_or_wait: Callable[[float | None], Awaitable[WaitResult]]
+    # Acknowledge validated offsets and ranges; returns (acknowledged, unknown).
+    ack: Callable[[list[int], list[tuple[int, int]]], Awaitable[tuple[int, int]]]
+    # Check a request's acknowledgements (signs, max_ack_offsets): offsets and ranges.
+    ack_items: Callable[[Sequence[int], Sequence[pb.OffsetRange]], tuple[list[int], list[tuple[int, int]]]]
+    # A serialized ConsumeResponse for a read (None: no entries) with acknowledgement counts.
+    reply: Callable[[GroupReadResult | None, int, int], bytes]
+    # Whether the server is shutting down.
+    draining: Callable[[], bool]
+    stream: str
+    max_batches: int
+
+
+def has_opening_fields(request: pb.ConsumeRequest) -> bool:
+    return any(getattr(request, name) for name in OPENING_FIELDS) or any(
+        request.HasField(name) for name in OPENING_OPTIONAL_FIELDS
+    )
+
+
+class ConsumeSession:
+    """One Consume call's state: batches owed, acknowledgements not yet reported, the client's side."""
+
+    def __init__(self, calls: SessionCalls) -> None:
+        self._calls = calls
+        self._owed = 0
+        self._acknowledged = 0
+        self._unknown = 0
+        # Set by the reader when credit arrives, and when the client's side ends or fails.
+        self._credit = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._client_done = False
+        self._failure: BaseException | None = None
+
+    async def run(
+        self, opening: pb.ConsumeRequest, requests: AsyncIterator[pb.ConsumeRequest]
+    ) -> AsyncIterator[bytes]:
+        """The session's replies, after `opening` (validated by the caller) and then `requests`."""
+        await self._take(opening)
+        reader = asyncio.get_running_loop().create_task(self._read_requests(requests))
+        try:
+            while True:
+                self._check()
+                if self._client_done:
+                    break
+                if not self._owed:
+                    self._credit.clear()
+                    await self._credit.wait()
+                    continue
+                result = await self._next_batch()
+                if result is None:
+                    continue  # the wait ended for the client's side: look again
+                self._owed -= 1
+                yield self._reply(result)
+            if self._acknowledged or self._unknown:
+                yield self._reply(None)
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+
+    def _check(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+        if self._calls.draining():
+            raise unavailable("server is shutting down; open a new session")
+
+    def _reply(self, result: GroupReadResult | None) -> bytes:
+        reply = self._calls.reply(result, self._acknowledged, self._unknown)
+        self._acknowledged = self._unknown = 0
+        return reply
+
+    async def _next_batch(self) -> GroupReadResult | None:
+        """The next batch for this consumer, waiting for one; None if the client's side changed first."""
+        found = await self._calls.read_or_wait(0)
+        if isinstance(found, GroupReadResult) and has_news(found):
+            return found
+        self._raise_for(found)
+        # Nothing yet: queue in the group's line (more credit meanwhile keeps the place), and
+        # give the place up if the client's side ends or fails.
+        read = asyncio.ensure_future(self._calls.read_or_wait(None))
+        stopped = asyncio.ensure_future(self._stopped.wait())
+        try:
+            await asyncio.wait((read, stopped), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not read.done():
+                # The wait gives up its place; a read under way for it still delivers (see GroupWaits).
+                read.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await read
+        if read.cancelled():
+            return None
+        found = read.result()
+        self._raise_for(found)
+        return found if isinstance(found, GroupReadResult) and has_news(found) else None
+
+    def _raise_for(self, found: WaitResult) -> None:
+        if found is Wake.DELETED:
+            raise not_found(f"stream {self._calls.stream!r} was deleted")
+        if found is Wake.CLOSED:
+            raise unavailable("server is shutting down; open a new session")
+
+    async def _read_requests(self, requests: AsyncIterator[pb.ConsumeRequest]) -> None:
+        try:
+            async for request in requests:
+                if has_opening_fields(request):
+                    raise invalid_argument(
+                        "stream, group, consumer and the read options are set by the first request only"
+                    )
+                await self._take(request)
+            self._client_done = True
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the sender raises it: it becomes the call's status
+            self._failure = exc
+        self._stopped.set()
+        self._credit.set()
+
+    async def _take(self, request: pb.ConsumeRequest) -> None:
+        """Apply one request: its acknowledgements first, then its credit."""
+        if request.batches < 0:
+            raise invalid_argument("batches: must not be negative")
+        owed = self._owed + request.batches
+        if owed > self._calls.max_batches:
+            limit = self._calls.max_batches
+            raise limit_exceeded("max_consume_batches", limit, f"batches: {owed} would be owed")
+        if request.ack_offsets or request.ack_ranges:
+            offsets, ranges = self._calls.ack_items(request.ack_offsets, request.ack_ranges)
+            acknowledged, unknown = await self._calls.ack(offsets, ranges)
+            self._acknowledged += acknowledged
+            self._unknown += unknown
+        if request.batches:
+            self._owed = owed
+            self._credit.set()
