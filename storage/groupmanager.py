@@ -578,9 +578,13 @@ class GroupManager:
         if noack:
             group.deliver_untracked(offsets)
             out.counts.extend([1] * len(offsets))
-        else:
+        elif offsets:
+            first_delivery = group.all_new(offsets)
             group.deliver(consumer, now, retry_ms, expire_ms, offsets)
-            out.count_from(start, lambda o: group.pending[o].count)
+            if first_delivery:
+                out.counts.extend([1] * len(offsets))
+            else:  # a cursor moved back over entries still pending: they count up
+                out.count_from(start, lambda o: group.pending[o].count)
 
     def _scan(
         self, stream, group, consumer, now, retry_ms, expire_ms, noack, room, out

@@ -390,10 +390,18 @@ class Group:
         self._idle[entry.offset] = None
         self._idle.move_to_end(entry.offset)
 
+    def all_new(self, offsets: Sequence[int]) -> bool:
+        """Whether none of `offsets` is pending or scheduled: a first delivery of each."""
+        order = self._order
+        return (not order or min(offsets) > order[-1]) and self.scheduled.keys().isdisjoint(offsets)
+
     def _on_deliver(
-        self, name: str, now: int, retry_ms: int | None, expire_ms: int | None, offsets: Iterable[int]
+        self, name: str, now: int, retry_ms: int | None, expire_ms: int | None, offsets: Sequence[int]
     ) -> None:
         consumer = self._consumer(name, now)
+        if offsets and self.all_new(offsets):
+            self._deliver_new(consumer, now, retry_ms, expire_ms, offsets)
+            return
         counters = self.counters
         for offset in offsets:
             if offset in self.scheduled:
@@ -415,6 +423,32 @@ class Group:
             entry.retry_ms = retry_ms
             entry.retry_at = None if retry_ms is None else now + retry_ms
             self._arm(entry)
+
+    def _deliver_new(
+        self,
+        consumer: Consumer,
+        now: int,
+        retry_ms: int | None,
+        expire_ms: int | None,
+        offsets: Sequence[int],
+    ) -> None:
+        """_on_deliver for a batch of first deliveries (the common case), with no per-entry lookups."""
+        expire_at = None if expire_ms is None else now + expire_ms
+        retry_at = None if retry_ms is None else now + retry_ms
+        name = consumer.name
+        entries = [Pending(offset, now, expire_at) for offset in offsets]
+        for entry in entries:
+            entry.consumer = name
+            entry.retry_ms = retry_ms
+            entry.retry_at = retry_at
+        if retry_at is not None or expire_at is not None:
+            for entry in entries:
+                self._arm(entry)
+        self.pending.update(zip(offsets, entries, strict=True))
+        self._order.extend(sorted(offsets))  # all past the last pending offset (all_new)
+        self._idle.update(dict.fromkeys(offsets))
+        consumer.pending += len(entries)
+        self.counters["delivered"] += len(entries)
 
     def _on_noack(self, offsets: Iterable[int]) -> None:
         n = 0
@@ -455,12 +489,18 @@ class Group:
             elif offset in self.scheduled:
                 self._unschedule(offset)
                 self.counters[counter] += 1
+        order = self._order
         if len(removed) > 16:
-            gone = set(removed)
-            self._order = [o for o in self._order if o not in gone]
+            removed.sort()
+            first = bisect_left(order, removed[0])
+            if order[first : first + len(removed)] == removed:
+                del order[first : first + len(removed)]  # a run of the list (a range ack): one cut
+            else:
+                gone = set(removed)
+                self._order = [o for o in order if o not in gone]
         else:
             for offset in removed:
-                del self._order[bisect_left(self._order, offset)]
+                del order[bisect_left(order, offset)]
         self._maybe_compact_heaps()
 
     def _on_ack_unknown(self, count: int) -> None:
@@ -827,7 +867,9 @@ class Group:
                 unknown += 1
         order = self._order
         for start, end in ranges:
-            hits = [o for o in order[bisect_left(order, start) : bisect_left(order, end)] if o not in taken]
+            hits = order[bisect_left(order, start) : bisect_left(order, end)]
+            if taken:
+                hits = [o for o in hits if o not in taken]
             taken.update(hits)
             found.extend(hits)
             unknown += max(end - start, 0) - len(hits)
