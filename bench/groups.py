@@ -17,6 +17,14 @@ streamlog (its own `streamlog serve`, fsync everysec, on a loopback port):
   for its reply; the round ends when all 1000 entries arrived and every Ack
   was answered.
 - `subscribe_ack_each`: the same with one Ack per 50-entry batch.
+- `consume_batch`: a Consume session, one request and one batch per round trip,
+  each request acknowledging the previous batch and asking for the next: (a)'s
+  "single round trip" without a call per batch. The round ends when the client
+  closes its side and the server confirms the last acknowledgement (OK).
+- `consume_stream`: a Consume session that keeps 8 batches asked for (topped up
+  by 4 once 4 arrived) and acknowledges every 200 entries with the next
+  request: a group-mode subscription whose acknowledgements travel on the same
+  call. Sessions run on a grpc.aio channel (one thread: see SessionClient).
 
 Redis (its own redis-server, appendfsync everysec), through
 bench.redis_baseline.xreadgroup_consume: XREADGROUP COUNT 50 then XACK
@@ -38,11 +46,12 @@ empty call to each server (a gRPC health check, a Redis PING).
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import os
-import queue
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -59,7 +68,7 @@ COUNT = 50
 PAYLOAD = 100
 TARGET_MS_PER_BATCH = 0.86  # seed 004: its single-command Lua consume of 50 messages
 ACK_EVERY = 200  # entries per Ack in `subscribe` and `consume_stream` modes
-CONSUME_AHEAD = 4  # batches a `consume_stream` session asks for in advance
+CONSUME_AHEAD = 8  # batches a `consume_stream` session asks for in advance
 
 Stub = pb_grpc.StreamLogServiceStub
 
@@ -81,9 +90,10 @@ def _read_acks(entries: Sequence[pb.Entry]) -> dict[str, list]:
 class Rounds:
     """Fresh streams and groups for each round, filled and created before the clock starts."""
 
-    def __init__(self, stub: Stub, payloads: list[bytes]) -> None:
+    def __init__(self, stub: Stub, payloads: list[bytes], sessions: SessionClient) -> None:
         self.stub = stub
         self.payloads = payloads
+        self.sessions = sessions
 
     def prepare(self) -> str:
         stream = f"bench-group-{uuid.uuid4().hex}"
@@ -139,54 +149,62 @@ def subscribe_batches(stub: Stub, stream: str, ack_every: int) -> int:
     return consumed
 
 
-class _Requests:
-    """The client's side of a Consume call: requests put here are sent in order; close() ends it."""
+class SessionClient:
+    """Consume sessions from a grpc.aio channel on a private event loop: one thread, so the
+    client's requests and the server's batches never wait for each other's GIL turn, as they
+    do between the threads of a blocking client."""
 
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[pb.ConsumeRequest | None] = queue.SimpleQueue()
+    def __init__(self, address: str) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._channel = self._loop.run_until_complete(self._open(address))
+        self._stub = Stub(self._channel)
 
-    def put(self, **fields: Any) -> None:
-        self._queue.put(pb.ConsumeRequest(**fields))
+    @staticmethod
+    async def _open(address: str) -> grpc.aio.Channel:
+        return grpc.aio.insecure_channel(address)
+
+    def consume(self, stream: str, ahead: int, ack_every: int) -> int:
+        return self._loop.run_until_complete(self._consume(stream, ahead, ack_every))
+
+    async def _consume(self, stream: str, ahead: int, ack_every: int) -> int:
+        """One session: `ahead` batches asked for at the start and topped up by half as many
+        once that many have arrived (every batch when ahead is 1), entries acknowledged every
+        `ack_every` with the next request. ahead=1, ack_every=COUNT: one request and one batch
+        per round trip, each request acknowledging the previous batch. The round ends when
+        the client has closed its side and the server has confirmed every ack (OK)."""
+        refill = max(1, ahead // 2)
+        call = self._stub.Consume(timeout=60)
+        await call.write(
+            pb.ConsumeRequest(stream=stream, group="g", consumer="c1", count=COUNT, batches=ahead)
+        )
+        consumed = received = 0
+        unacked: list[pb.Entry] = []
+        while consumed < STREAM_LEN:
+            reply = await call.read()
+            if reply is grpc.aio.EOF:
+                raise AssertionError(f"session ended after {consumed} entries: {await call.code()}")
+            consumed += len(reply.entries)
+            received += 1
+            unacked.extend(reply.entries)
+            acks: dict[str, list] = {}
+            if len(unacked) >= ack_every or consumed >= STREAM_LEN:
+                acks, unacked = _read_acks(unacked), []
+            if consumed >= STREAM_LEN:
+                await call.write(pb.ConsumeRequest(**acks))
+            elif received % refill == 0:
+                await call.write(pb.ConsumeRequest(batches=refill, **acks))
+            elif acks:
+                await call.write(pb.ConsumeRequest(**acks))
+        await call.done_writing()
+        while await call.read() is not grpc.aio.EOF:
+            pass  # the reply reporting the last acknowledgements
+        if await call.code() != grpc.StatusCode.OK:
+            raise AssertionError(f"session ended with {await call.code()}")
+        return consumed
 
     def close(self) -> None:
-        self._queue.put(None)
-
-    def __iter__(self) -> Iterator[pb.ConsumeRequest]:
-        while (request := self._queue.get()) is not None:
-            yield request
-
-
-def consume_batches(stub: Stub, stream: str, ahead: int, ack_every: int) -> int:
-    """A Consume session: `ahead` batches asked for in advance, one more per batch received,
-    and the entries acknowledged in the session every `ack_every` entries. ahead=1 and
-    ack_every=COUNT is one request and one reply per batch: read + ack of the previous batch
-    in one round trip. The round ends when the client closes and the server confirms (OK)."""
-    requests = _Requests()
-    requests.put(stream=stream, group="g", consumer="c1", count=COUNT, batches=ahead)
-    call = stub.Consume(iter(requests), timeout=60)
-    consumed = 0
-    unacked: list[pb.Entry] = []
-    try:
-        for reply in call:
-            entries = reply.entries
-            consumed += len(entries)
-            unacked.extend(entries)
-            done = consumed >= STREAM_LEN
-            acks = {}
-            if unacked and (len(unacked) >= ack_every or done):
-                acks = _read_acks(unacked)
-                unacked = []
-            if done:
-                requests.put(**acks)
-                requests.close()
-                for _ in call:  # the reply reporting the last acknowledgements, then OK
-                    pass
-                break
-            requests.put(batches=1, **acks)
-    finally:
-        requests.close()
-        call.cancel()
-    return consumed
+        self._loop.run_until_complete(self._channel.close())
+        self._loop.close()
 
 
 def measure(rounds: Rounds, mode: str, n_rounds: int) -> dict[str, Any]:
@@ -195,8 +213,8 @@ def measure(rounds: Rounds, mode: str, n_rounds: int) -> dict[str, Any]:
         "read_one": lambda stub, stream: read_batches(stub, stream, 1),
         "subscribe": lambda stub, stream: subscribe_batches(stub, stream, ACK_EVERY),
         "subscribe_ack_each": lambda stub, stream: subscribe_batches(stub, stream, COUNT),
-        "consume_batch": lambda stub, stream: consume_batches(stub, stream, 1, COUNT),
-        "consume_stream": lambda stub, stream: consume_batches(stub, stream, CONSUME_AHEAD, ACK_EVERY),
+        "consume_batch": lambda stub, stream: rounds.sessions.consume(stream, 1, COUNT),
+        "consume_stream": lambda stub, stream: rounds.sessions.consume(stream, CONSUME_AHEAD, ACK_EVERY),
     }[mode]
     elapsed = 0.0
     total = 0
@@ -246,8 +264,10 @@ def run(rounds: int, repeat: int) -> None:
         streamlog_server("everysec") as address,
         _channel(address) as channel,
         redis_baseline.RedisServer("everysec") as server,
+        contextlib.ExitStack() as stack,
     ):
-        setup = Rounds(Stub(channel), payloads)
+        sessions = stack.enter_context(contextlib.closing(SessionClient(address)))
+        setup = Rounds(Stub(channel), payloads, sessions)
         r = server.client()
         measure(setup, "read_batch", 1)  # warm-up: connection, code paths, caches
         # Both systems run side by side, mode after mode, in every repetition: a burst of load
