@@ -17,7 +17,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from storage.errors import CorruptionError, DiskFullError, DurabilityError
@@ -126,21 +126,41 @@ class FileSystem:
             raise CorruptionError(f"segment {path.name} is {size} bytes, shorter than its header")
         return SegmentFile(path, fd, size, writable, self.sync_times)
 
-    def write_file_atomic(self, path: Path, data: bytes) -> None:
-        """Replace `path` with `data` so that a crash leaves either the old or the new file."""
+    def write_file_atomic(
+        self,
+        path: Path,
+        data: bytes | Iterable[bytes],
+        *,
+        head: Callable[[int], bytes] | None = None,
+    ) -> None:
+        """Replace `path` with `data` so that a crash leaves either the old or the new file.
+
+        `data` may come in parts, written as they come, so a big file is never whole in
+        memory. `head(size)` gives the file's first bytes when they depend on its size
+        (a segment header; its length must not): room is left for it before the parts,
+        and it is written last. An exception from the parts leaves `path` as it was.
+        """
         tmp = path.with_name(path.name + ".tmp")
+        parts = (data,) if isinstance(data, bytes | bytearray | memoryview) else data
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            size = len(head(0)) if head is not None else 0
+            os.lseek(fd, size, os.SEEK_SET)
+            for part in parts:
+                _write_all(fd, part)
+                size += len(part)
+            if head is not None:
+                os.lseek(fd, 0, os.SEEK_SET)
+                _write_all(fd, head(size))
             os.fsync(fd)
-        except OSError as exc:
+        except BaseException as exc:
             os.close(fd)
             tmp.unlink(missing_ok=True)
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise DiskFullError(f"no space to write {path.name}") from exc
-            raise DurabilityError(f"cannot write {path.name}: {exc}") from exc
+            if isinstance(exc, OSError):
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise DiskFullError(f"no space to write {path.name}") from exc
+                raise DurabilityError(f"cannot write {path.name}: {exc}") from exc
+            raise
         os.close(fd)
         os.replace(tmp, path)
         self.sync_dir(path.parent)
@@ -193,3 +213,9 @@ class FileSystem:
             raise DurabilityError(f"fsync of directory {path} failed: {exc}") from exc
         finally:
             os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]

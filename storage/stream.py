@@ -15,7 +15,7 @@ import struct
 import threading
 from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -713,14 +713,20 @@ class Stream:
 
     # ------------------------------------------------------------------ packing and compaction
 
-    def _rewrite(self, old: Segment, bodies: list[tuple[NodeBody, int, int, int]]) -> None:
-        """Replace `old` with a packed file holding `bodies`; crash-safe (write, fsync, rename, fsync dir)."""
+    def _rewrite(self, old: Segment, bodies: Iterable[tuple[NodeBody, int, int, int]]) -> Segment:
+        """Replace `old` with a packed file holding `bodies`, and return it; crash-safe (write,
+        fsync, rename, fsync dir). Each node is read, encoded and written in turn: a segment is
+        never whole in memory. An error from `bodies` (a corrupt node) leaves `old` as it was.
+        """
         cfg = self.ctx.config
         compressor = zstandard.ZstdCompressor(level=cfg.compression_level) if cfg.compression else None
-        nodes = [encode_packed_node(body, lo, hi, flags, compressor) for body, lo, hi, flags in bodies]
-        size = 64 + sum(map(len, nodes))
-        header = SegmentHeader(old.base_offset, old.end_offset(), size, old.header.created_ms, flags=0x1)
-        self.ctx.fs.write_file_atomic(old.path, header.encode() + b"".join(nodes))
+        nodes = (encode_packed_node(body, lo, hi, flags, compressor) for body, lo, hi, flags in bodies)
+        base, end, created = old.base_offset, old.end_offset(), old.header.created_ms
+
+        def header(size: int) -> bytes:
+            return SegmentHeader(base, end, size, created, flags=0x1).encode()
+
+        self.ctx.fs.write_file_atomic(old.path, nodes, head=header)
         new, cut = Segment.open(self.ctx.fs, old.path, writable=False, verify=False)
         if cut:
             raise CorruptionError(f"rewritten segment {old.path.name} does not read back: {cut}")
@@ -736,15 +742,15 @@ class Stream:
             self.dirty.discard(old.file)
             self.ctx.cache.drop_segment(old.uid)
             old.close()
+        return new
 
-    def _bodies(self, segment: Segment) -> list[tuple[NodeBody, int, int, int]]:
-        out = []
+    def _bodies(self, segment: Segment) -> Iterator[tuple[NodeBody, int, int, int]]:
+        """The segment's retained nodes, read one at a time (CorruptionError at a bad one)."""
         for ref in segment.nodes:
             if ref.end_offset <= self.first_offset:
                 continue
             body = segment.read_body(ref, _decompressor())
-            out.append((body, ref.header.min_ts, ref.header.max_ts, ref.header.flags))
-        return out
+            yield body, ref.header.min_ts, ref.header.max_ts, ref.header.flags
 
     def pack_pending(self) -> int:
         """Compress full segments waiting in the queue. Returns how many were packed."""
@@ -808,18 +814,18 @@ class Stream:
                 base, end = segment.base_offset, segment.end_offset()
                 if not any(base <= offset < end for offset in doomed):
                     continue
+                before = _entries_from(segment, self.first_offset)
+                survivors = (
+                    (kept, lo, hi, flags)
+                    for body, lo, hi, flags in self._bodies(segment)
+                    if (kept := _without_offsets(body, doomed)) is not None
+                )
                 try:
-                    bodies = self._bodies(segment)
+                    packed = self._rewrite(segment, survivors)
                 except CorruptionError as exc:
                     log.error("stream %r: segment %s not compacted: %s", self.name, segment.path.name, exc)
                     continue
-                kept_bodies = []
-                for body, lo, hi, flags in bodies:
-                    kept = _without_offsets(body, doomed)
-                    removed += body.count - (kept.count if kept else 0)
-                    if kept is not None:
-                        kept_bodies.append((kept, lo, hi, flags))
-                self._rewrite(segment, kept_bodies)
+                removed += before - _entries_from(packed, self.first_offset)
                 index.forget(o for o in doomed if base <= o < end)
             self.last_compaction_ms = now_ms
             return removed
@@ -907,6 +913,11 @@ class _TagIndex:
         self.superseded -= removed
         for tag in [t for t, (o, _, _) in self.latest.items() if o in removed]:
             del self.latest[tag]  # an expired tombstone: the key is gone
+
+
+def _entries_from(segment: Segment, first_offset: int) -> int:
+    """Entries the segment holds in nodes that end after first_offset (the nodes a rewrite keeps)."""
+    return sum(ref.header.count for ref in segment.nodes if ref.end_offset > first_offset)
 
 
 def _without_offsets(body: NodeBody, drop: set[int]) -> NodeBody | None:

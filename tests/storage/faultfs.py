@@ -42,7 +42,7 @@ from __future__ import annotations
 import errno
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -290,17 +290,31 @@ class FaultFS:
                 raise CorruptionError(f"segment {path.name} is shorter than its header")
             return FaultSegmentFile(self, inode, path, writable)
 
-    def write_file_atomic(self, path: Path, data: bytes) -> None:
+    def write_file_atomic(
+        self,
+        path: Path,
+        data: bytes | Iterable[bytes],
+        *,
+        head: Callable[[int], bytes] | None = None,
+    ) -> None:
+        parts = (data,) if isinstance(data, bytes | bytearray | memoryview) else data
         with self._lock:
             parent = self._dir(path.parent)
             tmp = path.with_name(path.name + ".tmp")
-            self._check_space(len(data), f"write {path.name}")
             inode = _Inode(self._new_serial())
             self._dir_op(parent, (tmp.name, inode))  # O_CREAT | O_TRUNC
             try:
-                self._write(inode, tmp, 0, bytes(data))
+                size = len(head(0)) if head is not None else 0
+                for part in parts:  # each a write(2) as it comes, as the real one
+                    self._check_space(len(part), f"write {path.name}")
+                    self._write(inode, tmp, size, bytes(part))
+                    size += len(part)
+                if head is not None:
+                    first = head(size)
+                    self._check_space(len(first), f"write {path.name}")
+                    self._write(inode, tmp, 0, first)
                 self._sync_inode(inode, tmp)
-            except OSError:
+            except Exception:
                 self._dir_op(parent, (tmp.name, None))  # as the real one: unlink the temporary file
                 raise
             self._dir_op(parent, (path.name, inode), (tmp.name, None))  # os.replace
