@@ -63,6 +63,13 @@ def server_options(settings: Settings) -> list[tuple[str, Any]]:
         ("grpc.http2.min_ping_interval_without_data_ms", settings.min_client_ping_interval_ms),
         ("grpc.http2.max_ping_strikes", 2),
         ("grpc.keepalive_permit_without_calls", 1),
+        # Calls received but not yet taken by the event loop, which takes them one at a time.
+        # Past gRPC's defaults (random refusals from 1,000 waiting, all from 3,000) a burst of
+        # new calls, such as subscribers coming back after a restart, ends CANCELLED with
+        # nothing logged. Up to max_subscriptions are let in, to meet the service's own limits
+        # (RESOURCE_EXHAUSTED, with a message); gRPC still drops a call left waiting 30 s.
+        ("grpc.server.max_pending_requests", settings.max_subscriptions),
+        ("grpc.server.max_pending_requests_hard_limit", settings.max_subscriptions),
     ]
     if settings.max_connection_idle_ms:
         options.append(("grpc.max_connection_idle_ms", settings.max_connection_idle_ms))

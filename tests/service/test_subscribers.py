@@ -69,3 +69,41 @@ def test_a_thousand_subscribers_each_receive_every_entry_in_order_exactly_once(s
     for offsets in received:
         assert offsets == list(range(TOTAL))
     print(f"{SUBSCRIBERS} subscribers x {TOTAL} entries in {elapsed:.1f}s")
+
+
+def test_a_burst_of_subscribers_opened_at_once_is_let_in_whole(server: ServerThread) -> None:
+    """gRPC refuses calls the event loop has not taken yet past 1,000 waiting (CANCELLED, with
+    nothing logged) unless told otherwise: subscribers coming back together after a restart
+    must all get in. Here 4,000 are opened before any reply is read."""
+    burst, channels_n = 4000, 8
+
+    async def scenario() -> list[object]:
+        # A subchannel pool of its own each: separate connections, as separate client processes.
+        options = [("grpc.use_local_subchannel_pool", 1)]
+        channels = [grpc.aio.insecure_channel(server.target, options=options) for _ in range(channels_n)]
+        try:
+            stubs = [pb_grpc.StreamLogServiceStub(c) for c in channels]
+            calls = [
+                stubs[i % channels_n].Subscribe(
+                    pb.SubscribeRequest(stream="burst", start=pb.START_POSITION_LATEST), timeout=120
+                )
+                for i in range(burst)
+            ]
+
+            async def first(call: grpc.aio.UnaryStreamCall) -> object:
+                try:
+                    reply = await call.read()
+                    return "ok" if reply is not grpc.aio.EOF else await call.code()
+                except grpc.aio.AioRpcError as exc:
+                    return f"{exc.code()}: {exc.details()}"
+                finally:
+                    call.cancel()
+
+            return await asyncio.wait_for(asyncio.gather(*(first(call) for call in calls)), timeout=100)
+        finally:
+            for channel in channels:
+                await channel.close()
+
+    outcomes = asyncio.run(scenario())
+    refused = [o for o in outcomes if o != "ok"]
+    assert refused == [], f"{len(refused)} of {burst} refused: {sorted(set(map(str, refused)))}"
