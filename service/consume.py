@@ -31,6 +31,9 @@ from storage import GroupReadResult
 # Fields that only the first request of a session may set: they name and shape it.
 OPENING_FIELDS = ("stream", "group", "consumer", "count", "max_bytes", "noack")
 OPENING_OPTIONAL_FIELDS = ("retry_ms", "expire_ms", "claim_idle_ms")
+# The largest count a reply carries (int64): acknowledgements of huge ranges of unknown
+# offsets, which the engine counts in full, saturate there rather than fail the reply.
+_MAX_COUNT = 2**63 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +100,10 @@ class ConsumeSession:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
+
+    def wake(self) -> None:
+        """Have the session look at the server's state now (it is shutting down), even if idle."""
+        self._credit.set()
 
     def _check(self) -> None:
         if self._failure is not None:
@@ -168,7 +175,8 @@ class ConsumeSession:
             offsets, ranges = self._calls.ack_items(request.ack_offsets, request.ack_ranges)
             acknowledged, unknown = await self._calls.ack(offsets, ranges)
             self._acknowledged += acknowledged
-            self._unknown += unknown
+            self._unknown = min(self._unknown + unknown, _MAX_COUNT)
         if request.batches:
-            self._owed = owed
+            # Not `owed`: a batch may have gone out while the acknowledgements were applied.
+            self._owed += request.batches
             self._credit.set()

@@ -238,6 +238,8 @@ class StreamLogServicer:
         self._engine: Engine | None = None
         self._draining = False
         self.subscriptions = 0
+        # Open Consume sessions, woken when the server starts draining (an idle one waits for credit).
+        self._sessions: set[ConsumeSession] = set()
         # Blocked group readers, served in arrival order; the dispatcher reads through _read_group.
         self.group_waits = GroupWaits(self._dispatch_read)
 
@@ -253,6 +255,8 @@ class StreamLogServicer:
     def start_draining(self) -> None:
         """From now on, new calls get UNAVAILABLE and subscriptions end at their next step."""
         self._draining = True
+        for session in self._sessions:
+            session.wake()
 
     def _ready(self) -> Engine:
         if self._draining:
@@ -619,12 +623,15 @@ class StreamLogServicer:
             stream=stream,
             max_batches=settings.max_consume_batches,
         )
+        session = ConsumeSession(calls)
         self._take_subscription()
+        self._sessions.add(session)
         try:
-            async with contextlib.aclosing(ConsumeSession(calls).run(opening, requests)) as replies:
+            async with contextlib.aclosing(session.run(opening, requests)) as replies:
                 async for reply_bytes in replies:
                     yield reply_bytes
         finally:
+            self._sessions.discard(session)
             self.subscriptions -= 1
 
     def _start_offset(self, engine: Engine, stream: str, request: pb.SubscribeRequest) -> int:

@@ -7,6 +7,7 @@ be SERVING and a canary stream must read back exactly as written.
 from __future__ import annotations
 
 import base64
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -100,6 +101,22 @@ for name, why in BAD_NAMES:
         (
             "Subscribe",
             pb.SubscribeRequest(stream=EXISTING, group=GROUP, consumer=name),
+            INVALID,
+            ("consumer:", why),
+        ),
+    ]
+    # Consume: a session's requests, in order; the first opens it.
+    CASES += [
+        ("Consume", [pb.ConsumeRequest(stream=name, group=GROUP, consumer="c", batches=1)], INVALID, why),
+        (
+            "Consume",
+            [pb.ConsumeRequest(stream=EXISTING, group=name, consumer="c", batches=1)],
+            INVALID,
+            ("group:", why),
+        ),
+        (
+            "Consume",
+            [pb.ConsumeRequest(stream=EXISTING, group=GROUP, consumer=name, batches=1)],
             INVALID,
             ("consumer:", why),
         ),
@@ -308,6 +325,86 @@ CASES += [
     (
         "Subscribe",
         pb.SubscribeRequest(stream="missing", group=GROUP, consumer="c"),
+        NOT_FOUND,
+        "'missing' does not exist",
+    ),
+    # Consume: the opening request's fields as a group Read's; credit; acknowledgements; later requests.
+    *[
+        ("Consume", [pb.ConsumeRequest(stream=EXISTING, group=GROUP, consumer="c", **fields)], INVALID, why)
+        for fields, why in [
+            ({"count": -1}, "count: must not be negative"),
+            ({"max_bytes": -1}, "max_bytes: must not be negative"),
+            ({"retry_ms": -1}, "retry_ms: must not be negative"),
+            ({"expire_ms": -1}, "expire_ms: must not be negative"),
+            ({"claim_idle_ms": -1, "batches": 1}, "claim_idle_ms: must not be negative"),
+            ({"batches": -1}, "batches: must not be negative"),
+            ({"ack_offsets": [2, -1]}, "ack_offsets: must not be negative"),
+            (
+                {"ack_ranges": [pb.OffsetRange(start_offset=3, end_offset=1)]},
+                "ack_ranges[0]: end_offset 1 is before start_offset 3",
+            ),
+        ]
+    ],
+    ("Consume", [pb.ConsumeRequest(stream=EXISTING, group=GROUP)], INVALID, "consumer: must not be empty"),
+    ("Consume", [pb.ConsumeRequest(group=GROUP, consumer="c")], INVALID, "stream: must not be empty"),
+    *[
+        (
+            "Consume",
+            [pb.ConsumeRequest(stream=EXISTING, group=GROUP, consumer="c"), later],
+            INVALID,
+            "set by the first request only",
+        )
+        for later in [
+            pb.ConsumeRequest(stream=EXISTING, batches=1),
+            pb.ConsumeRequest(group=GROUP, batches=1),
+            pb.ConsumeRequest(consumer="c", batches=1),
+            pb.ConsumeRequest(count=1, batches=1),
+            pb.ConsumeRequest(noack=True, batches=1),
+            pb.ConsumeRequest(retry_ms=0, batches=1),
+        ]
+    ],
+    (
+        "Consume",
+        [pb.ConsumeRequest(stream=EXISTING, group=GROUP, consumer="c"), pb.ConsumeRequest(batches=-3)],
+        INVALID,
+        "batches: must not be negative",
+    ),
+    (
+        "Consume",
+        [pb.ConsumeRequest(stream=EXISTING, group=GROUP, consumer="c", batches=1001)],
+        EXHAUSTED,
+        "max_consume_batches=1000",
+    ),
+    (
+        "Consume",
+        [pb.ConsumeRequest(stream=EXISTING, group=GROUP, consumer="c", ack_offsets=range(11))],
+        EXHAUSTED,
+        "max_ack_offsets=10",
+    ),
+    (
+        "Consume",
+        [
+            pb.ConsumeRequest(stream=EXISTING, group=GROUP, consumer="c"),
+            pb.ConsumeRequest(ack_offsets=[1], ack_ranges=[pb.OffsetRange(end_offset=1)] * 10),
+        ],
+        EXHAUSTED,
+        "max_ack_offsets=10",
+    ),
+    (
+        "Consume",
+        [pb.ConsumeRequest(stream=EXISTING, group="nope", consumer="c", batches=1)],
+        NOT_FOUND,
+        "group 'nope' does not exist",
+    ),
+    (
+        "Consume",
+        [pb.ConsumeRequest(stream=EXISTING, group="nope", consumer="c", ack_offsets=[0])],
+        NOT_FOUND,
+        "group 'nope' does not exist",
+    ),
+    (
+        "Consume",
+        [pb.ConsumeRequest(stream="missing", group=GROUP, consumer="c", batches=1)],
         NOT_FOUND,
         "'missing' does not exist",
     ),
@@ -549,7 +646,22 @@ def shared_channel(shared_server: ServerThread) -> Iterator[grpc.Channel]:
 
 
 def _call(stub: pb_grpc.StreamLogServiceStub, rpc: str, request: Any) -> None:
-    if rpc == "Subscribe":
+    if rpc == "Consume":
+        ended = threading.Event()
+
+        def requests() -> Iterator[pb.ConsumeRequest]:
+            yield from request
+            # Keep the client's side open: the refusal must come from the requests, not a half-close.
+            ended.wait(5)
+
+        call = stub.Consume(requests(), timeout=5)
+        try:
+            for _reply in call:
+                pass
+        finally:
+            ended.set()
+            call.cancel()
+    elif rpc == "Subscribe":
         call = stub.Subscribe(request, timeout=5)
         try:
             next(call)

@@ -155,3 +155,49 @@ def test_grpcurl_drives_a_consumer_group(server: ServerThread) -> None:
     assert [(e["offset"], e["consumer"], e["delivery_count"]) for e in pending["entries"]] == [
         ("2", "worker-1", 1)
     ]
+
+
+def test_grpcurl_drives_a_consume_session(server: ServerThread) -> None:
+    """A bidirectional Consume: requests as JSON on stdin (`-d @`), replies as they come."""
+    call = "streamlog.v1.StreamLogService/"
+    grpcurl(
+        server, call + "Append", data={"stream": "orders", "payloads": [b64(b"%d" % i) for i in range(3)]}
+    )
+    grpcurl(
+        server,
+        call + "CreateGroup",
+        data={"stream": "orders", "group": "billing", "start": "START_POSITION_OLDEST"},
+    )
+    command = [grpcurl_binary(), "-plaintext", "-max-time", "10", "-d", "@", server.target, call + "Consume"]
+    process = subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdin is not None and process.stdout is not None
+        opening = {"stream": "orders", "group": "billing", "consumer": "worker-1", "count": 2, "batches": 1}
+        process.stdin.write(json.dumps(opening) + "\n")
+        process.stdin.flush()
+        # The first batch, before the client says more (grpcurl prints each reply as it arrives;
+        # -max-time bounds the wait: a call that ends closes stdout).
+        lines = []
+        while not lines or lines[-1] != "}\n":
+            line = process.stdout.readline()
+            assert line, "the session ended before its first batch: " + "".join(lines)
+            lines.append(line)
+        first = json.loads("".join(lines))
+        assert [e.get("offset", "0") for e in first["entries"]] == ["0", "1"]
+        assert first["delivery_counts"] == [1, 1]
+        # Acknowledge it, then close the client's side: the last reply reports the acknowledgements.
+        process.stdin.write(json.dumps({"ack_offsets": [0, 1]}) + "\n")
+        process.stdin.close()
+        rest = process.stdout.read()
+        assert process.wait(timeout=20) == 0, rest + process.stderr.read() if process.stderr else rest
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+    last = json.loads(rest)
+    assert last.get("entries") is None and last["acknowledged"] == "2"
+
+    pending = json.loads(grpcurl(server, call + "GetPending", data={"stream": "orders", "group": "billing"}))
+    assert pending.get("count", "0") == "0"
