@@ -131,7 +131,8 @@ class ConsumeSession:
         finally:
             stopped.cancel()
             if not read.done():
-                # The wait gives up its place; a read under way for it still delivers (see GroupWaits).
+                # The wait gives up its place. Entries a read under way in a thread ("always"
+                # streams) takes for it stay pending: redelivered after retry_ms, or claimed.
                 read.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await read

@@ -605,6 +605,8 @@ class StreamLogServicer:
             "max_bytes", opening.max_bytes, settings.default_read_bytes, settings.max_read_bytes
         )
         options = _group_options(opening, count, max_bytes)
+        # NOT_FOUND now for a stream or group that does not exist, even if no batch is asked for yet.
+        await self._group_call(engine, stream, engine.group_info, stream, group)
 
         async def ack(offsets: list[int], ranges: list[tuple[int, int]]) -> tuple[int, int]:
             result = await self._group_call(engine, stream, engine.ack, stream, group, offsets, ranges)

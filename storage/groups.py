@@ -74,6 +74,9 @@ OP_RESTORE_PENDING = 18  # group, rows (snapshots only; see Group.snapshot_ops)
 R_ACK, R_EXPIRED, R_DEAD, R_EVICTED = 0, 1, 2, 3
 _REASON_COUNTER = {R_ACK: "acked", R_EXPIRED: "expired", R_DEAD: "dead_lettered", R_EVICTED: "evicted"}
 COUNTER_NAMES = ("delivered", "redelivered", "acked", "ack_unknown", "expired", "dead_lettered", "evicted")
+# Counts are int64 on the wire. An ack of huge ranges of offsets that are not pending names more
+# unknown offsets than that: such counts saturate here rather than fail every later reply.
+MAX_COUNT = 2**63 - 1
 
 # Verdicts of Group.admit on an entry the cursor reaches.
 ADMIT, SCHEDULE, STOP = "admit", "schedule", "stop"
@@ -504,7 +507,7 @@ class Group:
         self._maybe_compact_heaps()
 
     def _on_ack_unknown(self, count: int) -> None:
-        self.counters["ack_unknown"] += count
+        self.counters["ack_unknown"] = min(self.counters["ack_unknown"] + count, MAX_COUNT)
 
     def _on_release(self, due_ms: int, offsets: Iterable[int]) -> None:
         for offset in offsets:
@@ -875,6 +878,7 @@ class Group:
             unknown += max(end - start, 0) - len(hits)
         self.touch(now)
         self.remove(found, R_ACK)
+        unknown = min(unknown, MAX_COUNT)
         if unknown:
             self._emit((OP_ACK_UNKNOWN, self.name, unknown))
         return AckResult(len(found), unknown)

@@ -210,6 +210,20 @@ def test_consumers_are_created_on_first_read_with_seen_and_active_times(open_eng
 # ---------------------------------------------------------------------- acknowledgement
 
 
+def test_unknown_counts_of_huge_range_acks_saturate_at_int64_and_survive_a_restart(open_engine):
+    engine = open_engine()
+    fill(engine, 10)
+    engine.create_group("s", "g")
+    engine.read_group("s", "g", "c", 10)
+    top = 2**63 - 1
+    result = engine.ack("s", "g", ranges=[(0, top), (0, top)])
+    assert (result.acked, result.unknown) == (10, top)
+    engine.ack("s", "g", ranges=[(0, top)])
+    assert engine.group_info("s", "g").counters.ack_unknown == top
+    engine.close()
+    assert open_engine().group_info("s", "g").counters.ack_unknown == top
+
+
 def test_ack_by_offsets_and_half_open_ranges_counts_unknown(open_engine):
     engine = open_engine()
     fill(engine, 10)
