@@ -19,10 +19,12 @@ _EXPORTS = {
     "AlreadyExistsError": "clients.errors",
     "AppendResult": "clients.types",
     "AsyncClient": "clients.aio",
+    "AsyncConsumeSession": "clients.aio",
     "AsyncSubscription": "clients.aio",
     "CancelledError": "clients.errors",
     "ClaimResult": "clients.types",
     "Client": "clients.client",
+    "ConsumeSession": "clients.client",
     "Consumer": "clients.consumer",
     "ConsumerInfo": "clients.types",
     "DataLossError": "clients.errors",
@@ -63,10 +65,12 @@ __all__ = [
     "AlreadyExistsError",
     "AppendResult",
     "AsyncClient",
+    "AsyncConsumeSession",
     "AsyncSubscription",
     "CancelledError",
     "ClaimResult",
     "Client",
+    "ConsumeSession",
     "Consumer",
     "ConsumerInfo",
     "DataLossError",
@@ -113,8 +117,8 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from clients.aio import AsyncClient, AsyncSubscription
-    from clients.client import Client, Subscription
+    from clients.aio import AsyncClient, AsyncConsumeSession, AsyncSubscription
+    from clients.client import Client, ConsumeSession, Subscription
     from clients.consumer import Consumer, Message
     from clients.errors import (
         AlreadyExistsError,

@@ -141,13 +141,18 @@ def entries(messages: Sequence[pb.Entry], delivery_counts: Sequence[int] = ()) -
     return [entry(m) for m in messages]
 
 
-def read_result(reply: pb.ReadResponse | pb.SubscribeResponse) -> ReadResult:
-    """A Read reply or a Subscribe batch (only Read replies carry acknowledgement counts)."""
-    acked = isinstance(reply, pb.ReadResponse)
+def read_result(reply: pb.ReadResponse | pb.SubscribeResponse | pb.ConsumeResponse) -> ReadResult:
+    """A Read reply, a Subscribe batch or a Consume batch.
+
+    Read and Consume replies carry acknowledgement counts; a Consume batch has no
+    next offset (0, as in a group Read's reply).
+    """
+    consume = isinstance(reply, pb.ConsumeResponse)
+    acked = consume or isinstance(reply, pb.ReadResponse)
     return ReadResult(
         entries=entries(reply.entries, reply.delivery_counts),
         first_offset=reply.first_offset,
-        next_offset=reply.next_offset,
+        next_offset=0 if consume else reply.next_offset,
         end_offset=reply.end_offset,
         gap=gap(reply.gap) if reply.HasField("gap") else None,
         acknowledged=reply.acknowledged if acked else 0,
@@ -382,6 +387,30 @@ def group_subscribe_request(
     claim_idle_ms: int | None,
 ) -> pb.SubscribeRequest:
     return pb.SubscribeRequest(
+        stream=stream,
+        group=group,
+        consumer=consumer,
+        count=count,
+        max_bytes=max_bytes,
+        noack=noack,
+        **optional_fields(retry_ms=retry_ms, expire_ms=expire_ms, claim_idle_ms=claim_idle_ms),
+    )
+
+
+def consume_request(
+    stream: str,
+    group: str,
+    consumer: str,
+    *,
+    count: int,
+    max_bytes: int,
+    retry_ms: int | None,
+    expire_ms: int | None,
+    noack: bool,
+    claim_idle_ms: int | None,
+) -> pb.ConsumeRequest:
+    """The fields that open a Consume session (its first request adds credit and acknowledgements)."""
+    return pb.ConsumeRequest(
         stream=stream,
         group=group,
         consumer=consumer,

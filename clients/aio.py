@@ -13,7 +13,8 @@ Timeouts, typed results and exceptions work as in the sync client.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -31,8 +32,9 @@ from clients._connection import (
     channel_credentials,
     channel_options,
 )
+from clients._consume import ConsumeSessionBase
 from clients.client import AppendData, Ranges
-from clients.errors import GapError, from_rpc_error
+from clients.errors import GapError, StreamlogError, from_rpc_error
 from clients.types import (
     AckResult,
     AppendResult,
@@ -50,6 +52,18 @@ from clients.types import (
 )
 
 _SERVICE_NAME = pb.DESCRIPTOR.services_by_name["StreamLogService"].full_name
+
+
+async def _entries(
+    batches: AsyncIterator[ReadResult], on_gap: Callable[[Gap], None] | None
+) -> AsyncIterator[Entry]:
+    async for batch in batches:
+        if batch.gap is not None:
+            if on_gap is None:
+                raise GapError(batch.gap)
+            on_gap(batch.gap)
+        for entry in batch.entries:
+            yield entry
 
 
 class AsyncSubscription:
@@ -88,15 +102,9 @@ class AsyncSubscription:
         self.next_offset = batch.next_offset
         return batch
 
-    async def entries(self, on_gap: Callable[[Gap], None] | None = None) -> AsyncIterator[Entry]:
+    def entries(self, on_gap: Callable[[Gap], None] | None = None) -> AsyncIterator[Entry]:
         """The entries one by one. A gap calls `on_gap`, or raises GapError when there is none."""
-        async for batch in self:
-            if batch.gap is not None:
-                if on_gap is None:
-                    raise GapError(batch.gap)
-                on_gap(batch.gap)
-            for entry in batch.entries:
-                yield entry
+        return _entries(self, on_gap)
 
     def cancel(self) -> None:
         self._cancelled = True
@@ -109,6 +117,130 @@ class AsyncSubscription:
 
     async def __aexit__(self, *exc_info: object) -> None:
         self.cancel()
+
+
+class AsyncConsumeSession(ConsumeSessionBase):
+    """An open Consume call (grpc.aio): `async for` it for batches; as the sync ConsumeSession.
+
+        async with client.consume("orders", "billing", "worker-1", count=100) as session:
+            async for batch in session:
+                await handle(batch.entries)
+                session.ack([entry.offset for entry in batch])
+
+    ack() queues (it is not awaited); flush() and close() are. There is no stop():
+    close() from the task that iterates, or cancel() from anywhere.
+    """
+
+    def __init__(
+        self,
+        start: Callable[[], Any],
+        opening: Any,
+        ahead: int,
+        ack_call: Callable[[Any], Awaitable[Any]],
+        close_timeout: float | None,
+    ) -> None:
+        super().__init__(opening, ahead)
+        self._ack_call = ack_call
+        self._close_timeout = close_timeout
+        self._call = start()
+
+    async def _send(self, credit: bool) -> None:
+        if self._half_closed:
+            return
+        for seq, request in self._next_requests(credit):
+            try:
+                await self._call.write(request)
+            except asyncio.InvalidStateError:
+                return  # the call has ended: reading says how
+            except grpc.RpcError as exc:
+                raise self._fail(exc) from exc
+            self._delivered[0] = seq
+
+    def __aiter__(self) -> AsyncConsumeSession:
+        return self
+
+    async def __anext__(self) -> ReadResult:
+        if self._error is not None:
+            raise self._error
+        if self.result is not None or self._cancelled:
+            raise StopAsyncIteration
+        await self._send(credit=True)
+        while True:
+            try:
+                reply = await self._call.read()
+            except asyncio.CancelledError:
+                if self._cancelled:  # read() of a call cancelled by cancel()
+                    raise StopAsyncIteration from None
+                raise
+            except grpc.RpcError as exc:
+                if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
+                    raise StopAsyncIteration from None
+                raise self._fail(exc) from exc
+            if reply is grpc.aio.EOF:
+                self._ended_ok()
+                raise StopAsyncIteration
+            batch = self._take(reply)
+            if batch is not None:
+                return batch
+
+    def entries(self, on_gap: Callable[[Gap], None] | None = None) -> AsyncIterator[Entry]:
+        """The entries one by one. A gap calls `on_gap`, or raises GapError when there is none."""
+        return _entries(self, on_gap)
+
+    async def flush(self) -> None:
+        """Send the queued acknowledgements now, without asking for more batches."""
+        await self._send(credit=False)
+
+    async def close(self, timeout: float | None = None) -> AckResult:
+        """End the session: send the queued acknowledgements, half-close, read the server's last reply.
+
+        As ConsumeSession.close(): the acknowledgement totals, or an exception when
+        some may not be applied.
+        """
+        if self.result is not None:
+            return self.result
+        error = self._closed_error()
+        if error is not None:
+            raise error
+        await self._send(credit=False)
+        if not self._half_closed:
+            self._half_closed = True
+            with contextlib.suppress(asyncio.InvalidStateError):
+                await self._call.done_writing()
+        deadline = call_timeout(self._close_timeout, timeout)
+        try:
+            async with asyncio.timeout(deadline):
+                while (reply := await self._call.read()) is not grpc.aio.EOF:
+                    self._drained(reply)
+        except TimeoutError as exc:
+            self._call.cancel()
+            raise self._timed_out(deadline) from exc
+        except grpc.RpcError as exc:
+            raise self._fail(exc) from exc
+        self._ended_ok()
+        return self._finish([await self._ack_call(request) for request in self._leftover_acks()])
+
+    def cancel(self) -> None:
+        """Abandon the session at once: queued acknowledgements are not sent (see pending_acks())."""
+        self._cancelled = True
+        self._call.cancel()
+
+    async def __aenter__(self) -> AsyncConsumeSession:
+        return self
+
+    async def __aexit__(self, exc_type: object, exc: object, traceback: object) -> None:
+        if self._cancelled or self.result is not None:
+            return
+        if self._error is not None:
+            self.cancel()
+            return
+        if exc is None:
+            await self.close()
+            return
+        try:
+            await self.close()
+        except StreamlogError:
+            self.cancel()
 
 
 class AsyncClient:
@@ -293,6 +425,41 @@ class AsyncClient:
             claim_idle_ms=claim_idle_ms,
         )
         return AsyncSubscription(self._stub.Subscribe(request, timeout=timeout, metadata=self._metadata))
+
+    def consume(
+        self,
+        stream: str,
+        group: str,
+        consumer: str,
+        *,
+        count: int = 0,
+        ahead: int = 1,
+        max_bytes: int = 0,
+        retry_ms: int | None = None,
+        expire_ms: int | None = None,
+        noack: bool = False,
+        claim_idle_ms: int | None = None,
+        timeout: float | None = None,
+    ) -> AsyncConsumeSession:
+        """Open a Consume session as `consumer` of `group`; as Client.consume, with `async for`."""
+        opening = convert.consume_request(
+            stream,
+            group,
+            consumer,
+            count=count,
+            max_bytes=max_bytes,
+            retry_ms=retry_ms,
+            expire_ms=expire_ms,
+            noack=noack,
+            claim_idle_ms=claim_idle_ms,
+        )
+        return AsyncConsumeSession(
+            lambda: self._stub.Consume(timeout=timeout, metadata=self._metadata),
+            opening,
+            ahead,
+            lambda request: self._unary(self._stub.Ack, request, None),
+            self.timeout,
+        )
 
     async def ack(
         self,

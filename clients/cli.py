@@ -520,6 +520,8 @@ def _cmd_groups(args: argparse.Namespace, out: IO[str]) -> int:
             _print_entries(result.entries, args, out)
             if args.ack and result.entries:
                 client.ack(args.stream, args.group, [e.offset for e in result.entries])
+        elif action == "consume":
+            return _consume_group(client, args, out)
         elif action == "ack":
             if not args.offsets and not args.range:
                 raise UsageError("give offsets and/or --range START-END to acknowledge")
@@ -551,6 +553,50 @@ def _cmd_groups(args: argparse.Namespace, out: IO[str]) -> int:
             else:
                 out.write(message + "\n")
     return EXIT_OK
+
+
+def _consume_group(client: Client, args: argparse.Namespace, out: IO[str]) -> int:
+    """Print the batches of a Consume session until --max-batches of them (0: until Ctrl-C).
+
+    --ack acknowledges each batch once printed (sent with the request for the next
+    one, or when the session ends). Ctrl-C ends the session in order: the batches
+    already on their way are printed (and acknowledged) too, then the command exits
+    130; a second Ctrl-C interrupts at once. Entries that arrived after the end were
+    never printed: they are nacked, so the group hands them out again at once.
+    """
+    import signal
+
+    if args.max_batches < 0:
+        raise UsageError("--max-batches must not be negative")
+    session = client.consume(args.stream, args.group, args.consumer, count=args.count, ahead=args.ahead)
+    interrupted = False
+
+    def on_interrupt(signum: int, frame: Any) -> None:
+        nonlocal interrupted
+        interrupted = True
+        signal.signal(signal.SIGINT, previous)
+        session.stop()
+
+    try:
+        previous = signal.signal(signal.SIGINT, on_interrupt)
+    except ValueError:
+        previous = None  # not the main thread: Ctrl-C is not ours to handle
+    try:
+        with session:
+            for taken, batch in enumerate(session, start=1):
+                if batch.gap is not None:
+                    _warn_gap(batch.gap)
+                _print_entries(batch.entries, args, out)
+                if args.ack:
+                    session.ack(e.offset for e in batch.entries)
+                if taken == args.max_batches:
+                    break
+    finally:
+        if previous is not None and signal.getsignal(signal.SIGINT) is on_interrupt:
+            signal.signal(signal.SIGINT, previous)
+        if session.unconsumed_offsets:
+            client.nack(args.stream, args.group, session.unconsumed_offsets)
+    return EXIT_INTERRUPTED if interrupted else EXIT_OK
 
 
 # ------------------------------------------------------------------ admin
@@ -910,7 +956,9 @@ def build_parser() -> argparse.ArgumentParser:
     _entry_display(p)
 
     p = command(
-        "groups", "consumer groups: create, list, info, pending, read, ack, claim, delete", _cmd_groups
+        "groups",
+        "consumer groups: create, list, info, pending, read, consume, ack, claim, delete",
+        _cmd_groups,
     )
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     a = actions.add_parser("create", help="create a group", parents=[common])
@@ -944,6 +992,23 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--count", type=int, default=10, help="(default: 10)")
     a.add_argument("--block-ms", type=int, default=0, help="wait this long for entries")
     a.add_argument("--ack", action="store_true", help="acknowledge what was printed")
+    _entry_display(a)
+    a = actions.add_parser(
+        "consume",
+        help="consume batches as a consumer of the group, on one session (until Ctrl-C or --max-batches)",
+        parents=[common],
+    )
+    a.add_argument("stream")
+    a.add_argument("group")
+    a.add_argument("consumer")
+    a.add_argument("--count", type=int, default=10, help="entries per batch (default: 10)")
+    a.add_argument(
+        "--max-batches", type=int, default=0, metavar="N", help="stop after N batches (default: 0, no limit)"
+    )
+    a.add_argument(
+        "--ahead", type=int, default=1, metavar="N", help="batches asked for at a time (default: 1)"
+    )
+    a.add_argument("--ack", action="store_true", help="acknowledge each batch once printed")
     _entry_display(a)
     a = actions.add_parser("ack", help="acknowledge entries", parents=[common])
     a.add_argument("stream")

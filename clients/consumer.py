@@ -9,10 +9,15 @@
 
 A message is acknowledged after its handler returns (or when the loop moves on),
 never before, so a crash while processing means redelivery, not loss. The
-acknowledgements of a batch travel in the next group Read (one round trip per
-batch), or in an Ack at `close()`. A handler that raises has its message nacked
-with `nack_delay_ms`: the group redelivers it (to this or another consumer) after
-that delay, with its delivery count raised.
+consumer reads through a Consume session (`Client.consume`, one open call): the
+acknowledgements of a batch travel in the request for the next batch (one
+message each way per batch, no call set-up), or with the session's end at
+`close()`. The group assigns a batch to the consumer only when the consumer has
+no message left in hand. A handler that raises has its message nacked with
+`nack_delay_ms`: the group redelivers it (to this or another consumer) after
+that delay, with its delivery count raised. When the session fails (the server
+restarts, say), the consumer opens a new one, resending the acknowledgements
+the old one did not confirm (a repeated acknowledgement is harmless).
 
 Long work: when the group redelivers unacknowledged entries after `retry_ms` (set
 on the group, or passed here), the consumer re-claims the message in hand every
@@ -39,29 +44,14 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from clients.client import Client
-from clients.errors import AlreadyExistsError, TransientError
+from clients._consume import compress_offsets
+from clients.client import Client, ConsumeSession
+from clients.errors import AlreadyExistsError, StreamlogError, TransientError
 from clients.types import Entry, Start
 
+__all__ = ["Consumer", "Message", "compress_offsets"]
+
 log = logging.getLogger(__name__)
-
-
-def compress_offsets(offsets: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
-    """Offsets as single offsets and half-open ranges of consecutive ones (fewer items on the wire)."""
-    singles: list[int] = []
-    ranges: list[tuple[int, int]] = []
-    ordered = sorted(set(offsets))
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        if j > i:
-            ranges.append((ordered[i], ordered[j] + 1))
-        else:
-            singles.append(ordered[i])
-        i = j + 1
-    return singles, ranges
 
 
 class Message:
@@ -100,7 +90,7 @@ class Message:
         return self.entry.delivery_count
 
     def ack(self) -> None:
-        """Acknowledge (sent with the consumer's next read, or at close)."""
+        """Acknowledge (sent with the consumer's request for its next batch, or at close)."""
         if not self.settled:
             self.settled = True
             self._consumer._acks.append(self.offset)
@@ -121,9 +111,11 @@ class Message:
 class Consumer:
     """A member `name` of consumer group `group` on `stream`.
 
-    batch_size: entries per read. block_ms: how long a read waits for entries (also how
-    quickly stop() takes effect). retry_ms / claim_idle_ms: passed to every read (see
-    ReadRequest). create: create the group (at `start`) if it does not exist.
+    batch_size: entries per batch. block_ms: unused since the consumer reads through a
+    Consume session, which waits for entries as long as it takes (stop() ends the wait
+    at once); kept so that existing callers still work. retry_ms / claim_idle_ms: the
+    session's read options (see ReadRequest). create: create the group (at `start`) if
+    it does not exist.
     extend_every_s: re-claim the message in hand this often; None derives it from
     retry_ms, 0 turns it off. give_up_after_s: how long transient errors (server down)
     may last before iteration raises.
@@ -167,6 +159,7 @@ class Consumer:
         self._current: Message | None = None
         self._stopping = threading.Event()
         self._closed = False
+        self._session: ConsumeSession | None = None
         if create:
             # Another consumer may have created it first: that is the same outcome.
             with contextlib.suppress(AlreadyExistsError):
@@ -227,40 +220,67 @@ class Consumer:
     def stop(self) -> None:
         """Make the loop end after the message in hand (safe from any thread or a signal handler)."""
         self._stopping.set()
+        # Set before looking: either this sees the session, or _open_session sees the flag.
+        session = self._session
+        if session is not None:
+            session.stop()  # ends a wait for entries at once
+
+    def _open_session(self, carried: tuple[list[int], list[tuple[int, int]]]) -> ConsumeSession:
+        session = self.client.consume(
+            self.stream,
+            self.group,
+            self.name,
+            count=self.batch_size,
+            retry_ms=self.retry_ms,
+            claim_idle_ms=self.claim_idle_ms,
+        )
+        offsets, ranges = carried
+        session.ack(offsets, ranges=ranges)
+        self._session = session
+        if self._stopping.is_set():
+            session.stop()
+        return session
 
     def _fetch(self) -> None:
-        """One group read (carrying the acknowledgements so far); retries transient failures."""
+        """The next batch from the session (its request carries the acknowledgements so far).
+
+        A failed session is replaced after a pause, its unconfirmed acknowledgements
+        carried over, while the failures are transient and last at most give_up_after_s.
+        Returns without a batch when stop() ended the session.
+        """
         started = time.monotonic()
         backoff = 0.05
-        while True:
-            sending = list(self._acks)
-            singles, ranges = compress_offsets(sending)
+        carried: tuple[list[int], list[tuple[int, int]]] = ([], [])
+        while not self._stopping.is_set():
+            session = self._session or self._open_session(carried)
+            singles, ranges = compress_offsets(self._acks)
+            session.ack(singles, ranges=ranges)
+            self._acks.clear()
             try:
-                result = self.client.read_group(
-                    self.stream,
-                    self.group,
-                    self.name,
-                    count=self.batch_size,
-                    block_ms=self.block_ms,
-                    ack=singles,
-                    ack_ranges=ranges,
-                    retry_ms=self.retry_ms,
-                    claim_idle_ms=self.claim_idle_ms,
-                )
+                batch = next(session, None)
             except TransientError:
+                self._session = None
+                carried = session.pending_acks()
+                session.cancel()
                 if self._stopping.is_set() or time.monotonic() - started > self.give_up_after_s:
+                    self._acks.extend(carried[0])  # for close() to send
+                    self._acks.extend(o for start, end in carried[1] for o in range(start, end))
                     raise
                 pause = random.uniform(backoff / 2, backoff)
                 log.warning("consumer %s: server unavailable; retrying in %.2f s", self.name, pause)
                 self._stopping.wait(pause)
                 backoff = min(backoff * 2, 2.0)
                 continue
-            # Only now are the acknowledgements known to have arrived (acks are idempotent,
-            # so resending them after a failed read is harmless).
-            del self._acks[: len(sending)]
+            if batch is None:
+                if self._stopping.is_set():
+                    return  # stop() ended the session; close() finishes it
+                # Ended without being asked to (not what servers do): open another.
+                self._session = None
+                carried = session.pending_acks()
+                continue
             self._extensions.clear()
-            self.delivered += len(result.entries)
-            self._held.extend(Message(self, entry) for entry in result.entries)
+            self.delivered += len(batch.entries)
+            self._held.extend(Message(self, entry) for entry in batch.entries)
             return
 
     def _extend_loop(self) -> None:
@@ -293,10 +313,20 @@ class Consumer:
         self._stopping.set()
         if self._heartbeat is not None:
             self._heartbeat.join(5)
-        if self._acks:
-            singles, ranges = compress_offsets(self._acks)
+        singles, ranges = compress_offsets(self._acks)
+        self._acks.clear()
+        session, self._session = self._session, None
+        if session is not None:
+            # The session's end carries them; if it fails, an Ack call resends what it did not confirm.
+            session.ack(singles, ranges=ranges)
+            try:
+                session.close()
+                singles, ranges = [], []
+            except StreamlogError as exc:
+                log.warning("consumer %s: session ended badly: %s", self.name, exc)
+                singles, ranges = session.pending_acks()
+        if singles or ranges:
             self.client.ack(self.stream, self.group, singles, ranges=ranges)
-            self._acks.clear()
         released = self.client.delete_consumer(self.stream, self.group, self.name)
         log.debug("consumer %s left %s/%s; %d entries released", self.name, self.stream, self.group, released)
 

@@ -76,12 +76,13 @@ class AppendResult:
 
 @dataclass(frozen=True, slots=True)
 class ReadResult:
-    """One Read reply or one Subscribe batch.
+    """One Read reply, one Subscribe batch or one Consume batch.
 
     `next_offset` is where to continue (forward reads and subscriptions), `end_offset`
     the stream's end when the batch was read, `gap` the missing range the batch starts
-    after, if any. Group reads also report their piggybacked acknowledgements and
-    whether the group's pending list is full.
+    after, if any. Group reads and Consume batches also report the acknowledgements
+    applied (since the previous reply, for a session) and whether the group's pending
+    list is full.
     """
 
     entries: list[Entry]

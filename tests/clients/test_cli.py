@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -16,7 +17,14 @@ from pathlib import Path
 import pytest
 
 from clients import Client
-from clients.cli import EXIT_CONFLICT, EXIT_NOT_FOUND, EXIT_UNAVAILABLE, EXIT_USAGE, main
+from clients.cli import (
+    EXIT_CONFLICT,
+    EXIT_INTERRUPTED,
+    EXIT_NOT_FOUND,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    main,
+)
 from tests.service.helpers import ServerThread
 
 STREAMLOG = shutil.which("streamlog", path=str(Path(sys.executable).parent))
@@ -252,3 +260,52 @@ def test_groups_commands(server: ServerThread) -> None:
     assert code == 0 and "1 entries released" in out
     assert run(server, "groups", "delete", "jobs", "workers")[0] == 0
     assert run(server, "groups", "info", "jobs", "workers")[0] == EXIT_NOT_FOUND
+
+
+CONSUME = ("groups", "consume", "jobs", "workers")
+
+
+def test_groups_consume_prints_batches_and_acknowledges_them(server: ServerThread) -> None:
+    with Client(server.target) as client:
+        client.append("jobs", [b"j%d" % i for i in range(7)])
+        client.create_group("jobs", "workers")
+        code, out = run(server, *CONSUME, "w1", "--count", "2", "--max-batches", "2", "--json")
+        assert code == 0
+        assert [(r["offset"], r["delivery_count"]) for r in lines_json(out)] == [(i, 1) for i in range(4)]
+        assert client.pending("jobs", "workers").consumers == {"w1": 4}  # printed, not acknowledged
+        code, out = run(server, *CONSUME, "w2", "--count", "2", "--ahead", "3", "--max-batches", "1", "--ack")
+        assert code == 0
+        assert [line.split()[0] for line in out.splitlines()] == ["4", "5"]
+        # 4 and 5 acknowledged; 6, if its batch was already on its way, given back for redelivery.
+        pending = client.pending("jobs", "workers")
+        assert pending.consumers == {"w1": 4} and pending.released in (0, 1)
+        assert [e.offset for e in client.read_group("jobs", "workers", "w3", count=5)] == [6]
+        unknown_group = ("groups", "consume", "jobs", "nope", "w1")
+        assert run(server, *unknown_group, "--max-batches", "1")[0] == EXIT_NOT_FOUND
+        assert run(server, *CONSUME, "w1", "--ahead", "0")[0] == EXIT_USAGE
+
+
+def test_groups_consume_ends_in_order_on_ctrl_c(server: ServerThread) -> None:
+    with Client(server.target) as client:
+        client.create_group("jobs", "workers", create_stream=True)
+
+        def append_then_interrupt() -> None:
+            # Only once the command handles Ctrl-C (it waits for entries by then): never hit pytest.
+            deadline = time.monotonic() + 10
+            while signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.01)
+            client.append("jobs", [b"a", b"b", b"c"])
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        helper = threading.Thread(target=append_then_interrupt)
+        helper.start()
+        started = time.monotonic()
+        code, out = run(server, *CONSUME, "w1", "--count", "2", "--ack", "--json")
+        helper.join()
+        assert code == EXIT_INTERRUPTED and time.monotonic() - started < 8
+        assert [r["offset"] for r in lines_json(out)] == [0, 1, 2]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+        assert client.group_info("jobs", "workers").pending == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -12,6 +13,7 @@ from clients import (
     AlreadyExistsError,
     Client,
     Consumer,
+    ConsumeSession,
     GroupConfig,
     Message,
     NotFoundError,
@@ -96,6 +98,30 @@ def test_run_handles_every_message_once_and_leaves_the_group(client: Client) -> 
     info = client.group_info("s", "g")
     assert (info.pending, info.next_offset, info.lag, info.consumers) == (0, 25, 0, [])
     assert info.counters.acked == 25
+
+
+def test_the_consumer_reads_through_one_session_and_holds_one_batch(client: Client) -> None:
+    _fill(client, "s", 12)
+    opened: list[ConsumeSession] = []
+    consume = client.consume
+
+    def spy(*args: Any, **kwargs: Any) -> ConsumeSession:
+        opened.append(consume(*args, **kwargs))
+        return opened[-1]
+
+    client.consume = spy  # type: ignore[method-assign]
+    held: list[int] = []
+    with Consumer(client, "s", "g", "worker", create=True, batch_size=4) as consumer:
+
+        def handle(message: Message) -> None:
+            # The group assigns a batch only when the consumer has no message left in hand.
+            held.append(client.pending("s", "g").consumers.get("worker", 0))
+
+        assert consumer.run(handle, max_messages=12) == 12
+    assert len(opened) == 1 and opened[0].result is not None
+    # The batch in hand (acknowledged with the request for the next one), and no more.
+    assert held == [4] * 12
+    assert client.group_info("s", "g").pending == 0
 
 
 def test_a_failing_handler_nacks_and_the_message_comes_back(client: Client) -> None:

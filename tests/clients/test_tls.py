@@ -87,6 +87,21 @@ def test_mutual_tls_and_a_token(secure: tuple[ServerThread, Pki]) -> None:
         assert [e.payload for e in client.read("secure", 0)] == [b"a", b"b"]
 
 
+def test_a_consume_session_carries_the_token(secure: tuple[ServerThread, Pki]) -> None:
+    server, pki = secure
+    with _client(server, pki) as client:
+        client.append("secure", [b"a", b"b"])
+        client.create_group("secure", "g")
+        with client.consume("secure", "g", "c1", timeout=5) as session:
+            batch = next(session)
+            session.ack(e.offset for e in batch)
+        assert session.result is not None and session.result.acknowledged == 2
+    with _client(server, pki, token="not-a-token-0123456789") as client:
+        session = client.consume("secure", "g", "c1", timeout=5)
+        with session, pytest.raises(UnauthenticatedError):
+            next(session)
+
+
 def test_a_wrong_token_is_unauthenticated_and_a_weak_one_denied(secure: tuple[ServerThread, Pki]) -> None:
     server, pki = secure
     with _client(server, pki, token="not-a-token-0123456789") as client, pytest.raises(UnauthenticatedError):

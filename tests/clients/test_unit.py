@@ -451,3 +451,52 @@ def test_pending_summary_and_rows(fake: Fake) -> None:
     assert [(p.offset, p.consumer, p.idle_ms, p.delivery_count, p.due_ms) for p in pending.entries] == [
         (3, "c", 10, 2, 99)
     ]
+
+
+def test_a_consume_session_asks_for_credit_and_carries_acknowledgements(fake: Fake) -> None:
+    from clients import AckResult
+
+    session = fake.client.consume("s", "g", "c", count=5, ahead=2, retry_ms=0)
+    taking = fake.call(next, session)
+    metadata, rpc = fake.channel.take_stream_stream(SERVICE.methods_by_name["Consume"])
+    assert ("authorization", "Bearer s3cret") in metadata
+    opening = rpc.take_request()
+    assert (opening.stream, opening.group, opening.consumer, opening.count, opening.batches) == (
+        "s",
+        "g",
+        "c",
+        5,
+        2,
+    )
+    assert opening.HasField("retry_ms") and opening.retry_ms == 0 and not opening.HasField("expire_ms")
+    rpc.send_response(
+        pb.ConsumeResponse(
+            entries=[pb.Entry(offset=0, payload=b"a"), pb.Entry(offset=1, payload=b"b")],
+            delivery_counts=[1, 2],
+            first_offset=0,
+            end_offset=9,
+        )
+    )
+    batch = taking.result(5)
+    assert [(e.offset, e.delivery_count) for e in batch] == [(0, 1), (1, 2)]
+    assert (batch.end_offset, batch.acknowledged) == (9, 0)
+
+    # Taking the next batch tops the credit up to `ahead`, with the acknowledgements made since.
+    session.ack([0, 1, 5])
+    taking = fake.call(next, session)
+    request = rpc.take_request()
+    assert (request.stream, request.batches, list(request.ack_offsets)) == ("", 1, [5])
+    assert [(r.start_offset, r.end_offset) for r in request.ack_ranges] == [(0, 2)]
+    rpc.send_response(pb.ConsumeResponse(entries=[pb.Entry(offset=2)], delivery_counts=[1], acknowledged=2))
+    assert taking.result(5).acknowledged == 2
+
+    # close(): what is queued, the half-close, the last reply's counts, OK.
+    session.ack([2])
+    closing = fake.call(session.close)
+    request = rpc.take_request()
+    assert (request.batches, list(request.ack_offsets)) == (0, [2])
+    rpc.requests_closed()
+    rpc.send_response(pb.ConsumeResponse(acknowledged=1))
+    rpc.terminate((), OK, "")
+    assert closing.result(5) == AckResult(3, 0) == session.result
+    assert session.pending_acks() == ([], [])
