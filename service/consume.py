@@ -40,8 +40,9 @@ _MAX_COUNT = 2**63 - 1
 class SessionCalls:
     """What a session asks of the servicer, bound to its stream, group and read options."""
 
-    # A group read that waits wait_s seconds (None: until entries come) while it finds nothing.
-    read_or_wait: Callable[[float | None], Awaitable[WaitResult]]
+    # A group read that waits wait_s seconds (None: until entries come), and no longer than
+    # the event stays unset, while it finds nothing.
+    read_or_wait: Callable[[float | None, asyncio.Event | None], Awaitable[WaitResult]]
     # Acknowledge validated offsets and ranges; returns (acknowledged, unknown).
     ack: Callable[[list[int], list[tuple[int, int]]], Awaitable[tuple[int, int]]]
     # Check a request's acknowledgements (signs, max_ack_offsets): offsets and ranges.
@@ -117,28 +118,14 @@ class ConsumeSession:
         return reply
 
     async def _next_batch(self) -> GroupReadResult | None:
-        """The next batch for this consumer, waiting for one; None if the client's side changed first."""
-        found = await self._calls.read_or_wait(0)
-        if isinstance(found, GroupReadResult) and has_news(found):
-            return found
-        self._raise_for(found)
-        # Nothing yet: queue in the group's line (more credit meanwhile keeps the place), and
-        # give the place up if the client's side ends or fails.
-        read = asyncio.ensure_future(self._calls.read_or_wait(None))
-        stopped = asyncio.ensure_future(self._stopped.wait())
-        try:
-            await asyncio.wait((read, stopped), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopped.cancel()
-            if not read.done():
-                # The wait gives up its place. Entries a read under way in a thread ("always"
-                # streams) takes for it stay pending: redelivered after retry_ms, or claimed.
-                read.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await read
-        if read.cancelled():
-            return None
-        found = read.result()
+        """The next batch for this consumer, waiting for one; None if the client's side ended first."""
+        found = await self._calls.read_or_wait(0, None)
+        if not (isinstance(found, GroupReadResult) and has_news(found)):
+            self._raise_for(found)
+            # Nothing yet: queue in the group's line (more credit meanwhile keeps the place)
+            # until entries come or the client's side ends or fails. A read under way for this
+            # session then still delivers here: what it assigned to the consumer is sent.
+            found = await self._calls.read_or_wait(None, self._stopped)
         self._raise_for(found)
         return found if isinstance(found, GroupReadResult) and has_news(found) else None
 

@@ -129,12 +129,14 @@ class GroupWaits:
         *,
         due_ms: int | None = None,
         read_first: bool = True,
+        until: asyncio.Event | None = None,
     ) -> WaitResult:
         """Queue up for the group's next entries; the result of the read that served us, or why not.
 
         `read_first`: have the dispatcher read for the queue now (needed unless the caller has
         just read, found nothing, and not awaited since; then `due_ms` is that read's
-        next_due_ms). A read error reaches the caller as the exception it raised.
+        next_due_ms). `until` ends the wait early, as a timeout does (TIMEOUT, unless a read
+        for us is under way). A read error reaches the caller as the exception it raised.
         """
         if self._closed:
             return Wake.CLOSED
@@ -148,8 +150,12 @@ class GroupWaits:
         if read_first:
             self._kick(queue)
         future = waiter.future
+        ended = None if until is None else asyncio.ensure_future(until.wait())
         try:
-            await asyncio.wait((future,), timeout=timeout_s)
+            if ended is None:
+                await asyncio.wait((future,), timeout=timeout_s)
+            else:
+                await asyncio.wait((future, ended), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
             if not future.done() and waiter.busy:
                 # A read for this waiter is under way: what it takes is handed to this consumer
                 # and becomes pending, so deliver it rather than leave it with no one to receive it.
@@ -158,6 +164,8 @@ class GroupWaits:
                 return Wake.TIMEOUT
             return future.result()
         finally:
+            if ended is not None:
+                ended.cancel()
             if not future.done():
                 future.cancel()  # the call went away: the dispatcher must not serve it
             queue.waiters.pop(waiter, None)

@@ -296,9 +296,16 @@ class StreamLogServicer:
         return await self._read_group(self._ready(), stream, group, options)
 
     async def _group_read_or_wait(
-        self, engine: Engine, stream: str, group: str, options: GroupReadOptions, wait_s: float | None
+        self,
+        engine: Engine,
+        stream: str,
+        group: str,
+        options: GroupReadOptions,
+        wait_s: float | None,
+        until: asyncio.Event | None = None,
     ) -> WaitResult:
-        """A group read that waits (wait_s seconds, None: forever) while it finds nothing.
+        """A group read that waits (wait_s seconds, None: forever; `until` set: no longer) while it
+        finds nothing.
 
         Returns the read's result (with entries, or empty at once when wait_s is 0), or
         why the wait ended without one (TIMEOUT, DELETED, CLOSED).
@@ -314,11 +321,11 @@ class StreamLogServicer:
                 # Read on the loop with no await since, so no append or ack went unseen: queue up
                 # without reading again, and be woken when the read said something falls due.
                 return await waits.wait(
-                    stream, group, options, wait_s, due_ms=result.next_due_ms, read_first=False
+                    stream, group, options, wait_s, due_ms=result.next_due_ms, read_first=False, until=until
                 )
         # Readers are queued ahead (they are served first), or the read above ran in a thread:
         # queue up, and the group's dispatcher reads for the queue in arrival order.
-        return await waits.wait(stream, group, options, wait_s)
+        return await waits.wait(stream, group, options, wait_s, until=until)
 
     def _ack_items(
         self, offsets: Sequence[int], ranges: Sequence[pb.OffsetRange], names: tuple[str, str]

@@ -23,6 +23,7 @@ from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
 from service.consume import ConsumeSession, SessionCalls
 from service.groupwaits import WaitResult
+from service.waiters import Wake
 from storage import GroupReadResult
 from tests.service.helpers import ServerThread
 from tests.service.test_groups_e2e import TIMEOUT, create, fill, gread, info, offsets, pending, until, waiting
@@ -747,12 +748,17 @@ class FakeCalls:
         self.acks: list[list[int]] = []
         self.next_offset = 0
 
-    async def read_or_wait(self, wait_s: float | None) -> WaitResult:
+    async def read_or_wait(self, wait_s: float | None, until: asyncio.Event | None) -> WaitResult:
         while not self.available:
-            if wait_s == 0:
-                return GroupReadResult()
+            if wait_s == 0 or (until is not None and until.is_set()):
+                return GroupReadResult() if wait_s == 0 else Wake.TIMEOUT
             self.changed.clear()
-            await self.changed.wait()
+            waits = [asyncio.ensure_future(self.changed.wait())]
+            if until is not None:
+                waits.append(asyncio.ensure_future(until.wait()))
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for pending_wait in waits:
+                pending_wait.cancel()
         self.available -= 1
         self.next_offset += 1
         return GroupReadResult(records=[b""], offsets=[self.next_offset - 1], delivery_counts=[1])
