@@ -778,21 +778,26 @@ class Stream:
         """Keep only the latest entry per tag in sealed segments. Returns the entries removed.
 
         Incremental, like Kafka's cleaner with its dirty section: the index of the
-        latest offset per tag is kept between rounds and only records appended since
-        the last round are decoded. A round rewrites only the sealed segments that
-        hold a superseded entry or an expired tombstone, selecting survivors by
-        offset without decoding their records. (After a restart the first round
-        rebuilds the index from the whole stream.)
+        latest offset per tag is kept between rounds, with the superseded offsets of
+        each segment, and only records appended since the last round are decoded. A
+        round rewrites only the sealed segments that hold a superseded entry or an
+        expired tombstone, selecting survivors by offset without decoding their
+        records. Memory: one entry per tag, and 8 bytes per superseded entry not yet
+        removed. (After a restart the first round rebuilds the index from the whole
+        stream.)
         """
         # Superseding entries must be on disk before what they supersede is removed,
         # or a power loss could lose a key altogether.
         self.sync()
         with self.maintenance_lock:
             with self.lock:
-                sealed = self.segments[:-1]
+                if not self.segments:
+                    return 0
+                *sealed, active = self.segments
                 refs = list(self.nodes)
-                first = self.first_offset
             index = self._tags
+            bases = [segment.base_offset for segment in sealed] + [active.base_offset]
+            index.keep_segments(bases)
             for ref in refs:
                 if ref.end_offset <= index.scanned_to:
                     continue
@@ -806,13 +811,15 @@ class Stream:
                 for _ in range(start, view.count):
                     entry, pos = decode_record(data, pos)
                     if entry.tag:
-                        index.note(entry.tag, entry.offset, not entry.payload, entry.timestamp_ms)
+                        index.note(entry.tag, entry.offset, not entry.payload, entry.timestamp_ms, bases)
                 index.scanned_to = max(index.scanned_to, ref.end_offset)
-            doomed = index.doomed(now_ms - self.config.tombstone_retention_ms, first)
+            expired = index.expired(now_ms - self.config.tombstone_retention_ms)
             removed = 0
             for segment in sealed:
                 base, end = segment.base_offset, segment.end_offset()
-                if not any(base <= offset < end for offset in doomed):
+                doomed = {o for o in expired if base <= o < end}
+                doomed.update(index.superseded.get(base, ()))
+                if not doomed:
                     continue
                 before = _entries_from(segment, self.first_offset)
                 survivors = (
@@ -826,7 +833,7 @@ class Stream:
                     log.error("stream %r: segment %s not compacted: %s", self.name, segment.path.name, exc)
                     continue
                 removed += before - _entries_from(packed, self.first_offset)
-                index.forget(o for o in doomed if base <= o < end)
+                index.forget(base, doomed)
             self.last_compaction_ms = now_ms
             return removed
 
@@ -889,28 +896,38 @@ def _producer_table(cfg: EngineConfig) -> ProducerTable:
 
 
 class _TagIndex:
-    """For compaction: the latest offset of each tag, and the offsets that newer ones superseded."""
+    """For compaction: the latest offset of each tag, and per segment the offsets that newer ones
+    superseded (8 bytes each, kept until the segment is rewritten without them)."""
 
     def __init__(self) -> None:
         self.latest: dict[str, tuple[int, bool, int]] = {}  # tag -> (offset, is tombstone, timestamp)
-        self.superseded: set[int] = set()
+        self.superseded: dict[int, array] = {}  # segment base offset -> offsets superseded in it
         self.scanned_to = 0  # records below this offset are in the index
 
-    def note(self, tag: str, offset: int, tombstone: bool, timestamp_ms: int) -> None:
+    def note(self, tag: str, offset: int, tombstone: bool, timestamp_ms: int, bases: Sequence[int]) -> None:
+        """Record `offset` as the latest of `tag`; `bases` are the stream's segments' base offsets."""
         previous = self.latest.get(tag)
         if previous is not None:
-            self.superseded.add(previous[0])
+            at = bisect_right(bases, previous[0]) - 1
+            if at >= 0:  # else it was evicted with its segment
+                row = self.superseded.get(bases[at])
+                if row is None:
+                    row = self.superseded[bases[at]] = array("q")
+                row.append(previous[0])
         self.latest[tag] = (offset, tombstone, timestamp_ms)
 
-    def doomed(self, tombstone_horizon_ms: int, first_offset: int) -> set[int]:
-        """Offsets to remove: superseded ones, and tombstones older than the horizon."""
-        self.superseded = {o for o in self.superseded if o >= first_offset}  # trimmed ones are gone
-        expired = {o for o, tomb, ts in self.latest.values() if tomb and ts < tombstone_horizon_ms}
-        return self.superseded | expired
+    def expired(self, tombstone_horizon_ms: int) -> list[int]:
+        """Offsets of tombstones older than the horizon: their keys are removed altogether."""
+        return [o for o, tomb, ts in self.latest.values() if tomb and ts < tombstone_horizon_ms]
 
-    def forget(self, removed) -> None:
-        removed = set(removed)
-        self.superseded -= removed
+    def keep_segments(self, bases: Sequence[int]) -> None:
+        """Forget what was superseded in segments that are gone (evicted by retention)."""
+        for base in set(self.superseded) - set(bases):
+            del self.superseded[base]
+
+    def forget(self, base: int, removed: set[int]) -> None:
+        """The segment at `base` was rewritten without `removed`."""
+        self.superseded.pop(base, None)
         for tag in [t for t, (o, _, _) in self.latest.items() if o in removed]:
             del self.latest[tag]  # an expired tombstone: the key is gone
 

@@ -471,6 +471,29 @@ def test_invalid_config_is_refused():
         StreamConfig(max_entries=-1)
 
 
+def test_compaction_keeps_only_the_superseded_offsets_of_segments_not_yet_rewritten(open_engine):
+    """The index holds one entry per tag, and 8 bytes per superseded entry until its segment is
+    rewritten: it does not grow with the stream (the 30-minute soak found a set that did)."""
+    engine = open_engine(compaction_interval_ms=0)
+    engine.create_stream("kv", StreamConfig(compaction=True))
+    for i in range(0, 3000, 50):
+        engine.append(
+            "kv",
+            [f"v{j}".ljust(100).encode() for j in range(i, i + 50)],
+            tags=[f"k{j % 7}" for j in range(i, i + 50)],
+        )
+    engine.compact("kv")
+    stream = engine._stream("kv")
+    index = stream._tags
+    assert len(stream.segments) > 3
+    assert len(index.latest) == 7
+    # Sealed segments were rewritten without their superseded entries; only the active one's remain.
+    assert set(index.superseded) <= {stream.segments[-1].base_offset}
+    assert all(row.itemsize == 8 for row in index.superseded.values())
+    left = sum(len(row) for row in index.superseded.values())
+    assert left <= stream.next_offset - stream.segments[-1].base_offset
+
+
 def test_compaction_rounds_decode_only_what_was_appended_since_the_last(open_engine, monkeypatch):
     from storage import stream as stream_module
 
