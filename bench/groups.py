@@ -167,16 +167,16 @@ class SessionClient:
         return self._loop.run_until_complete(self._consume(stream, ahead, ack_every))
 
     async def _consume(self, stream: str, ahead: int, ack_every: int) -> int:
-        """One session: `ahead` batches asked for at the start and topped up by half as many
-        once that many have arrived (every batch when ahead is 1), entries acknowledged every
+        """One session: `ahead` batches asked for at the start and topped up to `ahead` once half
+        as many have arrived (after every batch when ahead is 1), entries acknowledged every
         `ack_every` with the next request. ahead=1, ack_every=COUNT: one request and one batch
         per round trip, each request acknowledging the previous batch. The round ends when
         the client has closed its side and the server has confirmed every ack (OK)."""
         refill = max(1, ahead // 2)
         call = self._stub.Consume(timeout=60)
-        await call.write(
-            pb.ConsumeRequest(stream=stream, group="g", consumer="c1", count=COUNT, batches=ahead)
-        )
+        opening = pb.ConsumeRequest(stream=stream, group="g", consumer="c1", count=COUNT, batches=ahead)
+        await call.write(opening)
+        asked = ahead
         consumed = received = 0
         unacked: list[pb.Entry] = []
         while consumed < STREAM_LEN:
@@ -184,15 +184,17 @@ class SessionClient:
             if reply is grpc.aio.EOF:
                 raise AssertionError(f"session ended after {consumed} entries: {await call.code()}")
             consumed += len(reply.entries)
-            received += 1
+            received += reply.batches  # batches due at once come in one reply
             unacked.extend(reply.entries)
             acks: dict[str, list] = {}
             if len(unacked) >= ack_every or consumed >= STREAM_LEN:
                 acks, unacked = _read_acks(unacked), []
+            more = ahead - (asked - received)
             if consumed >= STREAM_LEN:
                 await call.write(pb.ConsumeRequest(**acks))
-            elif received % refill == 0:
-                await call.write(pb.ConsumeRequest(batches=refill, **acks))
+            elif more >= refill:
+                asked += more
+                await call.write(pb.ConsumeRequest(batches=more, **acks))
             elif acks:
                 await call.write(pb.ConsumeRequest(**acks))
         await call.done_writing()

@@ -22,6 +22,7 @@ and keeps the books; the sync and async sessions only move the messages.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import deque
 from collections.abc import Iterable
@@ -127,6 +128,9 @@ class ConsumeSessionBase:
         self._delivered = [0]
         self._asked = 0  # batches asked for
         self._received = 0  # batches received
+        # Batches received and not yet handed out: a reply that fills several (they were due
+        # at once) is handed out a batch at a time.
+        self._ready: deque[ReadResult] = deque()
         self._half_closed = False
         self._cancelled = False
         self._error: StreamlogError | None = None
@@ -172,7 +176,8 @@ class ConsumeSessionBase:
         extra, self._ranges = self._ranges, []
         singles, spans = compress_offsets(offsets)
         items: list[int | tuple[int, int]] = [*singles, *spans, *extra]
-        wanted = max(self.ahead - (self._asked - self._received), 0) if credit else 0
+        handed_out = self._received - len(self._ready)
+        wanted = max(self.ahead - (self._asked - handed_out), 0) if credit else 0
         chunks = _chunks(items) or [[]]
         requests: list[tuple[int, pb.ConsumeRequest]] = []
         for index, chunk in enumerate(chunks):
@@ -197,22 +202,33 @@ class ConsumeSessionBase:
         return requests
 
     def _take(self, reply: pb.ConsumeResponse) -> ReadResult | None:
-        """Account for one reply; the batch it carries, or None for the last reply (counts only)."""
+        """Account for one reply; the first batch it carries (the others wait in `_ready`), or
+        None for the last reply (counts only)."""
         self.acknowledged += reply.acknowledged
         self.ack_unknown += reply.ack_unknown
         if not reply.entries and not reply.HasField("gap"):
             return None
-        self._received += 1
+        filled = reply.batches or 1  # several batches due at once come in one reply
+        self._received += filled
         with self._lock:
             while self._sent and self._sent[0].proof <= self._received:
                 self._sent.popleft()
-        return convert.read_result(reply)
+        first, *rest = _split(convert.read_result(reply), filled)
+        self._ready.extend(rest)
+        return first
 
     def _drained(self, reply: pb.ConsumeResponse) -> None:
         """A reply read by close(): its entries are never handed out."""
+        self._put_back()
         batch = self._take(reply)
         if batch is not None:
             self.unconsumed_offsets.extend(entry.offset for entry in batch.entries)
+            self._put_back()
+
+    def _put_back(self) -> None:
+        """Batches received and never handed out: unconsumed, since close() began."""
+        while self._ready:
+            self.unconsumed_offsets.extend(entry.offset for entry in self._ready.popleft().entries)
 
     def _ended_ok(self) -> None:
         """The call ended OK: every acknowledgement that went out on it was applied."""
@@ -263,3 +279,16 @@ class ConsumeSessionBase:
             self._ranges.clear()
         self.result = AckResult(self.acknowledged, self.ack_unknown)
         return self.result
+
+
+def _split(result: ReadResult, batches: int) -> list[ReadResult]:
+    """A reply that fills `batches` batches, as that many batches of equal size (the last one
+    smaller); the first carries the reply's acknowledgement counts and gap."""
+    if batches <= 1 or len(result.entries) <= 1:
+        return [result]
+    size = -(-len(result.entries) // batches)
+    chunks = [result.entries[i : i + size] for i in range(0, len(result.entries), size)]
+    return [dataclasses.replace(result, entries=chunks[0])] + [
+        dataclasses.replace(result, entries=chunk, acknowledged=0, ack_unknown=0, gap=None)
+        for chunk in chunks[1:]
+    ]

@@ -165,6 +165,8 @@ class AsyncConsumeSession(ConsumeSessionBase):
         if self.result is not None or self._cancelled:
             raise StopAsyncIteration
         await self._send(credit=True)
+        if self._ready:
+            return self._ready.popleft()
         while True:
             try:
                 reply = await self._call.read()
@@ -202,6 +204,7 @@ class AsyncConsumeSession(ConsumeSessionBase):
         error = self._closed_error()
         if error is not None:
             raise error
+        self._put_back()
         await self._send(credit=False)
         if not self._half_closed:
             self._half_closed = True

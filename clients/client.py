@@ -187,6 +187,8 @@ class ConsumeSession(ConsumeSessionBase):
         if self.result is not None or self._cancelled:
             raise StopIteration
         self._send(credit=True)
+        if self._ready:
+            return self._ready.popleft()
         while True:
             try:
                 reply = next(self._call)
@@ -237,6 +239,7 @@ class ConsumeSession(ConsumeSessionBase):
         error = self._closed_error()
         if error is not None:
             raise error
+        self._put_back()
         if self._interrupted:
             self.stop()
             self._call.cancel()

@@ -40,18 +40,20 @@ _MAX_COUNT = 2**63 - 1
 class SessionCalls:
     """What a session asks of the servicer, bound to its stream, group and read options."""
 
-    # A group read that waits wait_s seconds (None: until entries come), and no longer than
-    # the event stays unset, while it finds nothing.
-    read_or_wait: Callable[[float | None, asyncio.Event | None], Awaitable[WaitResult]]
+    # A group read of up to `batches` batches' worth of entries that waits wait_s seconds (None:
+    # until entries come), and no longer than the event stays unset, while it finds nothing.
+    read_or_wait: Callable[[int, float | None, asyncio.Event | None], Awaitable[WaitResult]]
     # Acknowledge validated offsets and ranges; returns (acknowledged, unknown).
     ack: Callable[[list[int], list[tuple[int, int]]], Awaitable[tuple[int, int]]]
     # Check a request's acknowledgements (signs, max_ack_offsets): offsets and ranges.
     ack_items: Callable[[Sequence[int], Sequence[pb.OffsetRange]], tuple[list[int], list[tuple[int, int]]]]
-    # A serialized ConsumeResponse for a read (None: no entries) with acknowledgement counts.
-    reply: Callable[[GroupReadResult | None, int, int], bytes]
+    # A serialized ConsumeResponse for a read (None: no entries), the batches it fills, and
+    # acknowledgement counts.
+    reply: Callable[[GroupReadResult | None, int, int, int], bytes]
     # Whether the server is shutting down.
     draining: Callable[[], bool]
     stream: str
+    count: int  # entries per batch
     max_batches: int
 
 
@@ -93,10 +95,12 @@ class ConsumeSession:
                 result = await self._next_batch()
                 if result is None:
                     continue  # the wait ended for the client's side: look again
-                self._owed -= 1
-                yield self._reply(result)
+                # Batches due at once travel in one reply: one message, one group read, not several.
+                filled = max(1, -(-len(result.offsets) // self._calls.count))
+                self._owed -= filled
+                yield self._reply(result, filled)
             if self._acknowledged or self._unknown:
-                yield self._reply(None)
+                yield self._reply(None, 0)
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -112,20 +116,22 @@ class ConsumeSession:
         if self._calls.draining():
             raise unavailable("server is shutting down; open a new session")
 
-    def _reply(self, result: GroupReadResult | None) -> bytes:
-        reply = self._calls.reply(result, self._acknowledged, self._unknown)
+    def _reply(self, result: GroupReadResult | None, filled: int) -> bytes:
+        reply = self._calls.reply(result, filled, self._acknowledged, self._unknown)
         self._acknowledged = self._unknown = 0
         return reply
 
     async def _next_batch(self) -> GroupReadResult | None:
         """The next batch for this consumer, waiting for one; None if the client's side ended first."""
-        found = await self._calls.read_or_wait(0, None)
+        # Up to every batch owed now (more credit while it waits does not change that).
+        batches = self._owed
+        found = await self._calls.read_or_wait(batches, 0, None)
         if not (isinstance(found, GroupReadResult) and has_news(found)):
             self._raise_for(found)
             # Nothing yet: queue in the group's line (more credit meanwhile keeps the place)
             # until entries come or the client's side ends or fails. A read under way for this
             # session then still delivers here: what it assigned to the consumer is sent.
-            found = await self._calls.read_or_wait(None, self._stopped)
+            found = await self._calls.read_or_wait(batches, None, self._stopped)
         self._raise_for(found)
         return found if isinstance(found, GroupReadResult) and has_news(found) else None
 

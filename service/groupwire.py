@@ -123,7 +123,8 @@ def read_reply(
     """A serialized Read, Subscribe or Consume reply for a group read (None: nothing came).
 
     `bounds` is a read of no entries, for the stream's first and end offsets; `extra`
-    holds the acknowledgement counts of a Read that carried acks.
+    holds the acknowledgement counts of a Read that carried acks (and a Consume reply's
+    batches).
     """
     fields: dict[str, Any] = {"first_offset": bounds.first_offset, "end_offset": bounds.next_offset}
     fields.update(extra)

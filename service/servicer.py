@@ -30,6 +30,7 @@ import asyncio
 import base64
 import bisect
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -619,17 +620,26 @@ class StreamLogServicer:
             result = await self._group_call(engine, stream, engine.ack, stream, group, offsets, ranges)
             return result.acked, result.unknown
 
-        def reply(result: GroupReadResult | None, acknowledged: int, unknown: int) -> bytes:
-            counts = {"acknowledged": acknowledged, "ack_unknown": unknown}
+        def reply(result: GroupReadResult | None, batches: int, acknowledged: int, unknown: int) -> bytes:
+            counts = {"batches": batches, "acknowledged": acknowledged, "ack_unknown": unknown}
             return groupwire.read_reply(pb.ConsumeResponse, result, engine.read(stream, 0, 0), **counts)
 
+        # Read options for n batches at once: count x n entries (at most max_read_entries).
+        options_for = functools.cache(
+            lambda n: dataclasses.replace(options, count=min(count * n, settings.max_read_entries))
+        )
+
+        def read_or_wait(batches: int, wait_s: float | None, until: asyncio.Event | None) -> Any:
+            return self._group_read_or_wait(engine, stream, group, options_for(batches), wait_s, until)
+
         calls = SessionCalls(
-            read_or_wait=functools.partial(self._group_read_or_wait, engine, stream, group, options),
+            read_or_wait=read_or_wait,
             ack=ack,
             ack_items=functools.partial(self._ack_items, names=("ack_offsets", "ack_ranges")),
             reply=reply,
             draining=lambda: self._draining,
             stream=stream,
+            count=count,
             max_batches=settings.max_consume_batches,
         )
         session = ConsumeSession(calls)

@@ -227,9 +227,11 @@ def test_credit_is_respected_and_entries_are_assigned_only_when_asked_for(
     assert (summary.count, [(c.consumer, c.pending) for c in summary.consumers]) == (2, [("a", 2)])
     assert info(stub, "s", "g").next_offset == 2  # undelivered entries are not assigned to anyone
 
-    # Credit ahead: the batches come back to back, and then nothing more.
+    # Credit ahead, with the entries there: the three batches come in one reply that says it
+    # fills three, and then nothing more.
     session.send(batches=3)
-    assert [offsets(session.next()) for _ in range(3)] == [[2, 3], [4, 5], [6, 7]]
+    reply = session.next()
+    assert (offsets(reply), reply.batches) == ([2, 3, 4, 5, 6, 7], 3)
     session.quiet()
     assert pending(stub, "s", "g").count == 8
     assert info(stub, "s", "g").next_offset == 8
@@ -318,8 +320,9 @@ def test_acks_apply_at_once_while_a_read_is_blocked_and_room_they_make_wakes_it(
 ) -> None:
     fill(stub, "s", 5)
     create(stub, "s", "g", config=pb.GroupConfig(max_pending=3))
-    session = sessions(stream="s", group="g", consumer="a", count=2, batches=2)
+    session = sessions(stream="s", group="g", consumer="a", count=2, batches=1)
     assert offsets(session.next()) == [0, 1]
+    session.send(batches=1)
     full = session.next()
     assert offsets(full) == [2] and full.pending_full
     session.send(batches=1)  # the pending list is full: this batch waits for room
@@ -412,7 +415,8 @@ def test_noack_sessions_leave_nothing_pending(
     fill(stub, "s", 7)
     create(stub, "s", "g")
     session = sessions(stream="s", group="g", consumer="a", count=3, noack=True, batches=3)
-    assert [offsets(session.next()) for _ in range(3)] == [[0, 1, 2], [3, 4, 5], [6]]
+    reply = session.next()  # the three batches owed, there at once: one reply
+    assert (offsets(reply), reply.batches) == ([0, 1, 2, 3, 4, 5, 6], 3)
     assert pending(stub, "s", "g").count == 0
     described = info(stub, "s", "g")
     assert (described.next_offset, described.counters.delivered, described.pending) == (7, 7, 0)
@@ -748,7 +752,9 @@ class FakeCalls:
         self.acks: list[list[int]] = []
         self.next_offset = 0
 
-    async def read_or_wait(self, wait_s: float | None, until: asyncio.Event | None) -> WaitResult:
+    async def read_or_wait(
+        self, batches: int, wait_s: float | None, until: asyncio.Event | None
+    ) -> WaitResult:
         while not self.available:
             if wait_s == 0 or (until is not None and until.is_set()):
                 return GroupReadResult() if wait_s == 0 else Wake.TIMEOUT
@@ -772,7 +778,7 @@ class FakeCalls:
         self.acks.append(offsets)
         return len(offsets), 0
 
-    def reply(self, result: GroupReadResult | None, acknowledged: int, unknown: int) -> bytes:
+    def reply(self, result: GroupReadResult | None, batches: int, acknowledged: int, unknown: int) -> bytes:
         return repr((result.offsets if result else [], acknowledged, unknown)).encode()
 
     def session_calls(self, max_batches: int = 1000) -> SessionCalls:
@@ -786,6 +792,7 @@ class FakeCalls:
             reply=self.reply,
             draining=lambda: False,
             stream="s",
+            count=1,
             max_batches=max_batches,
         )
 
