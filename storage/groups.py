@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left, insort
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 
@@ -277,15 +276,23 @@ class Pending:
         "retry_ms",
     )
 
-    def __init__(self, offset: int, first_ms: int, expire_at: int | None) -> None:
+    def __init__(
+        self,
+        offset: int,
+        first_ms: int,
+        expire_at: int | None,
+        consumer: str | None = None,
+        retry_ms: int | None = None,
+        retry_at: int | None = None,
+    ) -> None:
         self.offset = offset
-        self.consumer: str | None = None
+        self.consumer = consumer
         self.count = 1
         self.first_ms = first_ms
         self.delivered_ms = first_ms
         self.expire_at = expire_at
-        self.retry_ms: int | None = None  # the interval of the last delivery, reused by claims
-        self.retry_at: int | None = None
+        self.retry_ms = retry_ms  # the interval of the last delivery, reused by claims
+        self.retry_at = retry_at
         # Derived by Group._arm: when it is redelivered (retry_at unless exhausted) and when it leaves.
         self.retry_due: int | None = None
         self.doom_at: int | None = None
@@ -326,7 +333,8 @@ class Group:
         self.counters = dict.fromkeys(COUNTER_NAMES, 0)
         self._emit = emit
         self._order: list[int] = []  # pending offsets, ascending (summaries, ranges, autoclaim)
-        self._idle: OrderedDict[int, None] = OrderedDict()  # pending offsets, least recently delivered first
+        # Pending offsets, least recently delivered first (a dict keeps insertion order).
+        self._idle: dict[int, None] = {}
         self._sched_order: list[int] = []  # scheduled offsets, ascending (the retention hold)
         self._retry_heap: list[tuple[int, int]] = []  # (retry_due, offset)
         self._doom_heap: list[tuple[int, int]] = []  # (doom_at, offset)
@@ -390,8 +398,9 @@ class Group:
         entry.consumer = consumer.name
         consumer.pending += 1
         entry.delivered_ms = now
-        self._idle[entry.offset] = None
-        self._idle.move_to_end(entry.offset)
+        idle = self._idle
+        idle.pop(entry.offset, None)
+        idle[entry.offset] = None  # to the end: the most recently delivered
 
     def all_new(self, offsets: Sequence[int]) -> bool:
         """Whether none of `offsets` is pending or scheduled: a first delivery of each."""
@@ -439,11 +448,7 @@ class Group:
         expire_at = None if expire_ms is None else now + expire_ms
         retry_at = None if retry_ms is None else now + retry_ms
         name = consumer.name
-        entries = [Pending(offset, now, expire_at) for offset in offsets]
-        for entry in entries:
-            entry.consumer = name
-            entry.retry_ms = retry_ms
-            entry.retry_at = retry_at
+        entries = [Pending(offset, now, expire_at, name, retry_ms, retry_at) for offset in offsets]
         if retry_at is not None or expire_at is not None:
             for entry in entries:
                 self._arm(entry)
