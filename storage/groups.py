@@ -485,18 +485,25 @@ class Group:
             self.entries_read = cursor
 
     def _on_remove(self, reason: int, offsets: Iterable[int]) -> None:
-        counter = _REASON_COUNTER[reason]
+        take, forget_idle = self.pending.pop, self._idle.pop
         removed: list[int] = []
+        owners: dict[str | None, int] = {}  # consumer -> entries of its removed, counted once each
+        unscheduled = 0
         for offset in offsets:
-            entry = self.pending.pop(offset, None)
+            entry = take(offset, None)
             if entry is not None:
-                self._disown(entry)
-                self._idle.pop(offset, None)
+                owners[entry.consumer] = owners.get(entry.consumer, 0) + 1
+                entry.consumer = None
+                forget_idle(offset, None)
                 removed.append(offset)
-                self.counters[counter] += 1
             elif offset in self.scheduled:
                 self._unschedule(offset)
-                self.counters[counter] += 1
+                unscheduled += 1
+        for name, n in owners.items():
+            owner = self.consumers.get(name) if name is not None else None
+            if owner is not None:
+                owner.pending -= n
+        self.counters[_REASON_COUNTER[reason]] += len(removed) + unscheduled
         order = self._order
         if len(removed) > 16:
             removed.sort()
