@@ -138,8 +138,12 @@ class LimitsInterceptor(WrappingInterceptor):
         if known is not None and consumer in known:
             return
         try:
-            # In a thread: group_info settles the group, which may sync its journal.
-            info = await asyncio.to_thread(engine.group_info, stream, group)
+            # group_info settles the group, which waits for a journal sync on "always" streams:
+            # there, in a thread (as the servicer's group calls).
+            if engine.stream_fsync(stream) == "always":
+                info = await asyncio.to_thread(engine.group_info, stream, group)
+            else:
+                info = engine.group_info(stream, group)
         except StorageError:
             return  # no such stream or group: the servicer answers that
         known = {c.name for c in info.consumers}
