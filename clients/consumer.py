@@ -111,11 +111,10 @@ class Message:
 class Consumer:
     """A member `name` of consumer group `group` on `stream`.
 
-    batch_size: entries per batch. block_ms: unused since the consumer reads through a
-    Consume session, which waits for entries as long as it takes (stop() ends the wait
-    at once); kept so that existing callers still work. retry_ms / claim_idle_ms: the
-    session's read options (see ReadRequest). create: create the group (at `start`) if
-    it does not exist.
+    batch_size: entries per batch; the consumer reads through a Consume session, which
+    waits for entries as long as it takes (stop() ends the wait at once).
+    retry_ms / claim_idle_ms: the session's read options (see ReadRequest). create:
+    create the group (at `start`) if it does not exist.
     extend_every_s: re-claim the message in hand this often; None derives it from
     retry_ms, 0 turns it off. give_up_after_s: how long transient errors (server down)
     may last before iteration raises.
@@ -129,7 +128,6 @@ class Consumer:
         name: str | None = None,
         *,
         batch_size: int = 100,
-        block_ms: int = 2000,
         nack_delay_ms: int = 1000,
         retry_ms: int | None = None,
         claim_idle_ms: int | None = None,
@@ -143,7 +141,6 @@ class Consumer:
         self.group = group
         self.name = name or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.batch_size = batch_size
-        self.block_ms = block_ms
         self.nack_delay_ms = nack_delay_ms
         self.retry_ms = retry_ms
         self.claim_idle_ms = claim_idle_ms

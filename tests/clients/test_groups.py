@@ -92,7 +92,7 @@ def test_offsets_compress_into_ranges() -> None:
 def test_run_handles_every_message_once_and_leaves_the_group(client: Client) -> None:
     _fill(client, "s", 25)
     handled: list[int] = []
-    with Consumer(client, "s", "g", "worker", create=True, batch_size=10, block_ms=200) as consumer:
+    with Consumer(client, "s", "g", "worker", create=True, batch_size=10) as consumer:
         assert consumer.run(lambda m: handled.append(m.offset), max_messages=25) == 25
     assert handled == list(range(25))
     info = client.group_info("s", "g")
@@ -133,7 +133,7 @@ def test_a_failing_handler_nacks_and_the_message_comes_back(client: Client) -> N
         if message.offset == 1 and message.delivery_count == 1:
             raise RuntimeError("transient trouble")
 
-    with Consumer(client, "s", "g", create=True, nack_delay_ms=100, block_ms=500) as consumer:
+    with Consumer(client, "s", "g", create=True, nack_delay_ms=100) as consumer:
         consumer.run(handler, max_messages=5)
     assert seen[:4] == [(0, 1), (1, 1), (2, 1), (3, 1)]
     assert seen[4] == (1, 2)  # redelivered after the nack delay, one delivery more
@@ -170,7 +170,7 @@ def test_an_error_in_the_loop_body_nacks_with_delay(client: Client) -> None:
 
 def test_stop_from_another_thread_ends_run(client: Client) -> None:
     _fill(client, "s", 3)
-    with Consumer(client, "s", "g", create=True, block_ms=100) as consumer:
+    with Consumer(client, "s", "g", create=True) as consumer:
         timer = threading.Timer(0.5, consumer.stop)
         timer.start()
         started = time.monotonic()
@@ -194,12 +194,12 @@ def test_long_work_is_extended_so_it_is_not_redelivered_elsewhere(client: Client
         started.wait(5)
         deadline = time.monotonic() + 1.1
         while time.monotonic() < deadline and not stolen:
-            got = client.read_group("s", "g", "rival", count=1, block_ms=200)
+            got = client.read_group("s", "g", "rival", count=1)
             stolen.extend(e.offset for e in got)
 
     thief = threading.Thread(target=rival)
     thief.start()
-    consumer = Consumer(client, "s", "g", "slow", block_ms=100, extend_every_s=None if extend else 0)
+    consumer = Consumer(client, "s", "g", "slow", extend_every_s=None if extend else 0)
     try:
         assert consumer.extend_every_s == (0.2 if extend else 0.0)  # half the group's retry_ms
         consumer.run(slow, max_messages=1)
@@ -262,7 +262,7 @@ def test_the_consumer_rides_out_a_server_restart(start_server, tmp_path) -> None
                 first.stop()
                 threading.Timer(0.5, start_server, args=(data,), kwargs={"port": port}).start()
 
-        consumer = Consumer(client, "s", "g", "survivor", create=True, batch_size=1, block_ms=200)
+        consumer = Consumer(client, "s", "g", "survivor", create=True, batch_size=1)
         safety = threading.Timer(20, consumer.stop)  # never hang the suite if the restart fails
         safety.start()
         try:
