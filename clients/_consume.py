@@ -67,13 +67,7 @@ def _checked_acks(offsets: Iterable[int], ranges: Ranges) -> tuple[list[int], li
     if any(offset < 0 for offset in singles):
         raise ValueError(f"offsets to acknowledge must not be negative: {min(singles)}")
     spans: list[tuple[int, int]] = []
-    for span in ranges:
-        if isinstance(span, range):
-            if span.step != 1:
-                raise ValueError(f"ranges must have step 1, got {span!r}")
-            start, end = span.start, span.stop
-        else:
-            start, end = span
+    for start, end in map(convert.span_bounds, ranges):
         if start < 0 or end < start:
             raise ValueError(f"a range to acknowledge needs 0 <= start <= end, got ({start}, {end})")
         if end > start:

@@ -7,7 +7,7 @@ the unit tests (grpcio-testing's fake channel) check this layer through Client.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from streamlog.v1 import streamlog_pb2 as pb
 
@@ -31,6 +31,8 @@ from clients.types import (
 )
 
 _BYTES = bytes | bytearray | memoryview
+# The requests that open a consumer's session with a group: a group-mode Subscribe, a Consume.
+GroupSessionRequest = TypeVar("GroupSessionRequest", pb.SubscribeRequest, pb.ConsumeRequest)
 _GAP_REASONS = {
     pb.GAP_REASON_EVICTED: "evicted",
     pb.GAP_REASON_COMPACTED: "compacted",
@@ -161,18 +163,19 @@ def read_result(reply: pb.ReadResponse | pb.SubscribeResponse | pb.ConsumeRespon
     )
 
 
+def span_bounds(span: tuple[int, int] | range) -> tuple[int, int]:
+    """(start, end) of a half-open range given as a pair or a Python range (step 1)."""
+    if isinstance(span, range):
+        if span.step != 1:
+            raise ValueError(f"ranges must have step 1, got {span!r}")
+        return span.start, span.stop
+    start, end = span
+    return start, end
+
+
 def offset_ranges(ranges: Iterable[tuple[int, int] | range]) -> list[pb.OffsetRange]:
     """Half-open ranges, given as (start, end) pairs or Python ranges (step 1)."""
-    result = []
-    for span in ranges:
-        if isinstance(span, range):
-            if span.step != 1:
-                raise ValueError(f"ranges must have step 1, got {span!r}")
-            start, end = span.start, span.stop
-        else:
-            start, end = span
-        result.append(pb.OffsetRange(start_offset=start, end_offset=end))
-    return result
+    return [pb.OffsetRange(start_offset=start, end_offset=end) for start, end in map(span_bounds, ranges)]
 
 
 # ------------------------------------------------------------------ streams
@@ -374,7 +377,8 @@ def subscribe_request(
     )
 
 
-def group_subscribe_request(
+def group_session_request(
+    message: type[GroupSessionRequest],
     stream: str,
     group: str,
     consumer: str,
@@ -385,32 +389,10 @@ def group_subscribe_request(
     expire_ms: int | None,
     noack: bool,
     claim_idle_ms: int | None,
-) -> pb.SubscribeRequest:
-    return pb.SubscribeRequest(
-        stream=stream,
-        group=group,
-        consumer=consumer,
-        count=count,
-        max_bytes=max_bytes,
-        noack=noack,
-        **optional_fields(retry_ms=retry_ms, expire_ms=expire_ms, claim_idle_ms=claim_idle_ms),
-    )
-
-
-def consume_request(
-    stream: str,
-    group: str,
-    consumer: str,
-    *,
-    count: int,
-    max_bytes: int,
-    retry_ms: int | None,
-    expire_ms: int | None,
-    noack: bool,
-    claim_idle_ms: int | None,
-) -> pb.ConsumeRequest:
-    """The fields that open a Consume session (its first request adds credit and acknowledgements)."""
-    return pb.ConsumeRequest(
+) -> GroupSessionRequest:
+    """A group-mode SubscribeRequest, or the fields that open a Consume session (its first
+    request adds credit and acknowledgements)."""
+    return message(
         stream=stream,
         group=group,
         consumer=consumer,

@@ -416,7 +416,8 @@ class AsyncClient:
         timeout: float | None = None,
     ) -> AsyncSubscription:
         """Receive the entries `group` assigns to `consumer`, as they come; acknowledge with ack()."""
-        request = convert.group_subscribe_request(
+        request = convert.group_session_request(
+            pb.SubscribeRequest,
             stream,
             group,
             consumer,
@@ -445,7 +446,8 @@ class AsyncClient:
         timeout: float | None = None,
     ) -> AsyncConsumeSession:
         """Open a Consume session as `consumer` of `group`; as Client.consume, with `async for`."""
-        opening = convert.consume_request(
+        opening = convert.group_session_request(
+            pb.ConsumeRequest,
             stream,
             group,
             consumer,

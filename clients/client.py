@@ -467,7 +467,8 @@ class Client:
         timeout: float | None = None,
     ) -> Subscription:
         """Receive the entries `group` assigns to `consumer`, as they come; acknowledge with ack()."""
-        request = convert.group_subscribe_request(
+        request = convert.group_session_request(
+            pb.SubscribeRequest,
             stream,
             group,
             consumer,
@@ -505,7 +506,8 @@ class Client:
         hold for the whole session. No deadline unless `timeout` is given: a session
         lives until closed. See ConsumeSession.
         """
-        opening = convert.consume_request(
+        opening = convert.group_session_request(
+            pb.ConsumeRequest,
             stream,
             group,
             consumer,
