@@ -360,6 +360,15 @@ class StreamLogServicer:
             raise invalid_argument("offsets: must not be negative")
         return list(offsets)
 
+    def _reply_limits(self, request: Any, default_count: int) -> tuple[int, int]:
+        """A read's count and max_bytes (0: the defaults), lowered to the server's maximums."""
+        settings = self._settings
+        count = validation.bounded("count", request.count, default_count, settings.max_read_entries)
+        max_bytes = validation.bounded(
+            "max_bytes", request.max_bytes, settings.default_read_bytes, settings.max_read_bytes
+        )
+        return count, max_bytes
+
     def _wait_limit_s(self, context: grpc.aio.ServicerContext, block_ms: int) -> float:
         """How long a blocking call may wait: block_ms, or less if the deadline comes first."""
         wait_s = block_ms / 1000
@@ -419,12 +428,7 @@ class StreamLogServicer:
         settings = self._settings
         stream = validation.stream(request.stream)
         offset = validation.non_negative("offset", request.offset)
-        count = validation.bounded(
-            "count", request.count, settings.default_read_entries, settings.max_read_entries
-        )
-        max_bytes = validation.bounded(
-            "max_bytes", request.max_bytes, settings.default_read_bytes, settings.max_read_bytes
-        )
+        count, max_bytes = self._reply_limits(request, settings.default_read_entries)
         block_ms = validation.at_most("block_ms", request.block_ms, "max_block_ms", settings.max_block_ms)
         if request.group:
             return await self._group_read(engine, stream, request, count, max_bytes, block_ms, context)
@@ -507,12 +511,7 @@ class StreamLogServicer:
         engine = self._ready()
         settings = self._settings
         stream = validation.stream(request.stream)
-        count = validation.bounded(
-            "count", request.count, settings.subscribe_batch_entries, settings.max_read_entries
-        )
-        max_bytes = validation.bounded(
-            "max_bytes", request.max_bytes, settings.default_read_bytes, settings.max_read_bytes
-        )
+        count, max_bytes = self._reply_limits(request, settings.subscribe_batch_entries)
         if request.group:
             # aclosing: when the client goes away, the inner generator's cleanup runs now, not at GC.
             async with contextlib.aclosing(
@@ -606,12 +605,7 @@ class StreamLogServicer:
         settings = self._settings
         stream = validation.stream(opening.stream)
         group = validation.name("group", opening.group)
-        count = validation.bounded(
-            "count", opening.count, settings.default_read_entries, settings.max_read_entries
-        )
-        max_bytes = validation.bounded(
-            "max_bytes", opening.max_bytes, settings.default_read_bytes, settings.max_read_bytes
-        )
+        count, max_bytes = self._reply_limits(opening, settings.default_read_entries)
         options = _group_options(opening, count, max_bytes)
         # NOT_FOUND now for a stream or group that does not exist, even if no batch is asked for yet.
         await self._group_call(engine, stream, engine.group_info, stream, group)
