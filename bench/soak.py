@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
 
 from bench.common import emit, free_port, percentiles
@@ -103,14 +104,54 @@ class SoakServer:
             return self.proc.wait()
 
 
+_SEEN = bytes([0] + [1] * 255)  # a count -> 1 if seen at all
+
+
+class OffsetCounts:
+    """How often each offset was seen (saturating at 255), one byte per offset in a bytearray.
+
+    Tens of millions of offsets in a set or a dict would be walked by the garbage collector
+    at every full collection, stalling this process's load threads for longer and longer:
+    a growing send latency that is the bench's, not the server's.
+    """
+
+    def __init__(self) -> None:
+        self._counts = bytearray()
+
+    def add(self, offsets: Iterable[int]) -> None:
+        counts = self._counts
+        for offset in offsets:
+            if offset >= len(counts):
+                counts.extend(bytes(max(offset + 1 - len(counts), len(counts) // 2)))
+            if counts[offset] < 255:
+                counts[offset] += 1
+
+    def __len__(self) -> int:
+        """Offsets seen at least once."""
+        return len(self._counts) - self._counts.count(0)
+
+    def seen_more_than_once(self) -> int:
+        return len(self) - self._counts.count(1)
+
+    def missing_from(self, other: OffsetCounts, limit: int = 20) -> list[int]:
+        """Up to `limit` offsets seen here and never in `other` (whole-array operations first:
+        the usual answer, none, costs no loop over the offsets)."""
+        size = len(self._counts)
+        mine = self._counts.translate(_SEEN)
+        theirs = bytes(other._counts[:size]).ljust(size, b"\0").translate(_SEEN)
+        if not int.from_bytes(mine, "big") & ~int.from_bytes(theirs, "big"):
+            return []
+        return [o for o in range(size) if mine[o] and not theirs[o]][:limit]
+
+
 class Soak:
     def __init__(self, address: str, seed: int) -> None:
         self.address = address
         self.rng = random.Random(seed)
         self.stop = threading.Event()
         self.lock = threading.Lock()
-        self.acked: set[int] = set()
-        self.delivered: dict[int, int] = {}  # offset -> times delivered to the group
+        self.acked = OffsetCounts()
+        self.delivered = OffsetCounts()  # times each offset was delivered to the group
         self.latencies_ms: list[float] = []  # append latency since the last sample
         self.crashes = 0
         self.subscriber_errors: list[str] = []
@@ -126,7 +167,7 @@ class Soak:
                 elapsed_ms = (time.perf_counter() - started) * 1000
                 n += len(futures)
                 with self.lock:
-                    self.acked.update(offsets)
+                    self.acked.add(offsets)
                     self.latencies_ms.append(elapsed_ms)
                 time.sleep(self.rng.uniform(0, 0.02))  # a steady, not a saturating, load
 
@@ -149,8 +190,7 @@ class Soak:
                             timeout=30,
                         )
                         with self.lock:
-                            for entry in result.entries:
-                                self.delivered[entry.offset] = self.delivered.get(entry.offset, 0) + 1
+                            self.delivered.add(entry.offset for entry in result.entries)
                         to_ack = [e.offset for e in result.entries]
                         if to_ack and self.rng.random() < 0.01:
                             with self.lock:
@@ -261,8 +301,8 @@ def run(duration_s: float, out: Path, interval_s: float, seed: int) -> bool:
         finally:
             if server.proc.poll() is None:
                 server.stop()
-    missing = sorted(soak.acked - set(soak.delivered))
-    duplicates = sum(1 for count in soak.delivered.values() if count > 1)
+    missing = soak.acked.missing_from(soak.delivered)
+    duplicates = soak.delivered.seen_more_than_once()
     verdict = not missing and not soak.subscriber_errors and not soak.errors and exit_code == 0
     report = {
         "duration_s": duration_s,
@@ -298,12 +338,11 @@ def _drain(address: str, soak: Soak) -> None:
     with Client(address) as client:
         deadline = time.monotonic() + 60
         to_ack: list[int] = []
-        while time.monotonic() < deadline and soak.acked - set(soak.delivered):
+        while time.monotonic() < deadline and soak.acked.missing_from(soak.delivered):
             result = client.read_group(
                 STREAM, GROUP, "drain", count=1000, block_ms=500, ack=to_ack, claim_idle_ms=0, timeout=30
             )
-            for entry in result.entries:
-                soak.delivered[entry.offset] = soak.delivered.get(entry.offset, 0) + 1
+            soak.delivered.add(entry.offset for entry in result.entries)
             to_ack = [e.offset for e in result.entries]
         if to_ack:
             client.ack(STREAM, GROUP, to_ack, timeout=30)
