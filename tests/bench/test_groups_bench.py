@@ -25,11 +25,13 @@ def rounds(tmp_path: Path) -> Iterator[groups.Rounds]:
         tmp_path / "data", max_batch_entries=groups.STREAM_LEN, max_batch_bytes=512 << 10
     )
     server = ServerThread(settings).start()
+    sessions = groups.SessionClient(server.target)
     try:
         with grpc.insecure_channel(server.target) as channel:
             payloads = [os.urandom(groups.PAYLOAD) for _ in range(groups.STREAM_LEN)]
-            yield groups.Rounds(pb_grpc.StreamLogServiceStub(channel), payloads)
+            yield groups.Rounds(pb_grpc.StreamLogServiceStub(channel), payloads, sessions)
     finally:
+        sessions.close()
         server.stop()
 
 
@@ -42,7 +44,9 @@ def test_acks_are_one_range_for_contiguous_batches_and_offsets_otherwise() -> No
     assert groups._acks([]) == {}
 
 
-@pytest.mark.parametrize("mode", ["read_batch", "subscribe", "subscribe_ack_each"])
+@pytest.mark.parametrize(
+    "mode", ["read_batch", "subscribe", "subscribe_ack_each", "consume_batch", "consume_stream"]
+)
 def test_a_round_consumes_every_entry_once_and_leaves_nothing_pending(
     rounds: groups.Rounds, mode: str
 ) -> None:
