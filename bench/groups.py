@@ -88,6 +88,29 @@ def _read_acks(entries: Sequence[pb.Entry]) -> dict[str, list]:
     return {f"ack_{name}": value for name, value in _acks(entries).items()}
 
 
+class _Unacked:
+    """Acknowledgements owed for the batches received, as ranges (one per contiguous batch):
+    no per-entry objects, whatever the batch size."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self.count = 0
+        self._fields: dict[str, list] = {"ranges": [], "offsets": []}
+
+    def add(self, entries: Sequence[pb.Entry]) -> None:
+        self.count += len(entries)
+        for name, values in _acks(entries).items():
+            self._fields[name].extend(values)
+
+    def take(self, prefix: str = "") -> dict[str, list]:
+        """AckRequest fields (prefix "ack_": ReadRequest/ConsumeRequest ones) for all of them."""
+        fields = {prefix + name: values for name, values in self._fields.items() if values}
+        self._reset()
+        return fields
+
+
 class Rounds:
     """Fresh streams and groups for each round, filled and created before the clock starts."""
 
@@ -130,17 +153,16 @@ def subscribe_batches(stub: Stub, stream: str, ack_every: int) -> int:
     """A group-mode Subscribe; an Ack per `ack_every` entries received, not waited for until the end."""
     consumed = 0
     acks: list[grpc.Future] = []
-    unacked: list[pb.Entry] = []
+    unacked = _Unacked()
     request = pb.SubscribeRequest(stream=stream, group="g", consumer="c1", count=COUNT)
     call = stub.Subscribe(request, timeout=60)
     try:
         for reply in call:
             entries = reply.entries
             consumed += len(entries)
-            unacked.extend(entries)
-            if unacked and (len(unacked) >= ack_every or consumed >= STREAM_LEN):
-                acks.append(stub.Ack.future(pb.AckRequest(stream=stream, group="g", **_acks(unacked))))
-                unacked = []
+            unacked.add(entries)
+            if unacked.count and (unacked.count >= ack_every or consumed >= STREAM_LEN):
+                acks.append(stub.Ack.future(pb.AckRequest(stream=stream, group="g", **unacked.take())))
             if consumed >= STREAM_LEN:
                 break
     finally:
@@ -179,17 +201,17 @@ class SessionClient:
         await call.write(opening)
         asked = ahead
         consumed = received = 0
-        unacked: list[pb.Entry] = []
+        unacked = _Unacked()
         while consumed < STREAM_LEN:
             reply = await call.read()
             if reply is grpc.aio.EOF:
                 raise AssertionError(f"session ended after {consumed} entries: {await call.code()}")
             consumed += len(reply.entries)
             received += reply.batches  # batches due at once come in one reply
-            unacked.extend(reply.entries)
+            unacked.add(reply.entries)
             acks: dict[str, list] = {}
-            if len(unacked) >= ack_every or consumed >= STREAM_LEN:
-                acks, unacked = _read_acks(unacked), []
+            if unacked.count >= ack_every or consumed >= STREAM_LEN:
+                acks = unacked.take("ack_")
             more = ahead - (asked - received)
             if consumed >= STREAM_LEN:
                 await call.write(pb.ConsumeRequest(**acks))
