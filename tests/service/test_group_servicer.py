@@ -286,3 +286,36 @@ def test_a_waiter_whose_read_is_under_way_gets_its_entries_even_past_its_timeout
         assert waits.count() == 0
 
     asyncio.run(main())
+
+
+def test_a_wait_ended_by_its_event_still_gets_the_entries_of_a_read_under_way() -> None:
+    """A Consume session that ends while a read for it runs (in a thread, on an "always" stream)
+    must still send what that read assigned to its consumer, not leave it pending unseen."""
+
+    async def main() -> None:
+        release = asyncio.Event()
+        served = GroupReadResult(records=[b""], offsets=[7], delivery_counts=[1])
+
+        async def slow_read(stream: str, group: str, options: GroupReadOptions) -> GroupReadResult:
+            await release.wait()
+            return served
+
+        waits = GroupWaits(slow_read)
+        until_ended = asyncio.Event()
+        waiting = asyncio.create_task(waits.wait("s", "g", GroupReadOptions("c", 1), None, until=until_ended))
+        await asyncio.sleep(0.05)
+        until_ended.set()  # the client closed its side while the read runs
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        release.set()
+        assert await asyncio.wait_for(waiting, 2) is served
+        # Without a read under way, the event ends the wait at once.
+        idle = asyncio.Event()
+        idle.set()
+        assert (
+            await waits.wait("s", "g", GroupReadOptions("c", 1), None, read_first=False, until=idle)
+            is Wake.TIMEOUT
+        )
+        assert waits.count() == 0
+
+    asyncio.run(main())
