@@ -14,13 +14,16 @@ metadata; the token file maps tokens (or their SHA-256, so the file need not hol
 secrets) to a principal and its roles. Tokens are compared with
 `hmac.compare_digest` against every entry, so the time taken says nothing about
 how close a guess was. Under mutual TLS, a call without a token is the principal
-named by its certificate's common name.
+named by its certificate's common name. Names of the form `role:NAME` are reserved
+for roles: a tokens file may not give them to a principal, and a certificate with
+such a common name is refused (UNAUTHENTICATED, logged as a warning).
 
 **Authorization.** With `acl_file` set, every StreamLogService call needs an
 identity (else UNAUTHENTICATED) and a rule that allows it (else
 PERMISSION_DENIED): nothing is allowed by default. Health and reflection stay
 open, so probes and grpcurl's `list` work without credentials. A rule names
-principals (a name, `role:NAME`, or `*` for any identified caller), stream-name
+principals (a name; `role:NAME`, matching the callers the tokens file gives role
+NAME; or `*` for any identified caller), stream-name
 patterns (`fnmatch`: `*`, `?`, `[abc]`), optionally consumer-group patterns, and
 permissions:
 
@@ -190,6 +193,11 @@ def load_tokens(path: str) -> TokenStore:
         name = table.get("principal")
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{where}: `principal` must be a non-empty string")
+        if name.startswith(ROLE_PREFIX):
+            raise ConfigError(
+                f"{where}: principal {name!r} uses the `{ROLE_PREFIX}` form, which names roles only; "
+                "give the principal a plain name and list its roles in `roles`"
+            )
         roles = frozenset(_string_list(table.get("roles", []), f"{where}, roles", allow_empty=True))
         if ("token" in table) == ("sha256" in table):
             raise ConfigError(f"{where}: set exactly one of `token` and `sha256`")
@@ -222,18 +230,18 @@ def hash_token(token: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    principals: tuple[str, ...]
     streams: tuple[str, ...]
     groups: tuple[str, ...] | None
     grants: frozenset[str]
+    # The rule's principals, split: `*`, plain names, and the roles of `role:NAME` entries.
+    anyone: bool
+    names: frozenset[str]
+    roles: frozenset[str]
 
     def applies_to(self, principal: Principal) -> bool:
-        for who in self.principals:
-            if who == ANY_PRINCIPAL or who == principal.name:
-                return True
-            if who.startswith(ROLE_PREFIX) and who[len(ROLE_PREFIX) :] in principal.roles:
-                return True
-        return False
+        # A `role:NAME` entry matches the roles a tokens file gives, never a principal's name:
+        # no certificate or token can be named into a role.
+        return self.anyone or principal.name in self.names or not self.roles.isdisjoint(principal.roles)
 
     def covers_stream(self, stream: str) -> bool:
         return any(fnmatch.fnmatchcase(stream, pattern) for pattern in self.streams)
@@ -291,12 +299,20 @@ def load_acl(path: str) -> Acl:
         if bad:
             raise ConfigError(f"{where}: unknown permissions {bad}; known: {', '.join(PERMISSIONS)}")
         groups = table.get("groups")
+        principals = _string_list(table["principals"], f"{where}, principals")
+        roles = frozenset(p[len(ROLE_PREFIX) :] for p in principals if p.startswith(ROLE_PREFIX))
+        if "" in roles:
+            raise ConfigError(f"{where}, principals: `{ROLE_PREFIX}` needs a role name")
         rules.append(
             Rule(
-                principals=_string_list(table["principals"], f"{where}, principals"),
                 streams=_string_list(table["streams"], f"{where}, streams"),
                 groups=None if groups is None else _string_list(groups, f"{where}, groups"),
                 grants=frozenset().union(*(_GRANTS[p] for p in permissions)),
+                anyone=ANY_PRINCIPAL in principals,
+                names=frozenset(
+                    p for p in principals if p != ANY_PRINCIPAL and not p.startswith(ROLE_PREFIX)
+                ),
+                roles=roles,
             )
         )
     return Acl(rules)
@@ -371,9 +387,9 @@ def _metadata_value(context: grpc.aio.ServicerContext, key: str) -> list[str]:
 
 
 class Denied(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str, reason: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str, level: int = logging.INFO) -> None:
         super().__init__(message)
-        self.code, self.message, self.reason = code, message, reason
+        self.code, self.message, self.reason, self.level = code, message, reason, level
 
 
 # observer(event, detail): told of every refusal, e.g. to count it (service/metrics.py).
@@ -417,7 +433,17 @@ class AuthInterceptor(WrappingInterceptor):
             return principal
         names = (context.auth_context() or {}).get("x509_common_name")
         if names:
-            return Principal(names[0].decode("utf-8", "replace"), frozenset(), "certificate")
+            name = names[0].decode("utf-8", "replace")
+            if name.startswith(ROLE_PREFIX):
+                # A CA-signed certificate named like a role: refused, never taken as that role.
+                raise Denied(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    f"client certificate common name {name!r} uses the reserved `{ROLE_PREFIX}` form: "
+                    "a certificate names a principal, never a role",
+                    "reserved_name",
+                    logging.WARNING,
+                )
+            return Principal(name, frozenset(), "certificate")
         accepted = [
             "`authorization: Bearer <token>` metadata" if self.state.tokens_file else "",
             "a client certificate" if self._certificates else "",
@@ -457,7 +483,8 @@ class AuthInterceptor(WrappingInterceptor):
             )
 
     async def _refuse(self, context: grpc.aio.ServicerContext, method: str, denied: Denied) -> None:
-        log.info(
+        log.log(
+            denied.level,
             "call refused: %s",
             denied.message,
             extra={"method": method, "peer": context.peer(), "code": denied.code.name},

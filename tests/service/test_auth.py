@@ -4,6 +4,7 @@ TLS and mutual TLS handshakes, and reloading of certificates, tokens and rules."
 from __future__ import annotations
 
 import base64
+import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -118,6 +119,8 @@ def test_token_lookup_finds_plain_and_hashed_tokens(tmp_path: Path) -> None:
             "listed twice",
         ),
         ("tokens = [", "not valid TOML"),
+        # A principal named like a role would pass for it: the form is reserved.
+        ('[[tokens]]\nprincipal = "role:admins"\ntoken = "0123456789abcdef"\n', "names roles only"),
     ],
 )
 def test_bad_token_files_are_refused_with_the_reason(tmp_path: Path, text: str, message: str) -> None:
@@ -136,6 +139,7 @@ def test_bad_token_files_are_refused_with_the_reason(tmp_path: Path, text: str, 
             "unknown keys",
         ),
         ('rules = "all"\n', "array of tables"),
+        ('[[rules]]\nprincipals = ["role:"]\nstreams = ["*"]\npermissions = ["read"]\n', "needs a role name"),
     ],
 )
 def test_bad_acl_files_are_refused_with_the_reason(tmp_path: Path, text: str, message: str) -> None:
@@ -153,6 +157,8 @@ def test_acl_decisions_follow_patterns_roles_groups_and_admin_implies_the_rest(t
     assert not acl.allows(reader, "read", "t1") and not acl.allows(reader, "write", "s1")
     assert acl.allows(writer, "write", "s9") and not acl.allows(writer, "read", "s9")
     assert not acl.allows(auth.Principal("writer"), "write", "s9")  # the role, not the name, grants it
+    # A principal whose name looks like the role (a certificate's common name) is not in it.
+    assert not acl.allows(auth.Principal("role:producers", frozenset(), "certificate"), "write", "s9")
     assert all(acl.allows(admin, p, "anything") for p in auth.PERMISSIONS)
     assert acl.allows(worker, "read", "s1", "g1")
     assert not acl.allows(worker, "read", "s1")  # no plain reads: the rule names groups
@@ -521,6 +527,28 @@ def test_a_client_certificate_names_the_principal_for_the_rules(
     # A token, when sent, names the caller instead: "stranger" may not read s1.
     assert secure_call(server, roots, alice, bearer("stranger")) == grpc.StatusCode.PERMISSION_DENIED
     assert secure_call(server, roots, alice, bearer("reader")) == grpc.StatusCode.OK
+
+
+def test_a_certificate_named_like_a_role_is_refused_not_taken_for_the_role(
+    start_server: Callable[..., ServerThread],
+    tmp_path: Path,
+    pki: dict[str, Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A CA-signed certificate with CN "role:admins", and rules granting role admins everything.
+    rules = write(
+        tmp_path / "acl.toml",
+        ACL_TOML + '[[rules]]\nprincipals = ["role:admins"]\nstreams = ["*"]\npermissions = ["admin"]\n',
+    )
+    server = start_server(**tls_files(tmp_path, pki, mutual=True), acl_file=rules)
+    server.server.engine.append("s1", [b"x"])
+    impostor = pki["ca"].issue("role:admins", server=False)
+    with caplog.at_level(logging.INFO, logger="service.auth"):
+        assert secure_call(server, pki["ca"].cert_pem, impostor) == grpc.StatusCode.UNAUTHENTICATED
+    (record,) = [r for r in caplog.records if "reserved `role:` form" in r.getMessage()]
+    assert record.levelno == logging.WARNING and "'role:admins'" in record.getMessage()
+    # An ordinary certificate still names its principal.
+    assert secure_call(server, pki["ca"].cert_pem, pki["alice"]) == grpc.StatusCode.PERMISSION_DENIED
 
 
 def test_renewed_certificates_apply_to_new_connections_without_restart(
