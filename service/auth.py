@@ -28,11 +28,17 @@ patterns (`fnmatch`: `*`, `?`, `[abc]`), optionally consumer-group patterns, and
 permissions:
 
 - `read`: Read, Subscribe, GetStreamInfo, SeekTime, CountRange, ListGroups; with
-  a group: group reads, Consume, Ack, Nack, Claim, AutoClaim, GetPending, GetGroupInfo.
+  a group: GetPending, GetGroupInfo (looking at a group, changing nothing).
+- `consume`, with a group: what changes the group's deliveries: group reads
+  (Read and Subscribe naming the group), Consume, Ack, Nack, Claim, AutoClaim, and
+  DeleteConsumer (its pending entries go back to the group, no more than Claim
+  could take). `consume` includes `read`: Kafka and Redis, too, ask for more than
+  read rights on the topic or key to consume through a group.
 - `write`: Append (and being the dead-letter stream of a group one configures).
 - `admin`: DeleteStream, Trim, SetStreamConfig; with a group: CreateGroup,
-  DeleteGroup, SetGroupOffset, SetGroupConfig, DeleteConsumer. `admin` includes
-  `read` and `write`.
+  DeleteGroup, SetGroupOffset, SetGroupConfig (what shapes the group for all its
+  consumers: its existence, position and redelivery policy). `admin` includes
+  the other three.
 
 A rule without `groups` covers its streams and all their groups; a rule with
 `groups` covers only calls on those groups (a worker may consume through group
@@ -67,9 +73,14 @@ from service.interceptors import StreamBehavior, UnaryBehavior, WrappingIntercep
 
 log = logging.getLogger(__name__)
 
-READ, WRITE, ADMIN = "read", "write", "admin"
-PERMISSIONS = (READ, WRITE, ADMIN)
-_GRANTS = {READ: frozenset({READ}), WRITE: frozenset({WRITE}), ADMIN: frozenset(PERMISSIONS)}
+READ, WRITE, CONSUME, ADMIN = "read", "write", "consume", "admin"
+PERMISSIONS = (READ, WRITE, CONSUME, ADMIN)
+_GRANTS = {
+    READ: frozenset({READ}),
+    WRITE: frozenset({WRITE}),
+    CONSUME: frozenset({CONSUME, READ}),
+    ADMIN: frozenset(PERMISSIONS),
+}
 ANY_PRINCIPAL = "*"
 ROLE_PREFIX = "role:"
 # Shorter tokens are refused: a bearer token is a password that is never typed.
@@ -94,32 +105,33 @@ class Access:
 
     permission: str
     group_scoped: bool = False
-    # Read and Subscribe act on a group only when the request names one.
-    group_if_named: bool = False
+    # Read and Subscribe act on a group only when the request names one, and then need this
+    # permission on that group instead.
+    named_group_permission: str | None = None
 
 
 # Every StreamLogService RPC except ListStreams (filtered instead). An RPC missing here is
 # refused at start-up when authorization is on, so a new RPC is never open by accident.
 METHOD_ACCESS: dict[str, Access] = {
     "Append": Access(WRITE),
-    "Read": Access(READ, group_if_named=True),
-    "Subscribe": Access(READ, group_if_named=True),
+    "Read": Access(READ, named_group_permission=CONSUME),
+    "Subscribe": Access(READ, named_group_permission=CONSUME),
     "GetStreamInfo": Access(READ),
     "SeekTime": Access(READ),
     "CountRange": Access(READ),
     "ListGroups": Access(READ),
-    "Ack": Access(READ, group_scoped=True),
-    "Consume": Access(READ, group_scoped=True),
-    "Nack": Access(READ, group_scoped=True),
-    "Claim": Access(READ, group_scoped=True),
-    "AutoClaim": Access(READ, group_scoped=True),
+    "Ack": Access(CONSUME, group_scoped=True),
+    "Consume": Access(CONSUME, group_scoped=True),
+    "Nack": Access(CONSUME, group_scoped=True),
+    "Claim": Access(CONSUME, group_scoped=True),
+    "AutoClaim": Access(CONSUME, group_scoped=True),
+    "DeleteConsumer": Access(CONSUME, group_scoped=True),
     "GetPending": Access(READ, group_scoped=True),
     "GetGroupInfo": Access(READ, group_scoped=True),
     "CreateGroup": Access(ADMIN, group_scoped=True),
     "DeleteGroup": Access(ADMIN, group_scoped=True),
     "SetGroupOffset": Access(ADMIN, group_scoped=True),
     "SetGroupConfig": Access(ADMIN, group_scoped=True),
-    "DeleteConsumer": Access(ADMIN, group_scoped=True),
     "DeleteStream": Access(ADMIN),
     "Trim": Access(ADMIN),
     "SetStreamConfig": Access(ADMIN),
@@ -457,14 +469,16 @@ class AuthInterceptor(WrappingInterceptor):
     def check(self, method: str, request: Any, principal: Principal) -> None:
         access = METHOD_ACCESS[method]
         stream = request.stream
-        # getattr: Read and Subscribe requests gained `group` with consumer groups.
-        named = getattr(request, "group", "")
-        group = named if access.group_scoped or (access.group_if_named and named) else None
-        if not self.state.acl.allows(principal, access.permission, stream, group):
+        permission, group = access.permission, None
+        if access.group_scoped:
+            group = request.group
+        elif access.named_group_permission is not None and request.group:
+            permission, group = access.named_group_permission, request.group
+        if not self.state.acl.allows(principal, permission, stream, group):
             target = f"stream {stream!r}" + (f" group {group!r}" if group is not None else "")
             raise Denied(
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"{principal.name!r} may not {method} on {target}: no rule grants {access.permission}",
+                f"{principal.name!r} may not {method} on {target}: no rule grants {permission}",
                 "denied",
             )
         if method == "CreateGroup" and getattr(request, "create_stream", False):

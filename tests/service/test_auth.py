@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +23,8 @@ from service.config import ConfigError, Settings, validate
 from service.server import SERVICE
 from tests.service.certs import CertificateAuthority
 from tests.service.helpers import ServerThread
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 TOKENS = {
     "reader": "reader-token-0123456789",
@@ -75,7 +78,7 @@ permissions = ["admin"]
 principals = ["worker"]
 streams = ["s1"]
 groups = ["g1"]
-permissions = ["read"]
+permissions = ["consume"]
 
 [[rules]]
 principals = ["stranger"]
@@ -160,7 +163,9 @@ def test_acl_decisions_follow_patterns_roles_groups_and_admin_implies_the_rest(t
     # A principal whose name looks like the role (a certificate's common name) is not in it.
     assert not acl.allows(auth.Principal("role:producers", frozenset(), "certificate"), "write", "s9")
     assert all(acl.allows(admin, p, "anything") for p in auth.PERMISSIONS)
-    assert acl.allows(worker, "read", "s1", "g1")
+    assert acl.allows(worker, "consume", "s1", "g1") and acl.allows(worker, "read", "s1", "g1")
+    assert not acl.allows(reader, "consume", "s1", "g1")  # read on the stream takes nothing from groups
+    assert acl.allows(admin, "consume", "s1", "g1")
     assert not acl.allows(worker, "read", "s1")  # no plain reads: the rule names groups
     assert not acl.allows(worker, "read", "s1", "g2") and not acl.allows(worker, "read", "s2", "g1")
     assert acl.visible(worker, "s1") and not acl.visible(worker, "s2")
@@ -189,7 +194,7 @@ def test_every_rpc_has_an_access_class() -> None:
 # ---------------------------------------------------------------------------- the matrix
 
 # Expected decisions, written out by hand (not derived from auth.METHOD_ACCESS, which they check).
-# "r": needs read on the stream; "w": write; "a": admin; "gr"/"ga": read/admin on the group.
+# "r": needs read on the stream; "w": write; "a": admin; "gr"/"gc"/"ga": read/consume/admin on the group.
 EXPECTED_CLASS = {
     "Append": "w",
     "Read": "r",
@@ -198,18 +203,18 @@ EXPECTED_CLASS = {
     "SeekTime": "r",
     "CountRange": "r",
     "ListGroups": "r",
-    "Ack": "gr",
-    "Consume": "gr",
-    "Nack": "gr",
-    "Claim": "gr",
-    "AutoClaim": "gr",
+    "Ack": "gc",
+    "Consume": "gc",
+    "Nack": "gc",
+    "Claim": "gc",
+    "AutoClaim": "gc",
+    "DeleteConsumer": "gc",
     "GetPending": "gr",
     "GetGroupInfo": "gr",
     "CreateGroup": "ga",
     "DeleteGroup": "ga",
     "SetGroupOffset": "ga",
     "SetGroupConfig": "ga",
-    "DeleteConsumer": "ga",
     "DeleteStream": "a",
     "Trim": "a",
     "SetStreamConfig": "a",
@@ -219,7 +224,8 @@ ALLOWED = {
     "r": {"reader", "admin"},
     "w": {"writer", "admin"},
     "a": {"admin"},
-    "gr": {"reader", "admin", "worker"},
+    "gr": {"reader", "admin", "worker"},  # the worker's consume includes read on its group
+    "gc": {"admin", "worker"},  # read on the stream is not enough
     "ga": {"admin"},
 }
 DENIED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
@@ -320,10 +326,8 @@ def test_the_allow_deny_matrix_for_every_rpc(auth_channel: grpc.Channel) -> None
     assert mismatches == []
 
 
-def test_group_reads_need_the_group_and_plain_reads_need_the_stream(auth_channel: grpc.Channel) -> None:
+def test_group_reads_need_consume_on_the_group_and_plain_reads_need_read(auth_channel: grpc.Channel) -> None:
     names = {m.name: m for m in SERVICE.methods}
-    if "group" not in {f.name for f in pb.ReadRequest.DESCRIPTOR.fields}:
-        pytest.skip("this proto has no group reads")
     for name in ("Read", "Subscribe"):
         method = names[name]
         in_group = request_for(method, group="g1", consumer="c1")
@@ -334,7 +338,62 @@ def test_group_reads_need_the_group_and_plain_reads_need_the_stream(auth_channel
             call(auth_channel, method, request_for(method), bearer("worker"))
             == grpc.StatusCode.PERMISSION_DENIED
         )
-        assert call(auth_channel, method, other_group, bearer("reader")) not in DENIED
+        # Read on the stream reads it, and takes nothing from its groups.
+        assert call(auth_channel, method, request_for(method), bearer("reader")) not in DENIED
+        assert call(auth_channel, method, in_group, bearer("reader")) == grpc.StatusCode.PERMISSION_DENIED
+        assert call(auth_channel, method, other_group, bearer("admin")) not in DENIED
+
+
+def docs_acl_example() -> str:
+    """The example acl.toml of docs/OPERATIONS.md, as printed there."""
+    (block,) = re.findall(r"```toml\n(# acl\.toml\n.*?)```", (DOCS / "OPERATIONS.md").read_text(), re.S)
+    return block
+
+
+def test_the_docs_read_only_spark_job_cannot_take_or_ack_entries_of_group_billing(
+    start_server: Callable[..., ServerThread], tmp_path: Path
+) -> None:
+    tokens = {"spark-job": "spark-job-token-0123456789", "billing-worker": "billing-token-0123456789"}
+    tokens_toml = "".join(f'[[tokens]]\nprincipal = "{p}"\ntoken = "{t}"\n' for p, t in tokens.items())
+    server = start_server(
+        tokens_file=write(tmp_path / "tokens.toml", tokens_toml),
+        acl_file=write(tmp_path / "acl.toml", docs_acl_example()),
+    )
+    engine = server.server.engine
+    engine.append("rides", [b"ride %d" % i for i in range(5)])
+    engine.create_group("rides", "billing", start="oldest")
+    spark = (("authorization", f"Bearer {tokens['spark-job']}"),)
+    worker = (("authorization", f"Bearer {tokens['billing-worker']}"),)
+    group = {"stream": "rides", "group": "billing"}
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        # The worker has taken entries 0 and 1; they are pending, owned by it.
+        taken = stub.Read(pb.ReadRequest(**group, consumer="w1", count=2), metadata=worker, timeout=5)
+        assert [e.offset for e in taken.entries] == [0, 1]
+        # The Spark job reads the stream ...
+        read = stub.Read(pb.ReadRequest(stream="rides", count=10), metadata=spark, timeout=5)
+        assert len(read.entries) == 5
+        # ... and can neither take billing's entries, nor acknowledge, release or claim them.
+        attempts = {
+            "Read": pb.ReadRequest(**group, consumer="spark", count=5),
+            "Subscribe": pb.SubscribeRequest(**group, consumer="spark"),
+            "Consume": pb.ConsumeRequest(**group, consumer="spark", batches=1),
+            "Ack": pb.AckRequest(**group, offsets=[0, 1]),
+            "Nack": pb.NackRequest(**group, offsets=[0, 1]),
+            "Claim": pb.ClaimRequest(**group, consumer="spark", offsets=[0, 1]),
+            "AutoClaim": pb.AutoClaimRequest(**group, consumer="spark"),
+            "DeleteConsumer": pb.DeleteConsumerRequest(**group, consumer="w1"),
+        }
+        for name, request in attempts.items():
+            code = call(channel, SERVICE.methods_by_name[name], request, spark)
+            assert code == grpc.StatusCode.PERMISSION_DENIED, name
+        info = engine.group_info("rides", "billing")
+        assert (info.cursor, info.pending, [c.name for c in info.consumers]) == (2, 2, ["w1"])
+        # Billing sees every entry.
+        rest = stub.Read(pb.ReadRequest(**group, consumer="w1", count=5), metadata=worker, timeout=5)
+        assert [e.offset for e in rest.entries] == [2, 3, 4]
+        acked = stub.Ack(pb.AckRequest(**group, offsets=range(5)), metadata=worker, timeout=5)
+        assert acked.acknowledged == 5
 
 
 def test_a_dead_letter_stream_needs_write_permission_on_it(auth_channel: grpc.Channel) -> None:
