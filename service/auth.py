@@ -46,12 +46,19 @@ A rule without `groups` covers its streams and all their groups; a rule with
 ListStreams is open to every identified caller and lists only the streams some
 rule lets it touch; its page tokens are then opaque handles, so a page that ends
 on a hidden stream does not reveal that stream's name.
+
+**Reloads** of the token and ACL files check the calls that outlive them again
+(Subscribe, Consume, blocking Reads), and end those the new files refuse. A call
+waiting in the service is cancelled and answers the refusal; one sending a reply
+(an outer layer is writing it) is marked, and ends before asking for the next.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import collections
+import contextlib
 import dataclasses
 import fnmatch
 import hashlib
@@ -61,7 +68,7 @@ import os
 import secrets
 import ssl
 import tomllib
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -382,6 +389,8 @@ class AuthState:
     def __init__(self, tokens_file: str, acl_file: str) -> None:
         self.tokens_file, self.acl_file = tokens_file, acl_file
         self.tokens, self.acl = self._load()
+        # Called after each successful reload (from whichever thread reloaded).
+        self.listeners: list[Callable[[], None]] = []
 
     def _load(self) -> tuple[TokenStore, Acl]:
         tokens = load_tokens(self.tokens_file) if self.tokens_file else TokenStore()
@@ -389,6 +398,8 @@ class AuthState:
 
     def reload(self) -> None:
         self.tokens, self.acl = self._load()
+        for listener in self.listeners:
+            listener()
 
     def files(self) -> list[str]:
         return [f for f in (self.tokens_file, self.acl_file) if f]
@@ -407,6 +418,23 @@ class Denied(Exception):
 # observer(event, detail): told of every refusal, e.g. to count it (service/metrics.py).
 Observer = Callable[[str, str], None]
 
+# Unary calls that may wait long enough to outlive a reload: checked again on it, as streams are.
+_WAITING_UNARY = frozenset({"Read"})
+
+
+class _OpenCall:
+    """A call that may outlive the rules it was allowed by: a stream, or a blocking read."""
+
+    __slots__ = ("context", "inside", "method", "request", "revoked", "task")
+
+    def __init__(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> None:
+        self.method, self.request, self.context = method, request, context
+        self.task = asyncio.current_task()
+        # Whether the call's task is in the service (reading, waiting), where a cancellation
+        # reaches the wrapper; else it is sending a reply in an outer layer.
+        self.inside = True
+        self.revoked: Denied | None = None
+
 
 class AuthInterceptor(WrappingInterceptor):
     """Identifies the caller of each StreamLogService call and checks the rules."""
@@ -424,6 +452,10 @@ class AuthInterceptor(WrappingInterceptor):
         self._certificates = certificates
         # ListStreams page handle -> (principal name, the servicer's token); oldest dropped first.
         self._pages: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
+        # Calls checked again when the tokens and rules are reloaded; on the server's loop.
+        self._open: set[_OpenCall] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        state.listeners.append(self._reloaded)
 
     # -- identity and decisions
 
@@ -507,18 +539,64 @@ class AuthInterceptor(WrappingInterceptor):
             self._observer("auth", denied.reason)
         await context.abort(denied.code, denied.message)
 
+    # -- calls that outlive a reload
+
+    @contextlib.contextmanager
+    def _watched(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> Iterator[_OpenCall]:
+        """Keep the call in the open set; a cancellation by `_revoke` ends the block quietly, and
+        the caller then refuses the call with `revoked`."""
+        call = _OpenCall(method, request, context)
+        self._loop = self._loop or asyncio.get_running_loop()
+        self._open.add(call)
+        try:
+            yield call
+        except asyncio.CancelledError:
+            if call.revoked is None:
+                raise  # the client went away, or the server is stopping
+            call.task.uncancel()  # type: ignore[union-attr]
+        finally:
+            self._open.discard(call)
+
+    def _reloaded(self) -> None:
+        # Reloads run on the loop (SIGHUP, the file watcher) or on another thread (tests, tools).
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: no calls are open
+                self._loop.call_soon_threadsafe(self._recheck)
+
+    def _recheck(self) -> None:
+        """Check every open call against the tokens and rules now in force; end those refused."""
+        for call in list(self._open):
+            if call.revoked is not None:
+                continue
+            try:
+                self.check(call.method, call.request, self.identify(call.context))
+            except Denied as denied:
+                call.revoked = Denied(
+                    denied.code,
+                    f"access withdrawn when the token and ACL files were reloaded: {denied.message}",
+                    "revoked",
+                )
+                if call.inside:
+                    call.task.cancel()  # type: ignore[union-attr]
+                # Else it is sending a reply: it ends before asking the service for the next.
+
     # -- wrappers
 
     def wrap_unary(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
         if method == LIST_METHOD:
             return self._wrap_list(behavior)
+        may_wait = method in _WAITING_UNARY
 
         async def authorized(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
                 self.check(method, request, self.identify(context))
             except Denied as denied:
                 await self._refuse(context, method, denied)
-            return await behavior(request, context)
+            if not (may_wait and request.block_ms > 0):
+                return await behavior(request, context)
+            with self._watched(method, request, context) as call:
+                return await behavior(request, context)
+            await self._refuse(context, method, call.revoked)  # type: ignore[arg-type]
 
         return authorized
 
@@ -528,8 +606,16 @@ class AuthInterceptor(WrappingInterceptor):
                 self.check(method, request, self.identify(context))
             except Denied as denied:
                 await self._refuse(context, method, denied)
-            async for reply in iterate(behavior, request, context):
-                yield reply
+            with self._watched(method, request, context) as call:
+                async with contextlib.aclosing(iterate(behavior, request, context)) as replies:
+                    async for reply in replies:
+                        if call.revoked is not None:
+                            break
+                        call.inside = False
+                        yield reply
+                        call.inside = True
+            if call.revoked is not None:
+                await self._refuse(context, method, call.revoked)
 
         return authorized
 

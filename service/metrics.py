@@ -131,7 +131,8 @@ class Metrics:
         self.refusals = Counter(
             "streamlog_refusals",
             "Calls refused before reaching the service: kind auth (reason missing, malformed, "
-            "unknown_token, denied) or limit (reason: the limit's name).",
+            "unknown_token, reserved_name, denied; revoked: ended by a reload of the token and ACL "
+            "files) or limit (reason: the limit's name).",
             ["kind", "reason"],
             registry=r,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import queue
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -487,6 +488,129 @@ def test_tokens_and_rules_reload_on_change(start_server: Callable[..., ServerThr
         write(Path(rules), "rules = [")
         assert server.server.ops.reload("test") is False
         stub.Append(request, metadata=bearer("reader"), timeout=5)
+
+
+def without(text: str, part: str) -> str:
+    assert part in text
+    return text.replace(part, "")
+
+
+def test_a_revoked_token_ends_its_open_subscriptions(
+    start_server: Callable[..., ServerThread], tmp_path: Path
+) -> None:
+    tokens = write(tmp_path / "tokens.toml", TOKENS_TOML)
+    server = start_server(tokens_file=tokens, acl_file=write(tmp_path / "acl.toml", ACL_TOML))
+    server.server.engine.append("s1", [b"before"])
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        revoked = stub.Subscribe(pb.SubscribeRequest(stream="s1"), metadata=bearer("reader"), timeout=30)
+        kept = stub.Subscribe(pb.SubscribeRequest(stream="s1"), metadata=bearer("admin"), timeout=30)
+        assert [e.payload for e in next(revoked).entries] == [b"before"]
+        assert [e.payload for e in next(kept).entries] == [b"before"]
+
+        reader = f'[[tokens]]\nprincipal = "reader"\ntoken = "{TOKENS["reader"]}"\n'
+        write(Path(tokens), without(TOKENS_TOML, reader))
+        assert server.server.ops.reload("test") is True
+        stub.Append(pb.AppendRequest(stream="s1", payloads=[b"after"]), metadata=bearer("admin"), timeout=5)
+
+        received = []
+        with pytest.raises(grpc.RpcError) as info:
+            for reply in revoked:
+                received += reply.entries
+        assert received == []
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "reloaded" in info.value.details() and "unknown bearer token" in info.value.details()
+        # A subscriber whose rights stand goes on.
+        assert [e.payload for e in next(kept).entries] == [b"after"]
+        kept.cancel()
+
+
+def test_a_subscriber_revoked_while_a_reply_waits_to_be_sent_ends_after_that_reply(
+    start_server: Callable[..., ServerThread], tmp_path: Path
+) -> None:
+    tokens = write(tmp_path / "tokens.toml", TOKENS_TOML)
+    server = start_server(tokens_file=tokens, acl_file=write(tmp_path / "acl.toml", ACL_TOML))
+    (interceptor,) = [i for i in server.server.ops.interceptors() if isinstance(i, auth.AuthInterceptor)]
+    engine = server.server.engine
+    chunk = [b"x" * 4000] * 16
+    with grpc.insecure_channel(server.target) as channel:
+        subscription = pb_grpc.StreamLogServiceStub(channel).Subscribe(
+            pb.SubscribeRequest(stream="s1"), metadata=bearer("reader"), timeout=60
+        )
+        engine.append("s1", chunk)
+        next(subscription)
+
+        # The client stops reading; replies pile up until the server waits to send one.
+        def sending() -> bool:
+            engine.append("s1", chunk)
+            return server.call(lambda: [c.inside for c in interceptor._open]) == [False]
+
+        wait_for(sending, timeout_s=30)
+        written = engine.read("s1", 0, 0).next_offset
+        reader = f'[[tokens]]\nprincipal = "reader"\ntoken = "{TOKENS["reader"]}"\n'
+        write(Path(tokens), without(TOKENS_TOML, reader))
+        assert server.server.ops.reload("test") is True
+        engine.append("s1", chunk)
+        offsets = []
+        with pytest.raises(grpc.RpcError) as info:
+            for reply in subscription:
+                offsets += [e.offset for e in reply.entries]
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # What it had read before the reload reaches the client; nothing appended since does.
+        assert offsets and max(offsets) < written
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_reloaded_rules_end_the_sessions_and_blocked_reads_they_no_longer_allow(
+    start_server: Callable[..., ServerThread], tmp_path: Path
+) -> None:
+    rules = write(tmp_path / "acl.toml", ACL_TOML)
+    server = start_server(tokens_file=write(tmp_path / "tokens.toml", TOKENS_TOML), acl_file=rules)
+    engine = server.server.engine
+    engine.append("s1", [b"a", b"b"])
+    engine.create_group("s1", "g1", start="oldest")
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        requests: queue.Queue[pb.ConsumeRequest | None] = queue.Queue()
+        consume = channel.stream_stream(
+            f"/{SERVICE.full_name}/Consume",
+            request_serializer=pb.ConsumeRequest.SerializeToString,
+            response_deserializer=pb.ConsumeResponse.FromString,
+        )
+        session = consume(iter(requests.get, None), metadata=bearer("worker"), timeout=30)
+        requests.put(pb.ConsumeRequest(stream="s1", group="g1", consumer="c1", count=10, batches=1))
+        assert [e.payload for e in next(session).entries] == [b"a", b"b"]
+        # A group read waits for more, as a second consumer.
+        blocked = stub.Read.future(
+            pb.ReadRequest(stream="s1", group="g1", consumer="c2", block_ms=9000),
+            metadata=bearer("worker"),
+            timeout=20,
+        )
+        wait_for(lambda: server.call(lambda: server.server.ops.limits.blocked_reads) == 1)
+
+        worker = '[[rules]]\nprincipals = ["worker"]\nstreams = ["s1"]\ngroups = ["g1"]\n'
+        write(Path(rules), without(ACL_TOML, worker + 'permissions = ["consume"]\n'))
+        assert server.server.ops.reload("test") is True
+        requests.put(pb.ConsumeRequest(batches=1))  # the session asks for another batch
+        stub.Append(pb.AppendRequest(stream="s1", payloads=[b"c"]), metadata=bearer("admin"), timeout=5)
+
+        with pytest.raises(grpc.RpcError) as info:
+            next(session)
+        requests.put(None)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "reloaded" in info.value.details() and "may not Consume" in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            blocked.result()
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    # Neither took the new entry: it waits in the group for a consumer still allowed.
+    group = engine.group_info("s1", "g1")
+    assert (group.cursor, group.pending) == (2, 2)
 
 
 def test_start_up_refuses_unloadable_auth_files(tmp_path: Path) -> None:
