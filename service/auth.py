@@ -16,7 +16,9 @@ secrets) to a principal and its roles. Tokens are compared with
 how close a guess was. Under mutual TLS, a call without a token is the principal
 named by its certificate's common name. Names of the form `role:NAME` are reserved
 for roles: a tokens file may not give them to a principal, and a certificate with
-such a common name is refused (UNAUTHENTICATED, logged as a warning).
+such a common name is refused (UNAUTHENTICATED, logged as a warning). The token
+is checked from the call's metadata before its request is read: a call without
+valid credentials is refused without a byte of its body read or parsed.
 
 **Authorization.** With `acl_file` set, every StreamLogService call needs an
 identity (else UNAUTHENTICATED) and a rule that allows it (else
@@ -59,6 +61,7 @@ import asyncio
 import base64
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import fnmatch
 import hashlib
@@ -405,8 +408,10 @@ class AuthState:
         return [f for f in (self.tokens_file, self.acl_file) if f]
 
 
-def _metadata_value(context: grpc.aio.ServicerContext, key: str) -> list[str]:
-    return [value for name, value in (context.invocation_metadata() or ()) if name == key]
+# The principal `admit` found in the call's token (None: none sent, a client
+# certificate names the caller), for the handler of the same call (the same task).
+_UNCHECKED = Principal("")
+_CALLER: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("caller", default=_UNCHECKED)
 
 
 class Denied(Exception):
@@ -459,40 +464,57 @@ class AuthInterceptor(WrappingInterceptor):
 
     # -- identity and decisions
 
-    def identify(self, context: grpc.aio.ServicerContext) -> Principal:
-        headers = _metadata_value(context, "authorization")
-        if len(headers) > 1:
-            raise Denied(grpc.StatusCode.UNAUTHENTICATED, "more than one authorization header", "malformed")
-        if headers:
-            scheme, _, token = headers[0].partition(" ")
-            if scheme.lower() != "bearer" or not token.strip():
-                raise Denied(
-                    grpc.StatusCode.UNAUTHENTICATED,
-                    "authorization metadata must be `Bearer <token>`",
-                    "malformed",
-                )
-            principal = self.state.tokens.lookup(token.strip())
-            if principal is None:
-                raise Denied(grpc.StatusCode.UNAUTHENTICATED, "unknown bearer token", "unknown_token")
+    def identify(self, context: grpc.aio.ServicerContext, *, again: bool = False) -> Principal:
+        """The caller: from its token (checked by `admit` for this call, or here when
+        `again`, as on a reload), else from its client certificate."""
+        principal = _UNCHECKED if again else _CALLER.get()
+        if principal is _UNCHECKED:
+            principal = self._bearer(context.invocation_metadata())
+        if principal is not None:
             return principal
         names = (context.auth_context() or {}).get("x509_common_name")
-        if names:
-            name = names[0].decode("utf-8", "replace")
-            if name.startswith(ROLE_PREFIX):
-                # A CA-signed certificate named like a role: refused, never taken as that role.
-                raise Denied(
-                    grpc.StatusCode.UNAUTHENTICATED,
-                    f"client certificate common name {name!r} uses the reserved `{ROLE_PREFIX}` form: "
-                    "a certificate names a principal, never a role",
-                    "reserved_name",
-                    logging.WARNING,
-                )
-            return Principal(name, frozenset(), "certificate")
+        if not names:
+            raise self._missing()
+        name = names[0].decode("utf-8", "replace")
+        if name.startswith(ROLE_PREFIX):
+            # A CA-signed certificate named like a role: refused, never taken as that role.
+            raise Denied(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"client certificate common name {name!r} uses the reserved `{ROLE_PREFIX}` form: "
+                "a certificate names a principal, never a role",
+                "reserved_name",
+                logging.WARNING,
+            )
+        return Principal(name, frozenset(), "certificate")
+
+    def _bearer(self, metadata: Any) -> Principal | None:
+        """The principal of the call's bearer token; None when it has none and a client
+        certificate may name it instead."""
+        headers = [value for key, value in metadata or () if key == "authorization"]
+        if len(headers) > 1:
+            raise Denied(grpc.StatusCode.UNAUTHENTICATED, "more than one authorization header", "malformed")
+        if not headers:
+            if self._certificates:
+                return None
+            raise self._missing()
+        scheme, _, token = headers[0].partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise Denied(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "authorization metadata must be `Bearer <token>`",
+                "malformed",
+            )
+        principal = self.state.tokens.lookup(token.strip())
+        if principal is None:
+            raise Denied(grpc.StatusCode.UNAUTHENTICATED, "unknown bearer token", "unknown_token")
+        return principal
+
+    def _missing(self) -> Denied:
         accepted = [
             "`authorization: Bearer <token>` metadata" if self.state.tokens_file else "",
             "a client certificate" if self._certificates else "",
         ]
-        raise Denied(
+        return Denied(
             grpc.StatusCode.UNAUTHENTICATED,
             "this server needs credentials: " + " or ".join(a for a in accepted if a),
             "missing",
@@ -539,6 +561,28 @@ class AuthInterceptor(WrappingInterceptor):
             self._observer("auth", denied.reason)
         await context.abort(denied.code, denied.message)
 
+    # -- before the request is read
+
+    def admit(
+        self, handler_call_details: grpc.HandlerCallDetails, handler: grpc.RpcMethodHandler
+    ) -> grpc.RpcMethodHandler:
+        """Check the token in the call's metadata before its request is read: a call with no
+        valid credentials gets a handler that refuses it without reading (or parsing) a byte of
+        its body, however large. Rules, which need the request, are checked by the wrappers."""
+        try:
+            _CALLER.set(self._bearer(handler_call_details.invocation_metadata))
+        except Denied as denied:
+            return self._refusal(handler_call_details.method[len(self._prefix) :], denied)
+        return handler
+
+    def _refusal(self, method: str, denied: Denied) -> grpc.RpcMethodHandler:
+        async def refuse(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
+            await self._refuse(context, method, denied)
+
+        # A client-streaming handler: gRPC reads a request message only when the handler asks,
+        # and this one never does. (The outer interceptors pass such handlers through.)
+        return grpc.stream_unary_rpc_method_handler(refuse)
+
     # -- calls that outlive a reload
 
     @contextlib.contextmanager
@@ -569,7 +613,7 @@ class AuthInterceptor(WrappingInterceptor):
             if call.revoked is not None:
                 continue
             try:
-                self.check(call.method, call.request, self.identify(call.context))
+                self.check(call.method, call.request, self.identify(call.context, again=True))
             except Denied as denied:
                 call.revoked = Denied(
                     denied.code,

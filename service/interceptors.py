@@ -7,7 +7,9 @@ function that receives the request and the context. Other services (health,
 reflection) are passed through untouched: they stay open and uncounted.
 
 A wrapped handler is built once per method and reused, so the per-call cost of an
-interceptor is one `intercept_service` await and the wrapper itself.
+interceptor is one `intercept_service` await and the wrapper itself. `admit` may
+give a call another handler, decided from its metadata before its request is read
+(auth refuses calls without credentials there).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
             return handler
         cached = self._wrapped.get(path)
         if cached is not None and cached[0] is handler:
-            return cached[1]
+            return self.admit(handler_call_details, cached[1])
         method = path[len(self._prefix) :]
         if handler.unary_unary is not None:
             wrapped = handler._replace(unary_unary=self.wrap_unary(method, handler.unary_unary))
@@ -55,10 +57,18 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
             wrapped = handler._replace(stream_stream=self._wrap_session(method, handler.stream_stream))
         else:
             # StreamLogService has no client-streaming-only RPC; one added later passes
-            # unwrapped here, and auth refuses to start when an RPC has no access rule.
+            # unwrapped here, and auth refuses to start when an RPC has no access rule. Auth's
+            # refusals of calls without credentials have this form, so they pass unread.
             return handler
         self._wrapped[path] = (handler, wrapped)
-        return wrapped
+        return self.admit(handler_call_details, wrapped)
+
+    def admit(
+        self, handler_call_details: grpc.HandlerCallDetails, handler: grpc.RpcMethodHandler
+    ) -> grpc.RpcMethodHandler:
+        """The handler for this call, decided from its method and metadata alone (its request
+        is not read yet): the wrapped `handler`, or another one (a refusal)."""
+        return handler
 
     def _wrap_session(self, method: str, behavior: SessionBehavior) -> SessionBehavior:
         """A bidirectional call, wrapped as a server-streaming one whose request is its first message.

@@ -6,7 +6,9 @@ auth files (on SIGHUP and when they change), and the start-up log of settings.
 
 Interceptors run outermost first: the subscriber send timeout (it sends every
 Subscribe reply itself), metrics (so refused calls are timed and counted too),
-auth (nothing unidentified reaches the limits' counters), then limits.
+auth (nothing unidentified reaches the limits' counters), then limits. A call
+without valid credentials is refused by auth before its request is read, with a
+handler the outer layers pass through: it is counted as a refusal, not timed.
 """
 
 from __future__ import annotations

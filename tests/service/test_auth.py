@@ -412,6 +412,33 @@ def test_a_dead_letter_stream_needs_write_permission_on_it(auth_channel: grpc.Ch
     assert call(auth_channel, method, outside, bearer("admin")) not in DENIED
 
 
+@pytest.mark.parametrize("method", ["Append", "Subscribe", "Consume"])
+def test_credentials_are_checked_before_the_request_is_read(
+    auth_server: ServerThread, auth_channel: grpc.Channel, method: str
+) -> None:
+    # Not a protobuf message (field 31, wire type 7): a server that parsed it would fail there.
+    garbage = b"\xff" * (900 << 10)
+    path = f"/{SERVICE.full_name}/{method}"
+    kind = SERVICE.methods_by_name[method]
+
+    def send(metadata: Any) -> grpc.StatusCode:
+        try:
+            if kind.client_streaming:
+                list(auth_channel.stream_stream(path)(iter([garbage]), metadata=metadata, timeout=10))
+            elif kind.server_streaming:
+                list(auth_channel.unary_stream(path)(garbage, metadata=metadata, timeout=10))
+            else:
+                auth_channel.unary_unary(path)(garbage, metadata=metadata, timeout=10)
+        except grpc.RpcError as exc:
+            return exc.code()
+        return grpc.StatusCode.OK
+
+    for metadata in ((), (("authorization", "Bearer not-a-known-token"),), (("authorization", "Basic x"),)):
+        assert send(metadata) == grpc.StatusCode.UNAUTHENTICATED, metadata
+    # A known caller's request is read (and this one found malformed).
+    assert send(bearer("admin")) not in DENIED
+
+
 def test_list_streams_shows_only_what_the_caller_may_touch(auth_server: ServerThread) -> None:
     engine = auth_server.server.engine
     for name in ("s2", "s3", "t1", "t2", "t3", "t4", "t5", "u1"):
