@@ -83,6 +83,12 @@ class Operations:
                 len(self.security.auth.tokens),
                 len(self.security.auth.acl.rules),
             )
+            if settings.tokens_file and self.security.tls is None:
+                log.warning(
+                    "bearer tokens are accepted over plaintext: whoever can watch the network between "
+                    "clients and this server can read them and call as their principals; set "
+                    "tls_cert_file and tls_key_file"
+                )
         if settings.health_port:
             # Health only, plaintext: for probes that cannot do TLS (Kubernetes gRPC probes).
             server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])

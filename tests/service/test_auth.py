@@ -640,6 +640,24 @@ def test_reloaded_rules_end_the_sessions_and_blocked_reads_they_no_longer_allow(
     assert (group.cursor, group.pending) == (2, 2)
 
 
+def test_tokens_over_plaintext_are_warned_about_at_start_up(
+    start_server: Callable[..., ServerThread],
+    tmp_path: Path,
+    pki: dict[str, Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    files = {
+        "tokens_file": write(tmp_path / "tokens.toml", TOKENS_TOML),
+        "acl_file": write(tmp_path / "acl.toml", ACL_TOML),
+    }
+    with caplog.at_level(logging.INFO, logger="service.ops"):
+        start_server(tmp_path / "plain", **files)
+        start_server(tmp_path / "tls", **files, **tls_files(tmp_path, pki, mutual=False))
+    warnings = [r for r in caplog.records if "over plaintext" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+    assert "tls_cert_file" in warnings[0].getMessage()
+
+
 def test_start_up_refuses_unloadable_auth_files(tmp_path: Path) -> None:
     tokens = write(tmp_path / "tokens.toml", '[[tokens]]\nprincipal = "a"\ntoken = "short"\n')
     rules = write(tmp_path / "acl.toml", ACL_TOML)
