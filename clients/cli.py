@@ -4,10 +4,11 @@
     streamlog read orders --from 0 --count 10       streamlog groups list orders
     streamlog export orders -o orders.jsonl         streamlog inspect ./data
 
-Tables for people by default, `--json` for scripts (one JSON document, or JSON
-Lines for entries). Connection: `--address` (or STREAMLOG_ADDRESS, default
-localhost:7070), `--token` (or STREAMLOG_TOKEN), `--tls`/`--tls-ca`/`--tls-cert`/
-`--tls-key`. `serve` replaces this process with `python -m service.cli serve ...`,
+Tables for people by default (control characters in names, tags and header keys
+shown escaped), `--json` for scripts (one JSON document, or JSON Lines for
+entries). Connection: `--address` (or STREAMLOG_ADDRESS, default localhost:7070),
+`--token` (or STREAMLOG_TOKEN), `--tls`/`--tls-ca`/`--tls-cert`/`--tls-key`.
+`serve` replaces this process with `python -m service.cli serve ...`,
 so the client package never imports the server.
 
 Exit codes: 0 success; 1 the call failed on the server (internal error, data
@@ -75,8 +76,20 @@ def _show_bytes(value: bytes, width: int = 60) -> str:
     return shown if len(shown) <= width else shown[: width - 1] + "…"
 
 
+def _printable(text: str) -> str:
+    """Text from the server (names, tags, header keys) for a terminal: control characters
+    escaped as Python does (ESC as \\x1b), so a name cannot move the cursor, retitle the
+    window or hide what follows it."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _table(rows: Sequence[Sequence[Any]], headers: Sequence[str], out: IO[str]) -> None:
-    cells = [[str(h) for h in headers], *[["-" if c is None else str(c) for c in row] for row in rows]]
+    cells = [
+        [str(h) for h in headers],
+        *[["-" if c is None else _printable(str(c)) for c in row] for row in rows],
+    ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     for row in cells:
         out.write("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() + "\n")
@@ -85,7 +98,7 @@ def _table(rows: Sequence[Sequence[Any]], headers: Sequence[str], out: IO[str]) 
 def _pairs(pairs: Sequence[tuple[str, Any]], out: IO[str]) -> None:
     width = max(len(k) for k, _ in pairs)
     for key, value in pairs:
-        out.write(f"{key.ljust(width)}  {'-' if value is None else value}\n")
+        out.write(f"{key.ljust(width)}  {'-' if value is None else _printable(str(value))}\n")
 
 
 def _json(value: Any, out: IO[str]) -> None:
@@ -327,10 +340,10 @@ def _print_entries(entries: Iterable[Entry], args: argparse.Namespace, out: IO[s
             continue
         line = f"{entry.offset:>8}  {_time(entry.timestamp_ms)}"
         if entry.tag:
-            line += f"  [{entry.tag}]"
+            line += f"  [{_printable(entry.tag)}]"
         line += f"  {_show_bytes(entry.payload, args.width)}"
         if entry.headers:
-            line += "  " + " ".join(f"{k}={_show_bytes(v, 20)}" for k, v in entry.headers.items())
+            line += "  " + " ".join(f"{_printable(k)}={_show_bytes(v, 20)}" for k, v in entry.headers.items())
         if entry.delivery_count:
             line += f"  (delivery {entry.delivery_count})"
         out.write(line + "\n")
@@ -502,7 +515,7 @@ def _cmd_groups(args: argparse.Namespace, out: IO[str]) -> int:
                 span = f", offsets {low}..{high}" if low is not None else ""
                 out.write(f"{pending.count} pending{span}; {pending.released} released for redelivery\n")
                 for consumer, count in pending.consumers.items():
-                    out.write(f"  {consumer}: {count}\n")
+                    out.write(f"  {_printable(consumer)}: {count}\n")
                 if pending.entries:
                     out.write("\n")
                     _table(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from clients import Client
+from clients import Client, Record
 from clients.cli import (
     EXIT_CONFLICT,
     EXIT_INTERRUPTED,
@@ -260,6 +260,33 @@ def test_groups_commands(server: ServerThread) -> None:
     assert code == 0 and "1 entries released" in out
     assert run(server, "groups", "delete", "jobs", "workers")[0] == 0
     assert run(server, "groups", "info", "jobs", "workers")[0] == EXIT_NOT_FOUND
+
+
+def test_terminal_control_characters_in_names_tags_and_header_keys_are_escaped(server: ServerThread) -> None:
+    # Escape sequences that would retitle the terminal, clear it, or colour what follows.
+    stream, group, consumer = "s\x1b]0;owned\x07", "g\x1b[2J", "c\x1b[31m"
+    with Client(server.target) as client:
+        client.append(stream, [Record(b"p", tag="t\x1b[8m", headers={"k\r\x1b[1A": b"v"})])
+        client.create_group(stream, group, "oldest")
+        client.read_group(stream, group, consumer)
+    shown = {
+        "info": run(server, "info"),
+        "info stream": run(server, "info", stream),
+        "read": run(server, "read", stream),
+        "groups list": run(server, "groups", "list", stream),
+        "groups info": run(server, "groups", "info", stream, group),
+        "groups pending": run(server, "groups", "pending", stream, group),
+    }
+    for command, (code, out) in shown.items():
+        assert code == 0, command
+        assert "\x1b" not in out and "\r" not in out and "\x07" not in out, command
+    assert "s\\x1b]0;owned\\x07" in shown["info"][1]
+    assert "[t\\x1b[8m]" in shown["read"][1] and "k\\r\\x1b[1A=v" in shown["read"][1]
+    assert "g\\x1b[2J" in shown["groups list"][1] and "c\\x1b[31m" in shown["groups pending"][1]
+    # JSON carries the names as they are (JSON's own escapes keep them off the terminal).
+    code, out = run(server, "read", stream, "--json")
+    (record,) = lines_json(out)
+    assert (record["tag"], record["headers"]) == ("t\x1b[8m", {"k\r\x1b[1A": "v"})
 
 
 CONSUME = ("groups", "consume", "jobs", "workers")
