@@ -17,6 +17,11 @@ The engine does not expose the time of its fdatasync calls. The closest figure
 the service sees is `streamlog_durable_append_seconds`: appends to `always`
 streams, request to reply, each of which includes its (group-commit) fdatasync.
 
+Series are labelled only with the names of streams that exist: a call on a name
+that does not exist (a blocking read waiting for it) leaves none behind, and a
+deleted stream's series are dropped. Group series are sampled from the engine,
+so a deleted group's go with it.
+
 Each server has its own registry, so several servers in one process (tests) do
 not mix their figures.
 """
@@ -50,6 +55,9 @@ RPC_BUCKETS = (
 )
 # fdatasync on SSDs takes 0.1-10 ms; slow disks and group commit under load reach 100 ms and more.
 DURABLE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2.5)
+
+# Whether a stream exists now.
+Exists = Callable[[str], bool]
 
 
 def _code_name(context: grpc.aio.ServicerContext, exc: BaseException | None) -> str:
@@ -118,7 +126,8 @@ class Metrics:
         )
         self.subscriptions = Counter(
             "streamlog_subscriptions_started",
-            "Subscribe calls accepted, per stream and mode (plain or group).",
+            "Subscribe and Consume calls, per stream and mode (plain or group), counted at their first "
+            "reply sent while the stream exists.",
             ["stream", "mode"],
             registry=r,
         )
@@ -145,18 +154,21 @@ class Metrics:
             self.subscribe_bytes,
         )
         self._per_stream_mode = (self.read_requests, self.subscriptions)
+        # Per-stream children, looked up once per stream: `labels()` takes a lock and builds a
+        # key on every call, several microseconds per call otherwise. Made only for streams
+        # that exist (see `MetricsInterceptor`), dropped when they are deleted.
         self._append_children: dict[str, tuple[Any, Any, Any]] = {}
         self._read_children: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._subscribe_children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
 
     def refused(self, kind: str, reason: str) -> None:
         """The observer given to the auth and limits interceptors."""
         self.refusals.labels(kind, reason).inc()
 
-    def append_children(self, stream: str) -> tuple[Any, Any, Any]:
-        """The Append counters of `stream`, looked up once per stream: `labels()` takes a lock
-        and builds a key on every call, several microseconds per Append otherwise."""
+    def append_children(self, stream: str, exists: Exists) -> tuple[Any, Any, Any] | None:
+        """The Append counters of `stream`; None while it does not exist."""
         children = self._append_children.get(stream)
-        if children is None:
+        if children is None and exists(stream):
             children = self._append_children[stream] = (
                 self.append_requests.labels(stream),
                 self.appended_entries.labels(stream),
@@ -164,12 +176,25 @@ class Metrics:
             )
         return children
 
-    def read_children(self, stream: str, mode: str) -> tuple[Any, Any]:
+    def read_children(self, stream: str, mode: str, exists: Exists) -> tuple[Any, Any] | None:
+        """The Read counters of `stream` in `mode`; None while it does not exist."""
         children = self._read_children.get((stream, mode))
-        if children is None:
+        if children is None and exists(stream):
             children = self._read_children[(stream, mode)] = (
                 self.read_requests.labels(stream, mode),
                 self.read_bytes.labels(stream),
+            )
+        return children
+
+    def subscribe_children(self, stream: str, mode: str, exists: Exists) -> tuple[Any, Any, Any] | None:
+        """The subscription counters of `stream` in `mode` (started, replies, bytes); None while it
+        does not exist."""
+        children = self._subscribe_children.get((stream, mode))
+        if children is None and exists(stream):
+            children = self._subscribe_children[(stream, mode)] = (
+                self.subscriptions.labels(stream, mode),
+                self.subscribe_replies.labels(stream),
+                self.subscribe_bytes.labels(stream),
             )
         return children
 
@@ -178,6 +203,7 @@ class Metrics:
         self._append_children.pop(stream, None)
         for mode in ("plain", "group"):
             self._read_children.pop((stream, mode), None)
+            self._subscribe_children.pop((stream, mode), None)
         for metric in self._per_stream:
             with contextlib.suppress(KeyError):
                 metric.remove(stream)
@@ -198,6 +224,12 @@ class MetricsInterceptor(WrappingInterceptor):
         super().__init__(service_name)
         self._m = metrics
         self._engine = engine
+
+    def _exists(self, stream: str) -> bool:
+        # Series are labelled only with names of streams that exist: a read or subscription
+        # waiting on any name a client makes up must not leave a series behind.
+        engine = self._engine()
+        return engine is not None and engine.exists(stream)
 
     def wrap_unary(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
         m = self._m
@@ -229,19 +261,19 @@ class MetricsInterceptor(WrappingInterceptor):
 
         async def measured(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             start = time.perf_counter()
-            stream = request.stream
-            replies = m.subscribe_replies.labels(stream)
-            sent = m.subscribe_bytes.labels(stream)
-            started = False
+            counters = None
             failure: BaseException | None = None
             try:
                 async for reply in iterate(behavior, request, context):
-                    if not started:
-                        # Counted at the first reply: a refused Subscribe sends none.
-                        started = True
-                        m.subscriptions.labels(stream, _mode(request)).inc()
-                    replies.inc()
-                    sent.inc(_size(reply))
+                    if counters is None:
+                        # Counted from the first reply sent while the stream exists (a refused
+                        # Subscribe sends none).
+                        counters = m.subscribe_children(request.stream, _mode(request), self._exists)
+                        if counters is not None:
+                            counters[0].inc()
+                    if counters is not None:
+                        counters[1].inc()
+                        counters[2].inc(_size(reply))
                     yield reply
             except BaseException as exc:
                 failure = exc
@@ -256,7 +288,10 @@ class MetricsInterceptor(WrappingInterceptor):
 
     def _account_Append(self, request: Any, reply: Any, elapsed: float) -> None:
         stream = request.stream
-        requests, entries, size = self._m.append_children(stream)
+        counters = self._m.append_children(stream, self._exists)
+        if counters is None:
+            return  # deleted since
+        requests, entries, size = counters
         requests.inc()
         if not reply.duplicate:
             entries.inc(reply.last_offset - reply.first_offset + 1)
@@ -266,9 +301,10 @@ class MetricsInterceptor(WrappingInterceptor):
             self._m.durable_append_seconds.observe(elapsed)
 
     def _account_Read(self, request: Any, reply: Any, elapsed: float) -> None:
-        requests, size = self._m.read_children(request.stream, _mode(request))
-        requests.inc()
-        size.inc(_size(reply))
+        counters = self._m.read_children(request.stream, _mode(request), self._exists)
+        if counters is not None:
+            counters[0].inc()
+            counters[1].inc(_size(reply))
 
     def _account_DeleteStream(self, request: Any, reply: Any, elapsed: float) -> None:
         self._m.forget_stream(request.stream)

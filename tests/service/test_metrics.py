@@ -114,6 +114,44 @@ def test_deleted_streams_leave_no_series(metered: ServerThread) -> None:
     assert not [key for key in samples if ("stream", "gone") in key[1]]
 
 
+def names_in(samples: Samples) -> set[str]:
+    return {value for _, labels in samples for key, value in labels if key in ("stream", "group")}
+
+
+def test_calls_on_streams_that_do_not_exist_leave_no_series(metered: ServerThread) -> None:
+    with grpc.insecure_channel(metered.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        for number in range(20):  # blocking reads of names that do not exist answer empty, OK
+            reply = stub.Read(pb.ReadRequest(stream=f"ghost-{number}", block_ms=1), timeout=5)
+            assert not reply.entries
+        ghost = stub.Subscribe(pb.SubscribeRequest(stream="ghost-subscribed"), timeout=30)
+        next(ghost)
+        ghost.cancel()
+        # A subscription waiting for its stream is counted from the stream's first entries on.
+        later = stub.Subscribe(pb.SubscribeRequest(stream="later"), timeout=30)
+        assert not next(later).entries
+        append(stub, "later", b"x")
+        assert len(next(later).entries) == 1
+        samples = scrape(metered)
+        later.cancel()
+    assert names_in(samples) == {"later"}
+    assert value(samples, "streamlog_subscriptions_started_total", stream="later", mode="plain") == 1
+    assert value(samples, "streamlog_subscribe_replies_total", stream="later") == 1
+
+
+@pytest.mark.skipif("CreateGroup" not in SERVICE.methods_by_name, reason="this proto has no consumer groups")
+def test_deleted_groups_leave_no_series(metered: ServerThread) -> None:
+    with grpc.insecure_channel(metered.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        append(stub, "orders", b"o")
+        for group in ("billing", "audit"):
+            stub.CreateGroup(pb.CreateGroupRequest(stream="orders", group=group), timeout=5)
+        stub.Read(pb.ReadRequest(stream="orders", group="audit", consumer="c1"), timeout=5)
+        assert {"billing", "audit"} <= names_in(scrape(metered))
+        stub.DeleteGroup(pb.DeleteGroupRequest(stream="orders", group="audit"), timeout=5)
+    assert names_in(scrape(metered)) == {"orders", "billing"}
+
+
 @pytest.mark.skipif("CreateGroup" not in SERVICE.methods_by_name, reason="this proto has no consumer groups")
 def test_group_lag_pending_and_redeliveries(metered: ServerThread) -> None:
     with grpc.insecure_channel(metered.target) as channel:
