@@ -64,6 +64,7 @@ import contextlib
 import contextvars
 import dataclasses
 import fnmatch
+import functools
 import hashlib
 import hmac
 import logging
@@ -407,6 +408,35 @@ class AuthState:
     def files(self) -> list[str]:
         return [f for f in (self.tokens_file, self.acl_file) if f]
 
+    def stream_filter(self, authorization: str | None) -> Callable[[str], bool] | None:
+        """For the metrics endpoint: which streams a scraper may see, by the rule ListStreams
+        follows: none without a token, those of the token's principal with one; None (refused)
+        for an `authorization` value that holds no known bearer token."""
+        if not authorization:
+            return _no_stream
+        try:
+            principal = bearer_principal(self.tokens, authorization)
+        except Denied:
+            return None
+        return functools.partial(self.acl.visible, principal)
+
+
+def _no_stream(stream: str) -> bool:
+    return False
+
+
+def bearer_principal(tokens: TokenStore, authorization: str) -> Principal:
+    """The principal of an `authorization` value `Bearer <token>`; Denied if malformed or unknown."""
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Denied(
+            grpc.StatusCode.UNAUTHENTICATED, "authorization metadata must be `Bearer <token>`", "malformed"
+        )
+    principal = tokens.lookup(token.strip())
+    if principal is None:
+        raise Denied(grpc.StatusCode.UNAUTHENTICATED, "unknown bearer token", "unknown_token")
+    return principal
+
 
 # The principal `admit` found in the call's token (None: none sent, a client
 # certificate names the caller), for the handler of the same call (the same task).
@@ -493,21 +523,11 @@ class AuthInterceptor(WrappingInterceptor):
         headers = [value for key, value in metadata or () if key == "authorization"]
         if len(headers) > 1:
             raise Denied(grpc.StatusCode.UNAUTHENTICATED, "more than one authorization header", "malformed")
-        if not headers:
-            if self._certificates:
-                return None
-            raise self._missing()
-        scheme, _, token = headers[0].partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise Denied(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "authorization metadata must be `Bearer <token>`",
-                "malformed",
-            )
-        principal = self.state.tokens.lookup(token.strip())
-        if principal is None:
-            raise Denied(grpc.StatusCode.UNAUTHENTICATED, "unknown bearer token", "unknown_token")
-        return principal
+        if headers:
+            return bearer_principal(self.state.tokens, headers[0])
+        if self._certificates:
+            return None
+        raise self._missing()
 
     def _missing(self) -> Denied:
         accepted = [

@@ -109,10 +109,11 @@ class Settings:
     # A second, plaintext port serving only the health service (0: none), for probes that
     # cannot do TLS or present client certificates (Kubernetes gRPC probes cannot).
     health_port: int = 0
-    # Prometheus metrics over HTTP (service/metrics.py); 0: no metrics endpoint.
-    # metrics_host empty: the same address as `host`.
+    # Prometheus metrics over HTTP (service/metrics.py); 0: no metrics endpoint. It names
+    # every stream and group, so it listens on the loopback unless told otherwise (with
+    # authorization on, it shows names only to scrapers presenting a bearer token).
     metrics_port: int = 0
-    metrics_host: str = ""
+    metrics_host: str = "127.0.0.1"
 
     # Limits on what clients can make the server hold (service/limits.py). Each refusal
     # is RESOURCE_EXHAUSTED naming the limit and its value.
@@ -342,8 +343,9 @@ def validate(settings: Settings, sources: Mapping[str, str] | None = None) -> No
             raise ConfigError(
                 f"{name}: must be one of {', '.join(choices)}, got {value!r} (from {where(name)})"
             )
-    if not settings.host.strip():
-        raise ConfigError(f"host: must not be empty (from {where('host')})")
+    for name in ("host", "metrics_host"):
+        if not getattr(settings, name).strip():
+            raise ConfigError(f"{name}: must not be empty (from {where(name)})")
     if not str(settings.data_dir).strip():
         raise ConfigError(f"data_dir: must not be empty (from {where('data_dir')})")
 

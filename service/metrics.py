@@ -32,13 +32,16 @@ import asyncio
 import contextlib
 import logging
 import math
+import socket
 import threading
 import time
+import wsgiref.simple_server
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import grpc
 import prometheus_client
+import prometheus_client.exposition
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
@@ -486,22 +489,96 @@ class LoopLagCollector(Collector):
         )
 
 
-class MetricsServer:
-    """The HTTP endpoint; `start` binds it, `stop` closes it."""
+# Which streams a scraper may see (by name).
+StreamFilter = Callable[[str], bool]
+# Given a scrape's Authorization header (None: none sent), what it may see; None: refused.
+Gate = Callable[[str | None], StreamFilter | None]
 
-    def __init__(self, metrics: Metrics, host: str, port: int) -> None:
-        self._metrics, self._host, self._port = metrics, host, port
+
+class ScrapeView(Collector):
+    """The registry as one scraper may see it: series labelled with a stream it may not see
+    are left out; the server's own series (no stream label) stay."""
+
+    def __init__(self, registry: Any, visible: StreamFilter) -> None:
+        self._registry, self._visible = registry, visible
+
+    def collect(self) -> Iterator[Any]:
+        decided: dict[str, bool] = {}
+        for family in self._registry.collect():
+            # Collectors build fresh families at each collect: filtering in place is safe.
+            family.samples = [
+                sample
+                for sample in family.samples
+                if "stream" not in sample.labels or self._sees(sample.labels["stream"], decided)
+            ]
+            yield family
+
+    def _sees(self, stream: str, decided: dict[str, bool]) -> bool:
+        seen = decided.get(stream)
+        if seen is None:
+            seen = decided[stream] = self._visible(stream)
+        return seen
+
+    def restricted_registry(self, names: Any) -> ScrapeView:
+        # prometheus_client asks for this when a scrape names metrics (`?name[]=...`).
+        return ScrapeView(self._registry.restricted_registry(names), self._visible)
+
+
+class _QuietHandler(wsgiref.simple_server.WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # no access log: one line per scrape says nothing
+
+
+class MetricsServer:
+    """The HTTP endpoint; `start` binds it, `stop` closes it.
+
+    With a `gate` (authorization is on), each scrape sees what its bearer token's principal
+    may: without a token, the server's own series and no stream or group name; with a token
+    from the tokens file, the series of the streams its rules let it see (as ListStreams);
+    with an unknown or malformed one, 401.
+    """
+
+    def __init__(self, metrics: Metrics, host: str, port: int, gate: Gate | None = None) -> None:
+        self._metrics, self._host, self._port, self._gate = metrics, host, port, gate
         self._httpd: Any = None
-        self._thread: Any = None
+        self._thread: threading.Thread | None = None
 
     @property
     def port(self) -> int:
         return self._httpd.server_port if self._httpd is not None else self._port
 
+    @property
+    def host(self) -> str:
+        """The address it listens on (once started)."""
+        return self._httpd.server_address[0] if self._httpd is not None else self._host
+
+    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        registry: Any = self._metrics.registry
+        if self._gate is not None:
+            visible = self._gate(environ.get("HTTP_AUTHORIZATION"))
+            if visible is None:
+                start_response(
+                    "401 Unauthorized",
+                    [("WWW-Authenticate", 'Bearer realm="streamlog"'), ("Content-Type", "text/plain")],
+                )
+                return [b"unknown or malformed bearer token (Authorization: Bearer <token>)\n"]
+            registry = ScrapeView(registry, visible)
+        return prometheus_client.make_wsgi_app(registry)(environ, start_response)
+
     def start(self) -> None:
-        self._httpd, self._thread = prometheus_client.start_http_server(
-            self._port, addr=self._host, registry=self._metrics.registry
+        # The address family of the host (HTTPServer assumes IPv4).
+        family, _, _, _, address = socket.getaddrinfo(
+            self._host, self._port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+
+        class Server(prometheus_client.exposition.ThreadingWSGIServer):
+            address_family = family
+
+        self._httpd = wsgiref.simple_server.make_server(
+            address[0], self._port, self._app, Server, handler_class=_QuietHandler
         )
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics", daemon=True)
+        self._thread.start()
         log.info("metrics on http://%s:%d/metrics", self._host, self.port)
 
     def stop(self) -> None:
@@ -509,5 +586,6 @@ class MetricsServer:
             return
         self._httpd.shutdown()
         self._httpd.server_close()
+        assert self._thread is not None
         self._thread.join(timeout=10)
         self._httpd = None

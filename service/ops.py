@@ -99,8 +99,12 @@ class Operations:
             log.info("health checks on port %d (plaintext)", self.health_port)
         if self.metrics is not None:
             self.metrics.registry.register(metrics.LoopLagCollector(asyncio.get_running_loop()))
+            auth_state = self.security.auth
             self.metrics_server = metrics.MetricsServer(
-                self.metrics, settings.metrics_host or settings.host, settings.metrics_port
+                self.metrics,
+                settings.metrics_host,
+                settings.metrics_port,
+                gate=auth_state.stream_filter if auth_state is not None else None,
             )
             await asyncio.to_thread(self.metrics_server.start)
         if settings.reload_interval_ms and (self.security.tls or self.security.auth):

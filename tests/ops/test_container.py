@@ -233,6 +233,11 @@ def test_compose_runs_the_server_and_the_demo_against_it() -> None:
     volume, _, mount = server["volumes"][0].partition(":")
     assert mount == "/data" and volume in spec["volumes"]
     assert any(str(port).endswith(":7070") for port in server["ports"])
+    # Published on the host's loopback only; inside the container, metrics listen on every
+    # interface, or the published port would find nothing (the default is the loopback).
+    published = [port for service in services.values() for port in service.get("ports", [])]
+    assert published and all(str(port).startswith("127.0.0.1:") for port in published)
+    assert server["environment"]["STREAMLOG_METRICS_HOST"] == "0.0.0.0"
     assert server["read_only"] is True and server["cap_drop"] == ["ALL"]
     assert services["setup"]["depends_on"] == {"streamlog": {"condition": "service_healthy"}}
     for name, service in services.items():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import tomllib
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,8 @@ def test_configmap_holds_valid_settings_that_the_pod_reads(tmp_path: Path) -> No
     assert ports == {"grpc": settings.port, "health": settings.health_port, "metrics": settings.metrics_port}
     annotations = statefulset()["spec"]["template"]["metadata"]["annotations"]
     assert int(annotations["prometheus.io/port"]) == settings.metrics_port
+    # Prometheus scrapes the pod's IP, so metrics must listen beyond the loopback (their default).
+    assert annotations["prometheus.io/scrape"] == "true" and settings.metrics_host == "0.0.0.0"
     # The commented TLS and auth paths point into the optional Secret volumes.
     commented = [line.strip("# ").split(" = ") for line in config_toml().splitlines() if "_file = " in line]
     for name, value in commented:
@@ -174,7 +177,9 @@ def test_the_pod_command_line_and_settings_run_a_server_that_answers_the_probes(
     ]
     ports = {name: free_port() for name in ("PORT", "HEALTH_PORT", "METRICS_PORT")}
     env = {"STREAMLOG_CONFIG": str(config), **{f"STREAMLOG_{k}": str(v) for k, v in ports.items()}}
+    env["STREAMLOG_METRICS_HOST"] = "127.0.0.1"  # the loopback standing in for the pod's 0.0.0.0
     bin_dir = Path(sys.executable).parent
+    annotations = statefulset()["spec"]["template"]["metadata"]["annotations"]
     server = Process([str(bin_dir / "streamlog"), "serve", *args], env, cwd=tmp_path)
     try:
 
@@ -189,6 +194,9 @@ def test_the_pod_command_line_and_settings_run_a_server_that_answers_the_probes(
             return reply.status == health_pb2.HealthCheckResponse.SERVING
 
         wait_until(serving)
+        metrics_url = f"http://127.0.0.1:{ports['METRICS_PORT']}{annotations['prometheus.io/path']}"
+        with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+            assert b"streamlog_ready 1.0" in reply.read()
     finally:
         code, output = server.stop()
     assert code == 0, output

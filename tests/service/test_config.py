@@ -79,6 +79,7 @@ def test_text_values_are_parsed_by_type() -> None:
         ({"env": {"STREAMLOG_FSYNC": "sometimes"}}, "fsync: must be one of always, everysec, no"),
         ({"overrides": {"colour": "blue"}}, "unknown setting 'colour' in --set"),
         ({"overrides": {"host": "  "}}, "host: must not be empty"),
+        ({"env": {"STREAMLOG_METRICS_HOST": ""}}, "metrics_host: must not be empty"),
         ({"overrides": {"max_entry_bytes": "9MiB"}}, "max_entry_bytes (9437184, from --set max_entry_bytes)"),
         ({"overrides": {"default_read_entries": "20000"}}, "must not be larger than max_read_entries"),
         (

@@ -5,8 +5,10 @@ from __future__ import annotations
 import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import pytest
@@ -14,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
+from service.config import Settings
 from service.server import SERVICE
 from tests.service.helpers import ServerThread, append
 
@@ -26,9 +29,12 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def scrape(server: ServerThread) -> Samples:
+def scrape(server: ServerThread, token: str | None = None, query: str = "") -> Samples:
     port = server.server.ops.metrics_server.port
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics{query}")
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(request, timeout=10) as reply:
         assert reply.status == 200
         text = reply.read().decode()
     samples: Samples = {}
@@ -177,6 +183,63 @@ def test_group_lag_pending_and_redeliveries(metered: ServerThread) -> None:
     assert value(after, "streamlog_group_consumers", **key) == 2
     assert value(after, "streamlog_group_dead_lettered_total", **key) == 0
     assert value(after, "streamlog_read_requests_total", stream="orders", mode="group") == 2
+
+
+def test_metrics_listen_on_the_loopback_whatever_the_server_host(
+    start_server: Callable[..., ServerThread],
+) -> None:
+    assert Settings().metrics_host == "127.0.0.1"
+    server = start_server(host="127.0.0.2", metrics_port=free_port())  # the gRPC port elsewhere
+    assert server.server.ops.metrics_server.host == "127.0.0.1"
+    assert value(scrape(server), "streamlog_ready") == 1
+
+
+METRICS_TOKENS = {"prometheus": "prometheus-token-0123456789", "reader": "reader-token-0123456789"}
+METRICS_ACL = """
+[[rules]]  # sees every stream and group, reads no entry (read on groups: GetGroupInfo, GetPending)
+principals = ["prometheus"]
+streams = ["*"]
+groups = ["*"]
+permissions = ["read"]
+
+[[rules]]
+principals = ["reader"]
+streams = ["a*"]
+permissions = ["read"]
+"""
+
+
+def test_with_authorization_on_only_token_holders_see_names_and_only_theirs(
+    start_server: Callable[..., ServerThread], tmp_path: Path
+) -> None:
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(
+        "".join(f'[[tokens]]\nprincipal = "{p}"\ntoken = "{t}"\n' for p, t in METRICS_TOKENS.items())
+    )
+    rules = tmp_path / "acl.toml"
+    rules.write_text(METRICS_ACL)
+    server = start_server(metrics_port=free_port(), tokens_file=str(tokens), acl_file=str(rules))
+    engine = server.server.engine
+    engine.append("alpha", [b"a"])
+    engine.append("beta", [b"b"])
+    engine.create_group("beta", "billing")
+
+    anonymous = scrape(server)
+    assert names_in(anonymous) == set()
+    assert value(anonymous, "streamlog_streams") == 2 and value(anonymous, "streamlog_ready") == 1
+    assert names_in(scrape(server, METRICS_TOKENS["reader"])) == {"alpha"}
+    assert names_in(scrape(server, METRICS_TOKENS["prometheus"])) == {"alpha", "beta", "billing"}
+    # A scrape may name the metrics it wants.
+    with grpc.insecure_channel(server.target) as channel, pytest.raises(grpc.RpcError):
+        pb_grpc.StreamLogServiceStub(channel).GetStreamInfo(
+            pb.GetStreamInfoRequest(stream="alpha"), timeout=5
+        )
+    named = scrape(server, METRICS_TOKENS["reader"], "?name[]=streamlog_refusals_total")
+    assert value(named, "streamlog_refusals_total", kind="auth", reason="missing") == 1
+    assert {key[0] for key in named} <= {"streamlog_refusals_total", "streamlog_refusals_created"}
+    with pytest.raises(urllib.error.HTTPError) as info:
+        scrape(server, "not-a-known-token-at-all")
+    assert info.value.code == 401 and info.value.headers["WWW-Authenticate"].startswith("Bearer")
 
 
 def test_no_metrics_port_means_no_endpoint(server: ServerThread) -> None:
