@@ -13,7 +13,7 @@ PROTOS := $(shell find protos/streamlog -name '*.proto')
 DATA ?= ./data
 PORT ?= 7070
 
-.PHONY: run test gen lint venv clean
+.PHONY: run test gen lint venv clean sync-client
 
 run: $(GENERATED)
 	$(BIN)/streamlog serve --data $(DATA) --port $(PORT)
@@ -42,6 +42,10 @@ $(INSTALLED): pyproject.toml
 $(GENERATED): $(PROTOS) protos/generate.py $(INSTALLED)
 	$(BIN)/python protos/generate.py
 	touch $@
+
+# The sync client is generated from the async one and checked in; a test fails when it is stale.
+sync-client: $(INSTALLED)
+	$(BIN)/python -m clients._generate_sync
 
 clean:
 	rm -rf $(GEN) .pytest_cache .ruff_cache .hypothesis

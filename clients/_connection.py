@@ -1,10 +1,11 @@
-"""Connection settings shared by Client and AsyncClient: TLS credentials, token, channel options."""
+"""Connection settings shared by Client, AsyncClient and the Spark connector: TLS, token, channel options."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import grpc
@@ -55,6 +56,29 @@ def channel_options(server_name: str | None, options: Sequence[tuple[str, Any]])
         result.append(("grpc.ssl_target_name_override", server_name))
     result.extend(options)
     return result
+
+
+def open_channel(
+    channels: ModuleType,
+    address: str,
+    *,
+    tls: bool = False,
+    root_certificates: Pem | None = None,
+    certificate_chain: Pem | None = None,
+    private_key: Pem | None = None,
+    server_name: str | None = None,
+    options: Sequence[tuple[str, Any]] = (),
+) -> Any:
+    """A channel to `address` made by `channels`: the grpc module, or grpc.aio (they open channels alike).
+
+    TLS when any TLS option is given (`tls=True` alone: the system's root certificates),
+    else plaintext. The arguments are Client's (see there).
+    """
+    credentials = channel_credentials(tls, root_certificates, certificate_chain, private_key)
+    opts = channel_options(server_name, options)
+    if credentials is None:
+        return channels.insecure_channel(address, options=opts)
+    return channels.secure_channel(address, credentials, options=opts)
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

@@ -3,7 +3,8 @@
 A session (see `Client.consume`) is one Consume call. Its requests carry credit
 (`batches`: how many more batches the client wants) and acknowledgements; the
 server sends a batch only while it owes one. This module decides what to send
-and keeps the books; the sync and async sessions only move the messages.
+and keeps the books; the sync and async sessions (clients/_streaming_sync.py,
+clients/_streaming_aio.py) only move the messages.
 
 - Credit: when the caller asks for the next batch, the session tops up to
   `ahead` batches asked for and not yet received, so at most that many batches
@@ -34,13 +35,11 @@ from streamlog.v1 import streamlog_pb2 as pb
 
 from clients import _convert as convert
 from clients.errors import DeadlineExceededError, StreamlogError, from_rpc_error
-from clients.types import AckResult, ReadResult
+from clients.types import AckResult, Ranges, ReadResult
 
 # Offsets and ranges per request. The server refuses more than its max_ack_offsets (10,000
 # by default) in one request, and a refusal would end the whole session.
 ACK_ITEMS_PER_REQUEST = 1000
-
-Ranges = Iterable[tuple[int, int] | range]
 
 
 def compress_offsets(offsets: Iterable[int]) -> tuple[list[int], list[tuple[int, int]]]:
@@ -229,6 +228,10 @@ class ConsumeSessionBase:
         with self._lock:
             self._sent = deque(s for s in self._sent if s.seq > self._delivered[0])
 
+    def _cancelled_here(self, error: grpc.RpcError) -> bool:
+        """Whether the call ended because cancel() cancelled it (iteration then stops quietly)."""
+        return self._cancelled and error.code() == grpc.StatusCode.CANCELLED
+
     def _fail(self, error: grpc.RpcError) -> StreamlogError:
         self._error = from_rpc_error(error)
         return self._error
@@ -240,12 +243,20 @@ class ConsumeSessionBase:
         )
         return self._error
 
-    def _closed_error(self) -> StreamlogError | None:
-        """Why close() cannot confirm the acknowledgements, if it cannot."""
+    def _closing(self) -> AckResult | None:
+        """close()'s first step: the result of an earlier close(), or None to go on closing.
+
+        Raises when the acknowledgements cannot be confirmed any more (the session
+        failed, or was cancelled); batches received and never handed out become
+        `unconsumed_offsets`.
+        """
+        if self.result is not None:
+            return self.result
         if self._error is not None:
-            return self._error
+            raise self._error
         if self._cancelled:
-            return StreamlogError("the session was cancelled: its acknowledgements may not be applied")
+            raise StreamlogError("the session was cancelled: its acknowledgements may not be applied")
+        self._put_back()
         return None
 
     def _leftover_acks(self) -> list[pb.AckRequest]:

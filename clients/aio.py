@@ -1,20 +1,27 @@
-"""The asyncio streamlog client (grpc.aio): the API of `clients.client.Client`, awaited.
+"""The asyncio streamlog client (grpc.aio).
 
     from clients import AsyncClient
 
     async with AsyncClient("localhost:7070") as client:
-        await client.append("orders", b"one")
-        async for batch in client.subscribe("orders", "oldest"):
-            ...
+        await client.append("orders", [b"one", b"two"])
+        for entry in await client.read("orders", 0):
+            print(entry.offset, entry.payload)
 
-Timeouts, typed results and exceptions work as in the sync client.
+Every method takes a `timeout` in seconds (default: the client's `timeout`, to
+which a blocking call adds the time it may block; None means no deadline), maps
+replies to the typed values of `clients.types`, and raises the exceptions of
+`clients.errors` (the grpc.RpcError is their `__cause__`).
+
+clients/client.py is generated from clients/aio.py by clients/_generate_sync.py
+(`make sync-client`), and a test fails when it is stale: change the clients in
+clients/aio.py. The streaming calls, which differ between threads and asyncio, are
+written for each: clients/_streaming_sync.py and clients/_streaming_aio.py.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+import functools
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -29,22 +36,20 @@ from clients._connection import (
     Pem,
     auth_metadata,
     call_timeout,
-    channel_credentials,
-    channel_options,
+    open_channel,
 )
-from clients._consume import ConsumeSessionBase
-from clients.client import AppendData, Ranges
-from clients.errors import GapError, StreamlogError, from_rpc_error
+from clients._streaming_aio import AsyncConsumeSession, AsyncSubscription
+from clients.errors import from_rpc_error
 from clients.types import (
     AckResult,
+    AppendData,
     AppendResult,
     ClaimResult,
-    Entry,
-    Gap,
     GroupConfig,
     GroupInfo,
     NackResult,
     PendingInfo,
+    Ranges,
     ReadResult,
     Start,
     StreamConfig,
@@ -52,198 +57,6 @@ from clients.types import (
 )
 
 _SERVICE_NAME = pb.DESCRIPTOR.services_by_name["StreamLogService"].full_name
-
-
-async def _entries(
-    batches: AsyncIterator[ReadResult], on_gap: Callable[[Gap], None] | None
-) -> AsyncIterator[Entry]:
-    async for batch in batches:
-        if batch.gap is not None:
-            if on_gap is None:
-                raise GapError(batch.gap)
-            on_gap(batch.gap)
-        for entry in batch.entries:
-            yield entry
-
-
-class AsyncSubscription:
-    """An open Subscribe call: `async for` it for batches, or `entries()` for entries.
-
-    As the sync Subscription: no reconnection (resume from `next_offset`), and
-    `cancel()` (or leaving `async with`) ends iteration quietly.
-    """
-
-    def __init__(self, call: Any) -> None:
-        self._call = call
-        self._cancelled = False
-        self.next_offset: int | None = None
-
-    def __aiter__(self) -> AsyncSubscription:
-        return self
-
-    async def __anext__(self) -> ReadResult:
-        if self._cancelled:
-            raise StopAsyncIteration
-        try:
-            reply = await self._call.read()
-        except asyncio.CancelledError:
-            # read() of a call cancelled by cancel() raises this; a cancellation of the
-            # task itself must propagate.
-            if self._cancelled:
-                raise StopAsyncIteration from None
-            raise
-        except grpc.RpcError as exc:
-            if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
-                raise StopAsyncIteration from None
-            raise from_rpc_error(exc) from exc
-        if reply is grpc.aio.EOF:
-            raise StopAsyncIteration
-        batch = convert.read_result(reply)
-        self.next_offset = batch.next_offset
-        return batch
-
-    def entries(self, on_gap: Callable[[Gap], None] | None = None) -> AsyncIterator[Entry]:
-        """The entries one by one. A gap calls `on_gap`, or raises GapError when there is none."""
-        return _entries(self, on_gap)
-
-    def cancel(self) -> None:
-        self._cancelled = True
-        self._call.cancel()
-
-    close = cancel
-
-    async def __aenter__(self) -> AsyncSubscription:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self.cancel()
-
-
-class AsyncConsumeSession(ConsumeSessionBase):
-    """An open Consume call (grpc.aio): `async for` it for batches; as the sync ConsumeSession.
-
-        async with client.consume("orders", "billing", "worker-1", count=100) as session:
-            async for batch in session:
-                await handle(batch.entries)
-                session.ack([entry.offset for entry in batch])
-
-    ack() queues (it is not awaited); flush() and close() are. There is no stop():
-    close() from the task that iterates, or cancel() from anywhere.
-    """
-
-    def __init__(
-        self,
-        start: Callable[[], Any],
-        opening: Any,
-        ahead: int,
-        ack_call: Callable[[Any], Awaitable[Any]],
-        close_timeout: float | None,
-    ) -> None:
-        super().__init__(opening, ahead)
-        self._ack_call = ack_call
-        self._close_timeout = close_timeout
-        self._call = start()
-
-    async def _send(self, credit: bool) -> None:
-        if self._half_closed:
-            return
-        for seq, request in self._next_requests(credit):
-            try:
-                await self._call.write(request)
-            except asyncio.InvalidStateError:
-                return  # the call has ended: reading says how
-            except grpc.RpcError as exc:
-                raise self._fail(exc) from exc
-            self._delivered[0] = seq
-
-    def __aiter__(self) -> AsyncConsumeSession:
-        return self
-
-    async def __anext__(self) -> ReadResult:
-        if self._error is not None:
-            raise self._error
-        if self.result is not None or self._cancelled:
-            raise StopAsyncIteration
-        await self._send(credit=True)
-        if self._ready:
-            return self._ready.popleft()
-        while True:
-            try:
-                reply = await self._call.read()
-            except asyncio.CancelledError:
-                if self._cancelled:  # read() of a call cancelled by cancel()
-                    raise StopAsyncIteration from None
-                raise
-            except grpc.RpcError as exc:
-                if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
-                    raise StopAsyncIteration from None
-                raise self._fail(exc) from exc
-            if reply is grpc.aio.EOF:
-                self._ended_ok()
-                raise StopAsyncIteration
-            batch = self._take(reply)
-            if batch is not None:
-                return batch
-
-    def entries(self, on_gap: Callable[[Gap], None] | None = None) -> AsyncIterator[Entry]:
-        """The entries one by one. A gap calls `on_gap`, or raises GapError when there is none."""
-        return _entries(self, on_gap)
-
-    async def flush(self) -> None:
-        """Send the queued acknowledgements now, without asking for more batches."""
-        await self._send(credit=False)
-
-    async def close(self, timeout: float | None = None) -> AckResult:
-        """End the session: send the queued acknowledgements, half-close, read the server's last reply.
-
-        As ConsumeSession.close(): the acknowledgement totals, or an exception when
-        some may not be applied.
-        """
-        if self.result is not None:
-            return self.result
-        error = self._closed_error()
-        if error is not None:
-            raise error
-        self._put_back()
-        await self._send(credit=False)
-        if not self._half_closed:
-            self._half_closed = True
-            with contextlib.suppress(asyncio.InvalidStateError):
-                await self._call.done_writing()
-        deadline = call_timeout(self._close_timeout, timeout)
-        try:
-            async with asyncio.timeout(deadline):
-                while (reply := await self._call.read()) is not grpc.aio.EOF:
-                    self._drained(reply)
-        except TimeoutError as exc:
-            self._call.cancel()
-            raise self._timed_out(deadline) from exc
-        except grpc.RpcError as exc:
-            raise self._fail(exc) from exc
-        self._ended_ok()
-        return self._finish([await self._ack_call(request) for request in self._leftover_acks()])
-
-    def cancel(self) -> None:
-        """Abandon the session at once: queued acknowledgements are not sent (see pending_acks())."""
-        self._cancelled = True
-        self._call.cancel()
-
-    async def __aenter__(self) -> AsyncConsumeSession:
-        return self
-
-    async def __aexit__(self, exc_type: object, exc: object, traceback: object) -> None:
-        if self._cancelled or self.result is not None:
-            return
-        if self._error is not None:
-            self.cancel()
-            return
-        if exc is None:
-            await self.close()
-            return
-        try:
-            await self.close()
-        except StreamlogError:
-            self.cancel()
 
 
 class AsyncClient:
@@ -277,12 +90,16 @@ class AsyncClient:
         self._metadata = auth_metadata(token)
         self._owns_channel = channel is None
         if channel is None:
-            credentials = channel_credentials(tls, root_certificates, certificate_chain, private_key)
-            opts = channel_options(server_name, options)
-            if credentials is None:
-                channel = grpc.aio.insecure_channel(address, options=opts)
-            else:
-                channel = grpc.aio.secure_channel(address, credentials, options=opts)
+            channel = open_channel(
+                grpc.aio,
+                address,
+                tls=tls,
+                root_certificates=root_certificates,
+                certificate_chain=certificate_chain,
+                private_key=private_key,
+                server_name=server_name,
+                options=options,
+            )
         self._channel = channel
         self._stub = pb_grpc.StreamLogServiceStub(channel)
 
@@ -445,7 +262,16 @@ class AsyncClient:
         claim_idle_ms: int | None = None,
         timeout: float | None = None,
     ) -> AsyncConsumeSession:
-        """Open a Consume session as `consumer` of `group`; as Client.consume, with `async for`."""
+        """Open a Consume session as `consumer` of `group`: batches and acknowledgements on one call.
+
+        Batches of up to `count` entries (0: the server's default), due redeliveries
+        first, as read_group's. `ahead`: batches asked for at a time; taking a batch
+        tops the credit up to `ahead` again, so 1 means one round trip per batch
+        (carrying the previous batch's acknowledgements) and no entry assigned before
+        you ask, and more keeps batches on their way while you work. The read options
+        hold for the whole session. No deadline unless `timeout` is given: a session
+        lives until closed. See AsyncConsumeSession.
+        """
         opening = convert.group_session_request(
             pb.ConsumeRequest,
             stream,
@@ -459,7 +285,7 @@ class AsyncClient:
             claim_idle_ms=claim_idle_ms,
         )
         return AsyncConsumeSession(
-            lambda: self._stub.Consume(timeout=timeout, metadata=self._metadata),
+            functools.partial(self._stub.Consume, timeout=timeout, metadata=self._metadata),
             opening,
             ahead,
             lambda request: self._unary(self._stub.Ack, request, None),

@@ -1,3 +1,5 @@
+# Generated from clients/aio.py by clients/_generate_sync.py (`make sync-client`).
+# Do not edit: change clients/aio.py and regenerate; a test fails when this file is stale.
 """The synchronous streamlog client.
 
     from clients import Client
@@ -11,13 +13,17 @@ Every method takes a `timeout` in seconds (default: the client's `timeout`, to
 which a blocking call adds the time it may block; None means no deadline), maps
 replies to the typed values of `clients.types`, and raises the exceptions of
 `clients.errors` (the grpc.RpcError is their `__cause__`).
+
+clients/client.py is generated from clients/aio.py by clients/_generate_sync.py
+(`make sync-client`), and a test fails when it is stale: change the clients in
+clients/aio.py. The streaming calls, which differ between threads and asyncio, are
+written for each: clients/_streaming_sync.py and clients/_streaming_aio.py.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import functools
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -32,271 +38,27 @@ from clients._connection import (
     Pem,
     auth_metadata,
     call_timeout,
-    channel_credentials,
-    channel_options,
+    open_channel,
 )
-from clients._consume import ConsumeSessionBase
-from clients.errors import GapError, StreamlogError, from_rpc_error
+from clients._streaming_sync import ConsumeSession, Subscription
+from clients.errors import from_rpc_error
 from clients.types import (
     AckResult,
+    AppendData,
     AppendResult,
     ClaimResult,
-    Entry,
-    Gap,
     GroupConfig,
     GroupInfo,
     NackResult,
     PendingInfo,
+    Ranges,
     ReadResult,
-    Record,
     Start,
     StreamConfig,
     StreamInfo,
 )
 
-AppendData = bytes | Record | Entry | Iterable[bytes | Record | Entry]
-Ranges = Iterable[tuple[int, int] | range]
-
-
-class Subscription:
-    """An open Subscribe call: iterate it for batches (`ReadResult`), or `entries()` for entries.
-
-    It does not reconnect: when it ends with an error, resubscribe from `next_offset`
-    (plain subscriptions) to continue with no loss and no duplicates. `cancel()` (or
-    leaving a `with` block) ends it; iteration then stops quietly.
-    """
-
-    def __init__(self, call: Any) -> None:
-        self._call = call
-        self._cancelled = False
-        # Where the subscription continues: updated with every batch received.
-        self.next_offset: int | None = None
-
-    def __iter__(self) -> Subscription:
-        return self
-
-    def __next__(self) -> ReadResult:
-        try:
-            reply = next(self._call)
-        except grpc.RpcError as exc:
-            if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
-                raise StopIteration from None
-            raise from_rpc_error(exc) from exc
-        batch = convert.read_result(reply)
-        self.next_offset = batch.next_offset
-        return batch
-
-    def entries(self, on_gap: Callable[[Gap], None] | None = None) -> Iterator[Entry]:
-        """The entries one by one. A gap calls `on_gap`, or raises GapError when there is none."""
-        return _entries(self, on_gap)
-
-    def cancel(self) -> None:
-        self._cancelled = True
-        self._call.cancel()
-
-    close = cancel
-
-    def __enter__(self) -> Subscription:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.cancel()
-
-
-def _entries(batches: Iterable[ReadResult], on_gap: Callable[[Gap], None] | None) -> Iterator[Entry]:
-    for batch in batches:
-        if batch.gap is not None:
-            if on_gap is None:
-                raise GapError(batch.gap)
-            on_gap(batch.gap)
-        yield from batch.entries
-
-
-def _outgoing(requests: queue.SimpleQueue[tuple[int, Any] | None], delivered: list[int]) -> Iterator[Any]:
-    """The client's side of a Consume call (gRPC takes it in a thread of its own); None half-closes."""
-    while (item := requests.get()) is not None:
-        seq, request = item
-        yield request
-        # gRPC asks for the next request only once this one is sent.
-        delivered[0] = seq
-
-
-class ConsumeSession(ConsumeSessionBase):
-    """An open Consume call: a consumer-group session. Iterate it for batches (`ReadResult`).
-
-        with client.consume("orders", "billing", "worker-1", count=100) as session:
-            for batch in session:
-                handle(batch.entries)
-                session.ack(ranges=[(batch.entries[0].offset, batch.entries[-1].offset + 1)])
-
-    Taking a batch sends one request on the open call: the acknowledgements queued
-    by ack() since the last one, and credit to keep `ahead` batches asked for. The
-    server assigns entries to the consumer only for batches asked for, and sends
-    each as soon as the group has entries for it (iteration waits as long as it
-    takes: there is no idle timeout). Each batch's `acknowledged` / `ack_unknown`
-    count the acknowledgements applied since the previous batch; the session's
-    `acknowledged` / `ack_unknown` are the totals so far.
-
-    close() (or leaving the `with` block) sends what is still queued, half-closes
-    the call, reads the server's last reply and returns the totals as an AckResult:
-    returning at all means every acknowledgement was applied; otherwise it raises.
-    Batches that arrive after close() began are not handed out: their offsets are
-    in `unconsumed_offsets`, still pending for this consumer. stop() ends the
-    session from another thread (or a signal handler) without waiting; cancel()
-    abandons it. A failed session does not reopen: open a new one, passing it
-    `pending_acks()`. Errors are those of clients.errors, as for every call
-    (NotFoundError for an unknown stream or group, on the first batch).
-    """
-
-    def __init__(
-        self,
-        start: Callable[[Iterator[Any]], Any],
-        opening: Any,
-        ahead: int,
-        ack_call: Callable[[Any], Any],
-        close_timeout: float | None,
-    ) -> None:
-        super().__init__(opening, ahead)
-        self._requests: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
-        self._ack_call = ack_call
-        self._close_timeout = close_timeout
-        # An exception (KeyboardInterrupt) raised while gRPC waited for a reply leaves its
-        # read outstanding, and the call cannot be read again.
-        self._interrupted = False
-        self._call = start(_outgoing(self._requests, self._delivered))
-
-    def __del__(self) -> None:
-        # Dropped without close(): end the thread gRPC sends requests from (it holds no
-        # reference to the session, so the session can be collected).
-        requests = getattr(self, "_requests", None)
-        if requests is not None and not self._half_closed:
-            requests.put(None)
-
-    def _send(self, credit: bool) -> None:
-        if self._half_closed:
-            return  # stop(): what is still queued goes in an Ack at close()
-        for item in self._next_requests(credit):
-            self._requests.put(item)
-
-    def __iter__(self) -> ConsumeSession:
-        return self
-
-    def __next__(self) -> ReadResult:
-        if self._error is not None:
-            raise self._error
-        if self.result is not None or self._cancelled:
-            raise StopIteration
-        self._send(credit=True)
-        if self._ready:
-            return self._ready.popleft()
-        while True:
-            try:
-                reply = next(self._call)
-            except StopIteration:
-                self._ended_ok()  # after stop(): the server ends the call once the client has
-                raise
-            except grpc.RpcError as exc:
-                if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
-                    raise StopIteration from None
-                raise self._fail(exc) from exc
-            except BaseException:
-                self._interrupted = True
-                raise
-            batch = self._take(reply)
-            if batch is not None:
-                return batch
-
-    def entries(self, on_gap: Callable[[Gap], None] | None = None) -> Iterator[Entry]:
-        """The entries one by one. A gap calls `on_gap`, or raises GapError when there is none."""
-        return _entries(self, on_gap)
-
-    def flush(self) -> None:
-        """Send the queued acknowledgements now, without asking for more batches."""
-        self._send(credit=False)
-
-    def stop(self) -> None:
-        """Half-close the call without waiting; safe from any thread and from a signal handler.
-
-        The server sends no more batches and ends the call; iteration ends after the
-        batches already on their way. Acknowledge what you handled, then close().
-        """
-        if not self._half_closed:
-            self._half_closed = True
-            self._requests.put(None)
-
-    def close(self, timeout: float | None = None) -> AckResult:
-        """End the session: send the queued acknowledgements, half-close, read the server's last reply.
-
-        Returns the session's acknowledgement totals; raises if the call failed (then
-        some acknowledgements may not be applied: see pending_acks()). `timeout`: how
-        long to wait for the server to end the call (default: the client's timeout).
-        Closing again returns the same result. After an exception interrupted a wait
-        for a batch (KeyboardInterrupt), the call cannot be read any more: close()
-        cancels it and sends the acknowledgements it did not confirm in Ack calls.
-        """
-        if self.result is not None:
-            return self.result
-        error = self._closed_error()
-        if error is not None:
-            raise error
-        self._put_back()
-        if self._interrupted:
-            self.stop()
-            self._call.cancel()
-        else:
-            self._send(credit=False)
-            self.stop()
-            self._drain(call_timeout(self._close_timeout, timeout))
-        return self._finish([self._ack_call(request) for request in self._leftover_acks()])
-
-    def _drain(self, deadline: float | None) -> None:
-        expired = threading.Event()
-
-        def expire() -> None:
-            expired.set()
-            self._call.cancel()
-
-        timer = threading.Timer(deadline, expire) if deadline is not None else None
-        if timer is not None:
-            timer.daemon = True
-            timer.start()
-        try:
-            for reply in self._call:
-                self._drained(reply)
-        except grpc.RpcError as exc:
-            raise (self._timed_out(deadline) if expired.is_set() else self._fail(exc)) from exc
-        finally:
-            if timer is not None:
-                timer.cancel()
-        self._ended_ok()
-
-    def _fail(self, error: grpc.RpcError) -> StreamlogError:
-        self.stop()  # release the thread gRPC sends requests from
-        return super()._fail(error)
-
-    def cancel(self) -> None:
-        """Abandon the session at once: queued acknowledgements are not sent (see pending_acks())."""
-        self._cancelled = True
-        self.stop()
-        self._call.cancel()
-
-    def __enter__(self) -> ConsumeSession:
-        return self
-
-    def __exit__(self, exc_type: object, exc: object, traceback: object) -> None:
-        if self._cancelled or self.result is not None:
-            return
-        if self._error is not None:
-            self.cancel()  # the error was raised where it happened
-            return
-        if exc is None:
-            self.close()
-            return
-        # The block failed: still send the acknowledgements it made, but let its error through.
-        try:
-            self.close()
-        except StreamlogError:
-            self.cancel()
+_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["StreamLogService"].full_name
 
 
 class Client:
@@ -328,12 +90,16 @@ class Client:
         self._metadata = auth_metadata(token)
         self._owns_channel = channel is None
         if channel is None:
-            credentials = channel_credentials(tls, root_certificates, certificate_chain, private_key)
-            opts = channel_options(server_name, options)
-            if credentials is None:
-                channel = grpc.insecure_channel(address, options=opts)
-            else:
-                channel = grpc.secure_channel(address, credentials, options=opts)
+            channel = open_channel(
+                grpc,
+                address,
+                tls=tls,
+                root_certificates=root_certificates,
+                certificate_chain=certificate_chain,
+                private_key=private_key,
+                server_name=server_name,
+                options=options,
+            )
         self._channel = channel
         self._stub = pb_grpc.StreamLogServiceStub(channel)
 
@@ -519,7 +285,7 @@ class Client:
             claim_idle_ms=claim_idle_ms,
         )
         return ConsumeSession(
-            lambda requests: self._stub.Consume(requests, timeout=timeout, metadata=self._metadata),
+            functools.partial(self._stub.Consume, timeout=timeout, metadata=self._metadata),
             opening,
             ahead,
             lambda request: self._unary(self._stub.Ack, request, None),
@@ -743,6 +509,3 @@ class Client:
         stub = health_pb2_grpc.HealthStub(self._channel)
         reply = self._unary(stub.Check, health_pb2.HealthCheckRequest(service=_SERVICE_NAME), timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-
-
-_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["StreamLogService"].full_name

@@ -7,7 +7,7 @@ server clock), as on the wire.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -250,3 +250,9 @@ class ClaimResult:
     entries: list[Entry]
     deleted_offsets: list[int] = field(default_factory=list)
     next_cursor: int = 0
+
+
+# What append() takes: one payload, Record or Entry, or an iterable of them (a batch).
+AppendData = bytes | Record | Entry | Iterable[bytes | Record | Entry]
+# Acknowledgement ranges: half-open (start, end) pairs or Python ranges.
+Ranges = Iterable[tuple[int, int] | range]

@@ -1,0 +1,248 @@
+"""The streaming calls of the sync Client: Subscription and ConsumeSession (threads, grpc).
+
+With clients/_streaming_aio.py, this is the part of the two clients written twice,
+because it differs: a thread blocks in `next()` on a call where a task awaits
+`read()`, and gRPC takes a Consume call's requests from an iterator it reads in a
+thread of its own where grpc.aio has the session write them. The books they keep
+are shared (clients/_subscription.py, clients/_consume.py); everything else of
+Client is generated from AsyncClient (clients/_generate_sync.py).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import grpc
+
+from clients._connection import call_timeout
+from clients._consume import ConsumeSessionBase
+from clients._subscription import SubscriptionBase
+from clients.errors import GapError, StreamlogError, from_rpc_error
+from clients.types import AckResult, Entry, Gap, ReadResult
+
+
+def _entries(batches: Iterable[ReadResult], on_gap: Callable[[Gap], None] | None) -> Iterator[Entry]:
+    for batch in batches:
+        if batch.gap is not None:
+            if on_gap is None:
+                raise GapError(batch.gap)
+            on_gap(batch.gap)
+        yield from batch.entries
+
+
+class Subscription(SubscriptionBase):
+    """An open Subscribe call: iterate it for batches (`ReadResult`), or `entries()` for entries.
+
+    It does not reconnect: when it ends with an error, resubscribe from `next_offset`
+    (plain subscriptions) to continue with no loss and no duplicates. `cancel()` (or
+    leaving a `with` block) ends it; iteration then stops quietly.
+    """
+
+    def __iter__(self) -> Subscription:
+        return self
+
+    def __next__(self) -> ReadResult:
+        try:
+            reply = next(self._call)
+        except grpc.RpcError as exc:
+            if self._cancelled_here(exc):
+                raise StopIteration from None
+            raise from_rpc_error(exc) from exc
+        return self._batch(reply)
+
+    def entries(self, on_gap: Callable[[Gap], None] | None = None) -> Iterator[Entry]:
+        """The entries one by one. A gap calls `on_gap`, or raises GapError when there is none."""
+        return _entries(self, on_gap)
+
+    def __enter__(self) -> Subscription:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.cancel()
+
+
+def _outgoing(requests: queue.SimpleQueue[tuple[int, Any] | None], delivered: list[int]) -> Iterator[Any]:
+    """The client's side of a Consume call (gRPC takes it in a thread of its own); None half-closes."""
+    while (item := requests.get()) is not None:
+        seq, request = item
+        yield request
+        # gRPC asks for the next request only once this one is sent.
+        delivered[0] = seq
+
+
+class ConsumeSession(ConsumeSessionBase):
+    """An open Consume call: a consumer-group session. Iterate it for batches (`ReadResult`).
+
+        with client.consume("orders", "billing", "worker-1", count=100) as session:
+            for batch in session:
+                handle(batch.entries)
+                session.ack(ranges=[(batch.entries[0].offset, batch.entries[-1].offset + 1)])
+
+    Taking a batch sends one request on the open call: the acknowledgements queued
+    by ack() since the last one, and credit to keep `ahead` batches asked for. The
+    server assigns entries to the consumer only for batches asked for, and sends
+    each as soon as the group has entries for it (iteration waits as long as it
+    takes: there is no idle timeout). Each batch's `acknowledged` / `ack_unknown`
+    count the acknowledgements applied since the previous batch; the session's
+    `acknowledged` / `ack_unknown` are the totals so far.
+
+    close() (or leaving the `with` block) sends what is still queued, half-closes
+    the call, reads the server's last reply and returns the totals as an AckResult:
+    returning at all means every acknowledgement was applied; otherwise it raises.
+    Batches that arrive after close() began are not handed out: their offsets are
+    in `unconsumed_offsets`, still pending for this consumer. stop() ends the
+    session from another thread (or a signal handler) without waiting; cancel()
+    abandons it. A failed session does not reopen: open a new one, passing it
+    `pending_acks()`. Errors are those of clients.errors, as for every call
+    (NotFoundError for an unknown stream or group, on the first batch).
+    """
+
+    def __init__(
+        self,
+        start: Callable[[Iterator[Any]], Any],
+        opening: Any,
+        ahead: int,
+        ack_call: Callable[[Any], Any],
+        close_timeout: float | None,
+    ) -> None:
+        super().__init__(opening, ahead)
+        self._requests: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
+        self._ack_call = ack_call
+        self._close_timeout = close_timeout
+        # An exception (KeyboardInterrupt) raised while gRPC waited for a reply leaves its
+        # read outstanding, and the call cannot be read again.
+        self._interrupted = False
+        self._call = start(_outgoing(self._requests, self._delivered))
+
+    def __del__(self) -> None:
+        # Dropped without close(): end the thread gRPC sends requests from (it holds no
+        # reference to the session, so the session can be collected).
+        requests = getattr(self, "_requests", None)
+        if requests is not None and not self._half_closed:
+            requests.put(None)
+
+    def _send(self, credit: bool) -> None:
+        if self._half_closed:
+            return  # stop(): what is still queued goes in an Ack at close()
+        for item in self._next_requests(credit):
+            self._requests.put(item)
+
+    def __iter__(self) -> ConsumeSession:
+        return self
+
+    def __next__(self) -> ReadResult:
+        if self._error is not None:
+            raise self._error
+        if self.result is not None or self._cancelled:
+            raise StopIteration
+        self._send(credit=True)
+        if self._ready:
+            return self._ready.popleft()
+        while True:
+            try:
+                reply = next(self._call)
+            except StopIteration:
+                self._ended_ok()  # after stop(): the server ends the call once the client has
+                raise
+            except grpc.RpcError as exc:
+                if self._cancelled_here(exc):
+                    raise StopIteration from None
+                raise self._fail(exc) from exc
+            except BaseException:
+                self._interrupted = True
+                raise
+            batch = self._take(reply)
+            if batch is not None:
+                return batch
+
+    def entries(self, on_gap: Callable[[Gap], None] | None = None) -> Iterator[Entry]:
+        """The entries one by one. A gap calls `on_gap`, or raises GapError when there is none."""
+        return _entries(self, on_gap)
+
+    def flush(self) -> None:
+        """Send the queued acknowledgements now, without asking for more batches."""
+        self._send(credit=False)
+
+    def stop(self) -> None:
+        """Half-close the call without waiting; safe from any thread and from a signal handler.
+
+        The server sends no more batches and ends the call; iteration ends after the
+        batches already on their way. Acknowledge what you handled, then close().
+        """
+        if not self._half_closed:
+            self._half_closed = True
+            self._requests.put(None)
+
+    def close(self, timeout: float | None = None) -> AckResult:
+        """End the session: send the queued acknowledgements, half-close, read the server's last reply.
+
+        Returns the session's acknowledgement totals; raises if the call failed (then
+        some acknowledgements may not be applied: see pending_acks()). `timeout`: how
+        long to wait for the server to end the call (default: the client's timeout).
+        Closing again returns the same result. After an exception interrupted a wait
+        for a batch (KeyboardInterrupt), the call cannot be read any more: close()
+        cancels it and sends the acknowledgements it did not confirm in Ack calls.
+        """
+        done = self._closing()
+        if done is not None:
+            return done
+        if self._interrupted:
+            self.stop()
+            self._call.cancel()
+        else:
+            self._send(credit=False)
+            self.stop()
+            self._drain(call_timeout(self._close_timeout, timeout))
+        return self._finish([self._ack_call(request) for request in self._leftover_acks()])
+
+    def _drain(self, deadline: float | None) -> None:
+        expired = threading.Event()
+
+        def expire() -> None:
+            expired.set()
+            self._call.cancel()
+
+        timer = threading.Timer(deadline, expire) if deadline is not None else None
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
+        try:
+            for reply in self._call:
+                self._drained(reply)
+        except grpc.RpcError as exc:
+            raise (self._timed_out(deadline) if expired.is_set() else self._fail(exc)) from exc
+        finally:
+            if timer is not None:
+                timer.cancel()
+        self._ended_ok()
+
+    def _fail(self, error: grpc.RpcError) -> StreamlogError:
+        self.stop()  # release the thread gRPC sends requests from
+        return super()._fail(error)
+
+    def cancel(self) -> None:
+        """Abandon the session at once: queued acknowledgements are not sent (see pending_acks())."""
+        self._cancelled = True
+        self.stop()
+        self._call.cancel()
+
+    def __enter__(self) -> ConsumeSession:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, traceback: object) -> None:
+        if self._cancelled or self.result is not None:
+            return
+        if self._error is not None:
+            self.cancel()  # the error was raised where it happened
+            return
+        if exc is None:
+            self.close()
+            return
+        # The block failed: still send the acknowledgements it made, but let its error through.
+        try:
+            self.close()
+        except StreamlogError:
+            self.cancel()
