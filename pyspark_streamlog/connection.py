@@ -1,8 +1,12 @@
-"""gRPC calls to a streamlog server, with errors turned into the connector's own.
+"""The connector's calls to a streamlog server, made with the client library, and its errors.
 
-Channels are opened where the work happens (executor tasks, the driver's
-planner process), never pickled, and kept per process and endpoint: Spark
-reuses its Python workers, so later tasks skip the connection set-up.
+Channels are the client library's (`clients._connection.open_channel`: plaintext,
+TLS, mutual TLS, as `clients.Client` opens them) and every call carries the token
+as Client's do. They are opened where the work happens (executor tasks, the
+driver's planner process), never pickled, and kept per process and `Server`:
+Spark reuses its Python workers, so later tasks skip the connection set-up and the
+TLS handshake. The calls go through a `Client` on that channel, except Read,
+whose replies stay bytes for pyspark_streamlog.wire to decode straight into Arrow.
 
 Reads are retried on UNAVAILABLE (they change nothing). Appends are retried
 only because every append the connector makes carries a producer id and
@@ -16,95 +20,114 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from streamlog.v1 import streamlog_pb2 as pb
-from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
+from clients._connection import auth_metadata, open_channel
+from clients.client import Client
+from clients.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    StreamlogError,
+    UnauthenticatedError,
+    UnavailableError,
+    from_rpc_error,
+)
+from clients.types import AppendResult, Record, StreamInfo
 from pyspark_streamlog.errors import EndpointError, ServerError, StreamNotFoundError
+from pyspark_streamlog.options import ENV_ENDPOINT, ENV_TOKEN, Server
 
 T = TypeVar("T")
 
-# A full Read reply is up to the server's max_read_bytes (8 MiB by default, up
-# to max_message_bytes) plus framing: accept anything the server may send.
-_MESSAGE_LIMIT = 64 << 20
-_CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", _MESSAGE_LIMIT),
-    ("grpc.max_send_message_length", _MESSAGE_LIMIT),
-]
 _READ_METHOD = "/streamlog.v1.StreamLogService/Read"
 # UNAVAILABLE covers a server that is starting, draining or briefly unreachable.
 _ATTEMPTS = 5
 _FIRST_BACKOFF_S = 0.2
 
+
+@dataclass(frozen=True, slots=True)
+class _Link:
+    """One process's channel to a server: a Client on it, and Read with replies left as bytes."""
+
+    client: Client
+    read: grpc.UnaryUnaryMultiCallable
+    metadata: tuple[tuple[str, str], ...]
+
+
 _lock = threading.Lock()
-_channels: dict[tuple[int, str], grpc.Channel] = {}
+_links: dict[tuple[int, Server], _Link] = {}
 
 
-def _channel(endpoint: str) -> grpc.Channel:
+def _link(server: Server) -> _Link:
     # Keyed by pid too: a forked worker must not use its parent's channel.
-    key = (os.getpid(), endpoint)
+    key = (os.getpid(), server)
     with _lock:
-        found = _channels.get(key)
+        found = _links.get(key)
         if found is None:
-            found = _channels[key] = grpc.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+            channel = open_channel(grpc, server.address, **server.tls_arguments())
+            read = channel.unary_unary(
+                _READ_METHOD, request_serializer=pb.ReadRequest.SerializeToString, response_deserializer=None
+            )
+            client = Client(server.address, channel=channel, token=server.token, timeout=None)
+            found = _links[key] = _Link(client, read, auth_metadata(server.token))
         return found
 
 
-@dataclass(frozen=True, slots=True)
-class StreamState:
-    first_offset: int
-    next_offset: int
-
-
 class Connection:
-    """The calls the connector makes, against one endpoint, with a deadline per call."""
+    """The calls the connector makes, against one server, with a deadline per call."""
 
-    def __init__(self, endpoint: str, timeout_s: float) -> None:
-        self.endpoint = endpoint
+    def __init__(self, server: Server, timeout_s: float) -> None:
+        self.server = server
+        self.endpoint = server.address
         self.timeout_s = timeout_s
-        channel = _channel(endpoint)
-        self._stub = pb_grpc.StreamLogServiceStub(channel)
-        # Read replies stay bytes: pyspark_streamlog.wire decodes them into columns.
-        self._read_raw = channel.unary_unary(
-            _READ_METHOD, request_serializer=pb.ReadRequest.SerializeToString, response_deserializer=None
-        )
+        link = _link(server)
+        self._client = link.client
+        self._read_raw = link.read
+        self._metadata = link.metadata
 
-    def _call(self, what: str, stream: str | None, function: Callable[[], T], retry: bool = True) -> T:
+    def _call(self, what: str, stream: str | None, function: Callable[[], T]) -> T:
         delay = _FIRST_BACKOFF_S
         for attempt in range(_ATTEMPTS):
             try:
                 return function()
-            except grpc.RpcError as exc:
-                code = exc.code()
-                if retry and code == grpc.StatusCode.UNAVAILABLE and attempt + 1 < _ATTEMPTS:
+            except StreamlogError as exc:
+                if isinstance(exc, UnavailableError) and attempt + 1 < _ATTEMPTS:
                     time.sleep(delay)
                     delay *= 2
                     continue
                 raise self._translate(exc, what, stream) from None
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    def _translate(self, exc: grpc.RpcError, what: str, stream: str | None) -> Exception:
-        code, details = exc.code(), exc.details()
-        if code == grpc.StatusCode.NOT_FOUND and stream is not None:
+    def _translate(self, exc: StreamlogError, what: str, stream: str | None) -> Exception:
+        code = exc.code.name if exc.code is not None else "error"
+        if isinstance(exc, NotFoundError) and stream is not None:
             return StreamNotFoundError(
                 f"stream {stream!r} does not exist on the streamlog server at {self.endpoint} "
                 "(a stream is created by its first append)"
             )
-        if code == grpc.StatusCode.UNAVAILABLE:
+        if isinstance(exc, UnavailableError):
             return EndpointError(
-                f"cannot reach the streamlog server at {self.endpoint} ({what}: UNAVAILABLE: {details}); "
-                "check the endpoint option or the STREAMLOG_ADDRESS environment variable"
+                f"cannot reach the streamlog server at {self.endpoint} ({what}: {code}: {exc.details}); "
+                f"check the endpoint option or the {ENV_ENDPOINT} environment variable, and for a "
+                "server with TLS the tls, tlsCa, tlsCert and tlsKey options"
             )
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        if isinstance(exc, DeadlineExceededError):
             return EndpointError(
                 f"the streamlog server at {self.endpoint} did not answer {what} within {self.timeout_s:g} s "
                 "(raise the timeoutMs option if it is busy)"
             )
-        return ServerError(
-            f"{what} failed on the streamlog server at {self.endpoint}: {code.name}: {details}"
-        )
+        if isinstance(exc, UnauthenticatedError | PermissionDeniedError):
+            given = "with no token" if self.server.token is None else "with the token given"
+            return EndpointError(
+                f"the streamlog server at {self.endpoint} refused {what} {given} ({code}: {exc.details}); "
+                f"set the token option or the {ENV_TOKEN} environment variable to a token allowed to {what}"
+            )
+        return ServerError(f"{what} failed on the streamlog server at {self.endpoint}: {code}: {exc.details}")
 
     def _refused(self, stream: str, details: str) -> ServerError:
         hint = ""
@@ -114,22 +137,23 @@ class Connection:
             f"the streamlog server at {self.endpoint} refused an append to {stream!r}: {details}{hint}"
         )
 
-    def stream_state(self, stream: str) -> StreamState:
-        reply = self._call(
-            "GetStreamInfo",
-            stream,
-            lambda: self._stub.GetStreamInfo(pb.GetStreamInfoRequest(stream=stream), timeout=self.timeout_s),
-        )
-        return StreamState(reply.info.first_offset, reply.info.next_offset)
+    def stream_state(self, stream: str) -> StreamInfo:
+        return self._call("GetStreamInfo", stream, lambda: self._client.info(stream, timeout=self.timeout_s))
 
     def seek_time(self, stream: str, timestamp_ms: int) -> int:
-        request = pb.SeekTimeRequest(stream=stream, timestamp_ms=timestamp_ms)
-        reply = self._call("SeekTime", stream, lambda: self._stub.SeekTime(request, timeout=self.timeout_s))
-        return reply.offset
+        return self._call(
+            "SeekTime", stream, lambda: self._client.seek(stream, timestamp_ms, timeout=self.timeout_s)
+        )
+
+    def _read_bytes(self, request: pb.ReadRequest) -> Any:
+        try:
+            return self._read_raw(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
 
     def read(self, stream: str, offset: int, count: int, max_bytes: int) -> bytes:
         request = pb.ReadRequest(stream=stream, offset=offset, count=count, max_bytes=max_bytes)
-        return self._call("Read", stream, lambda: self._read_raw(request, timeout=self.timeout_s))
+        return self._call("Read", stream, lambda: self._read_bytes(request))
 
     def read_ahead(self, stream: str, offset: int, count: int, max_bytes: int) -> Callable[[], bytes]:
         """Start a Read now; the returned function waits for its reply.
@@ -139,7 +163,7 @@ class Connection:
         read()'s retries and error messages.
         """
         request = pb.ReadRequest(stream=stream, offset=offset, count=count, max_bytes=max_bytes)
-        future = self._read_raw.future(request, timeout=self.timeout_s)
+        future = self._read_raw.future(request, timeout=self.timeout_s, metadata=self._metadata)
 
         def result() -> bytes:
             try:
@@ -150,14 +174,9 @@ class Connection:
         return result
 
     def append(
-        self,
-        stream: str,
-        producer_id: str,
-        sequence: int,
-        payloads: Sequence[bytes] | None = None,
-        entries: Sequence[pb.Entry] | None = None,
-    ) -> pb.AppendResponse | None:
-        """An idempotent append; None when the server no longer remembers the sequence.
+        self, stream: str, producer_id: str, sequence: int, batch: Sequence[bytes] | Sequence[Record]
+    ) -> AppendResult | None:
+        """An idempotent append of payloads or Records; None when the server no longer remembers the sequence.
 
         The server refuses a sequence older than every one it remembers for the
         producer (FAILED_PRECONDITION). The connector sends a producer's
@@ -165,30 +184,20 @@ class Connection:
         a newer one being remembered proves this one was written by an earlier
         attempt of the same task.
         """
-        request = pb.AppendRequest(
-            stream=stream,
-            payloads=payloads or (),
-            entries=entries or (),
-            producer_id=producer_id,
-            producer_sequence=sequence,
-        )
         delay = _FIRST_BACKOFF_S
         for attempt in range(_ATTEMPTS):
             try:
-                return self._stub.Append(request, timeout=self.timeout_s)
-            except grpc.RpcError as exc:
-                code = exc.code()
-                if code == grpc.StatusCode.FAILED_PRECONDITION and "deduplication window" in (
-                    exc.details() or ""
-                ):
+                return self._client.append(
+                    stream, batch, producer_id=producer_id, producer_sequence=sequence, timeout=self.timeout_s
+                )
+            except StreamlogError as exc:
+                if isinstance(exc, FailedPreconditionError) and "deduplication window" in exc.details:
                     return None
-                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and (
-                    attempt + 1 < _ATTEMPTS
-                ):
+                if exc.retryable and attempt + 1 < _ATTEMPTS:
                     time.sleep(delay)
                     delay *= 2
                     continue
-                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    raise self._refused(stream, exc.details() or "") from None
+                if isinstance(exc, ResourceExhaustedError):
+                    raise self._refused(stream, exc.details) from None
                 raise self._translate(exc, "Append", None) from None
         raise AssertionError("unreachable: the last attempt returns or raises")

@@ -5,6 +5,12 @@ Option names follow Spark's Kafka connector where the idea is the same
 `failOnDataLoss`, `includeHeaders`), so users can carry their habits over.
 Everything is checked before a job starts: a typo in an option name is an
 error listing the valid names, not an option silently ignored.
+
+The connection options are `clients.Client`'s (`token`, `tls`, `tlsCa`, `tlsCert`,
+`tlsKey`, `tlsServerName`, as the CLI's `--token`, `--tls`, `--tls-ca`, ...), and
+the environment variables are the CLI's (STREAMLOG_ADDRESS, STREAMLOG_TOKEN).
+Certificate files are read here, where the query is planned; their contents
+travel to the tasks inside the pickled options, so executors need no copies.
 """
 
 from __future__ import annotations
@@ -12,12 +18,14 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pyspark_streamlog.errors import OptionError
 
 ENV_ENDPOINT = "STREAMLOG_ADDRESS"
+ENV_TOKEN = "STREAMLOG_TOKEN"
 EARLIEST = -2  # in startingOffsets JSON, as in Kafka's connector
 LATEST = -1
 MAX_STREAM_NAME_BYTES = 255
@@ -27,7 +35,7 @@ MAX_PRODUCER_ID_BYTES = 200
 # Spark passes these to every source or sink of a query; they are not ours to check.
 _SPARK_OPTIONS = {"checkpointlocation", "path", "queryname"}
 
-_COMMON = {"endpoint", "timeoutms"}
+_COMMON = {"endpoint", "timeoutms", "token", "tls", "tlsca", "tlscert", "tlskey", "tlsservername"}
 _READ = _COMMON | {
     "streams",
     "startingoffsets",
@@ -51,6 +59,12 @@ _DISPLAY = {
     for name in (
         "endpoint",
         "timeoutMs",
+        "token",
+        "tls",
+        "tlsCa",
+        "tlsCert",
+        "tlsKey",
+        "tlsServerName",
         "streams",
         "startingOffsets",
         "endingOffsets",
@@ -79,8 +93,35 @@ class Position:
 
 
 @dataclass(frozen=True, slots=True)
+class Server:
+    """A streamlog server and how to connect to it: the connection arguments of `clients.Client`.
+
+    Hashable (tasks keep one channel per server and process) and picklable; the
+    secrets stay out of its repr, which Spark may log.
+    """
+
+    address: str
+    token: str | None = field(default=None, repr=False)
+    tls: bool = False
+    root_certificates: bytes | None = field(default=None, repr=False)
+    certificate_chain: bytes | None = field(default=None, repr=False)
+    private_key: bytes | None = field(default=None, repr=False)
+    server_name: str | None = None
+
+    def tls_arguments(self) -> dict[str, Any]:
+        """The TLS keyword arguments of `clients.Client` (and of the channel it opens)."""
+        return {
+            "tls": self.tls,
+            "root_certificates": self.root_certificates,
+            "certificate_chain": self.certificate_chain,
+            "private_key": self.private_key,
+            "server_name": self.server_name,
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class ReadOptions:
-    endpoint: str
+    server: Server
     streams: tuple[str, ...]
     starting: dict[str, Position]
     ending: dict[str, Position]
@@ -95,7 +136,7 @@ class ReadOptions:
 
 @dataclass(frozen=True, slots=True)
 class WriteOptions:
-    endpoint: str
+    server: Server
     stream: str | None
     producer_id: str | None
     entries_per_append: int
@@ -125,6 +166,37 @@ def endpoint(options: dict[str, str]) -> str:
             f"'localhost:7070')) or the {ENV_ENDPOINT} environment variable"
         )
     return value
+
+
+def _pem_file(options: dict[str, str], name: str) -> bytes | None:
+    raw = options.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        data = Path(raw).expanduser().read_bytes()
+    except OSError as exc:
+        raise OptionError(f"{_DISPLAY[name]}: cannot read {raw!r}: {exc.strerror or exc}") from None
+    if b"-----BEGIN " not in data:
+        raise OptionError(f"{_DISPLAY[name]}: {raw!r} is not a PEM file (it has no -----BEGIN line)")
+    return data
+
+
+def server(options: dict[str, str]) -> Server:
+    """The server to call and how: endpoint, token and TLS options (or the environment)."""
+    ca = _pem_file(options, "tlsca")
+    certificate = _pem_file(options, "tlscert")
+    key = _pem_file(options, "tlskey")
+    if (certificate is None) != (key is None):
+        raise OptionError("tlsCert and tlsKey go together: a client certificate needs its private key")
+    files = ca is not None or certificate is not None
+    tls = _bool(options, "tls", files)
+    if files and not tls:
+        raise OptionError("tls is false, but tlsCa or tlsCert is set: they are for TLS connections")
+    server_name = options.get("tlsservername", "").strip() or None
+    if server_name and not tls:
+        raise OptionError("tlsServerName is for TLS connections: set tls to true (or tlsCa)")
+    token = (options.get("token") or os.environ.get(ENV_TOKEN, "")).strip() or None
+    return Server(endpoint(options), token, tls, ca, certificate, key, server_name)
 
 
 def stream_name(name: str, option: str) -> str:
@@ -224,7 +296,7 @@ def parse_read(raw: Mapping[str, str], streaming: bool) -> ReadOptions:
                 f"endingOffsets cannot be earliest (-2); it is for stream(s) {', '.join(early)}"
             )
     return ReadOptions(
-        endpoint=endpoint(options),
+        server=server(options),
         streams=streams,
         starting=starting,
         ending=ending,
@@ -249,7 +321,7 @@ def parse_write(raw: Mapping[str, str]) -> WriteOptions:
         if not 1 <= size <= MAX_PRODUCER_ID_BYTES:
             raise OptionError(f"producerId must be 1..{MAX_PRODUCER_ID_BYTES} bytes, got {size}")
     return WriteOptions(
-        endpoint=endpoint(options),
+        server=server(options),
         stream=stream_name(stream.strip(), "stream") if stream is not None else None,
         producer_id=producer_id,
         entries_per_append=_int(options, "entriesperappend", 5_000, 1),  # type: ignore[arg-type]

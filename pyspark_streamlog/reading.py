@@ -30,7 +30,7 @@ from pyspark.sql.types import (
 
 from pyspark_streamlog.connection import Connection
 from pyspark_streamlog.errors import DataLossError, OptionError
-from pyspark_streamlog.options import EARLIEST, LATEST, Position
+from pyspark_streamlog.options import EARLIEST, LATEST, Position, Server
 from pyspark_streamlog.wire import Gap, ReadReply, decode_read_response
 
 log = logging.getLogger("pyspark_streamlog")
@@ -65,7 +65,7 @@ def check_user_schema(given: StructType, expected: StructType) -> None:
 class StreamRange(InputPartition):
     """One task's work: offsets [start, end) of one stream, and how to read them."""
 
-    endpoint: str
+    server: Server
     stream: str
     start: int
     end: int
@@ -185,7 +185,7 @@ def _gap_message(stream: str, gap: Gap) -> str:
 
 def read_range(part: StreamRange) -> Iterator[pa.RecordBatch]:
     """The entries of [part.start, part.end), one record batch per Read reply."""
-    connection = Connection(part.endpoint, part.timeout_s)
+    connection = Connection(part.server, part.timeout_s)
     schema = to_arrow_schema(spark_schema(part.payload_as_string, part.include_headers), timezone="UTC")
 
     def ask(offset: int):

@@ -30,8 +30,8 @@ import pyarrow.compute as pc
 from pyspark import TaskContext
 from pyspark.sql.datasource import DataSourceArrowWriter, DataSourceStreamArrowWriter, WriterCommitMessage
 from pyspark.sql.types import BinaryType, MapType, StringType, StructType
-from streamlog.v1 import streamlog_pb2 as pb
 
+from clients.types import Record
 from pyspark_streamlog.connection import Connection
 from pyspark_streamlog.errors import OptionError
 from pyspark_streamlog.options import WriteOptions
@@ -85,7 +85,7 @@ class AppendReport(WriterCommitMessage):
 @dataclass
 class _Pending:
     payloads: list[bytes] = field(default_factory=list)
-    entries: list[pb.Entry] | None = None  # used once a row has a tag or headers
+    entries: list[Record] | None = None  # used once a row has a tag or headers
     size: int = 0
 
     def __len__(self) -> int:
@@ -97,7 +97,7 @@ class _Appender:
 
     def __init__(self, options: WriteOptions, producer_id: str) -> None:
         self.options = options
-        self.connection = Connection(options.endpoint, options.timeout_s)
+        self.connection = Connection(options.server, options.timeout_s)
         self.report = AppendReport(producer_id)
         self._pending: dict[str, _Pending] = {}
         self._sequence: dict[str, int] = {}
@@ -112,8 +112,7 @@ class _Appender:
             stream,
             self.report.producer_id,
             sequence,
-            payloads=pending.payloads if pending.entries is None else None,
-            entries=pending.entries,
+            pending.payloads if pending.entries is None else pending.entries,
         )
         counts = self.report.streams.setdefault(stream, [0, 0, 0])
         if reply is None or reply.duplicate:
@@ -147,20 +146,20 @@ class _Appender:
                 if pending.entries is None:
                     pending.payloads.extend(chunk)
                 else:
-                    pending.entries.extend(pb.Entry(payload=p) for p in chunk)
+                    pending.entries.extend(Record(p) for p in chunk)
                 pending.size += int(cumulative[take - 1])
                 done += take
             if take < len(window) or len(pending) >= limit_rows:
                 self._flush(stream)
         raise AssertionError("add_payloads made no progress")
 
-    def add_entry(self, stream: str, entry: pb.Entry, size: int) -> None:
+    def add_entry(self, stream: str, entry: Record, size: int) -> None:
         pending = self._pending.get(stream)
         if pending and pending.size + size > self.options.bytes_per_append:
             self._flush(stream)
         pending = self._pending.setdefault(stream, _Pending())
         if pending.entries is None:
-            pending.entries = [pb.Entry(payload=p) for p in pending.payloads]
+            pending.entries = [Record(p) for p in pending.payloads]
             pending.payloads = []
         pending.entries.append(entry)
         pending.size += size
@@ -215,7 +214,7 @@ def _write(options: WriteOptions, producer_id: str, batches: Iterator[pa.RecordB
 def _write_rows(
     options: WriteOptions, appender: _Appender, batch: pa.RecordBatch, payloads: pa.Array
 ) -> None:
-    """Rows with tags, headers or their own target stream: one Entry message each."""
+    """Rows with tags, headers or their own target stream: one Record each."""
     names = batch.schema.names
     rows = batch.num_rows
     tags = batch.column(names.index("tag")).to_pylist() if "tag" in names else [None] * rows
@@ -225,13 +224,14 @@ def _write_rows(
         target = stream or options.stream
         if target is None:
             raise OptionError("a row has no stream and the stream option is not set: give every row a target")
-        entry = pb.Entry(payload=payload, tag=tag or "")
-        size = len(payload) + len(entry.tag) + _ENTRY_OVERHEAD_BYTES
+        tag = tag or ""
+        size = len(payload) + len(tag) + _ENTRY_OVERHEAD_BYTES
+        fields: dict[str, bytes] = {}
         for key, value in items or ():
             raw = value.encode() if isinstance(value, str) else (value or b"")
-            entry.headers[key] = raw
+            fields[key] = raw
             size += len(key) + len(raw)
-        appender.add_entry(target, entry, size)
+        appender.add_entry(target, Record(payload, tag, fields or None), size)
 
 
 def _task() -> TaskContext:

@@ -70,7 +70,7 @@ def _partitions(options: ReadOptions, bounds: dict[str, tuple[int, int]]) -> lis
     ranges = [(stream, start, end) for stream, (start, end) in bounds.items()]
     return [
         StreamRange(
-            options.endpoint,
+            options.server,
             stream,
             start,
             end,
@@ -108,7 +108,7 @@ class StreamlogBatchReader(DataSourceReader):
     def __init__(self, options: ReadOptions, schema: StructType) -> None:
         check_user_schema(schema, spark_schema(options.payload_as_string, options.include_headers))
         self.options = options
-        connection = Connection(options.endpoint, options.timeout_s)
+        connection = Connection(options.server, options.timeout_s)
         self.bounds: dict[str, tuple[int, int]] = {}
         for stream in options.streams:
             state = connection.stream_state(stream)
@@ -154,7 +154,7 @@ class StreamlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
     @property
     def _connection(self) -> Connection:
         if self._open is None:
-            self._open = Connection(self.options.endpoint, self.options.timeout_s)
+            self._open = Connection(self.options.server, self.options.timeout_s)
         return self._open
 
     def _states(self) -> dict[str, tuple[int, int]]:

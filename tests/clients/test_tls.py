@@ -6,66 +6,21 @@ import asyncio
 import io
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from clients import AsyncClient, Client, PermissionDeniedError, UnauthenticatedError, UnavailableError
 from clients.cli import EXIT_DENIED, main
-from tests.service.certs import CertificateAuthority
 from tests.service.helpers import ServerThread
-
-APP_TOKEN = "app-token-0123456789abcdef"
-VIEWER_TOKEN = "viewer-token-0123456789abc"
-TOKENS_TOML = f"""
-[[tokens]]
-principal = "app"
-token = "{APP_TOKEN}"
-
-[[tokens]]
-principal = "viewer"
-token = "{VIEWER_TOKEN}"
-"""
-ACL_TOML = """
-[[rules]]
-principals = ["app"]
-streams = ["*"]
-permissions = ["admin"]
-
-[[rules]]
-principals = ["viewer"]
-streams = ["*"]
-permissions = ["read"]
-"""
-
-
-@dataclass(frozen=True)
-class Pki:
-    ca: Path
-    client_cert: Path
-    client_key: Path
-    other_ca: Path
+from tests.service.secure import APP_TOKEN, VIEWER_TOKEN, Pki, secure_files
 
 
 @pytest.fixture
 def secure(start_server: Callable[..., ServerThread], tmp_path: Path) -> tuple[ServerThread, Pki]:
     """A server with mutual TLS (clients need a certificate from the CA) and bearer tokens."""
-    ca, other = CertificateAuthority(), CertificateAuthority("another CA")
-    server_cert, server_key = ca.issue("server", server=True).write(tmp_path, "server")
-    client_cert, client_key = ca.issue("client", server=False).write(tmp_path, "client")
-    (tmp_path / "ca.crt").write_bytes(ca.cert_pem)
-    (tmp_path / "other.crt").write_bytes(other.cert_pem)
-    (tmp_path / "tokens.toml").write_text(TOKENS_TOML)
-    (tmp_path / "acl.toml").write_text(ACL_TOML)
-    server = start_server(
-        tls_cert_file=str(server_cert),
-        tls_key_file=str(server_key),
-        tls_client_ca_file=str(tmp_path / "ca.crt"),
-        tokens_file=str(tmp_path / "tokens.toml"),
-        acl_file=str(tmp_path / "acl.toml"),
-    )
-    return server, Pki(tmp_path / "ca.crt", client_cert, client_key, tmp_path / "other.crt")
+    settings, pki = secure_files(tmp_path)
+    return start_server(**settings), pki
 
 
 def _client(server: ServerThread, pki: Pki, **overrides) -> Client:

@@ -42,5 +42,13 @@ def fill(
         stub.Append(pb.AppendRequest(stream=stream, payloads=payloads), timeout=10)
 
 
+def finish(query: Any, timeout_s: float = 120) -> None:
+    """Wait for a streaming query (availableNow) to end; stop it whatever happens."""
+    try:
+        assert query.awaitTermination(timeout_s), "the query did not finish in time"
+    finally:
+        query.stop()
+
+
 def info(stub: pb_grpc.StreamLogServiceStub, stream: str) -> pb.StreamInfo:
     return stub.GetStreamInfo(pb.GetStreamInfoRequest(stream=stream), timeout=10).info

@@ -13,6 +13,7 @@ from streamlog.v1 import streamlog_pb2 as pb
 
 import pyspark_streamlog
 from pyspark_streamlog.errors import DataLossError
+from pyspark_streamlog.options import Server
 from pyspark_streamlog.reading import StreamRange, read_range
 from tests.spark.helpers import fill, info
 
@@ -123,7 +124,7 @@ def test_tasks_report_entries_evicted_after_planning(server, stub, caplog) -> No
     # are reported by the task itself, from the server's gap report.
     fill(stub, "racy", 400)
     stub.Trim(pb.TrimRequest(stream="racy", trim_to_offset=150), timeout=10)
-    part = StreamRange(server.target, "racy", 0, 300, True, False, True, 10.0)
+    part = StreamRange(Server(server.target), "racy", 0, 300, True, False, True, 10.0)
     with pytest.raises(DataLossError, match=r"entries 0\.\.149 of stream 'racy' are gone \(evicted\)"):
         list(read_range(part))
     lenient = dataclasses.replace(part, fail_on_data_loss=False)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pickle
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from pyspark_streamlog.errors import OptionError
-from pyspark_streamlog.options import EARLIEST, LATEST, Position, parse_read, parse_write
+from pyspark_streamlog.options import EARLIEST, LATEST, Position, Server, parse_read, parse_write
 from pyspark_streamlog.reading import split
 from pyspark_streamlog.source import _admit
 
@@ -41,9 +44,62 @@ def test_json_positions_and_timestamps() -> None:
 
 def test_endpoint_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STREAMLOG_ADDRESS", "env-host:7070")
-    assert parse_read({"streams": "a"}, streaming=False).endpoint == "env-host:7070"
-    assert parse_read({"streams": "a", "endpoint": "opt:1"}, streaming=False).endpoint == "opt:1"
-    assert parse_write({"stream": "a"}).endpoint == "env-host:7070"
+    assert parse_read({"streams": "a"}, streaming=False).server.address == "env-host:7070"
+    assert parse_read({"streams": "a", "endpoint": "opt:1"}, streaming=False).server.address == "opt:1"
+    assert parse_write({"stream": "a"}).server.address == "env-host:7070"
+
+
+def test_connection_options_are_the_clients(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("STREAMLOG_TOKEN", raising=False)
+    assert parse_write({"endpoint": "h:1"}).server == Server("h:1")
+    assert parse_write({"endpoint": "h:1", "tls": "true"}).server == Server("h:1", tls=True)
+    for name in ("ca", "cert", "key"):
+        (tmp_path / name).write_bytes(b"-----BEGIN " + name.encode() + b"-----\n")
+    options = {
+        "endpoint": "h:1",
+        "tlsCa": str(tmp_path / "ca"),
+        "TLSCERT": str(tmp_path / "cert"),
+        "tlsKey": str(tmp_path / "key"),
+        "tlsServerName": "streamlog.internal",
+        "token": "t0k3n",
+    }
+    server = parse_read({**options, "streams": "a"}, streaming=False).server
+    # The files are read here, on the driver: the tasks get their contents.
+    assert server == Server(
+        address="h:1",
+        token="t0k3n",
+        tls=True,
+        root_certificates=b"-----BEGIN ca-----\n",
+        certificate_chain=b"-----BEGIN cert-----\n",
+        private_key=b"-----BEGIN key-----\n",
+        server_name="streamlog.internal",
+    )
+    # Pickled into the tasks, where it keys the channel cache.
+    copy = pickle.loads(pickle.dumps(server))
+    assert copy == server and hash(copy) == hash(server)
+    assert "t0k3n" not in repr(server) and "BEGIN" not in repr(server)
+    # The token comes from STREAMLOG_TOKEN, as the CLI's, unless the option gives one.
+    monkeypatch.setenv("STREAMLOG_TOKEN", "from-env")
+    assert parse_write({"endpoint": "h:1"}).server.token == "from-env"
+    assert parse_write({**options}).server.token == "t0k3n"
+
+
+def test_bad_connection_options(tmp_path: Path) -> None:
+    (tmp_path / "ca.pem").write_bytes(b"-----BEGIN CERTIFICATE-----\n")
+    (tmp_path / "plain.txt").write_text("not a certificate")
+    ca = str(tmp_path / "ca.pem")
+    cases = [
+        ({"tlsCert": ca}, "tlsCert and tlsKey go together"),
+        ({"tlsKey": ca}, "tlsCert and tlsKey go together"),
+        ({"tlsCa": str(tmp_path / "missing.pem")}, r"tlsCa: cannot read .*missing\.pem"),
+        ({"tlsCa": str(tmp_path / "plain.txt")}, "not a PEM file"),
+        ({"tlsCa": ca, "tls": "false"}, "tls is false, but tlsCa"),
+        ({"tlsServerName": "x"}, "tlsServerName is for TLS"),
+        ({"tls": "yes"}, "tls must be true or false"),
+    ]
+    for options, message in cases:
+        with pytest.raises(OptionError, match=message):
+            parse_write({"endpoint": "h:1", **options})
 
 
 @pytest.mark.parametrize(

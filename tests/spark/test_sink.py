@@ -10,7 +10,7 @@ import pytest
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
-from tests.spark.helpers import fill, info
+from tests.spark.helpers import fill, finish, info
 
 
 def entries(stub: pb_grpc.StreamLogServiceStub, stream: str) -> list[pb.Entry]:
@@ -140,10 +140,7 @@ def test_stream_sink_is_exactly_once_across_a_failed_batch_and_a_replay(
             .trigger(availableNow=True)
             .start()
         )
-        try:
-            assert query.awaitTermination(120), "the query did not finish in time"
-        finally:
-            query.stop()
+        finish(query)
 
     with pytest.raises(Exception, match="max_entry_bytes"):
         run(sink.target)
