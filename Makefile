@@ -9,11 +9,13 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 GEN := protos/gen
 GENERATED := $(GEN)/.generated
+# The sync client, generated from the async one (clients/aio.py is the one source; never committed).
+SYNC_CLIENT := clients/client.py
 PROTOS := $(shell find protos/streamlog -name '*.proto')
 DATA ?= ./data
 PORT ?= 7070
 
-.PHONY: run test gen lint venv clean sync-client
+.PHONY: run test gen lint venv clean
 
 run: $(GENERATED)
 	$(BIN)/streamlog serve --data $(DATA) --port $(PORT)
@@ -39,14 +41,13 @@ $(INSTALLED): pyproject.toml
 	$(BIN)/python -m pip install --quiet --editable '.[dev]'
 	touch $@
 
-$(GENERATED): $(PROTOS) protos/generate.py $(INSTALLED)
+$(GENERATED): $(PROTOS) protos/generate.py $(INSTALLED) $(SYNC_CLIENT)
 	$(BIN)/python protos/generate.py
 	touch $@
 
-# The sync client is generated from the async one and checked in; a test fails when it is stale.
-sync-client: $(INSTALLED)
-	$(BIN)/python -m clients._generate_sync
+$(SYNC_CLIENT): clients/aio.py clients/_generate_sync.py $(INSTALLED)
+	$(BIN)/python clients/_generate_sync.py
 
 clean:
-	rm -rf $(GEN) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(GEN) $(SYNC_CLIENT) .pytest_cache .ruff_cache .hypothesis
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +

@@ -1,7 +1,7 @@
 """Generate the sync client (clients/client.py) from the async one (clients/aio.py).
 
-    python -m clients._generate_sync           # rewrite clients/client.py (make sync-client)
-    python -m clients._generate_sync --check   # exit 1 when clients/client.py is stale
+    python clients/_generate_sync.py           # write clients/client.py (make gen does it)
+    python clients/_generate_sync.py --check   # exit 1 when clients/client.py is stale
 
 The async client is the one source, as in httpcore (whose scripts/unasync.py this
 follows): every line of clients/aio.py is rewritten by the substitutions below
@@ -11,8 +11,9 @@ the result. Docstrings go through the same substitutions, so their examples read
 right in both. The streaming calls, which do differ, are written for each flavour
 (clients/_streaming_aio.py, clients/_streaming_sync.py) and only their import is
 rewritten here. A substitution or sentence that no longer matches anything is an
-error, so this table cannot rot unnoticed; tests/clients/test_sync_generated.py
-fails when the checked-in file is not what this script makes.
+error, so this table cannot rot unnoticed. The generated file is not committed (the
+repository holds one source); it is run as a script, since importing the `clients`
+package needs the file it writes.
 
 Why not the `unasync` package: it rewrites names token by token, so it leaves
 docstrings and `grpc.aio.` attribute chains alone, and both need rewriting here.
@@ -30,8 +31,8 @@ SOURCE = CLIENTS / "aio.py"
 TARGET = CLIENTS / "client.py"
 
 HEADER = (
-    "# Generated from clients/aio.py by clients/_generate_sync.py (`make sync-client`).\n"
-    "# Do not edit: change clients/aio.py and regenerate; a test fails when this file is stale.\n"
+    "# Generated from clients/aio.py by clients/_generate_sync.py (`make gen`); not committed.\n"
+    "# Do not edit: change clients/aio.py, and make regenerates this file.\n"
 )
 
 # Sentences of the async client's docs that say something else for the sync one: each
@@ -106,12 +107,12 @@ def generate(source: str) -> str:
 def main(argv: list[str]) -> int:
     check = argv == ["--check"]
     if argv and not check:
-        print("usage: python -m clients._generate_sync [--check]", file=sys.stderr)
+        print("usage: python clients/_generate_sync.py [--check]", file=sys.stderr)
         return 2
     made = generate(SOURCE.read_text())
     if check:
         if TARGET.read_text() != made:
-            print(f"{TARGET} is stale: run `make sync-client`", file=sys.stderr)
+            print(f"{TARGET} is stale: run `make gen`", file=sys.stderr)
             return 1
         return 0
     TARGET.write_text(made)

@@ -13,9 +13,10 @@ replies to the typed values of `clients.types`, and raises the exceptions of
 `clients.errors` (the grpc.RpcError is their `__cause__`).
 
 clients/client.py is generated from clients/aio.py by clients/_generate_sync.py
-(`make sync-client`), and a test fails when it is stale: change the clients in
-clients/aio.py. The streaming calls, which differ between threads and asyncio, are
-written for each: clients/_streaming_sync.py and clients/_streaming_aio.py.
+when the build runs (`make gen`, and every make target that needs it); it is not
+in the repository: change the clients in clients/aio.py. The streaming calls, which
+differ between threads and asyncio, are written for each: clients/_streaming_sync.py
+and clients/_streaming_aio.py.
 """
 
 from __future__ import annotations

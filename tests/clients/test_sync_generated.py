@@ -10,9 +10,9 @@ import pytest
 from clients import AsyncClient, Client, _generate_sync
 
 
-def test_the_checked_in_sync_client_is_what_the_generator_makes() -> None:
+def test_the_sync_client_in_use_is_what_the_generator_makes() -> None:
     made = _generate_sync.generate(_generate_sync.SOURCE.read_text())
-    assert _generate_sync.TARGET.read_text() == made, "clients/client.py is stale: run `make sync-client`"
+    assert _generate_sync.TARGET.read_text() == made, "clients/client.py is stale: run `make gen`"
 
 
 def test_check_mode_fails_on_a_hand_edited_sync_client(
