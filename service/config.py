@@ -127,6 +127,14 @@ class Settings:
     max_blocked_reads: int = 10_000
     # A subscriber that takes no reply for this long (its client stopped reading) is cut off.
     subscriber_send_timeout_ms: int = 30_000
+    # Bytes of replies built and not yet taken by their clients, in total and per client
+    # connection (service/replybudget.py); each such byte costs about two of memory (the
+    # reply and gRPC's copy). A read that finds no room waits this long, then gets
+    # RESOURCE_EXHAUSTED. The defaults keep replies under ~0.5 GiB, within the 2 GiB the
+    # Kubernetes manifests give a server.
+    max_queued_reply_bytes: int = 256 << 20
+    max_connection_queued_reply_bytes: int = 64 << 20
+    queued_reply_wait_ms: int = 5_000
     # gRPC connection management: concurrent calls per connection, keepalive pings that
     # find dead peers, the most often a client may ping, closing idle connections (0: never).
     max_concurrent_calls_per_connection: int = 2_000
@@ -172,6 +180,9 @@ _INT_RANGES: dict[str, tuple[int | None, int | None]] = {
     "max_subscriptions_per_connection": (1, None),
     "max_blocked_reads": (1, None),
     "subscriber_send_timeout_ms": (100, 3_600_000),
+    "max_queued_reply_bytes": (1 << 20, None),
+    "max_connection_queued_reply_bytes": (1 << 20, None),
+    "queued_reply_wait_ms": (0, 3_600_000),
     "max_concurrent_calls_per_connection": (1, 2**31 - 1),
     "max_metadata_bytes": (1 << 10, 1 << 24),
     "keepalive_time_ms": (1_000, 2**31 - 1),
@@ -358,6 +369,9 @@ def validate(settings: Settings, sources: Mapping[str, str] | None = None) -> No
         ("default_read_bytes", "max_read_bytes"),
         ("default_page_size", "max_page_size"),
         ("max_batch_bytes", "max_message_bytes"),
+        # A read reserves its max_bytes: one of the largest must fit in a connection's budget.
+        ("max_read_bytes", "max_connection_queued_reply_bytes"),
+        ("max_connection_queued_reply_bytes", "max_queued_reply_bytes"),
     ]
     for small, large in ordered:
         if getattr(settings, small) > getattr(settings, large):

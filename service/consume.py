@@ -92,13 +92,10 @@ class ConsumeSession:
                     self._credit.clear()
                     await self._credit.wait()
                     continue
-                result = await self._next_batch()
-                if result is None:
+                reply = await self._next_reply()
+                if reply is None:
                     continue  # the wait ended for the client's side: look again
-                # Batches due at once travel in one reply: one message, one group read, not several.
-                filled = max(1, -(-len(result.offsets) // self._calls.count))
-                self._owed -= filled
-                yield self._reply(result, filled)
+                yield reply
             if self._acknowledged or self._unknown:
                 yield self._reply(None, 0)
         finally:
@@ -120,6 +117,17 @@ class ConsumeSession:
         reply = self._calls.reply(result, filled, self._acknowledged, self._unknown)
         self._acknowledged = self._unknown = 0
         return reply
+
+    async def _next_reply(self) -> bytes | None:
+        """The next batch's reply, or None if the wait ended for the client's side. Built here so
+        that the read's records are not held beside the reply while a slow client takes it."""
+        result = await self._next_batch()
+        if result is None:
+            return None
+        # Batches due at once travel in one reply: one message, one group read, not several.
+        filled = max(1, -(-len(result.offsets) // self._calls.count))
+        self._owed -= filled
+        return self._reply(result, filled)
 
     async def _next_batch(self) -> GroupReadResult | None:
         """The next batch for this consumer, waiting for one; None if the client's side ended first."""

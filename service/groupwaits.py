@@ -37,6 +37,7 @@ import contextlib
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from service.waiters import Wake
 from storage import GroupReadResult
@@ -61,7 +62,9 @@ class GroupReadOptions:
         return self.noack, self.claim_idle_ms
 
 
-GroupReader = Callable[[str, str, GroupReadOptions], Awaitable[GroupReadResult]]
+# (stream, group, options, charge): `charge` is the waiter's, handed to the reader as it was
+# given to `wait`, so that the reader reserves room for the reply it may fill (replybudget.py).
+GroupReader = Callable[[str, str, GroupReadOptions, Any], Awaitable[GroupReadResult]]
 WaitResult = GroupReadResult | Wake
 
 
@@ -71,10 +74,11 @@ def has_news(result: GroupReadResult) -> bool:
 
 
 class _Waiter:
-    __slots__ = ("busy", "future", "options")
+    __slots__ = ("busy", "charge", "future", "options")
 
-    def __init__(self, options: GroupReadOptions, future: asyncio.Future[WaitResult]) -> None:
+    def __init__(self, options: GroupReadOptions, charge: Any, future: asyncio.Future[WaitResult]) -> None:
         self.options = options
+        self.charge = charge
         self.future = future
         self.busy = False  # the dispatcher is reading for it (in a thread: "always" streams)
 
@@ -126,6 +130,7 @@ class GroupWaits:
         group: str,
         options: GroupReadOptions,
         timeout_s: float | None,
+        charge: Any = None,
         *,
         due_ms: int | None = None,
         read_first: bool = True,
@@ -143,7 +148,7 @@ class GroupWaits:
         queue = self._queues.setdefault(stream, {}).get(group)
         if queue is None:
             queue = self._queues[stream][group] = _Queue(stream, group)
-        waiter = _Waiter(options, self._loop.create_future())
+        waiter = _Waiter(options, charge, self._loop.create_future())
         queue.waiters[waiter] = None
         if due_ms is not None:
             self._arm(queue, due_ms)
@@ -259,7 +264,7 @@ class GroupWaits:
                 continue
             waiter.busy = True
             try:
-                result = await self._read(queue.stream, queue.group, waiter.options)
+                result = await self._read(queue.stream, queue.group, waiter.options, waiter.charge)
             except Exception as exc:
                 # NOT_FOUND (the group was deleted), UNAVAILABLE (draining), ...: the caller answers it.
                 if not waiter.future.done():

@@ -15,8 +15,11 @@ limits that need to look across calls, as server interceptors:
 - `max_subscriptions_per_connection` (per client connection) and
   `max_blocked_reads` (Reads waiting with block_ms, server-wide).
 - `subscriber_send_timeout_ms`: a subscriber whose client stops taking replies
-  is cut off once a reply has waited that long to be sent. Until then it holds
-  one reply, as gRPC's flow control stops the sends: never unbounded memory.
+  is cut off once a reply has waited that long to be sent: its subscription ends
+  at once and RESOURCE_EXHAUSTED is queued behind the unsent reply (see
+  service/opencalls.py for what gRPC keeps until the client takes it or leaves).
+  Until then it holds one reply, counted in the reply budget
+  (service/replybudget.py), which bounds what all such replies hold.
 
 Every refusal is RESOURCE_EXHAUSTED with the limit's name and value in the message.
 Connection-level limits are gRPC server options (`server_options`): concurrent
@@ -36,8 +39,9 @@ from typing import Any
 import grpc
 
 from service.config import Settings
-from service.errors import limit_exceeded
+from service.errors import ServiceError, limit_exceeded
 from service.interceptors import StreamBehavior, UnaryBehavior, WrappingInterceptor, iterate
+from service.opencalls import OpenCall, OpenCalls
 from storage import Engine, StorageError
 
 log = logging.getLogger(__name__)
@@ -309,13 +313,17 @@ class LimitsInterceptor(WrappingInterceptor):
 
 
 class SendTimeoutInterceptor(WrappingInterceptor):
-    """Cuts off subscribers that stop taking replies. Install it first (outermost):
-    it sends every reply itself, with `context.write`, to time each send."""
+    """Serves every streaming call through `calls` (service/opencalls.py), and cuts off
+    subscribers that stop taking replies. Install it first (outermost): it sends every
+    reply itself, with `context.write`, to time each send."""
 
-    def __init__(self, service_name: str, timeout_ms: int, observer: Observer | None = None) -> None:
+    def __init__(
+        self, service_name: str, timeout_ms: int, calls: OpenCalls, observer: Observer | None = None
+    ) -> None:
         super().__init__(service_name)
         self._timeout_s = timeout_ms / 1000
         self._timeout_ms = timeout_ms
+        self._calls = calls
         self._observer = observer
         self.cut_off = 0
 
@@ -325,42 +333,40 @@ class SendTimeoutInterceptor(WrappingInterceptor):
     def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
         timeout_s = self._timeout_s
 
-        async def timed(request: Any, context: grpc.aio.ServicerContext) -> None:
-            replies = iterate(behavior, request, context)
+        async def send(call: OpenCall, reply: Any) -> None:
             try:
-                async for reply in replies:
-                    try:
-                        # A send waits while the client's flow-control window is full. (A timeout
-                        # scope, not wait_for: no task per reply on the subscriber hot path.)
-                        async with asyncio.timeout(timeout_s):
-                            await context.write(reply)
-                    except TimeoutError:
-                        await self._cut_off(context, method, request)
-            finally:
-                # Runs the inner layers' cleanup (subscription counts, metrics) now.
-                await replies.aclose()
+                # A send waits while the client's flow-control window is full. (A timeout
+                # context costs one timer per reply on the subscriber hot path.)
+                async with asyncio.timeout(timeout_s):
+                    await call.context.write(reply)
+            except TimeoutError:
+                raise self._cut_off(call) from None
+
+        async def timed(request: Any, context: grpc.aio.ServicerContext) -> None:
+            await self._calls.serve(method, request, context, iterate(behavior, request, context), send)
 
         return timed
 
-    async def _cut_off(self, context: grpc.aio.ServicerContext, method: str, request: Any) -> None:
+    def _cut_off(self, call: OpenCall) -> ServiceError:
         self.cut_off += 1
-        message = limit_exceeded(
+        error = limit_exceeded(
             "subscriber_send_timeout_ms",
             self._timeout_ms,
             f"subscriber too slow: a reply waited {self._timeout_ms} ms for the client to take it; "
             "resubscribe from the last next_offset received",
-        ).message
+        )
+        request = call.request
         log.warning(
             "subscriber cut off: %s",
-            message,
+            error.message,
             extra={
-                "method": method,
+                "method": call.method,
                 "stream": getattr(request, "stream", ""),
                 "group": getattr(request, "group", ""),
-                "peer": context.peer(),
+                "peer": call.context.peer(),
                 "limit": "subscriber_send_timeout_ms",
             },
         )
         if self._observer is not None:
             self._observer("limit", "subscriber_send_timeout_ms")
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        return error

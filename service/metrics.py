@@ -47,6 +47,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from service.interceptors import StreamBehavior, UnaryBehavior, WrappingInterceptor, iterate
+from service.replybudget import ReplyBudget
 from storage import Engine
 
 log = logging.getLogger(__name__)
@@ -457,6 +458,29 @@ class EngineCollector(Collector):
                     family.add_metric(key, getattr(info.counters, name))
         yield from gauges.values()
         yield from counters.values()
+
+
+class ReplyBudgetCollector(Collector):
+    """The reply budget (service/replybudget.py), read at scrape time."""
+
+    def __init__(self, budget: ReplyBudget) -> None:
+        self._budget = budget
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        budget = self._budget
+        yield GaugeMetricFamily(
+            "streamlog_queued_reply_bytes",
+            "Bytes of replies built and not yet taken by their clients (max_queued_reply_bytes bounds it).",
+            budget.queued,
+        )
+        yield CounterMetricFamily(
+            "streamlog_queued_reply_refusals",
+            "Reads refused after waiting queued_reply_wait_ms for room in the reply budget.",
+            budget.refused,
+        )
 
 
 class LoopLagCollector(Collector):

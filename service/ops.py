@@ -24,6 +24,8 @@ from grpc_health.v1 import health_pb2_grpc
 
 from service import auth, limits, metrics
 from service.config import Settings, describe
+from service.opencalls import OpenCalls
+from service.replybudget import ReplyBudget
 from storage import Engine
 
 log = logging.getLogger(__name__)
@@ -36,15 +38,19 @@ class Operations:
         service: Any,
         engine: Callable[[], Engine | None],
         subscriptions: Callable[[], int],
+        replies: ReplyBudget | None = None,
     ) -> None:
-        """`service`: the proto's service descriptor; `engine` is None until recovery ends."""
+        """`service`: the proto's service descriptor; `engine` is None until recovery ends;
+        `replies`: the servicer's reply budget, for the metrics."""
         self.settings = settings
+        # Open Subscribe and Consume calls, each of which can be ended from here (service/opencalls.py).
+        self.open_calls = OpenCalls()
         self.security = auth.Security(settings)  # ConfigError for TLS, token or ACL files that do not load
         self.metrics = metrics.Metrics() if settings.metrics_port else None
         observer = self.metrics.refused if self.metrics is not None else None
         self.limits = limits.LimitsInterceptor(service.full_name, settings, engine, observer)
         self.send_timeout = limits.SendTimeoutInterceptor(
-            service.full_name, settings.subscriber_send_timeout_ms, observer
+            service.full_name, settings.subscriber_send_timeout_ms, self.open_calls, observer
         )
         chain: list[grpc.aio.ServerInterceptor | None] = [self.send_timeout]
         if self.metrics is not None:
@@ -52,6 +58,8 @@ class Operations:
             self.metrics.registry.register(
                 metrics.EngineCollector(engine, subscriptions, lambda: self.limits.blocked_reads)
             )
+            if replies is not None:
+                self.metrics.registry.register(metrics.ReplyBudgetCollector(replies))
         chain.append(self.security.interceptor(service, observer))
         chain.append(self.limits)
         self._interceptors = [i for i in chain if i is not None]

@@ -114,7 +114,9 @@ class StreamLogServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         # TLS, auth, limits, metrics (service/ops.py); bad TLS, token or ACL files stop start-up here.
         servicer = self._servicer
-        self.ops = ops = Operations(settings, SERVICE, lambda: self.engine, lambda: servicer.subscriptions)
+        self.ops = ops = Operations(
+            settings, SERVICE, lambda: self.engine, lambda: servicer.subscriptions, servicer.replies
+        )
 
         server = grpc.aio.server(
             options=[

@@ -53,6 +53,7 @@ from service.errors import (
     unavailable,
 )
 from service.groupwaits import GroupReadOptions, GroupWaits, WaitResult, has_news
+from service.replybudget import ReplyBudget, ReplyCharge
 from service.waiters import Waiters, Wake
 from service.wire import entries_hold_only_payloads
 from storage import (
@@ -145,6 +146,12 @@ def _subscribe_reply(result: ReadResult | None, next_offset: int) -> bytes:
         end_offset=result.next_offset,
     ).SerializeToString()
     return b"".join(result.records) + tail if result.records else tail
+
+
+def _held(charge: ReplyCharge, reply: bytes) -> bytes:
+    """`reply`, now counted in the reply budget at its size (in place of the room reserved for it)."""
+    charge.settle(len(reply))
+    return reply
 
 
 def _optional_columns(entries: Sequence[pb.Entry]) -> dict[str, list | None]:
@@ -241,6 +248,9 @@ class StreamLogServicer:
         self.subscriptions = 0
         # Open Consume sessions, woken when the server starts draining (an idle one waits for credit).
         self._sessions: set[ConsumeSession] = set()
+        # Bytes of replies not yet sent, per connection and in total: every read reserves room
+        # for its reply before it reads (service/replybudget.py).
+        self.replies = ReplyBudget.from_settings(settings)
         # Blocked group readers, served in arrival order; the dispatcher reads through _read_group.
         self.group_waits = GroupWaits(self._dispatch_read)
 
@@ -277,8 +287,11 @@ class StreamLogServicer:
         return function(*args)
 
     async def _read_group(
-        self, engine: Engine, stream: str, group: str, options: GroupReadOptions
+        self, engine: Engine, stream: str, group: str, options: GroupReadOptions, charge: ReplyCharge
     ) -> GroupReadResult:
+        """A group read, with room reserved in `charge` for the reply it may fill (kept only if it
+        found something: the caller then settles it to the reply's size)."""
+        await charge.reserve(options.max_bytes)
         call = functools.partial(
             engine.read_group,
             stream,
@@ -291,10 +304,15 @@ class StreamLogServicer:
             noack=options.noack,
             claim_idle_ms=options.claim_idle_ms,
         )
-        return await self._group_call(engine, stream, call)
+        result = await self._group_call(engine, stream, call)
+        if not has_news(result):
+            charge.settle(0)
+        return result
 
-    async def _dispatch_read(self, stream: str, group: str, options: GroupReadOptions) -> GroupReadResult:
-        return await self._read_group(self._ready(), stream, group, options)
+    async def _dispatch_read(
+        self, stream: str, group: str, options: GroupReadOptions, charge: ReplyCharge
+    ) -> GroupReadResult:
+        return await self._read_group(self._ready(), stream, group, options, charge)
 
     async def _group_read_or_wait(
         self,
@@ -303,6 +321,7 @@ class StreamLogServicer:
         group: str,
         options: GroupReadOptions,
         wait_s: float | None,
+        charge: ReplyCharge,
         until: asyncio.Event | None = None,
     ) -> WaitResult:
         """A group read that waits (wait_s seconds, None: forever; `until` set: no longer) while it
@@ -315,18 +334,25 @@ class StreamLogServicer:
         if not waits.busy(stream, group):
             # Nobody queued ahead: read now.
             fsync_always = engine.stream_fsync(stream) == "always"
-            result = await self._read_group(engine, stream, group, options)
+            result = await self._read_group(engine, stream, group, options, charge)
             if has_news(result) or wait_s == 0:
                 return result
             if not fsync_always:
                 # Read on the loop with no await since, so no append or ack went unseen: queue up
                 # without reading again, and be woken when the read said something falls due.
                 return await waits.wait(
-                    stream, group, options, wait_s, due_ms=result.next_due_ms, read_first=False, until=until
+                    stream,
+                    group,
+                    options,
+                    wait_s,
+                    charge,
+                    due_ms=result.next_due_ms,
+                    read_first=False,
+                    until=until,
                 )
         # Readers are queued ahead (they are served first), or the read above ran in a thread:
         # queue up, and the group's dispatcher reads for the queue in arrival order.
-        return await waits.wait(stream, group, options, wait_s, until=until)
+        return await waits.wait(stream, group, options, wait_s, charge, until=until)
 
     def _ack_items(
         self, offsets: Sequence[int], ranges: Sequence[pb.OffsetRange], names: tuple[str, str]
@@ -430,23 +456,29 @@ class StreamLogServicer:
         offset = validation.non_negative("offset", request.offset)
         count, max_bytes = self._reply_limits(request, settings.default_read_entries)
         block_ms = validation.at_most("block_ms", request.block_ms, "max_block_ms", settings.max_block_ms)
+        # Held from the read until the call ends: grpc.aio ends it once the reply is sent.
+        charge = self.replies.charge(context)
         if request.group:
-            return await self._group_read(engine, stream, request, count, max_bytes, block_ms, context)
+            return await self._group_read(
+                engine, stream, request, count, max_bytes, block_ms, context, charge
+            )
         if _has_group_fields(request) or request.ack_offsets or request.ack_ranges:
             raise invalid_argument(
                 "group: consumer, retry_ms, expire_ms, noack, claim_idle_ms and acks need a group"
             )
+        await charge.reserve(max_bytes)
         if request.reverse:
             result = engine.read(stream, offset, count, max_bytes=max_bytes, reverse=True)
-            return _read_reply(result, _reverse_next(result))
+            return _held(charge, _read_reply(result, _reverse_next(result)))
         if not block_ms:
             result = engine.read(stream, offset, count, max_bytes=max_bytes)
-            return _read_reply(result, _forward_next(result, offset))
+            return _held(charge, _read_reply(result, _forward_next(result, offset)))
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._wait_limit_s(context, block_ms)
         seen = False
         while True:
+            await charge.reserve(max_bytes)
             try:
                 result = engine.read(stream, offset, count, max_bytes=max_bytes)
             except StreamNotFoundError:
@@ -458,8 +490,9 @@ class StreamLogServicer:
             else:
                 seen = True
                 if _has_news(result, offset):
-                    return _read_reply(result, _forward_next(result, offset))
-            # Nothing yet: wait, with no await between the read above and this call.
+                    return _held(charge, _read_reply(result, _forward_next(result, offset)))
+            # Nothing yet: wait, holding no room, with no await between the read above and this call.
+            charge.settle(0)
             wake = await self._waiters.wait(stream, offset, deadline - loop.time())
             if wake is Wake.DELETED:
                 raise not_found(f"stream {stream!r} was deleted")
@@ -478,6 +511,7 @@ class StreamLogServicer:
         max_bytes: int,
         block_ms: int,
         context: grpc.aio.ServicerContext,
+        charge: ReplyCharge,
     ) -> bytes:
         """Read in group mode: acknowledge what the request carries, then read (and wait) as a consumer."""
         group = validation.name("group", request.group)
@@ -494,15 +528,15 @@ class StreamLogServicer:
             acks = {"acknowledged": acked.acked, "ack_unknown": acked.unknown}
         if block_ms:
             waited = await self._group_read_or_wait(
-                engine, stream, group, options, self._wait_limit_s(context, block_ms)
+                engine, stream, group, options, self._wait_limit_s(context, block_ms), charge
             )
             if waited is Wake.DELETED:
                 raise not_found(f"stream {stream!r} was deleted")
             # TIMEOUT, or CLOSED (draining): an empty reply, as a plain blocking read's timeout.
             result = waited if isinstance(waited, GroupReadResult) else None
         else:
-            result = await self._read_group(engine, stream, group, options)
-        return groupwire.read_reply(pb.ReadResponse, result, engine.read(stream, 0, 0), **acks)
+            result = await self._read_group(engine, stream, group, options, charge)
+        return _held(charge, groupwire.read_reply(pb.ReadResponse, result, engine.read(stream, 0, 0), **acks))
 
     @translate_errors
     async def Subscribe(
@@ -512,10 +546,13 @@ class StreamLogServicer:
         settings = self._settings
         stream = validation.stream(request.stream)
         count, max_bytes = self._reply_limits(request, settings.subscribe_batch_entries)
+        # Each reply is held from its read until its send completes: the code after each
+        # `yield` runs once it has (service/limits.py sends them one at a time).
+        charge = self.replies.charge(context)
         if request.group:
             # aclosing: when the client goes away, the inner generator's cleanup runs now, not at GC.
             async with contextlib.aclosing(
-                self._group_subscribe(engine, stream, request, count, max_bytes)
+                self._group_subscribe(engine, stream, request, count, max_bytes, charge)
             ) as replies:
                 async for reply in replies:
                     yield reply
@@ -532,6 +569,7 @@ class StreamLogServicer:
             while True:
                 if self._draining:
                     raise unavailable(f"server is shutting down; resubscribe from offset {offset}")
+                await charge.reserve(max_bytes)
                 try:
                     result = engine.read(stream, offset, count, max_bytes=max_bytes)
                 except StreamNotFoundError:
@@ -543,14 +581,21 @@ class StreamLogServicer:
                     if _has_news(result, offset):
                         offset = _forward_next(result, offset)
                         first = False
-                        yield _subscribe_reply(result, offset)
+                        reply = _held(charge, _subscribe_reply(result, offset))
+                        # The records are in the reply: `result` must not hold a second copy
+                        # while a slow client keeps this generator at its yield.
+                        del result
+                        yield reply
+                        charge.settle(0)
                         continue
                 if first:
                     # Tell the client where it starts, then read again: entries may
                     # have arrived while this reply was being sent.
                     first = False
+                    charge.settle(0)
                     yield _subscribe_reply(result, offset)
                     continue
+                charge.settle(0)
                 wake = await self._waiters.wait(stream, offset, None)
                 if wake is Wake.DELETED:
                     raise not_found(f"stream {stream!r} was deleted")
@@ -566,7 +611,13 @@ class StreamLogServicer:
         self.subscriptions += 1
 
     async def _group_subscribe(
-        self, engine: Engine, stream: str, request: pb.SubscribeRequest, count: int, max_bytes: int
+        self,
+        engine: Engine,
+        stream: str,
+        request: pb.SubscribeRequest,
+        count: int,
+        max_bytes: int,
+        charge: ReplyCharge,
     ) -> AsyncIterator[bytes]:
         """Subscribe in group mode: batches of the entries the group hands this consumer, as they come."""
         group = validation.name("group", request.group)
@@ -583,13 +634,16 @@ class StreamLogServicer:
             while True:
                 if self._draining:
                     raise unavailable("server is shutting down; subscribe again")
-                waited = await self._group_read_or_wait(engine, stream, group, options, wait_s)
+                waited = await self._group_read_or_wait(engine, stream, group, options, wait_s, charge)
                 if waited is Wake.DELETED:
                     raise not_found(f"stream {stream!r} was deleted")
                 if waited is Wake.CLOSED:
                     raise unavailable("server is shutting down; subscribe again")
                 if isinstance(waited, GroupReadResult) and (wait_s == 0 or has_news(waited)):
-                    yield groupwire.read_reply(pb.SubscribeResponse, waited, engine.read(stream, 0, 0))
+                    reply = groupwire.read_reply(pb.SubscribeResponse, waited, engine.read(stream, 0, 0))
+                    del waited  # its records are in the reply (see Subscribe)
+                    yield _held(charge, reply)
+                    charge.settle(0)
                 wait_s = None
         finally:
             self.subscriptions -= 1
@@ -610,13 +664,18 @@ class StreamLogServicer:
         # NOT_FOUND now for a stream or group that does not exist, even if no batch is asked for yet.
         await self._group_call(engine, stream, engine.group_info, stream, group)
 
+        # Each batch is held from its read until its send completes, when the session asks for
+        # the next one (service/limits.py sends them one at a time).
+        charge = self.replies.charge(context)
+
         async def ack(offsets: list[int], ranges: list[tuple[int, int]]) -> tuple[int, int]:
             result = await self._group_call(engine, stream, engine.ack, stream, group, offsets, ranges)
             return result.acked, result.unknown
 
         def reply(result: GroupReadResult | None, batches: int, acknowledged: int, unknown: int) -> bytes:
             counts = {"batches": batches, "acknowledged": acknowledged, "ack_unknown": unknown}
-            return groupwire.read_reply(pb.ConsumeResponse, result, engine.read(stream, 0, 0), **counts)
+            reply = groupwire.read_reply(pb.ConsumeResponse, result, engine.read(stream, 0, 0), **counts)
+            return _held(charge, reply)
 
         # Read options for n batches at once: count x n entries (at most max_read_entries).
         options_for = functools.cache(
@@ -624,7 +683,9 @@ class StreamLogServicer:
         )
 
         def read_or_wait(batches: int, wait_s: float | None, until: asyncio.Event | None) -> Any:
-            return self._group_read_or_wait(engine, stream, group, options_for(batches), wait_s, until)
+            return self._group_read_or_wait(
+                engine, stream, group, options_for(batches), wait_s, charge, until
+            )
 
         calls = SessionCalls(
             read_or_wait=read_or_wait,
@@ -643,6 +704,7 @@ class StreamLogServicer:
             async with contextlib.aclosing(session.run(opening, requests)) as replies:
                 async for reply_bytes in replies:
                     yield reply_bytes
+                    charge.settle(0)
         finally:
             self._sessions.discard(session)
             self.subscriptions -= 1
@@ -693,10 +755,13 @@ class StreamLogServicer:
         consumer = validation.name("consumer", request.consumer)
         min_idle_ms = validation.non_negative("min_idle_ms", request.min_idle_ms)
         offsets = self._offsets(request.offsets)
+        # The claimed entries' size is known only once claimed: room for the largest read.
+        charge = self.replies.charge(context)
+        await charge.reserve(self._settings.max_read_bytes)
         result = await self._group_call(
             engine, stream, engine.claim, stream, group, consumer, min_idle_ms, offsets
         )
-        return groupwire.claim_reply(pb.ClaimResponse, result)
+        return _held(charge, groupwire.claim_reply(pb.ClaimResponse, result))
 
     @translate_errors
     async def AutoClaim(self, request: pb.AutoClaimRequest, context: grpc.aio.ServicerContext) -> bytes:
@@ -710,10 +775,12 @@ class StreamLogServicer:
         count = validation.bounded(
             "count", request.count, settings.default_read_entries, settings.max_read_entries
         )
+        charge = self.replies.charge(context)  # as Claim
+        await charge.reserve(settings.max_read_bytes)
         next_cursor, result = await self._group_call(
             engine, stream, engine.autoclaim, stream, group, consumer, min_idle_ms, cursor, count
         )
-        return groupwire.claim_reply(pb.AutoClaimResponse, result, next_cursor=next_cursor)
+        return _held(charge, groupwire.claim_reply(pb.AutoClaimResponse, result, next_cursor=next_cursor))
 
     # ------------------------------------------------------------------ group admin
 

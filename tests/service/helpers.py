@@ -68,6 +68,13 @@ class FakeContext:
 
     def __init__(self, timeout_s: float | None = None) -> None:
         self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.done_callbacks: list[Callable[[FakeContext], None]] = []
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+    def add_done_callback(self, callback: Callable[[FakeContext], None]) -> None:
+        self.done_callbacks.append(callback)
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: tuple = ()) -> None:
         raise Aborted(code, details, trailing_metadata)

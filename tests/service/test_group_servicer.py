@@ -271,7 +271,9 @@ def test_a_waiter_whose_read_is_under_way_gets_its_entries_even_past_its_timeout
         release = asyncio.Event()
         served = GroupReadResult(records=[b""], offsets=[7], delivery_counts=[1])
 
-        async def slow_read(stream: str, group: str, options: GroupReadOptions) -> GroupReadResult:
+        async def slow_read(
+            stream: str, group: str, options: GroupReadOptions, charge: object
+        ) -> GroupReadResult:
             await release.wait()  # as a read in a thread, waiting for a journal sync
             return served
 
@@ -296,7 +298,9 @@ def test_a_wait_ended_by_its_event_still_gets_the_entries_of_a_read_under_way() 
         release = asyncio.Event()
         served = GroupReadResult(records=[b""], offsets=[7], delivery_counts=[1])
 
-        async def slow_read(stream: str, group: str, options: GroupReadOptions) -> GroupReadResult:
+        async def slow_read(
+            stream: str, group: str, options: GroupReadOptions, charge: object
+        ) -> GroupReadResult:
             await release.wait()
             return served
 

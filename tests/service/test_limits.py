@@ -122,6 +122,13 @@ def test_a_subscriber_that_stops_reading_is_cut_off(start_server: Callable[..., 
         while server.call(lambda: server.server.ops.send_timeout.cut_off) == 0:
             assert time.monotonic() < deadline, "the stalled subscriber was not cut off"
             time.sleep(0.05)
+        servicer = server.server.servicer
+        # The subscription has ended on the server (no reads, no slot), with the client still not
+        # reading; gRPC keeps the unsent reply, still counted in the reply budget, until it is taken.
+        while server.call(lambda: (servicer.subscriptions, len(server.server.ops.open_calls))) != (0, 0):
+            assert time.monotonic() < deadline, "the cut-off subscription is still open on the server"
+            time.sleep(0.05)
+        assert server.call(lambda: servicer.replies.queued) > 0
         received = 0
         with pytest.raises(grpc.RpcError) as info:
             for reply in subscription:  # what was sent before the cut arrives, then the status
@@ -130,6 +137,10 @@ def test_a_subscriber_that_stops_reading_is_cut_off(start_server: Callable[..., 
         assert "subscriber_send_timeout_ms=300" in info.value.details()
         assert "resubscribe" in info.value.details()
         assert 0 < received < 130 * 16
+        # The call is over: what it held is given back.
+        while server.call(lambda: servicer.replies.queued) != 0:
+            assert time.monotonic() < deadline, "the ended call's reply is still counted"
+            time.sleep(0.05)
 
 
 def test_a_compressed_message_is_limited_by_its_decompressed_size(stub: pb_grpc.StreamLogServiceStub) -> None:
