@@ -7,13 +7,19 @@ without parsing prose.
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import socket
+import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 __all__ = [
     "Timer",
@@ -22,6 +28,8 @@ __all__ = [
     "free_port",
     "percentile",
     "percentiles",
+    "server_metrics",
+    "wait_serving",
 ]
 
 
@@ -130,3 +138,34 @@ def cpu_steal_ticks() -> tuple[int, int] | None:
     # user nice system idle iowait irq softirq steal [guest guest_nice]:
     # guest time is already counted in user/nice, so only the first 8 add up.
     return ticks[7], sum(ticks[:8])
+
+
+def wait_serving(address: str, proc: subprocess.Popen) -> None:
+    """Wait until the `streamlog serve` process `proc` answers SERVING at `address`."""
+    deadline = time.monotonic() + 30
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                stderr = proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+                raise RuntimeError(f"streamlog serve exited: {stderr}")
+            try:
+                reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)  # start-up only: the server is not listening yet, nothing to wake us
+    raise RuntimeError("streamlog serve did not become SERVING within 30 s")
+
+
+def server_metrics(port: int) -> dict[str, float]:
+    """A server's Prometheus samples (its metrics_port), summed over labels: name -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    values: dict[str, float] = collections.defaultdict(float)
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0]] += float(value)
+    return values

@@ -30,15 +30,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
-from bench.common import emit, free_port
+from bench.common import emit, free_port, server_metrics, wait_serving
 
 SUBSCRIBERS_PER_CONNECTION = 500
 # Below gRPC's 1,000 calls waiting for the server to take them (see the module docstring).
@@ -54,35 +52,9 @@ def _status(pid: int) -> dict[str, int]:
     return fields
 
 
-def _metrics(port: int) -> dict[str, float]:
-    """The server's Prometheus samples, summed over labels: name -> value."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    values: dict[str, float] = collections.defaultdict(float)
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name.split("{")[0]] += float(value)
-    return values
-
-
 def _channel(address: str) -> grpc.Channel:
     # A local subchannel pool: each channel gets its own connection instead of sharing one.
     return grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
-
-
-def _wait_serving(channel: grpc.Channel) -> None:
-    health = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
-            if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.RpcError:
-            pass
-        time.sleep(0.05)  # start-up only: the port opens and recovery ends without telling us
-    raise RuntimeError("streamlog serve did not become SERVING in 30 s")
 
 
 def _settle(pid: int, seconds: float = 2.0) -> dict[str, int]:
@@ -139,10 +111,10 @@ def run(connections: int, subscribers: int, batch: int) -> None:
         )
         address = f"127.0.0.1:{port}"
         try:
+            wait_serving(address, server)
             with grpc.insecure_channel(address) as probe:
-                _wait_serving(probe)
                 pb_grpc.StreamLogServiceStub(probe).Append(pb.AppendRequest(stream="idle", payloads=[b"x"]))
-            _metrics(metrics_port)  # a first scrape, so its allocations are in the baseline
+            server_metrics(metrics_port)  # a first scrape, so its allocations are in the baseline
             base = _settle(server.pid)
             emit("idle_server_heap", base["RssAnon"] / 1024, "MB", state="started")
 
@@ -156,7 +128,7 @@ def run(connections: int, subscribers: int, batch: int) -> None:
             emit("idle_connection_memory", per_connection, "bytes", connections=connections)
             emit("idle_connection_fds", (with_connections["fds"] - base["fds"]) / connections, "fds")
 
-            before = _metrics(metrics_port)
+            before = server_metrics(metrics_port)
             started = time.monotonic()
             calls, failures = _subscribe(channels, subscribers, batch)
             emit("idle_subscribe_time", time.monotonic() - started, "s", subscribers=subscribers, batch=batch)
@@ -167,7 +139,7 @@ def run(connections: int, subscribers: int, batch: int) -> None:
                 )
             with_subscribers = _settle(server.pid)
             # Every subscriber open on the server, and idle: its one reply is its starting position.
-            seen = _metrics(metrics_port)
+            seen = server_metrics(metrics_port)
             _check("open subscriptions", seen["streamlog_active_subscriptions"], subscribers)
             started_total = seen["streamlog_subscriptions_started_total"]
             _check(
@@ -195,7 +167,7 @@ def run(connections: int, subscribers: int, batch: int) -> None:
             emit("idle_fds_left_behind", after["fds"] - base["fds"], "fds")
             emit(
                 "idle_subscriptions_left_behind",
-                _metrics(metrics_port)["streamlog_active_subscriptions"],
+                server_metrics(metrics_port)["streamlog_active_subscriptions"],
                 "subscriptions",
             )
         finally:

@@ -27,12 +27,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
 from bench import redis_baseline
-from bench.common import Timer, emit, free_port, percentiles
+from bench.common import Timer, emit, free_port, percentiles, wait_serving
 
 BATCH = 1000
 PAYLOAD = 100
@@ -60,7 +59,7 @@ def streamlog_server(fsync: str):
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     address = f"127.0.0.1:{port}"
     try:
-        _wait_serving(address, proc)
+        wait_serving(address, proc)
         yield address
     finally:
         proc.terminate()
@@ -70,23 +69,6 @@ def streamlog_server(fsync: str):
             proc.kill()
             proc.wait()
         shutil.rmtree(data, ignore_errors=True)
-
-
-def _wait_serving(address: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 30
-    with grpc.insecure_channel(address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"streamlog serve exited: {proc.stderr.read().decode()[-2000:]}")
-            try:
-                reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.05)  # start-up only: the server is not listening yet, nothing to wake us
-    raise RuntimeError("streamlog serve did not become SERVING within 30 s")
 
 
 def _channel(address: str) -> grpc.Channel:
