@@ -76,6 +76,7 @@ class ReplyBudget:
         self.queued = 0
         self.refused = 0
         self._by_peer: dict[str, int] = {}
+        self._granting = False
         # Reads waiting for room, in arrival order: (charge, bytes it asks to hold, future).
         self._waiting: list[tuple[ReplyCharge, int, asyncio.Future[None]]] = []
 
@@ -106,7 +107,7 @@ class ReplyBudget:
             self._by_peer[peer] = held
         else:
             del self._by_peer[peer]  # connections come and go: keep no entry for an idle one
-        if delta < 0 and self._waiting:
+        if delta < 0 and self._waiting and not self._granting:
             self._grant()
 
     async def wait_for_room(self, charge: ReplyCharge, nbytes: int) -> None:
@@ -127,16 +128,20 @@ class ReplyBudget:
     def _grant(self) -> None:
         """Hand the room given back to the reads waiting for it, in arrival order."""
         waiting = []
-        for entry in self._waiting:
-            charge, nbytes, future = entry
-            if future.done():
-                continue
-            extra = nbytes - charge.held
-            if extra <= 0 or self.fits(charge.peer, extra):
-                charge.settle(nbytes)
-                future.set_result(None)
-            else:
-                waiting.append(entry)
+        self._granting = True  # the settles below change what is held: no grant within this one
+        try:
+            for entry in self._waiting:
+                charge, nbytes, future = entry
+                if future.done():
+                    continue
+                extra = nbytes - charge.held
+                if extra <= 0 or self.fits(charge.peer, extra):
+                    charge.settle(nbytes)
+                    future.set_result(None)
+                else:
+                    waiting.append(entry)
+        finally:
+            self._granting = False
         self._waiting = waiting
 
     def _refusal(self, charge: ReplyCharge, nbytes: int) -> ServiceError:
