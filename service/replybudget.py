@@ -20,7 +20,11 @@ the call gives the bytes back when gRPC is done with them:
   completed (the call was cut off, or the client went away).
 
 A read that finds no room waits up to `queued_reply_wait_ms`, served as room comes
-back in arrival order, then gets RESOURCE_EXHAUSTED naming the limit. Everything
+back in arrival order, then gets RESOURCE_EXHAUSTED naming the limit. Blocked group
+readers are read for by their group's dispatcher (service/groupwaits.py), which
+reserves for the reader at the head of the line: those behind it wait with it, in
+arrival order as RCP 11 asks, at most that long. Claim and AutoClaim, whose reply
+size is known only once claimed, reserve `max_read_bytes`. Everything
 here runs on the event loop thread: plain integers, no locks. The per-reply cost is
 a few integer operations and one dict lookup.
 """
