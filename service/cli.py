@@ -11,7 +11,7 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from service import logs
@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--log-format", choices=LOG_FORMATS, help=f"one line per event (default: {_DEFAULTS.log_format})"
     )
+    # Cluster mode (docs/CLUSTER.md): all three together, or none for a single server.
+    serve.add_argument("--cluster", metavar="ENDPOINTS", help="join a cluster: etcd endpoints HOST:PORT,...")
+    serve.add_argument("--node-id", metavar="ID", help="this node's id in the cluster (unique)")
+    serve.add_argument("--advertise", metavar="HOST:PORT", help="the address other nodes dial this node at")
     serve.add_argument(
         "--set",
         dest="overrides",
@@ -76,21 +80,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def serve_settings(args: argparse.Namespace, env: Mapping[str, str]) -> Settings:
+    """The settings `serve` runs with: its flags over the environment and the config file."""
+    return load_settings(
+        config_file=args.config,
+        env=env,
+        flags={
+            "data_dir": args.data_dir,
+            "host": args.host,
+            "port": args.port,
+            "fsync": args.fsync,
+            "log_level": args.log_level,
+            "log_format": args.log_format,
+            "cluster": args.cluster,
+            "node_id": args.node_id,
+            "advertise": args.advertise,
+        },
+        overrides=dict(args.overrides),
+    )
+
+
 def _serve(args: argparse.Namespace) -> int:
     try:
-        settings = load_settings(
-            config_file=args.config,
-            env=os.environ,
-            flags={
-                "data_dir": args.data_dir,
-                "host": args.host,
-                "port": args.port,
-                "fsync": args.fsync,
-                "log_level": args.log_level,
-                "log_format": args.log_format,
-            },
-            overrides=dict(args.overrides),
-        )
+        settings = serve_settings(args, os.environ)
     except ConfigError as exc:
         print(f"streamlog serve: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from cluster.addresses import check_name, parse_endpoints, parse_host_port, parse_peer_addresses
 from storage import EngineConfig, InvalidArgumentError
 
 ENV_PREFIX = "STREAMLOG_"
@@ -31,6 +32,7 @@ ENV_CONFIG_FILE = "STREAMLOG_CONFIG"
 FSYNC_POLICIES = ("always", "everysec", "no")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
+ACK_LEVELS = ("leader", "quorum")
 MAX_STREAM_NAME_BYTES = 255
 
 # Room for everything in a response besides the entries themselves (offsets, gap,
@@ -144,6 +146,23 @@ class Settings:
     min_client_ping_interval_ms: int = 10_000
     max_connection_idle_ms: int = 0
 
+    # Cluster (docs/CLUSTER.md). `cluster` empty: a single server and no etcd (the embedded
+    # default); otherwise the etcd endpoints (HOST:PORT,...), and this node needs an id and
+    # the address peers dial it at. `cluster_name` prefixes every etcd key (/<name>/...).
+    cluster: str = ""
+    node_id: str = ""
+    advertise: str = ""
+    cluster_name: str = "streamlog"
+    # The node's etcd lease (whole seconds, etcd's unit): it leads streams only while it holds it.
+    lease_ttl_ms: int = 5_000
+    # A follower not caught up within this leaves the in-sync replicas.
+    replica_lag_ms: int = 2_000
+    # For streams that set none; the factor is capped by the live nodes.
+    default_replication_factor: int = 3
+    default_acks: str = "quorum"
+    # ID=HOST:PORT,...: dial these peers here instead of at their advertised address.
+    peer_addresses: str = ""
+
 
 # name -> (lowest, highest) for integer settings; None means no bound on that side.
 _INT_RANGES: dict[str, tuple[int | None, int | None]] = {
@@ -189,12 +208,16 @@ _INT_RANGES: dict[str, tuple[int | None, int | None]] = {
     "keepalive_timeout_ms": (1_000, 2**31 - 1),
     "min_client_ping_interval_ms": (0, 2**31 - 1),
     "max_connection_idle_ms": (0, 2**31 - 1),
+    "lease_ttl_ms": (1_000, 300_000),
+    "replica_lag_ms": (100, 600_000),
+    "default_replication_factor": (1, 64),
 }
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "fsync": FSYNC_POLICIES,
     "log_level": LOG_LEVELS,
     "log_format": LOG_FORMATS,
+    "default_acks": ACK_LEVELS,
 }
 # Settings naming a file the server reads at start-up (and again when it changes).
 FILE_SETTINGS = ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "tokens_file", "acl_file")
@@ -380,6 +403,7 @@ def validate(settings: Settings, sources: Mapping[str, str] | None = None) -> No
                 f"{large} ({getattr(settings, large)}, from {where(large)})"
             )
     _validate_security(settings, where)
+    _validate_cluster(settings, where)
     for name in ("health_port", "metrics_port"):
         port = getattr(settings, name)
         if port and port == settings.port:
@@ -424,6 +448,39 @@ def _validate_security(settings: Settings, where: Callable[[str], str]) -> None:
             "acl_file needs a way to identify callers: tokens_file (bearer tokens), "
             "tls_client_ca_file (client certificates), or both"
         )
+
+
+def _validate_cluster(settings: Settings, where: Callable[[str], str]) -> None:
+    """The cluster settings parse, and a clustered node says who it is and where it listens."""
+    if settings.lease_ttl_ms % 1000:
+        raise ConfigError(
+            f"lease_ttl_ms: etcd leases count whole seconds, so a multiple of 1000, got "
+            f"{settings.lease_ttl_ms} (from {where('lease_ttl_ms')})"
+        )
+    if not settings.cluster.strip():
+        for name in ("node_id", "advertise", "peer_addresses"):
+            if getattr(settings, name):
+                raise ConfigError(
+                    f"{name} is set (from {where(name)}) but cluster is not: set the etcd endpoints"
+                )
+        return
+    for name in ("node_id", "advertise"):
+        if not getattr(settings, name):
+            raise ConfigError(
+                f"{name}: a node in a cluster needs one (cluster is set, from {where('cluster')})"
+            )
+    checks: list[tuple[str, Callable[[str], object]]] = [
+        ("cluster", parse_endpoints),
+        ("node_id", lambda text: check_name("a node id", text)),
+        ("advertise", parse_host_port),
+        ("cluster_name", lambda text: check_name("the cluster name", text)),
+        ("peer_addresses", parse_peer_addresses),
+    ]
+    for name, check in checks:
+        try:
+            check(getattr(settings, name))
+        except ValueError as exc:
+            raise ConfigError(f"{name}: {exc} (from {where(name)})") from None
 
 
 def is_secret(name: str) -> bool:

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from service.cli import EXIT_USAGE, build_parser, serve_settings
+from service.cli import main as cli_main
 from service.config import ConfigError, Settings, engine_config, env_name, load_settings, setting_names
 
 
@@ -124,3 +126,66 @@ def test_every_setting_has_an_environment_variable_and_reaches_the_engine() -> N
     settings = Settings(fsync="always", max_entry_bytes=1234, node_entries=77)
     config = engine_config(settings)
     assert (config.fsync, config.max_entry_bytes, config.node_entries) == ("always", 1234, 77)
+
+
+CLUSTER = {"cluster": "127.0.0.1:2379,etcd-1:2379", "node_id": "n1", "advertise": "10.0.0.5:7070"}
+
+
+def test_a_single_server_needs_no_cluster_settings_and_a_clustered_node_parses_them() -> None:
+    settings = load_settings()
+    assert (settings.cluster, settings.cluster_name, settings.lease_ttl_ms) == ("", "streamlog", 5000)
+    assert (settings.default_replication_factor, settings.default_acks, settings.replica_lag_ms) == (
+        3,
+        "quorum",
+        2000,
+    )
+    env = {
+        "STREAMLOG_LEASE_TTL_MS": "2000",
+        "STREAMLOG_DEFAULT_ACKS": "leader",
+        "STREAMLOG_PEER_ADDRESSES": "n2=127.0.0.1:17072, n3=[::1]:17073",
+    }
+    settings = load_settings(env=env, flags=CLUSTER)
+    assert (settings.cluster, settings.node_id, settings.advertise) == tuple(CLUSTER.values())
+    assert (settings.lease_ttl_ms, settings.default_acks) == (2000, "leader")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"node_id": "n1"}, "node_id is set (from --set node_id) but cluster is not"),
+        ({"cluster": "127.0.0.1:2379", "advertise": "h:1"}, "node_id: a node in a cluster needs one"),
+        ({"cluster": "127.0.0.1:2379", "node_id": "n1"}, "advertise: a node in a cluster needs one"),
+        ({**CLUSTER, "cluster": "127.0.0.1"}, "cluster: expected HOST:PORT with a port from 1 to 65535"),
+        ({**CLUSTER, "cluster": "a:1,a:1"}, "cluster: an etcd endpoint is listed twice"),
+        ({**CLUSTER, "cluster": " , "}, "cluster: expected one or more etcd endpoints"),
+        ({**CLUSTER, "node_id": "n/1"}, "node_id: a node id must be 1 to 63 letters"),
+        ({**CLUSTER, "advertise": "host:0"}, "advertise: expected HOST:PORT"),
+        ({**CLUSTER, "cluster_name": "a b"}, "cluster_name: the cluster name must be"),
+        ({**CLUSTER, "peer_addresses": "n2"}, "peer_addresses: expected ID=HOST:PORT, got 'n2'"),
+        ({**CLUSTER, "peer_addresses": "n2=h:1,n2=h:2"}, "peer_addresses: node 'n2' is listed twice"),
+        ({**CLUSTER, "lease_ttl_ms": "2500"}, "lease_ttl_ms: etcd leases count whole seconds"),
+        ({**CLUSTER, "lease_ttl_ms": "0"}, "lease_ttl_ms: must be between 1000 and 300000"),
+        ({**CLUSTER, "default_acks": "all"}, "default_acks: must be one of leader, quorum"),
+        (
+            {**CLUSTER, "default_replication_factor": "0"},
+            "default_replication_factor: must be between 1 and 64",
+        ),
+    ],
+)
+def test_bad_cluster_settings_are_refused_with_a_clear_message(overrides: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_settings(overrides=overrides)
+    assert message in str(caught.value)
+
+
+def test_serve_takes_the_cluster_flags_and_checks_them(capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--cluster", "127.0.0.1:2379", "--node-id", "n1", "--advertise", "127.0.0.1:7070"]
+    settings = serve_settings(build_parser().parse_args(["serve", *flags]), env={})
+    assert (settings.cluster, settings.node_id, settings.advertise) == (
+        "127.0.0.1:2379",
+        "n1",
+        "127.0.0.1:7070",
+    )
+    # A bad value stops `serve` before anything starts, with the usage exit code.
+    assert cli_main(["serve", "--cluster", "127.0.0.1:2379", "--node-id", "n1"]) == EXIT_USAGE
+    assert "advertise: a node in a cluster needs one" in capsys.readouterr().err
