@@ -12,6 +12,7 @@ cas, delete, listeners), `nodes` (who is live, at which address), `membership`
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import math
 import time
 from collections.abc import Sequence
@@ -39,7 +40,7 @@ class ClusterConfig:
     lease_ttl_ms: int = 5000
     default_replication_factor: int = 3
     default_acks: str = "quorum"
-    version: str = ""
+    version: str = dataclasses.field(default_factory=lambda: importlib.metadata.version("streamlog"))
 
     @property
     def lease_ttl_s(self) -> int:

@@ -23,7 +23,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from cluster.errors import DuplicateNodeError, EtcdError
 from cluster.etcd import Condition, EtcdClient, KeyValue
@@ -86,7 +87,7 @@ class Membership:
             except EtcdError as exc:
                 log.warning("could not revoke lease %x (it expires by itself): %s", lease_id, exc)
 
-    def _spawn(self, coroutine) -> None:
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -113,7 +114,7 @@ class Membership:
                 deadline = time.monotonic() + lease.ttl_s + _EXPIRY_SLACK_S
             if not await self._wait_deleted(result.kv, deadline):
                 raise DuplicateNodeError(
-                    f"node id {self.node_id!r} is registered by a live node (address "
+                    f"node id {self.node_id!r} is registered by a live node (record "
                     f"{result.kv.value.decode(errors='replace')}, lease {result.kv.lease:x}) that kept it "
                     f"for more than a lease TTL: stop that node or give this one another --node-id"
                 )

@@ -34,7 +34,6 @@ def config(endpoints: Sequence[tuple[str, int]], node_id: str, **overrides: Any)
         "advertise": f"127.0.0.1:{7100 + sum(map(ord, node_id)) % 800}",
         "cluster_name": "test",
         "lease_ttl_ms": TEST_TTL_MS,
-        "version": "test",
     }
     return ClusterConfig(**{**fields, **overrides})
 
