@@ -387,6 +387,10 @@ class Engine:
     def list_groups(self, stream: str) -> list[GroupInfo]:
         return self._groups.list_groups(stream)
 
+    def group_streams(self) -> list[str]:
+        """The streams that have consumer groups, in no particular order."""
+        return self._groups.group_streams()
+
     def group_info(self, stream: str, group: str) -> GroupInfo:
         return self._groups.group_info(stream, group)
 

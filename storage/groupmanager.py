@@ -710,6 +710,11 @@ class GroupManager:
                 out.append(self._info(stream, store, group))
             return out
 
+    def group_streams(self) -> list[str]:
+        with self._lock:
+            stores = list(self._stores.values())
+        return [store.name for store in stores if store.state.groups and not store.closed]
+
     def group_info(self, stream: str, group: str) -> GroupInfo:
         with self._writing(stream) as store:
             found = store.state.group(group)

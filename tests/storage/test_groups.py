@@ -137,6 +137,23 @@ def test_deleting_a_stream_deletes_its_groups(open_engine):
     assert open_engine().list_groups("s") == []
 
 
+def test_group_streams_names_the_streams_with_groups_across_restarts(open_engine):
+    engine = open_engine()
+    for stream in ("a", "b", "c"):
+        fill(engine, 2, stream)
+    assert engine.group_streams() == []
+    engine.create_group("a", "g")
+    engine.create_group("c", "g")
+    engine.create_group("c", "h")
+    engine.list_groups("b")  # looking at a stream without groups does not count it
+    assert sorted(engine.group_streams()) == ["a", "c"]
+    engine.delete_group("c", "g")
+    engine.delete_stream("a")
+    assert engine.group_streams() == ["c"]
+    engine.close()
+    assert open_engine().group_streams() == ["c"]
+
+
 # ---------------------------------------------------------------------- delivery
 
 
