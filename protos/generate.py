@@ -17,6 +17,7 @@ from grpc_tools import protoc
 PROTO_ROOT = Path(__file__).resolve().parent
 DEFAULT_OUT = PROTO_ROOT / "gen"
 PACKAGE = "streamlog"
+DESCRIPTOR_SET = "descriptors.binpb"
 
 
 def proto_files(root: Path = PROTO_ROOT) -> list[Path]:
@@ -42,6 +43,10 @@ def generate(out_dir: Path = DEFAULT_OUT) -> list[Path]:
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
+        # The descriptors with their comments, for documents built from the contract (the HTTP
+        # API's OpenAPI document, service/http/openapi.py): generated code drops the comments.
+        f"--descriptor_set_out={package_dir / DESCRIPTOR_SET}",
+        "--include_source_info",
         *(str(p.relative_to(PROTO_ROOT)) for p in protos),
     ]
     if protoc.main(args) != 0:

@@ -351,6 +351,7 @@ class TlsCredentials:
         self.cert_file, self.key_file, self.client_ca_file = cert_file, key_file, client_ca_file
         self._current = self._load()
         self._pending: Any = None  # a new configuration for gRPC's next fetch
+        self._contexts: list[ssl.SSLContext] = []  # handed to the HTTP API (ssl_context)
 
     def _load(self) -> Any:
         """Read and check the files: the key must match the certificate, the CA must parse."""
@@ -379,6 +380,23 @@ class TlsCredentials:
         """Load the files again; a failure raises ConfigError and leaves the old certificates."""
         self._current = self._load()
         self._pending = self._current
+        for context in self._contexts:
+            self._load_into(context)
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same certificates for the HTTP API (service/http/). A reload gives its new
+        connections the new certificate and key; a client CA added by a reload is trusted
+        alongside the old one until a restart (an SSLContext can add CAs, not drop them)."""
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self._load_into(context)
+        self._contexts.append(context)
+        return context
+
+    def _load_into(self, context: ssl.SSLContext) -> None:
+        context.load_cert_chain(self.cert_file, self.key_file)
+        if self.client_ca_file:
+            context.load_verify_locations(self.client_ca_file)
+            context.verify_mode = ssl.CERT_REQUIRED
 
     def files(self) -> list[str]:
         return [f for f in (self.cert_file, self.key_file, self.client_ca_file) if f]

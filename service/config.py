@@ -116,6 +116,10 @@ class Settings:
     # authorization on, it shows names only to scrapers presenting a bearer token).
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
+    # The HTTP/JSON API and web console (service/http/); 0: off. Same TLS, tokens and rules
+    # as gRPC; it shows what a caller may read, so it listens on the loopback unless told otherwise.
+    http_port: int = 0
+    http_host: str = "127.0.0.1"
 
     # Limits on what clients can make the server hold (service/limits.py). Each refusal
     # is RESOURCE_EXHAUSTED naming the limit and its value.
@@ -192,6 +196,7 @@ _INT_RANGES: dict[str, tuple[int | None, int | None]] = {
     "reload_interval_ms": (0, 86_400_000),
     "health_port": (0, 65_535),
     "metrics_port": (0, 65_535),
+    "http_port": (0, 65_535),
     "max_streams": (1, None),
     "max_groups_per_stream": (1, None),
     "max_consumers_per_group": (1, None),
@@ -377,7 +382,7 @@ def validate(settings: Settings, sources: Mapping[str, str] | None = None) -> No
             raise ConfigError(
                 f"{name}: must be one of {', '.join(choices)}, got {value!r} (from {where(name)})"
             )
-    for name in ("host", "metrics_host"):
+    for name in ("host", "metrics_host", "http_host"):
         if not getattr(settings, name).strip():
             raise ConfigError(f"{name}: must not be empty (from {where(name)})")
     if not str(settings.data_dir).strip():
@@ -404,10 +409,12 @@ def validate(settings: Settings, sources: Mapping[str, str] | None = None) -> No
             )
     _validate_security(settings, where)
     _validate_cluster(settings, where)
-    for name in ("health_port", "metrics_port"):
+    taken = {settings.port: "port"}
+    for name in ("health_port", "metrics_port", "http_port"):
         port = getattr(settings, name)
-        if port and port == settings.port:
-            raise ConfigError(f"{name} ({port}, from {where(name)}) must differ from port")
+        if port and port in taken:
+            raise ConfigError(f"{name} ({port}, from {where(name)}) must differ from {taken[port]}")
+        taken[port] = name
     if settings.max_subscriptions_per_connection > settings.max_concurrent_calls_per_connection:
         raise ConfigError(
             "max_subscriptions_per_connection must not be larger than max_concurrent_calls_per_connection "

@@ -27,6 +27,8 @@ from grpc_reflection.v1alpha import reflection
 from streamlog.v1 import streamlog_pb2 as pb
 
 from service.config import Settings, engine_config
+from service.http.calls import Dispatcher
+from service.http.gateway import HttpGateway
 from service.ops import Operations
 from service.servicer import StreamLogServicer
 from service.waiters import Waiters
@@ -91,6 +93,7 @@ class StreamLogServer:
         self._executor: ThreadPoolExecutor | None = None
         self._stopped = False
         self.ops: Operations | None = None
+        self.http: HttpGateway | None = None
 
     @property
     def address(self) -> str:
@@ -142,6 +145,11 @@ class StreamLogServer:
         log.info("listening on %s (data %s, fsync %s)", self.address, settings.data_dir, settings.fsync)
         try:
             await ops.start(self._health, _address)
+            if settings.http_port:
+                # The HTTP API runs every call through these same handlers and interceptors.
+                dispatcher = Dispatcher(SERVICE, handlers, ops.interceptors())
+                self.http = HttpGateway(settings, dispatcher, ops.security)
+                await self.http.start()
         except BaseException:
             await self.stop()
             raise
@@ -154,6 +162,8 @@ class StreamLogServer:
         self.engine.add_append_listener(self._waiters.on_append)
         self._servicer.listen_to(self.engine)
         self._servicer.attach_engine(self.engine)
+        if self.http is not None:
+            await self.http.attach(self.engine)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %d streams", len(self.engine.list_streams()))
 
@@ -181,6 +191,8 @@ class StreamLogServer:
             self._waiters.close()
         if self._servicer is not None:
             self._servicer.group_waits.close()
+        if self.http is not None:
+            await self.http.stop()
         if self._server is not None:
             await self._server.stop(self.settings.shutdown_grace_ms / 1000)
         if self.ops is not None:

@@ -1,0 +1,78 @@
+"""Server-Sent Events: the replies of a streaming RPC (Subscribe) over HTTP.
+
+Each reply is one event whose data is the reply in JSON, on one line. A plain
+subscription's events carry its `next_offset` as their id, so a client that
+reconnects with `Last-Event-ID` (as EventSource does by itself) continues where
+it was, without loss or duplicates. The response starts with the first reply
+(Subscribe sends one at once): a call refused before it gets an ordinary HTTP
+error status and JSON body; one that ends later gets a last `error` event with
+the same JSON body, then the response ends.
+"""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+from aiohttp import web
+from google.protobuf import json_format
+from google.protobuf.message import Message
+from streamlog.v1 import streamlog_pb2 as pb
+
+from service.http.status import error_body
+
+HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    # Proxies that buffer responses (nginx) would hold the events back.
+    "X-Accel-Buffering": "no",
+}
+
+
+def resume(request: web.Request, message: Message) -> None:
+    """Continue a plain subscription from the Last-Event-ID a reconnecting client sends."""
+    last = request.headers.get("Last-Event-ID", "").strip()
+    # (At most 18 digits: any larger number is no offset, and would not fit an int64.)
+    offset = last.isascii() and last.isdigit() and len(last) <= 18
+    if offset and isinstance(message, pb.SubscribeRequest) and not message.group:
+        message.start = pb.START_POSITION_OFFSET
+        message.offset = int(last)
+
+
+class EventStream:
+    """One SSE response; `send` each reply, `fail` to end with an error event."""
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self.response: web.StreamResponse | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.response is not None
+
+    async def send(self, message: Message) -> None:
+        data = json_format.MessageToJson(message, preserving_proto_field_name=True, indent=None)
+        next_offset = getattr(message, "next_offset", 0)
+        head = f"id: {next_offset}\n" if next_offset else ""
+        await self._write(f"{head}data: {data}\n\n")
+
+    async def fail(self, code: grpc.StatusCode, message: str) -> None:
+        await self._write(f"event: error\ndata: {json.dumps(error_body(code, message))}\n\n")
+
+    async def finish(self) -> web.StreamResponse:
+        """The response, ended; started here if the call sent nothing."""
+        if self.response is None:
+            await self._start()
+        assert self.response is not None
+        return self.response
+
+    async def _start(self) -> None:
+        self.response = web.StreamResponse(headers=HEADERS)
+        await self.response.prepare(self._request)
+
+    async def _write(self, text: str) -> None:
+        if self.response is None:
+            await self._start()
+        # Waits while the client's TCP window is full: the server's send timeout
+        # (subscriber_send_timeout_ms) cuts off a client that stops reading, as on gRPC.
+        await self.response.write(text.encode())  # type: ignore[union-attr]
