@@ -42,6 +42,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from bench.common import Timer, cpu_steal_ticks, emit, free_port, percentiles
+from bench.debian import PackageUnavailable, ensure_package, find_executable
 
 __all__ = [
     "RedisServer",
@@ -61,13 +62,10 @@ __all__ = [
 APPENDFSYNC_POLICIES = ("always", "everysec", "no")
 PAYLOAD_FIELD = "p"
 
-# Debian installs redis-server in /usr/bin; a sudo-less PATH may lack sbin.
-_SEARCH_DIRS = ("/usr/bin", "/usr/sbin", "/usr/local/bin", "/usr/local/sbin")
-_APT_TIMEOUTS = {"update": 300, "install": 600}  # seconds; a stuck mirror must not hang a run
 _STOP_WAIT_S = 5.0
 
 
-class RedisUnavailable(RuntimeError):
+class RedisUnavailable(PackageUnavailable):
     """redis-server is not installed and could not be installed here."""
 
 
@@ -77,14 +75,7 @@ class RedisUnavailable(RuntimeError):
 
 def find_redis_server() -> str | None:
     """Path of an executable ``redis-server``, or None."""
-    path = shutil.which("redis-server")
-    if path:
-        return path
-    for directory in _SEARCH_DIRS:
-        candidate = os.path.join(directory, "redis-server")
-        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
-            return candidate
-    return None
+    return find_executable("redis-server")
 
 
 def ensure_redis_server(install: bool = True) -> str:
@@ -94,50 +85,10 @@ def ensure_redis_server(install: bool = True) -> str:
     redis-server``): a bench must not prompt for a password. apt's output goes
     to stderr so stdout stays pure JSON lines.
     """
-    path = find_redis_server()
-    if path:
-        return path
-    if not install:
-        raise RedisUnavailable("redis-server not found on PATH (install Debian's redis-server package)")
-    if os.geteuid() != 0:
-        raise RedisUnavailable(
-            "redis-server not found and not running as root, so not installing it: "
-            "run `sudo apt-get update && sudo apt-get install -y redis-server`"
-        )
-    if shutil.which("apt-get") is None:
-        raise RedisUnavailable("redis-server not found and apt-get is not available to install it")
-    # noninteractive: no debconf prompts; the lock timeout lets two runs
-    # that install at once wait for each other instead of failing.
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    lock = ["-o", "DPkg::Lock::Timeout=120"]
-    steps = [
-        ("update", ["apt-get", *lock, "update"]),
-        ("install", ["apt-get", *lock, "install", "-y", "redis-server"]),
-    ]
-    print(
-        "bench: redis-server missing, installing Debian's redis-server package", file=sys.stderr, flush=True
-    )
-    for name, cmd in steps:
-        try:
-            proc = subprocess.run(
-                cmd,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                timeout=_APT_TIMEOUTS[name],
-                check=False,
-            )
-        except subprocess.TimeoutExpired as exc:
-            raise RedisUnavailable(f"`{' '.join(cmd)}` timed out after {exc.timeout}s") from exc
-        if proc.returncode != 0:
-            tail = "\n".join(proc.stdout.splitlines()[-15:])
-            raise RedisUnavailable(f"`{' '.join(cmd)}` exited {proc.returncode}:\n{tail}")
-    path = find_redis_server()
-    if path is None:
-        raise RedisUnavailable("apt-get installed redis-server but no redis-server executable was found")
-    return path
+    try:
+        return ensure_package("redis-server", "redis-server", install)
+    except PackageUnavailable as exc:
+        raise RedisUnavailable(str(exc)) from exc
 
 
 def hiredis_in_use() -> bool:

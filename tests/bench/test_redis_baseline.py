@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from bench import debian
 from bench import redis_baseline as rb
 from bench.common import Timer, emit, free_port, percentile, percentiles
 
@@ -139,9 +140,9 @@ def test_timer_and_free_port() -> None:
 
 def test_ensure_redis_server_explains_when_it_cannot_install(monkeypatch: pytest.MonkeyPatch) -> None:
     # Not found and not root: a clear error naming the fix, and no apt-get run.
-    monkeypatch.setattr(rb, "find_redis_server", lambda: None)
-    monkeypatch.setattr(rb.os, "geteuid", lambda: 1000)
-    monkeypatch.setattr(rb.subprocess, "run", lambda *a, **k: pytest.fail("must not run apt-get"))
+    monkeypatch.setattr(debian, "find_executable", lambda name: None)
+    monkeypatch.setattr(debian.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(debian.subprocess, "run", lambda *a, **k: pytest.fail("must not run apt-get"))
     with pytest.raises(rb.RedisUnavailable, match="apt-get install -y redis-server"):
         rb.ensure_redis_server()
     with pytest.raises(rb.RedisUnavailable, match="not found"):
