@@ -22,6 +22,7 @@ import ipaddress
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -41,6 +42,7 @@ from storage import Engine
 
 log = logging.getLogger(__name__)
 
+CONSOLE_DIR = Path(__file__).resolve().parents[1] / "console"
 _LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost"})
 # The console loads nothing from elsewhere and runs no inline script.
 _HEADERS = {
@@ -96,6 +98,8 @@ class HttpGateway:
         app.router.add_get("/v1/streams/{stream}/history", self._stream_history)
         app.router.add_get("/v1/streams/{stream}/groups/{group}/history", self._group_history)
         app.router.add_get("/openapi.json", self._openapi_document)
+        app.router.add_get("/", self._index)
+        app.router.add_static("/console/", CONSOLE_DIR)
         return app
 
     async def start(self) -> None:
@@ -253,6 +257,9 @@ class HttpGateway:
             )
             self._openapi = json.dumps(document, indent=2).encode()
         return web.Response(body=self._openapi, content_type="application/json")
+
+    async def _index(self, request: web.Request) -> web.FileResponse:
+        return web.FileResponse(CONSOLE_DIR / "index.html")
 
 
 def _http_error(exc: web.HTTPException, max_request: int) -> web.Response:

@@ -319,6 +319,13 @@ def test_openapi_describes_every_route_from_the_proto(api: HttpApi) -> None:
         assert ref in schemas, ref
 
 
+def test_the_console_page_and_its_assets_are_served_with_a_strict_policy(api: HttpApi) -> None:
+    page = api.get("/")
+    assert page.status == 200 and b"<html" in page.body
+    assert "default-src 'self'" in page.headers["Content-Security-Policy"]
+    assert api.get("/console/../server.py").status == 404
+
+
 def test_http_settings_are_checked() -> None:
     assert Settings().http_port == 0 and Settings().http_host == "127.0.0.1"
     with pytest.raises(ConfigError, match=r"http_port .* must differ from port"):
