@@ -76,13 +76,19 @@ class HttpApi:
             "GET", path + ("?" + urllib.parse.urlencode(query) if query else ""), timeout_s=timeout_s
         )
 
-    def events(self, path: str, headers: dict[str, str] | None = None, timeout_s: float = 10) -> EventReader:
-        """Open a Server-Sent Events response (GET)."""
+    def events(
+        self, path: str, headers: dict[str, str] | None = None, timeout_s: float = 10, body: str | None = None
+    ) -> EventReader:
+        """Open a Server-Sent Events response: GET, or POST with a JSON `body`."""
         sent = dict(headers or {})
         if self.token is not None:
             sent.setdefault("Authorization", f"Bearer {self.token}")
         connection = self._connection(timeout_s)
-        connection.request("GET", path, headers=sent)
+        if body is None:
+            connection.request("GET", path, headers=sent)
+        else:
+            sent["Content-Type"] = "application/json"
+            connection.request("POST", path, body=body.encode(), headers=sent)
         return EventReader(connection, connection.getresponse())
 
 
