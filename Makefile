@@ -14,11 +14,13 @@ SYNC_CLIENT := clients/client.py
 PROTOS := $(shell find protos/streamlog -name '*.proto')
 DATA ?= ./data
 PORT ?= 7070
+# The HTTP/JSON API and web console (http://127.0.0.1:$(HTTP_PORT)/); HTTP_PORT=0 turns it off.
+HTTP_PORT ?= 7080
 
 .PHONY: run test gen lint venv clean
 
 run: $(GENERATED)
-	$(BIN)/streamlog serve --data $(DATA) --port $(PORT)
+	$(BIN)/streamlog serve --data $(DATA) --port $(PORT) --set http_port=$(HTTP_PORT)
 
 test: $(GENERATED)
 	$(BIN)/ruff check .

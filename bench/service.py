@@ -25,6 +25,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import grpc
 from streamlog.v1 import streamlog_pb2 as pb
@@ -38,9 +39,11 @@ PAYLOAD = 100
 
 
 @contextmanager
-def streamlog_server(fsync: str):
-    """A `streamlog serve` subprocess on a free loopback port; yields its address."""
-    data = Path(tempfile.mkdtemp(prefix="streamlog-bench-"))
+def streamlog_server(fsync: str, data: Path | None = None, **settings: Any):
+    """A `streamlog serve` subprocess on a free loopback port; yields its address. `data`: an
+    existing data directory (kept), else a temporary one; `settings`: more `--set` values."""
+    keep = data is not None
+    data = data or Path(tempfile.mkdtemp(prefix="streamlog-bench-"))
     port = free_port()
     command = [
         sys.executable,
@@ -55,6 +58,7 @@ def streamlog_server(fsync: str):
         fsync,
         "--log-level",
         "warning",
+        *(f"--set={name}={value}" for name, value in settings.items()),
     ]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     address = f"127.0.0.1:{port}"
@@ -68,7 +72,8 @@ def streamlog_server(fsync: str):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        shutil.rmtree(data, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(data, ignore_errors=True)
 
 
 def _channel(address: str) -> grpc.Channel:
