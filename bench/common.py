@@ -140,9 +140,9 @@ def cpu_steal_ticks() -> tuple[int, int] | None:
     return ticks[7], sum(ticks[:8])
 
 
-def wait_serving(address: str, proc: subprocess.Popen) -> None:
+def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float = 30) -> None:
     """Wait until the `streamlog serve` process `proc` answers SERVING at `address`."""
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
@@ -156,7 +156,7 @@ def wait_serving(address: str, proc: subprocess.Popen) -> None:
             except grpc.RpcError:
                 pass
             time.sleep(0.05)  # start-up only: the server is not listening yet, nothing to wake us
-    raise RuntimeError("streamlog serve did not become SERVING within 30 s")
+    raise RuntimeError(f"streamlog serve did not become SERVING within {timeout_s} s")
 
 
 def server_metrics(port: int) -> dict[str, float]:

@@ -90,7 +90,7 @@ def main() -> None:
         build(data, args.streams, args.pending)
         emit("build_data", time.monotonic() - started, "s", streams=args.streams, pending=args.pending)
         port = free_port()
-        with streamlog_server("everysec", data=data, http_port=port, **SETTINGS), browser() as context:
+        with streamlog_server("everysec", data, 900, http_port=port, **SETTINGS), browser() as context:
             page = context.new_page()
             errors: list[str] = []
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)

@@ -39,9 +39,10 @@ PAYLOAD = 100
 
 
 @contextmanager
-def streamlog_server(fsync: str, data: Path | None = None, **settings: Any):
+def streamlog_server(fsync: str, data: Path | None = None, start_timeout_s: float = 30, **settings: Any):
     """A `streamlog serve` subprocess on a free loopback port; yields its address. `data`: an
-    existing data directory (kept), else a temporary one; `settings`: more `--set` values."""
+    existing data directory (kept), else a temporary one, which start-up recovers within
+    `start_timeout_s`; `settings`: more `--set` values."""
     keep = data is not None
     data = data or Path(tempfile.mkdtemp(prefix="streamlog-bench-"))
     port = free_port()
@@ -63,7 +64,7 @@ def streamlog_server(fsync: str, data: Path | None = None, **settings: Any):
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     address = f"127.0.0.1:{port}"
     try:
-        wait_serving(address, proc)
+        wait_serving(address, proc, start_timeout_s)
         yield address
     finally:
         proc.terminate()

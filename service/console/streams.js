@@ -3,7 +3,7 @@
 import { get, seg } from "./api.js";
 import { bytes, count, el, problem, retention, sparkline, table } from "./view.js";
 
-const PAGE = 25;
+const PAGE = 20;
 
 export async function streamsPage(main, params) {
   const prefix = params.get("prefix") || "";
