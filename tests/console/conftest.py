@@ -29,7 +29,9 @@ def start_server(tmp_path: Path) -> Iterator[Callable[..., ServerThread]]:
     next(starting, None)
 
 
-@pytest.fixture(scope="session")
+# Per module, not per session: while Playwright's sync API runs, the main thread has a running
+# event loop, and the next modules' asyncio.run() would refuse to start.
+@pytest.fixture(scope="module")
 def browser_context() -> Iterator[Any]:
     try:
         from bench.browser import browser, chromium_path
