@@ -6,7 +6,9 @@ Those call, on their context, exactly these: `invocation_metadata` (the bearer
 token), `peer` (logs, per-connection limits), `auth_context` (the client
 certificate's common name under mutual TLS), `abort` (every refusal),
 `code` (metrics), `time_remaining` (blocking reads), `write` (each reply of a
-streaming call, sent by the outermost interceptor). Nothing else is implemented:
+streaming call, sent by the outermost interceptor), `send_initial_metadata` (open
+streaming calls), `add_done_callback` (the reply budget gives its bytes back when
+the call ends: the gateway calls `done`). Nothing else is implemented:
 a new use of the context shows up as an AttributeError in the HTTP tests.
 """
 
@@ -71,6 +73,7 @@ class HttpContext:
         self._sink = sink
         self._metadata = metadata_of(request)
         self._code: grpc.StatusCode | None = None
+        self._done: list[Callable[[Any], None]] = []
 
     def invocation_metadata(self) -> Metadata:
         return self._metadata
@@ -92,6 +95,19 @@ class HttpContext:
 
     def time_remaining(self) -> float | None:
         return None  # HTTP has no deadline; a blocking read waits its block_ms
+
+    async def send_initial_metadata(self, metadata: Sequence[tuple[str, str]]) -> None:
+        """Nothing to do: an HTTP response's headers go with its first event (or its refusal).
+        (On gRPC, early headers let a status queue behind a stuck reply; service/opencalls.py.)"""
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        self._done.append(callback)
+
+    def done(self) -> None:
+        """The call has ended: run the done callbacks (the reply budget's release), once."""
+        callbacks, self._done = self._done, []
+        for callback in callbacks:
+            callback(self)
 
     async def write(self, message: Any) -> None:
         if self._sink is None:

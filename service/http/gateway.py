@@ -173,10 +173,13 @@ class HttpGateway:
                 )
             if streaming:
                 return await self._stream(request, rpc, message)
+            context = HttpContext(request)
             try:
-                reply = await self.dispatcher.unary(rpc, message, HttpContext(request))
+                reply = await self.dispatcher.unary(rpc, message, context)
             except CallAborted as aborted:
                 return error_response(aborted.code, aborted.details, aborted.trailing_metadata)
+            finally:
+                context.done()
             return web.Response(text=to_json(reply), content_type="application/json")
 
         return handle
@@ -198,14 +201,17 @@ class HttpGateway:
         async def send(reply: Any) -> None:
             await events.send(self.dispatcher.as_message(rpc, reply))
 
+        context = HttpContext(request, send)
         try:
-            await self.dispatcher.stream(rpc, message, HttpContext(request, send))
+            await self.dispatcher.stream(rpc, message, context)
         except CallAborted as aborted:
             if not events.started:
                 return error_response(aborted.code, aborted.details, aborted.trailing_metadata)
             await events.fail(aborted.code, aborted.details)
         except ConnectionResetError:
             pass  # the client went away mid-write
+        finally:
+            context.done()
         return await events.finish()
 
     # -- the console's history (not RPCs: allowed to whoever the RPC looking at the same thing allows)
@@ -238,7 +244,11 @@ class HttpGateway:
     ) -> web.Response:
         try:
             check = from_query(self.dispatcher.request_class(rpc), fields, request.query)
-            await self.dispatcher.unary(rpc, check, HttpContext(request))
+            context = HttpContext(request)
+            try:
+                await self.dispatcher.unary(rpc, check, context)
+            finally:
+                context.done()
         except RequestError as exc:
             return error_response(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except CallAborted as aborted:

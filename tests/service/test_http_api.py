@@ -340,3 +340,23 @@ def test_a_port_in_use_stops_start_up(start_server, tmp_path: Path) -> None:
     first = start_server(http_port=free_port())
     with pytest.raises(OSError):
         start_server(data_dir=tmp_path / "other", http_port=first.server.http.port)  # type: ignore[union-attr]
+
+
+def test_reads_over_http_give_back_their_reply_budget(http_server: ServerThread, api: HttpApi) -> None:
+    api.post("Append", {"stream": "s", "payloads": [b64(b"x" * 100)] * 50})
+    for _ in range(3):
+        assert len(api.get("/v1/streams/s/entries", count=50).json["entries"]) == 50
+    refused = api.get("/v1/streams/nope/entries")
+    assert refused.status == 404
+    events = api.events("/v1/streams/s/events?start=START_POSITION_OLDEST")
+    next(iter(events))
+    events.close()
+    budget = http_server.server.servicer.replies
+    wait_for(lambda: http_server.call(lambda: budget.queued) == 0)
+
+
+def wait_for(condition, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
