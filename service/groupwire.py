@@ -39,14 +39,14 @@ def config_from_proto(message: pb.GroupConfig, field: str = "config") -> GroupCo
     values: dict[str, Any] = {"retention_hold": message.retention_hold}
     for name in _OPTIONAL_MS:
         if message.HasField(name):
-            values[name] = validation.non_negative(f"{field}.{name}", getattr(message, name))
+            values[name] = validation.duration_ms(f"{field}.{name}", getattr(message, name))
     for name in _POSITIVE:
         if message.HasField(name):
             value = getattr(message, name)
             if value <= 0:
                 raise invalid_argument(f"{field}.{name}: must be positive when set, got {value}")
             values[name] = value
-    values["delay_ms"] = validation.non_negative(f"{field}.delay_ms", message.delay_ms)
+    values["delay_ms"] = validation.duration_ms(f"{field}.delay_ms", message.delay_ms)
     if message.dead_letter_stream:
         values["dead_letter_stream"] = validation.name(
             f"{field}.dead_letter_stream", message.dead_letter_stream

@@ -230,7 +230,7 @@ def _group_options(
 ) -> GroupReadOptions:
     consumer = validation.name("consumer", request.consumer)
     optional = {
-        name: validation.non_negative(name, getattr(request, name)) if request.HasField(name) else None
+        name: validation.duration_ms(name, getattr(request, name)) if request.HasField(name) else None
         for name in _GROUP_OPTIONAL_MS
     }
     return GroupReadOptions(consumer, count, max_bytes, noack=request.noack, **optional)
@@ -743,7 +743,7 @@ class StreamLogServicer:
         stream = validation.stream(request.stream)
         group = validation.name("group", request.group)
         offsets = self._offsets(request.offsets)
-        delay_ms = validation.non_negative("delay_ms", request.delay_ms)
+        delay_ms = validation.duration_ms("delay_ms", request.delay_ms)
         result = await self._group_call(engine, stream, engine.nack, stream, group, offsets, delay_ms)
         return pb.NackResponse(released=result.released, unknown=result.unknown)
 

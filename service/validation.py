@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from service.config import MAX_STREAM_NAME_BYTES
 from service.errors import invalid_argument
+from storage import MAX_DURATION_MS
 
 
 def name(field: str, value: str) -> str:
@@ -47,4 +48,18 @@ def at_most(field: str, value: int, limit_name: str, limit: int) -> int:
     non_negative(field, value)
     if value > limit:
         raise invalid_argument(f"{field}: {value} passes the limit {limit_name}={limit}")
+    return value
+
+
+def duration_ms(field: str, value: int) -> int:
+    """A duration the server adds to its clock (a retry, an expiry, a delay): 0..MAX_DURATION_MS.
+
+    The sum is a due time, sent back as int64 and used to arm timers; past the bound it could
+    overflow, and a value accepted now must not make later calls (GetPending) fail.
+    """
+    non_negative(field, value)
+    if value > MAX_DURATION_MS:
+        raise invalid_argument(
+            f"{field}: {value} ms is past the limit of {MAX_DURATION_MS} ms (about 31,700 years)"
+        )
     return value

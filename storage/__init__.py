@@ -18,6 +18,7 @@ from storage.errors import (
     StreamNotFoundError,
 )
 from storage.groups import (
+    MAX_DURATION_MS,
     AckResult,
     ConsumerInfo,
     GroupConfig,
@@ -32,6 +33,7 @@ from storage.records import Entry
 from storage.results import AppendResult, Gap, ReadResult, StreamInfo
 
 __all__ = [
+    "MAX_DURATION_MS",
     "AckResult",
     "AppendResult",
     "ConsumerInfo",

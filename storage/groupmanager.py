@@ -52,7 +52,8 @@ from storage.groups import (
     GroupSet,
     NackResult,
     PendingInfo,
-    check_ms,
+    check_duration,
+    check_non_negative,
     validate_label,
 )
 from storage.names import dirname_for, validate_name
@@ -67,11 +68,6 @@ GroupListener = Callable[[str, str], None]
 _WAKING = frozenset({g.OP_REMOVE, g.OP_RELEASE, g.OP_SEEK, g.OP_CONFIG, g.OP_DEL_CONSUMER})
 # Ops whose loss in a crash costs nothing but accuracy of a seen time: not worth a sync on their own.
 _SOFT = frozenset({g.OP_SEEN})
-
-
-def _check_count(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidArgumentError(f"{name} must be a non-negative integer")
 
 
 def _check_offsets(offsets: Iterable[int]) -> list[int]:
@@ -653,19 +649,32 @@ class GroupManager:
 
     # ------------------------------------------------------------------ group calls
 
-    def _resolve_start(self, stream: str, start: str | int) -> int:
+    def _position(self, stream: str, start: str | int, entries_read: int | None) -> tuple[int, int]:
+        """A group's cursor and entries_read for `start` (and an explicit entries_read, if given).
+
+        A group cannot have read more entries than the stream ever had (its entries_added): a
+        larger count would also run past int64 as the group reads on.
+        """
+        check_non_negative("entries_read", entries_read, optional=True)
         bounds = self._engine.read(stream, 0, 0)
+        end = bounds.next_offset
         if start == "oldest":
-            return bounds.first_offset
-        if start == "newest":
-            return bounds.next_offset
-        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            cursor = bounds.first_offset
+        elif start == "newest":
+            cursor = end
+        elif not isinstance(start, int) or isinstance(start, bool) or start < 0:
             raise InvalidArgumentError('start must be "oldest", "newest" or a non-negative offset')
-        if start > bounds.next_offset:
+        elif start > end:
+            raise InvalidArgumentError(f"offset {start} is past the end of stream {stream!r} ({end})")
+        else:
+            cursor = start
+        if entries_read is None:
+            return cursor, cursor
+        if entries_read > end:
             raise InvalidArgumentError(
-                f"offset {start} is past the end of stream {stream!r} ({bounds.next_offset})"
+                f"entries_read {entries_read} is more than stream {stream!r} has had (entries_added {end})"
             )
-        return start
+        return cursor, entries_read
 
     def _check_config(self, stream: str, config: GroupConfig) -> None:
         if not isinstance(config, GroupConfig):
@@ -685,15 +694,11 @@ class GroupManager:
         validate_label("group", group)
         config = config or GroupConfig()
         self._check_config(stream, config)
-        check_ms("entries_read", entries_read)
-        cursor = self._resolve_start(stream, start)
+        cursor, entries_read = self._position(stream, start, entries_read)
         with self._writing(stream) as store:
             if group in store.state.groups:
                 raise PreconditionError(f"consumer group {group!r} already exists on stream {stream!r}")
-            now = self._now()
-            created = store.state.create(
-                group, config, cursor, cursor if entries_read is None else entries_read, now
-            )
+            created = store.state.create(group, config, cursor, entries_read, self._now())
             return self._info(stream, store, created)
 
     def delete_group(self, stream: str, group: str) -> None:
@@ -749,11 +754,10 @@ class GroupManager:
     def set_group_offset(
         self, stream: str, group: str, offset: str | int, entries_read: int | None = None
     ) -> GroupInfo:
-        check_ms("entries_read", entries_read)
-        cursor = self._resolve_start(stream, offset)
+        cursor, entries_read = self._position(stream, offset, entries_read)
         with self._writing(stream) as store:
             found = store.state.group(group)
-            found.seek(cursor, cursor if entries_read is None else entries_read)
+            found.seek(cursor, entries_read)
             return self._info(stream, store, found)
 
     def set_group_config(self, stream: str, group: str, config: GroupConfig) -> GroupInfo:
@@ -797,14 +801,14 @@ class GroupManager:
         `next_due_ms` and waking on appends and on group listeners (acks that free room).
         """
         validate_label("consumer", consumer)
-        _check_count("count", count)
-        _check_count("max_bytes", max_bytes)
+        check_non_negative("count", count)
+        check_non_negative("max_bytes", max_bytes)
         for name, value in (
             ("retry_ms", retry_ms),
             ("expire_ms", expire_ms),
             ("claim_idle_ms", claim_idle_ms),
         ):
-            check_ms(name, value)
+            check_duration(name, value)
         count = min(count, self._engine.config.max_batch_entries)  # bounds the journal record of one read
         with self._writing(stream) as store:
             found = store.state.group(group)
@@ -872,7 +876,7 @@ class GroupManager:
 
     def nack(self, stream: str, group: str, offsets: Iterable[int], delay_ms: int = 0) -> NackResult:
         offsets = _check_offsets(offsets)
-        check_ms("delay_ms", delay_ms, optional=False)
+        check_duration("delay_ms", delay_ms, optional=False)
         with self._writing(stream) as store:
             found = store.state.group(group)
             now = self._now()
@@ -884,7 +888,7 @@ class GroupManager:
     ) -> GroupReadResult:
         """Take over pending entries idle for at least min_idle_ms (Redis XCLAIM); returns them."""
         validate_label("consumer", consumer)
-        check_ms("min_idle_ms", min_idle_ms, optional=False)
+        check_non_negative("min_idle_ms", min_idle_ms)
         offsets = _check_offsets(offsets)
         with self._writing(stream) as store:
             found = store.state.group(group)
@@ -906,9 +910,9 @@ class GroupManager:
         Returns the cursor for the next call (0 when the scan is complete) and the claimed entries.
         """
         validate_label("consumer", consumer)
-        check_ms("min_idle_ms", min_idle_ms, optional=False)
-        _check_count("cursor", cursor)
-        _check_count("count", count)
+        check_non_negative("min_idle_ms", min_idle_ms)
+        check_non_negative("cursor", cursor)
+        check_non_negative("count", count)
         count = min(count, self._engine.config.max_batch_entries)
         with self._writing(stream) as store:
             found = store.state.group(group)
@@ -934,11 +938,11 @@ class GroupManager:
         count: int = 100,
     ) -> PendingInfo:
         """Summary of the group's pending entries, and detail rows for offsets in [start, end)."""
-        check_ms("min_idle_ms", min_idle_ms, optional=False)
-        _check_count("start", start)
-        _check_count("count", count)
+        check_non_negative("min_idle_ms", min_idle_ms)
+        check_non_negative("start", start)
+        check_non_negative("count", count)
         if end is not None:
-            _check_count("end", end)
+            check_non_negative("end", end)
         with self._writing(stream) as store:
             found = store.state.group(group)
             now = self._now()

@@ -77,6 +77,10 @@ COUNTER_NAMES = ("delivered", "redelivered", "acked", "ack_unknown", "expired", 
 # unknown offsets than that: such counts saturate here rather than fail every later reply.
 MAX_COUNT = 2**63 - 1
 
+# Durations are added to clock times (ms since the epoch), and the sums are due times that go out as
+# int64 (GetPending's due_ms) and arm timers: bounded far below int64, so that no sum can overflow.
+MAX_DURATION_MS = 10**15
+
 # Verdicts of Group.admit on an entry the cursor reaches.
 ADMIT, SCHEDULE, STOP = "admit", "schedule", "stop"
 
@@ -100,11 +104,20 @@ def validate_label(kind: str, name: str) -> None:
         raise InvalidArgumentError(f"{kind} name must not contain NUL")
 
 
-def check_ms(name: str, value: int | None, *, optional: bool = True) -> None:
+def check_non_negative(name: str, value: int | None, *, optional: bool = False) -> None:
     if value is None and optional:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise InvalidArgumentError(f"{name} must be a non-negative integer")
+
+
+def check_duration(name: str, value: int | None, *, optional: bool = True) -> None:
+    """A duration that is added to a clock time (a retry, an expiry, a delay): 0..MAX_DURATION_MS."""
+    check_non_negative(name, value, optional=optional)
+    if value is not None and value > MAX_DURATION_MS:
+        raise InvalidArgumentError(
+            f"{name} is {value} ms; the limit is {MAX_DURATION_MS} ms (about 31,700 years)"
+        )
 
 
 # ---------------------------------------------------------------------- configuration
@@ -134,8 +147,8 @@ class GroupConfig:
 
     def __post_init__(self) -> None:
         for name in ("retry_ms", "expire_ms", "idle_release_ms"):
-            check_ms(name, getattr(self, name))
-        check_ms("delay_ms", self.delay_ms, optional=False)
+            check_duration(name, getattr(self, name))
+        check_duration("delay_ms", self.delay_ms, optional=False)
         for name in ("max_deliveries", "max_pending"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
+from storage import MAX_DURATION_MS
 from tests.service.helpers import ServerThread, small_settings
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -135,6 +136,11 @@ BAD_GROUP_CONFIGS = [
     (pb.GroupConfig(delay_ms=-1), "config.delay_ms"),
     (pb.GroupConfig(dead_letter_stream="a\x00b"), "config.dead_letter_stream: must not contain NUL"),
     (pb.GroupConfig(dead_letter_stream=EXISTING), "must not be the group's own stream"),
+    # Durations added to the clock stay far inside int64 (issue 12).
+    (pb.GroupConfig(retry_ms=2**63 - 1), "config.retry_ms: 9223372036854775807 ms is past the limit"),
+    (pb.GroupConfig(expire_ms=MAX_DURATION_MS + 1), "config.expire_ms: 1000000000000001 ms is past"),
+    (pb.GroupConfig(idle_release_ms=2**63 - 1), "config.idle_release_ms: 9223372036854775807 ms is past"),
+    (pb.GroupConfig(delay_ms=2**63 - 1), "config.delay_ms: 9223372036854775807 ms is past the limit"),
 ]
 for config, why in BAD_GROUP_CONFIGS:
     CASES += [
@@ -249,6 +255,15 @@ CASES += [
         INVALID,
         "claim_idle_ms: must not be negative",
     ),
+    *[
+        (
+            "Read",
+            pb.ReadRequest(stream=EXISTING, group=GROUP, consumer="c", **{name: 2**63 - 1}),
+            INVALID,
+            f"{name}: 9223372036854775807 ms is past the limit of {MAX_DURATION_MS} ms",
+        )
+        for name in ("retry_ms", "expire_ms", "claim_idle_ms")
+    ],
     (
         "Read",
         pb.ReadRequest(stream=EXISTING, group=GROUP, consumer="c", ack_offsets=[2, -1]),
@@ -318,6 +333,12 @@ CASES += [
     ),
     (
         "Subscribe",
+        pb.SubscribeRequest(stream=EXISTING, group=GROUP, consumer="c", expire_ms=MAX_DURATION_MS + 1),
+        INVALID,
+        "expire_ms: 1000000000000001 ms is past the limit",
+    ),
+    (
+        "Subscribe",
         pb.SubscribeRequest(stream=EXISTING, group="nope", consumer="c"),
         NOT_FOUND,
         "group 'nope' does not exist",
@@ -337,6 +358,7 @@ CASES += [
             ({"retry_ms": -1}, "retry_ms: must not be negative"),
             ({"expire_ms": -1}, "expire_ms: must not be negative"),
             ({"claim_idle_ms": -1, "batches": 1}, "claim_idle_ms: must not be negative"),
+            ({"retry_ms": 2**63 - 1, "batches": 1}, "retry_ms: 9223372036854775807 ms is past the limit"),
             ({"batches": -1}, "batches: must not be negative"),
             ({"ack_offsets": [2, -1]}, "ack_offsets: must not be negative"),
             (
@@ -414,6 +436,12 @@ CASES += [
     ("Nack", pb.NackRequest(stream=EXISTING, group=GROUP, offsets=[1], delay_ms=-1), INVALID, "delay_ms"),
     (
         "Nack",
+        pb.NackRequest(stream=EXISTING, group=GROUP, offsets=[1], delay_ms=2**63 - 1),
+        INVALID,
+        "delay_ms: 9223372036854775807 ms is past the limit",
+    ),
+    (
+        "Nack",
         pb.NackRequest(stream=EXISTING, group=GROUP, offsets=range(11)),
         EXHAUSTED,
         "max_ack_offsets=10",
@@ -449,6 +477,12 @@ CASES += [
     ),
     (
         "CreateGroup",
+        pb.CreateGroupRequest(stream=EXISTING, group="g", entries_read=6),
+        INVALID,
+        "entries_read 6 is more than stream 'existing' has had (entries_added 5)",
+    ),
+    (
+        "CreateGroup",
         pb.CreateGroupRequest(stream="missing", group="g"),
         NOT_FOUND,
         "'missing' does not exist",
@@ -478,6 +512,12 @@ CASES += [
         pb.SetGroupOffsetRequest(stream=EXISTING, group=GROUP, entries_read=-3),
         INVALID,
         "entries_read: must not be negative",
+    ),
+    (
+        "SetGroupOffset",
+        pb.SetGroupOffsetRequest(stream=EXISTING, group=GROUP, entries_read=2**63 - 1),
+        INVALID,
+        "entries_read 9223372036854775807 is more than stream 'existing' has had (entries_added 5)",
     ),
     ("SetGroupOffset", pb.SetGroupOffsetRequest(stream=EXISTING, group="nope"), NOT_FOUND, "group 'nope'"),
     ("SetGroupConfig", pb.SetGroupConfigRequest(stream=EXISTING, group="nope"), NOT_FOUND, "group 'nope'"),

@@ -470,6 +470,21 @@ def test_noack_reads_deleted_consumers_and_group_offsets(stub: pb_grpc.StreamLog
     assert (made.stream, made.next_offset, made.entries_added) == ("fresh", 0, 0)
 
 
+def test_durations_past_int64_are_refused_and_get_pending_keeps_answering(
+    stub: pb_grpc.StreamLogServiceStub,
+) -> None:
+    fill(stub, "s", 3)
+    create(stub, "s", "g")
+    with pytest.raises(grpc.RpcError) as read:
+        gread(stub, "s", "g", "a", count=3, retry_ms=2**63 - 1)
+    assert read.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert offsets(gread(stub, "s", "g", "a", count=3)) == [0, 1, 2]
+    with pytest.raises(grpc.RpcError) as nack:
+        stub.Nack(pb.NackRequest(stream="s", group="g", offsets=[0, 1, 2], delay_ms=2**63 - 1))
+    assert nack.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [r.consumer for r in pending(stub, "s", "g").entries] == ["a", "a", "a"]  # unchanged, and answered
+
+
 def test_a_restart_keeps_group_state_and_redelivers_what_was_not_acknowledged(
     start_server: Callable[..., ServerThread], tmp_path: Path
 ) -> None:

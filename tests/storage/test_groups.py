@@ -14,6 +14,7 @@ import pytest
 
 import storage.engine
 from storage import (
+    MAX_DURATION_MS,
     DiskFullError,
     DurabilityError,
     Engine,
@@ -93,6 +94,59 @@ def test_create_group_refusals(open_engine):
         GroupConfig(retry_ms=-1)
     with pytest.raises(InvalidArgumentError):
         engine.read_group("s", "g", "", 1)
+
+
+# Durations are added to the clock and the due times go out as int64: past the bound they are
+# refused, where they used to be accepted and make every later GetPending fail (issue 12).
+OVER = MAX_DURATION_MS + 1
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda e: e.read_group("s", "g", "c", 1, retry_ms=OVER),
+        lambda e: e.read_group("s", "g", "c", 1, retry_ms=2**63 - 1),
+        lambda e: e.read_group("s", "g", "c", 1, expire_ms=OVER),
+        lambda e: e.read_group("s", "g", "c", 1, claim_idle_ms=OVER),
+        lambda e: e.nack("s", "g", [0], delay_ms=OVER),
+        lambda e: e.nack("s", "g", [0], delay_ms=2**63 - 1),
+        lambda e: GroupConfig(retry_ms=OVER),
+        lambda e: GroupConfig(expire_ms=OVER),
+        lambda e: GroupConfig(delay_ms=OVER),
+        lambda e: GroupConfig(idle_release_ms=OVER),
+    ],
+)
+def test_durations_past_the_bound_are_refused_and_change_nothing(open_engine, call):
+    engine = open_engine()
+    fill(engine, 3)
+    engine.create_group("s", "g")
+    engine.read_group("s", "g", "a", 1)
+    before = engine._groups.dump("s")
+    with pytest.raises(InvalidArgumentError, match="the limit is"):
+        call(engine)
+    assert engine._groups.dump("s") == before
+
+
+def test_durations_at_the_bound_keep_due_times_inside_int64(open_engine, clock):
+    engine = open_engine()
+    fill(engine, 3)
+    engine.create_group("s", "g", config=GroupConfig(retry_ms=MAX_DURATION_MS, delay_ms=0))
+    engine.read_group("s", "g", "a", 2, expire_ms=MAX_DURATION_MS, claim_idle_ms=MAX_DURATION_MS)
+    engine.nack("s", "g", [1], delay_ms=MAX_DURATION_MS)
+    rows = engine.pending("s", "g").rows
+    assert [r.due_ms for r in rows] == [clock.now_ms + MAX_DURATION_MS] * 2
+    assert all(r.due_ms < 2**63 for r in rows)
+
+
+def test_entries_read_past_what_the_stream_had_is_refused(open_engine):
+    engine = open_engine()
+    fill(engine, 3)
+    with pytest.raises(InvalidArgumentError, match="entries_added 3"):
+        engine.create_group("s", "g", start=0, entries_read=4)
+    engine.create_group("s", "g", start=0, entries_read=3)
+    with pytest.raises(InvalidArgumentError, match="entries_added 3"):
+        engine.set_group_offset("s", "g", 0, entries_read=2**63 - 1)
+    assert engine.group_info("s", "g").entries_read == 3
 
 
 def test_missing_group_is_not_found_and_delete_group_forgets_it(open_engine):
