@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 from bisect import bisect_right
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -79,9 +79,16 @@ def _check_offsets(offsets: Iterable[int]) -> list[int]:
 
 
 class _Out:
-    """A group read's result as it is assembled: records in delivery order and a byte budget."""
+    """A group read's reply as it is assembled: records in delivery order, a byte budget, and the
+    offsets it holds.
 
-    __slots__ = ("bytes", "counts", "max_bytes", "offsets", "records")
+    One reply draws on redeliveries, delayed entries now due and entries from the cursor. Once the
+    cursor is moved back over pending entries these can name the same entry, and a reply holds each
+    offset once: single offsets are kept in a set, the cursor's contiguous runs as ranges (no cost
+    per entry on the hot path).
+    """
+
+    __slots__ = ("bytes", "counts", "max_bytes", "offsets", "records", "runs", "singles")
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -89,6 +96,8 @@ class _Out:
         self.records: list[bytes] = []
         self.offsets: list[int] = []
         self.counts: list[int] = []
+        self.singles: set[int] = set()
+        self.runs: list[range] = []
 
     def fits(self, nbytes: int) -> bool:
         """Whether nbytes more stay within max_bytes; the first entry always fits, as in plain reads."""
@@ -101,10 +110,48 @@ class _Out:
         left = self.max_bytes - self.bytes
         return left if left > 0 else None
 
-    def add(self, records: list[bytes], offsets: Sequence[int]) -> None:
+    def holds(self, offset: int) -> bool:
+        return offset in self.singles or any(offset in run for run in self.runs)
+
+    def holds_any(self, run: range) -> bool:
+        if not self.singles and not self.runs:
+            return False  # the common case: a reply of new entries only, so far
+        return any(o in run for o in self.singles) or any(
+            r.start < run.stop and run.start < r.stop for r in self.runs
+        )
+
+    def add(self, record: bytes, offset: int) -> None:
+        """One entry the caller found not held and fitting."""
+        self.records.append(record)
+        self.offsets.append(offset)
+        self.singles.add(offset)
+        self.bytes += len(record)
+
+    def add_run(self, records: list[bytes], run: range) -> None:
+        """The records of a run of offsets the caller found not held and fitting."""
         self.records.extend(records)
-        self.offsets.extend(offsets)
+        self.offsets.extend(run)
+        self.runs.append(run)
         self.bytes += sum(map(len, records))
+
+    def take(self, offsets: Iterable[int], records: dict[int, bytes]) -> list[int]:
+        """Add the records of `offsets` in their order; returns the offsets left out: held already,
+        or past the byte budget (and every one after it). Offsets with no record (gone) are skipped.
+        """
+        left: list[int] = []
+        full = False
+        for offset in offsets:
+            record = records.get(offset)
+            if record is None:
+                continue
+            if full or self.holds(offset):
+                left.append(offset)
+            elif self.fits(len(record)):
+                self.add(record, offset)
+            else:
+                full = True
+                left.append(offset)
+        return left
 
     def count_from(self, start: int, delivery_count: Callable[[int], int]) -> None:
         self.counts.extend(delivery_count(o) for o in self.offsets[start:])
@@ -530,21 +577,13 @@ class GroupManager:
         gone = [o for o in offsets if o not in records]
         group.remove(gone, g.R_EVICTED)
         start = len(out.offsets)
-        left: list[int] = []
-        for offset in offsets:
-            record = records.get(offset)
-            if record is None:
-                continue
-            if left or not out.fits(len(record)):
-                left.append(offset)
-            else:
-                out.add([record], (offset,))
+        left = out.take(offsets, records)
         taken = out.offsets[start:]
         if claim:
             group.claim(consumer, now, taken)
         else:
             group.deliver(consumer, now, retry_ms, None, taken)
-        out.count_from(start, lambda o: group.pending[o].count)
+        out.count_from(start, group.delivery_count)
         return gone, left
 
     def _deliver_scheduled(self, stream, group, consumer, now, retry_ms, expire_ms, noack, room, out) -> int:
@@ -555,41 +594,35 @@ class GroupManager:
         records = self._fetch(stream, offsets)
         group.remove([o for o in offsets if o not in records], g.R_EVICTED)
         start = len(out.offsets)
-        left: list[int] = []
-        for offset in offsets:
-            record = records.get(offset)
-            if record is None:
-                continue
-            if left or not out.fits(len(record)):
-                left.append(offset)
-            else:
-                out.add([record], (offset,))
-        group.restore_scheduled(left)
+        group.restore_scheduled(out.take(offsets, records))
         self._record_new(group, consumer, now, retry_ms, expire_ms, noack, start, out)
         return len(out.offsets) - start
 
     def _record_new(self, group, consumer, now, retry_ms, expire_ms, noack, start, out) -> None:
         """Record the first delivery of the entries added to `out` since `start`, and their counts."""
         offsets = out.offsets[start:]
+        if not offsets:
+            return
+        first_delivery = group.all_new(offsets)
         if noack:
             group.deliver_untracked(offsets)
-            out.counts.extend([1] * len(offsets))
-        elif offsets:
-            first_delivery = group.all_new(offsets)
+        else:
             group.deliver(consumer, now, retry_ms, expire_ms, offsets)
-            if first_delivery:
-                out.counts.extend([1] * len(offsets))
-            else:  # a cursor moved back over entries still pending: they count up
-                out.count_from(start, lambda o: group.pending[o].count)
+        if first_delivery:
+            out.counts.extend([1] * len(offsets))
+        else:  # a cursor moved back over entries still pending: they count up (untracked: as they are)
+            out.count_from(start, group.delivery_count)
 
     def _scan(
         self, stream, group, consumer, now, retry_ms, expire_ms, noack, room, out
     ) -> tuple[int | None, Gap | None]:
         """New entries from the group's cursor. Returns (when the cursor's next entry is due, evicted gap).
 
-        Contiguous runs with no delayed entry and past the group's delay go through as the stream
-        returned them (one chunk per node). Otherwise each record is judged by `Group.admit`:
-        delivered, scheduled for its deliver_at_ms (and passed), or the scan stops before it.
+        Contiguous runs with no delayed entry, past the group's delay and not in the reply yet go
+        through as the stream returned them (one chunk per node). Otherwise each record is judged
+        by `Group.admit`: delivered, scheduled for its deliver_at_ms (and passed), or the scan stops
+        before it; an entry the reply holds already (a redelivery that a cursor moved back meets
+        again) is passed.
         """
         delay = group.config.delay_ms
         cursor = group.cursor
@@ -611,15 +644,15 @@ class GroupManager:
                 cursor = max(cursor, result.next_offset)  # what is left before the end is holes
                 caught_up = cursor == result.next_offset
                 break
-            last = result.last_offset
+            run = range(cursor, result.last_offset + 1)
             fast = False
-            if last - cursor + 1 == result.count:
-                delayed, max_ts = self._traits(stream, cursor, last + 1)
+            if len(run) == result.count and not out.holds_any(run):
+                delayed, max_ts = self._traits(stream, run.start, run.stop)
                 fast = not delayed and max_ts + delay <= now and out.fits(sum(map(len, result.records)))
             if fast:
-                out.add(result.records, range(cursor, last + 1))
+                out.add_run(result.records, run)
                 room -= result.count
-                cursor = last + 1
+                cursor = run.stop
             else:
                 stopped = False
                 for offset, timestamp, due, record in skim_records(result.records):
@@ -630,8 +663,10 @@ class GroupManager:
                         break
                     if verdict == g.SCHEDULE:
                         scheduled.append((offset, due))
+                    elif out.holds(offset):
+                        pass
                     elif out.fits(len(record)):
-                        out.add([record], (offset,))
+                        out.add(record, offset)
                         room -= 1
                     else:
                         stopped = True

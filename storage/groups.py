@@ -810,6 +810,11 @@ class Group:
                 claims.append(offset)
         return (order[i] if i < len(order) else 0), claims, doomed
 
+    def delivery_count(self, offset: int) -> int:
+        """An entry's delivery count once delivered: its pending count, or 1 when not tracked."""
+        entry = self.pending.get(offset)
+        return 1 if entry is None else entry.count
+
     def owned_by(self, consumer: str) -> list[int]:
         return [o for o in self._order if self.pending[o].consumer == consumer]
 

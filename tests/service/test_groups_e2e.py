@@ -470,6 +470,50 @@ def test_noack_reads_deleted_consumers_and_group_offsets(stub: pb_grpc.StreamLog
     assert (made.stream, made.next_offset, made.entries_added) == ("fresh", 0, 0)
 
 
+def assert_each_offset_once_with_the_pending_counts(
+    stub: pb_grpc.StreamLogServiceStub, stream: str, group: str, reply: pb.ReadResponse
+) -> None:
+    got = offsets(reply)
+    assert len(set(got)) == len(got), got
+    counts = {r.offset: r.delivery_count for r in pending(stub, stream, group, count=1000).entries}
+    assert list(reply.delivery_counts) == [counts[o] for o in got]
+
+
+def test_one_reply_holds_each_offset_once_after_the_group_offset_moves_back(
+    stub: pb_grpc.StreamLogServiceStub,
+) -> None:
+    """Issue 12's reproductions: a rewind over pending entries, with a nack, then a deleted consumer."""
+    fill(stub, "s", 5)
+    create(stub, "s", "g")
+    assert offsets(gread(stub, "s", "g", "a", count=3)) == [0, 1, 2]
+    stub.SetGroupOffset(pb.SetGroupOffsetRequest(stream="s", group="g", start=pb.START_POSITION_OLDEST))
+    stub.Nack(pb.NackRequest(stream="s", group="g", offsets=[1]))
+    first = gread(stub, "s", "g", "a", count=10)
+    assert (offsets(first), list(first.delivery_counts)) == ([1, 0, 2, 3, 4], [2, 2, 2, 1, 1])
+    assert_each_offset_once_with_the_pending_counts(stub, "s", "g", first)
+
+    stub.DeleteConsumer(pb.DeleteConsumerRequest(stream="s", group="g", consumer="a"))
+    stub.SetGroupOffset(pb.SetGroupOffsetRequest(stream="s", group="g", offset=2))
+    second = gread(stub, "s", "g", "b", count=10)
+    assert (offsets(second), list(second.delivery_counts)) == ([0, 1, 2, 3, 4], [3, 3, 3, 2, 2])
+    assert_each_offset_once_with_the_pending_counts(stub, "s", "g", second)
+
+
+def test_due_redeliveries_and_a_group_offset_moved_back_give_each_offset_once(
+    stub: pb_grpc.StreamLogServiceStub,
+) -> None:
+    fill(stub, "s", 5)
+    create(stub, "s", "g")
+    assert offsets(gread(stub, "s", "g", "a", count=3, retry_ms=200)) == [0, 1, 2]
+    stub.SetGroupOffset(pb.SetGroupOffsetRequest(stream="s", group="g", offset=0))
+    due = max(r.due_ms for r in pending(stub, "s", "g").entries)
+    time.sleep(0.3)  # the retries fall due (200 ms)
+    assert now_ms() >= due
+    reply = gread(stub, "s", "g", "b", count=10)
+    assert (offsets(reply), list(reply.delivery_counts)) == ([0, 1, 2, 3, 4], [2, 2, 2, 1, 1])
+    assert_each_offset_once_with_the_pending_counts(stub, "s", "g", reply)
+
+
 def test_durations_past_int64_are_refused_and_get_pending_keeps_answering(
     stub: pb_grpc.StreamLogServiceStub,
 ) -> None:

@@ -634,6 +634,89 @@ def test_set_group_offset_rewinds_and_redelivers(open_engine):
         engine.set_group_offset("s", "g", 6)
 
 
+# A rewound position meets entries a read also takes as redeliveries (due, released, idle, or
+# delayed and due): one reply holds each offset once, with the count GetPending then shows.
+
+
+def assert_counts_match_pending(engine: Engine, result) -> None:
+    assert len(set(result.offsets)) == len(result.offsets), result.offsets
+    assert result.delivery_counts == [pending_map(engine)[o][1] for o in result.offsets]
+
+
+def _nacked(engine: Engine, clock: FakeClock) -> None:
+    engine.read_group("s", "g", "a", 3)
+    engine.set_group_offset("s", "g", "oldest")
+    engine.nack("s", "g", [1])
+
+
+def _released_by_a_deleted_consumer(engine: Engine, clock: FakeClock) -> None:
+    engine.read_group("s", "g", "a", 5)
+    assert engine.delete_consumer("s", "g", "a") == 5
+    engine.set_group_offset("s", "g", 2)
+
+
+def _due_retries(engine: Engine, clock: FakeClock) -> None:
+    engine.read_group("s", "g", "a", 3, retry_ms=200)
+    engine.set_group_offset("s", "g", 0)
+    clock.advance(300)
+
+
+def _idle(engine: Engine, clock: FakeClock) -> None:
+    engine.read_group("s", "g", "a", 2)
+    engine.set_group_offset("s", "g", 0)
+    clock.advance(100)
+
+
+@pytest.mark.parametrize(
+    ("prepare", "options", "offsets", "counts"),
+    [
+        pytest.param(_nacked, {}, [1, 0, 2, 3, 4], [2, 2, 2, 1, 1], id="nacked"),
+        pytest.param(_released_by_a_deleted_consumer, {}, [0, 1, 2, 3, 4], [2] * 5, id="deleted-consumer"),
+        pytest.param(_due_retries, {}, [0, 1, 2, 3, 4], [2, 2, 2, 1, 1], id="due-retries"),
+        pytest.param(_idle, {"claim_idle_ms": 100}, [0, 1, 2, 3, 4], [2, 2, 1, 1, 1], id="claimed-on-read"),
+    ],
+)
+def test_a_rewind_over_redeliveries_gives_each_offset_once(
+    open_engine, clock, prepare, options, offsets, counts
+):
+    """Issue 12's reproductions: the position moved back over entries a read also takes as redeliveries."""
+    engine = open_engine()
+    fill(engine, 5)
+    engine.create_group("s", "g")
+    prepare(engine, clock)
+    result = engine.read_group("s", "g", "b", 10, **options)
+    assert (result.offsets, result.delivery_counts) == (offsets, counts)
+    assert_counts_match_pending(engine, result)
+    assert payloads(result) == [b"e%d" % o for o in offsets]
+    assert engine.group_info("s", "g").cursor == 5
+
+
+def test_a_rewind_over_a_delayed_entry_now_due_gives_it_once(open_engine, clock):
+    engine = open_engine()
+    fill(engine, 4, deliver_at_ms=[0, clock.now_ms + 100, 0, 0])
+    engine.create_group("s", "g")
+    assert engine.read_group("s", "g", "a", 10).offsets == [0, 2, 3]
+    engine.set_group_offset("s", "g", 0)
+    clock.advance(100)
+    result = engine.read_group("s", "g", "a", 10)
+    assert (result.offsets, result.delivery_counts) == ([1, 0, 2, 3], [1, 2, 2, 2])
+    assert_counts_match_pending(engine, result)
+    assert engine.group_info("s", "g").scheduled == 0
+
+
+def test_a_noack_read_over_pending_entries_reports_their_pending_counts(open_engine):
+    engine = open_engine()
+    fill(engine, 3)
+    engine.create_group("s", "g")
+    engine.read_group("s", "g", "a", 2)
+    engine.nack("s", "g", [1])
+    assert engine.read_group("s", "g", "a", 1).offsets == [1]
+    engine.set_group_offset("s", "g", 0)
+    result = engine.read_group("s", "g", "b", 10, noack=True)
+    assert (result.offsets, result.delivery_counts) == ([0, 1, 2], [1, 2, 1])
+    assert pending_map(engine) == {0: ("a", 1), 1: ("a", 2)}  # untracked: still a's, counts unchanged
+
+
 # ---------------------------------------------------------------------- retention
 
 
