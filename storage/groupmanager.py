@@ -160,6 +160,13 @@ class _Out:
         return GroupReadResult(self.records, self.offsets, self.counts, **extra)
 
 
+def _spanning(a: Gap | None, b: Gap | None) -> Gap | None:
+    """One gap covering two eviction gaps of a reply (every offset between them is evicted too)."""
+    if a is None or b is None:
+        return a or b
+    return Gap(min(a.start, b.start), max(a.end, b.end), "evicted")
+
+
 class _Store:
     """One stream's groups: state, journal, lock, sync gate, and its published retention holds."""
 
@@ -598,6 +605,20 @@ class GroupManager:
         self._record_new(group, consumer, now, retry_ms, expire_ms, noack, start, out)
         return len(out.offsets) - start
 
+    def _evict_scheduled(self, stream: str, group: g.Group) -> Gap | None:
+        """Drop the delayed entries the stream evicted before they fell due, as a gap for the reader.
+
+        The group never got them, so the read that finds them gone says so, as it does for entries
+        evicted ahead of the cursor (a trim to an offset goes past retention holds).
+        """
+        if not group.scheduled:
+            return None
+        evicted = group.scheduled_below(self._engine.read(stream, 0, 0).first_offset)
+        if not evicted:
+            return None
+        group.remove(evicted, g.R_EVICTED)
+        return Gap(evicted[0], evicted[-1] + 1, "evicted")
+
     def _record_new(self, group, consumer, now, retry_ms, expire_ms, noack, start, out) -> None:
         """Record the first delivery of the entries added to `out` since `start`, and their counts."""
         offsets = out.offsets[start:]
@@ -826,7 +847,10 @@ class GroupManager:
         delivery count goes up and this consumer becomes their owner); with `claim_idle_ms`,
         pending entries idle at least that long (claim-on-read, least recently delivered first);
         then new entries: delayed entries that have become due, then entries from the group's
-        cursor. New entries stop while `max_pending` entries are pending (`pending_full`).
+        cursor. New entries stop while `max_pending` entries are pending (`pending_full`). A cursor
+        moved back over pending entries redelivers them as it passes them, and a reply holds each
+        offset once whatever the mix (`_Out`). Delayed entries evicted before they fell due, and
+        entries evicted ahead of the cursor, are reported in one `gap`.
         `retry_ms` / `expire_ms` override the group's for the entries this read delivers
         (expiry counts from an entry's first delivery). `noack` reads take only new entries
         and do not track them. `max_bytes` bounds the records' size (at least one entry).
@@ -873,13 +897,15 @@ class GroupManager:
                 free = found.room()
                 if free is not None and free < room:
                     full, room = True, free
-            cursor_due = gap = None
+            gap = self._evict_scheduled(stream, found)
+            cursor_due = None
             if room > 0 and out.budget() is not None:
                 room -= self._deliver_scheduled(stream, found, consumer, now, retry, expire, noack, room, out)
                 if room > 0 and out.budget() is not None:
-                    cursor_due, gap = self._scan(
+                    cursor_due, cursor_gap = self._scan(
                         stream, found, consumer, now, retry, expire, noack, room, out
                     )
+                    gap = _spanning(gap, cursor_gap)
             found.seen(consumer, now, active=bool(out.offsets))
             free = found.room()
             next_due = found.next_due_ms(

@@ -256,7 +256,9 @@ class GroupReadResult:
     delivery_counts: list[int] = field(default_factory=list)
     next_due_ms: int | None = None
     pending_full: bool = False  # new entries were held back because max_pending entries are pending
-    gap: Gap | None = None  # evicted entries the cursor jumped over, never delivered to this group
+    # Evicted entries never delivered to this group: those the cursor jumped over, and delayed entries
+    # evicted before they fell due; one range spanning them all.
+    gap: Gap | None = None
     gone: list[int] = field(default_factory=list)  # pending offsets dropped: the stream no longer has them
 
     @property
@@ -713,6 +715,11 @@ class Group:
                 seen.add(item[1])
                 out.append(item[1])
         return out
+
+    def scheduled_below(self, offset: int) -> list[int]:
+        """Scheduled offsets below `offset`, ascending (below a stream's first offset: evicted)."""
+        order = self._sched_order
+        return order[: bisect_left(order, offset)]
 
     def restore_scheduled(self, offsets: Iterable[int]) -> None:
         for offset in offsets:

@@ -514,6 +514,22 @@ def test_due_redeliveries_and_a_group_offset_moved_back_give_each_offset_once(
     assert_each_offset_once_with_the_pending_counts(stub, "s", "g", reply)
 
 
+def test_a_delayed_entry_trimmed_before_it_fell_due_is_reported_as_a_gap(
+    stub: pb_grpc.StreamLogServiceStub,
+) -> None:
+    later = now_ms() + 60_000
+    entries = [pb.Entry(payload=b"0"), pb.Entry(payload=b"1", deliver_at_ms=later), pb.Entry(payload=b"2")]
+    stub.Append(pb.AppendRequest(stream="s", entries=entries))
+    create(stub, "s", "g")
+    assert offsets(gread(stub, "s", "g", "a", count=10)) == [0, 2]
+    stub.Trim(pb.TrimRequest(stream="s", trim_to_offset=3))
+    reply = gread(stub, "s", "g", "a", count=10)
+    assert not reply.entries and reply.HasField("gap")
+    assert (reply.gap.start_offset, reply.gap.end_offset, reply.gap.reason) == (1, 2, pb.GAP_REASON_EVICTED)
+    described = info(stub, "s", "g")
+    assert (described.scheduled, described.counters.evicted) == (0, 1)
+
+
 def test_durations_past_int64_are_refused_and_get_pending_keeps_answering(
     stub: pb_grpc.StreamLogServiceStub,
 ) -> None:

@@ -27,6 +27,7 @@ from storage import (
     StreamNotFoundError,
 )
 from storage.groups import GroupSet
+from storage.results import Gap
 from tests.storage.faultfs import FaultFS
 
 from .conftest import SMALL, FakeClock
@@ -777,6 +778,33 @@ def test_pending_entries_evicted_without_a_hold_are_dropped_on_redelivery(open_e
     assert result.gone == [0, 1]
     assert (result.offsets, result.delivery_counts) == ([2, 3, 4], [2, 1, 1])
     assert engine.group_info("s", "g").counters.evicted == 2
+
+
+@pytest.mark.parametrize("wait_ms", [0, 500])
+def test_a_delayed_entry_trimmed_before_it_fell_due_is_a_gap(open_engine, clock, wait_ms):
+    engine = open_engine()
+    fill(engine, 3, deliver_at_ms=[0, clock.now_ms + 500, 0])
+    engine.create_group("s", "g")
+    assert engine.read_group("s", "g", "a", 10).offsets == [0, 2]
+    engine.trim("s", 3)  # trim_to_offset: past the scheduled entry (no hold stops it)
+    clock.advance(wait_ms)  # read at once, or after the entry would have fallen due
+    result = engine.read_group("s", "g", "a", 10)
+    assert result.offsets == []
+    assert result.gap == Gap(1, 2, "evicted")
+    info = engine.group_info("s", "g")
+    assert (info.scheduled, info.counters.evicted) == (0, 1)
+    assert engine.read_group("s", "g", "a", 10).gap is None  # reported once
+
+
+def test_evicted_delayed_entries_and_a_cursor_gap_make_one_gap(open_engine, clock):
+    engine = open_engine()
+    fill(engine, 6, deliver_at_ms=[0, clock.now_ms + 500, 0, 0, 0, 0])
+    engine.create_group("s", "g")
+    assert engine.read_group("s", "g", "a", 2).offsets == [0, 2]  # 1 scheduled, the cursor at 3
+    engine.trim("s", 5)
+    result = engine.read_group("s", "g", "a", 10)
+    assert (result.offsets, result.gap) == ([5], Gap(1, 5, "evicted"))
+    assert engine.group_info("s", "g").counters.evicted == 1
 
 
 # ---------------------------------------------------------------------- restart and crash
