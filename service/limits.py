@@ -142,24 +142,18 @@ class LimitsInterceptor(WrappingInterceptor):
         if known is not None and consumer in known:
             return
         try:
-            # group_info settles the group, which waits for a journal sync on "always" streams:
-            # there, in a thread (as the servicer's group calls).
-            if engine.stream_fsync(stream) == "always":
-                info = await asyncio.to_thread(engine.group_info, stream, group)
-            else:
-                info = engine.group_info(stream, group)
+            # O(1), on the loop: one client naming new consumers must not slow everyone down.
+            count, exists = engine.consumer_count(stream, group, consumer)
         except StorageError:
             return  # no such stream or group: the servicer answers that
-        known = {c.name for c in info.consumers}
-        self._consumers[(stream, group)] = known
         limit = self._settings.max_consumers_per_group
-        if consumer not in known and len(known) >= limit:
+        if not exists and count >= limit:
             raise LimitError(
                 "max_consumers_per_group",
                 limit,
                 f"consumer {consumer!r}: group {group!r} has {limit} consumers",
             )
-        known.add(consumer)
+        self._consumers.setdefault((stream, group), set()).add(consumer)
 
     async def _new_group(self, engine: Engine, request: Any) -> None:
         try:

@@ -402,6 +402,9 @@ class Engine:
     def set_group_config(self, stream: str, group: str, config: GroupConfig) -> GroupInfo:
         return self._groups.set_group_config(stream, group, config)
 
+    def consumer_count(self, stream: str, group: str, consumer: str) -> tuple[int, bool]:
+        return self._groups.consumer_count(stream, group, consumer)
+
     def delete_consumer(self, stream: str, group: str, consumer: str) -> int:
         return self._groups.delete_consumer(stream, group, consumer)
 

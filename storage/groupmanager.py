@@ -782,6 +782,19 @@ class GroupManager:
             self._settle(stream, found, self._now())
             return self._info(stream, store, found)
 
+    def consumer_count(self, stream: str, group: str, consumer: str) -> tuple[int, bool]:
+        """How many consumers the group has, and whether `consumer` is one of them.
+
+        O(1), and changes nothing (no settling, no journal): for a limit checked before every call
+        that may add a consumer, whose cost must not grow with the group.
+        """
+        store = self._store(stream)
+        with store.lock:
+            if store.closed:
+                raise StreamNotFoundError(f"stream {stream!r} does not exist")
+            consumers = store.state.group(group).consumers
+            return len(consumers), consumer in consumers
+
     def _info(self, stream: str, store: _Store, group: g.Group) -> GroupInfo:
         end = self._engine.read(stream, 0, 0).next_offset
         lag = None

@@ -16,7 +16,7 @@ from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
 from service import limits
 from service.server import SERVICE
-from storage import Engine
+from storage import Engine, EngineConfig
 from tests.service.helpers import ServerThread, append, small_settings
 
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -307,5 +307,54 @@ def test_streams_still_being_created_count_across_a_refresh(
         clock[0] += 5
         request = pb.AppendRequest(stream="c", payloads=[b"x"])
         assert asyncio.run(guard.check("Append", request, engine)) is request
+    finally:
+        engine.close()
+
+
+def _register_timing(engine: Engine, guard: limits.LimitsInterceptor, group: str, names: list[str]) -> float:
+    """Seconds the limit check of a group read takes for each new consumer name (the best of 3 runs)."""
+
+    async def check_all(batch: list[str]) -> None:
+        for name in batch:
+            await guard.check("Read", pb.ReadRequest(stream="s", group=group, consumer=name), engine)
+
+    best = float("inf")
+    for run in range(3):
+        batch = [f"{name}-{run}" for name in names]
+        started = time.perf_counter()
+        asyncio.run(check_all(batch))
+        best = min(best, (time.perf_counter() - started) / len(batch))
+    return best
+
+
+@needs_groups
+def test_registering_a_consumer_costs_the_same_in_a_group_of_10_000(tmp_path: Path) -> None:
+    """Issue 13: the check of max_consumers_per_group once listed every consumer of the group for each
+    new name (27 ms on the event loop at 10,000 consumers). Compared at 100 and 10,000 consumers,
+    with a generous factor: the listing made it about 100 times slower."""
+    engine = Engine(tmp_path / "data", EngineConfig(fsync="no"))
+    try:
+        engine.append("s", [b"x"])
+        for group, size in (("small", 100), ("big", 10_000)):
+            engine.create_group("s", group)
+            for i in range(size):
+                engine.read_group("s", group, f"c{i}", 0)
+        settings = small_settings(tmp_path, max_consumers_per_group=20_000)
+        guard = limits.LimitsInterceptor(SERVICE.full_name, settings, lambda: engine)
+        names = [f"new{i}" for i in range(30)]
+        small = _register_timing(engine, guard, "small", names)
+        big = _register_timing(engine, guard, "big", names)
+        assert big < 10 * small + 0.0005, (small, big)
+        # The 10,001st consumer registers, and the limit still counts every consumer.
+        assert engine.read_group("s", "big", "new0-0", 1).offsets == [0]
+        assert len(engine.group_info("s", "big").consumers) == 10_001
+        full = limits.LimitsInterceptor(
+            SERVICE.full_name, small_settings(tmp_path, max_consumers_per_group=10_001), lambda: engine
+        )
+        request = pb.ReadRequest(stream="s", group="big", consumer="one-more")
+        with pytest.raises(limits.LimitError, match="max_consumers_per_group=10001"):
+            asyncio.run(full.check("Read", request, engine))
+        known = pb.ReadRequest(stream="s", group="big", consumer="c7")
+        assert asyncio.run(full.check("Read", known, engine)) is known
     finally:
         engine.close()
