@@ -661,8 +661,9 @@ class StreamLogServicer:
         group = validation.name("group", opening.group)
         count, max_bytes = self._reply_limits(opening, settings.default_read_entries)
         options = _group_options(opening, count, max_bytes)
-        # NOT_FOUND now for a stream or group that does not exist, even if no batch is asked for yet.
-        await self._group_call(engine, stream, engine.group_info, stream, group)
+        # NOT_FOUND now for a stream or group that does not exist, even if no batch is asked for yet
+        # (an O(1) look, not a GroupInfo: its cost must not grow with the group's consumers).
+        engine.consumer_count(stream, group, options.consumer)
 
         # Each batch is held from its read until its send completes, when the session asks for
         # the next one (service/limits.py sends them one at a time).

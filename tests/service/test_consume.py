@@ -835,3 +835,35 @@ def test_a_batch_sent_while_an_ack_is_being_applied_is_not_owed_again() -> None:
     sent = asyncio.run(scenario())
     # Two batches asked for in all: two sent, and the last reply reports nothing new.
     assert sent == [b"([0], 0, 0)", b"([1], 1, 0)"]
+
+
+def test_opening_a_session_costs_the_same_in_a_group_of_10_000(
+    start_server: Callable[..., ServerThread],
+) -> None:
+    """Issue 13: opening a session once described the whole group (every consumer listed and sorted,
+    about 27 ms of event-loop time at 10,000 consumers) just to check that it exists. Compared at 100
+    and 10,000 consumers, the best of several openings each, with a generous factor."""
+    server = start_server(max_consumers_per_group=20_000)
+    engine = server.server.engine
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        fill(stub, "s", 1)
+        for group, size in (("small", 100), ("big", 10_000)):
+            create(stub, "s", group)
+            server.call(
+                lambda group=group, size=size: [
+                    engine.read_group("s", group, f"c{i}", 0) for i in range(size)
+                ]
+            )
+
+        def best_opening(group: str) -> float:
+            best = float("inf")
+            for i in range(12):
+                opening = pb.ConsumeRequest(stream="s", group=group, consumer=f"new{i}")
+                started = time.perf_counter()
+                assert list(stub.Consume(iter([opening]), timeout=TIMEOUT)) == []  # opened, closed: OK
+                best = min(best, time.perf_counter() - started)
+            return best
+
+        small, big = best_opening("small"), best_opening("big")
+        assert big < 3 * small + 0.005, (small, big)
