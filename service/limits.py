@@ -335,6 +335,12 @@ class SendTimeoutInterceptor(WrappingInterceptor):
                     await call.context.write(reply)
             except TimeoutError:
                 raise self._cut_off(call) from None
+            except grpc.aio.InternalError:
+                # gRPC's core refused the send (ExecuteBatchError): the client has gone (or
+                # cancelled) and the call has not been told yet. A subscriber leaving is normal,
+                # so the call ends as cancelled (gRPC logs that at debug), not as a servicer
+                # failure (logged at ERROR with a traceback).
+                raise asyncio.CancelledError from None
 
         async def timed(request: Any, context: grpc.aio.ServicerContext) -> None:
             await self._calls.serve(method, request, context, iterate(behavior, request, context), send)

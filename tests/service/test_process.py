@@ -183,3 +183,40 @@ def test_a_data_directory_in_use_exits_1(spawn, tmp_path: Path) -> None:
     assert "in use by another process" in log
     first.process.send_signal(signal.SIGTERM)
     assert first.finish()[0] == 0
+
+
+def test_subscribers_that_disconnect_mid_stream_leave_no_error_in_the_log(spawn, tmp_path: Path) -> None:
+    """A client that goes away while replies are being sent to it is normal. gRPC refuses the
+    next send (ExecuteBatchError) before it tells the call it was cancelled; that must not
+    reach the log as an ERROR with a traceback. Subscribe and Consume both send this way."""
+    server = spawn("--data", str(tmp_path / "data"), "--port", "0").wait_ready()
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        for _ in range(40):  # 40,000 entries of 1 KiB: replies of 1 MiB, more than a client takes at once
+            entries = [pb.Entry(payload=b"x" * 1024)] * 1000
+            stub.Append(pb.AppendRequest(stream="backlog", entries=entries), timeout=30)
+        for round_ in range(1, 40, 2):  # a group per Consume: each finds the whole backlog new
+            stub.CreateGroup(pb.CreateGroupRequest(stream="backlog", group=f"g{round_}"), timeout=10)
+    done = threading.Event()
+
+    def session(group: str) -> Iterator[pb.ConsumeRequest]:
+        yield pb.ConsumeRequest(stream="backlog", group=group, consumer="c", count=1000, batches=100)
+        done.wait(60)  # the client's side stays open: the session goes on sending
+
+    try:
+        for round_ in range(40):
+            # A channel of its own, closed after the first reply: the peer leaves mid-stream.
+            with grpc.insecure_channel(server.target) as channel:
+                stub = pb_grpc.StreamLogServiceStub(channel)
+                if round_ % 2:
+                    replies = stub.Consume(session(f"g{round_}"), timeout=60)
+                else:
+                    request = pb.SubscribeRequest(stream="backlog", start=pb.START_POSITION_OLDEST)
+                    replies = stub.Subscribe(request, timeout=60)
+                assert next(replies).entries
+    finally:
+        done.set()
+    server.process.send_signal(signal.SIGTERM)
+    code, log = server.finish()
+    assert code == 0, log
+    assert "Traceback" not in log and " ERROR " not in log, log
