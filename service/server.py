@@ -14,9 +14,11 @@ synced and closed.
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import logging
 import signal
+import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -79,6 +81,37 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+class PortInUseError(OSError):
+    """A port the settings name is taken: the server starts nothing and says which one."""
+
+
+def check_port_free(host: str, port: int, setting: str) -> None:
+    """Raise PortInUseError if `port` on `host` cannot be listened on because it is taken.
+
+    Checked before anything starts, so that a taken port is one clear line (gRPC's own
+    bind failure is a core log line and a message pointing to GRPC_VERBOSITY). Port 0
+    is always free. The probe binds as gRPC does (SO_REUSEADDR) and closes at once.
+    """
+    if port == 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return  # an unresolvable host: gRPC reports it when it binds
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    return  # not ours to judge (no such local address, ...): gRPC's bind reports it
+                raise PortInUseError(
+                    f"{setting} {port} on {host} is in use by another process; stop it, or choose "
+                    f"another {setting} (0 picks a free one)",
+                ) from None
+
+
 class StreamLogServer:
     """One server: call `await start()`, later `await stop()`, on the same event loop."""
 
@@ -107,6 +140,9 @@ class StreamLogServer:
 
     async def start(self) -> None:
         settings = self.settings
+        check_port_free(settings.host, settings.port, "port")
+        if settings.health_port:
+            check_port_free(settings.host, settings.health_port, "health_port")
         loop = asyncio.get_running_loop()
         self._executor = ThreadPoolExecutor(
             max_workers=settings.append_threads, thread_name_prefix="streamlog-io"
@@ -182,7 +218,10 @@ class StreamLogServer:
         if self._stopped:
             return
         self._stopped = True
-        log.info("draining")
+        # A start that failed before listening (a taken port) has nothing to drain: say nothing.
+        started = self._server is not None
+        if started:
+            log.info("draining")
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self._servicer is not None:
@@ -203,7 +242,8 @@ class StreamLogServer:
         if self.engine is not None:
             engine, self.engine = self.engine, None
             await asyncio.to_thread(_sync_and_close, engine)
-        log.info("stopped")
+        if started:
+            log.info("stopped")
 
 
 def _sync_and_close(engine: Engine) -> None:

@@ -166,14 +166,24 @@ def test_bad_settings_exit_2_with_a_clear_message(spawn, tmp_path: Path) -> None
     assert "fsync: must be one of always, everysec, no, got 'sometimes' (from environment variable" in log
 
 
-def test_a_taken_port_exits_1(spawn, tmp_path: Path) -> None:
+@pytest.mark.parametrize("flag", ["--port", "--set health_port"])
+def test_a_taken_port_exits_1_with_one_clear_line(spawn, tmp_path: Path, flag: str) -> None:
+    """Nothing starts, so nothing drains: the log is the one line saying what to do."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        code, log = spawn("--data", str(tmp_path), "--port", str(port)).finish()
+        args = ["--port", str(port)] if flag == "--port" else ["--port", "0", "--set", f"health_port={port}"]
+        code, log = spawn("--data", str(tmp_path / "data"), *args).finish()
     assert code == 1
-    assert "cannot run the server" in log
+    lines = log.splitlines()
+    assert len(lines) == 1, log
+    setting = "port" if flag == "--port" else "health_port"
+    assert lines[0].endswith(
+        f"ERROR streamlog: cannot run the server: {setting} {port} on 127.0.0.1 is in use by another "
+        f"process; stop it, or choose another {setting} (0 picks a free one)"
+    ), log
+    assert not (tmp_path / "data").exists()  # nothing was opened
 
 
 def test_a_data_directory_in_use_exits_1(spawn, tmp_path: Path) -> None:
