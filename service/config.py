@@ -8,7 +8,7 @@ file comes from `--config FILE` or `STREAMLOG_CONFIG`.
 
 No setting holds a secret itself: TLS keys and bearer tokens live in files named by
 `tls_key_file` and `tokens_file`, so the settings can be printed at start-up
-(`describe`); a value whose name says it is secret is masked all the same.
+(`describe`, `describe_changes`); a value whose name says it is secret is masked all the same.
 
 Values are checked once, here, so the server never starts half-configured: a bad
 value stops start-up with a `ConfigError` naming the setting, where the value came
@@ -504,6 +504,26 @@ def describe(settings: Settings) -> dict[str, Any]:
             value = "********"
         values[name] = str(value) if isinstance(value, Path) else value
     return values
+
+
+def describe_changes(settings: Settings) -> str:
+    """The settings not at their built-in defaults, one per line, for people (text logs)."""
+    defaults = describe(Settings())
+    changed = [(name, value) for name, value in describe(settings).items() if value != defaults[name]]
+    if not changed:
+        return "settings: all at their defaults (every setting: streamlog serve --help)"
+    lines = ["settings not at their defaults (every setting: streamlog serve --help):"]
+    lines += [f"  {name} = {_show_value(name, value)}" for name, value in changed]
+    return "\n".join(lines)
+
+
+def _show_value(name: str, value: Any) -> str:
+    """A size in the largest binary unit that states it exactly (as a setting accepts it back)."""
+    if name.endswith("_bytes") and isinstance(value, int) and value:
+        for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+            if value % size == 0:
+                return f"{value // size} {unit}"
+    return str(value)
 
 
 def engine_config(settings: Settings, *, background: bool = True) -> EngineConfig:

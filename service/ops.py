@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from service import auth, limits, metrics
-from service.config import Settings, describe
+from service.config import Settings, describe, describe_changes
 from service.opencalls import OpenCalls
 from service.replybudget import ReplyBudget
 from storage import Engine
@@ -81,7 +81,10 @@ class Operations:
     async def start(self, health_servicer: Any, address: Callable[[str, int], str]) -> None:
         """After the main server has started: log settings, open the health and metrics ports."""
         settings = self.settings
-        log.info("settings", extra={"settings": describe(settings)})
+        if settings.log_format == "json":
+            log.info("settings", extra={"settings": describe(settings)})  # one event: every setting
+        else:
+            log.info("%s", describe_changes(settings))  # for people: what differs, one per line
         if self.security.tls is not None:
             mutual = " with client certificates" if settings.tls_client_ca_file else ""
             log.info("TLS on%s", mutual)

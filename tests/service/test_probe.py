@@ -82,8 +82,10 @@ def test_probe_speaks_tls_to_the_main_port(start_server: Callable[..., ServerThr
 def test_settings_are_logged_at_start_up_with_secrets_masked(
     start_server: Callable[..., ServerThread], caplog: pytest.LogCaptureFixture
 ) -> None:
+    # JSON logs carry every setting in one event (text logs list those not at their defaults:
+    # tests/service/test_process.py).
     with caplog.at_level(logging.INFO, logger="service.ops"):
-        server = start_server(max_streams=77)
+        server = start_server(max_streams=77, log_format="json")
     (record,) = [r for r in caplog.records if r.getMessage() == "settings"]
     logged = record.settings  # type: ignore[attr-defined]
     assert logged["max_streams"] == 77 and logged["data_dir"] == str(server.settings.data_dir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -20,6 +21,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
+
+from service.config import setting_names
 
 STREAMLOG = shutil.which("streamlog", path=str(Path(sys.executable).parent))
 START_TIMEOUT_S = 30
@@ -230,3 +233,38 @@ def test_subscribers_that_disconnect_mid_stream_leave_no_error_in_the_log(spawn,
     code, log = server.finish()
     assert code == 0, log
     assert "Traceback" not in log and " ERROR " not in log, log
+
+
+def test_the_start_up_log_shows_settings_not_at_their_defaults_one_per_line(spawn, tmp_path: Path) -> None:
+    server = spawn(
+        "--data", str(tmp_path / "data"), "--port", "0", "--set", "max_entry_bytes=2MiB",
+        env={"STREAMLOG_SHUTDOWN_GRACE_MS": "1000"},
+    ).wait_ready()  # fmt: skip
+    server.process.send_signal(signal.SIGTERM)
+    code, log = server.finish()
+    assert code == 0, log
+    lines = log.splitlines()
+    heading = next(i for i, line in enumerate(lines) if "settings" in line)
+    assert lines[heading].endswith(
+        "INFO service.ops: settings not at their defaults (every setting: streamlog serve --help):"
+    ), log
+    assert lines[heading + 1 : heading + 5] == [
+        f"  data_dir = {tmp_path / 'data'}",
+        "  port = 0",
+        "  max_entry_bytes = 2 MiB",
+        "  shutdown_grace_ms = 1000",
+    ], log
+    assert "INFO" in lines[heading + 5], log  # the next event
+    assert len(log) < 1000, log  # the whole start-up and shutdown, not 2 KB of escaped JSON
+
+
+def test_the_json_log_keeps_every_setting_in_one_event(spawn, tmp_path: Path) -> None:
+    server = spawn("--data", str(tmp_path), "--port", "0", "--log-format", "json")
+    server.wait_for('"serving')
+    server.process.send_signal(signal.SIGTERM)
+    code, log = server.finish()
+    assert code == 0, log
+    events = [json.loads(line) for line in log.splitlines()]
+    settings = [e["settings"] for e in events if e["message"] == "settings"]
+    assert len(settings) == 1 and settings[0]["max_entry_bytes"] == 1 << 20 and settings[0]["port"] == 0
+    assert set(settings[0]) == set(setting_names())
