@@ -26,6 +26,7 @@ from typing import Any
 
 from cluster.addresses import check_name, parse_endpoints, parse_host_port, parse_peer_addresses
 from storage import EngineConfig, InvalidArgumentError
+from storage.config import min_segment_bytes
 
 ENV_PREFIX = "STREAMLOG_"
 ENV_CONFIG_FILE = "STREAMLOG_CONFIG"
@@ -420,7 +421,8 @@ def validate(settings: Settings, sources: Mapping[str, str] | None = None) -> No
             "max_subscriptions_per_connection must not be larger than max_concurrent_calls_per_connection "
             f"({settings.max_subscriptions_per_connection} > {settings.max_concurrent_calls_per_connection})"
         )
-    # The engine checks its own settings (e.g. a segment must hold a full batch).
+    _validate_segment_size(settings, where)
+    # The engine checks its own settings too (any left here are caught above, with sources).
     try:
         engine_config(settings)
     except InvalidArgumentError as exc:
@@ -432,6 +434,27 @@ def validate(settings: Settings, sources: Mapping[str, str] | None = None) -> No
             f"max_message_bytes ({settings.max_message_bytes}, from {where('max_message_bytes')}) must hold "
             f"a full read reply: max_read_bytes + max_entry_bytes + {RESPONSE_OVERHEAD_BYTES} = {reply_bytes}"
         )
+
+
+def _validate_segment_size(settings: Settings, where: Callable[[str], str]) -> None:
+    """A segment must hold one full batch: say so, and what to change, before the engine refuses it."""
+    needed = min_segment_bytes(settings.node_entries, settings.max_batch_entries, settings.max_batch_bytes)
+    if settings.segment_bytes >= needed:
+        return
+    batch_fits = settings.segment_bytes - (needed - settings.max_batch_bytes)
+    if batch_fits >= 1024:
+        lower = f"lower max_batch_bytes to at most {batch_fits} (e.g. {batch_fits >> 10}KiB)"
+        if settings.max_entry_bytes > batch_fits:
+            lower += " and max_entry_bytes to no more than that"
+    else:
+        lower = "lower max_batch_entries and max_batch_bytes"
+    raise ConfigError(
+        f"segment_bytes ({settings.segment_bytes}, from {where('segment_bytes')}) is too small for one full "
+        f"batch, and a batch is never split across segments: it takes {needed} bytes with max_batch_bytes="
+        f"{settings.max_batch_bytes} (from {where('max_batch_bytes')}) and max_batch_entries="
+        f"{settings.max_batch_entries} (from {where('max_batch_entries')}). Raise segment_bytes to at "
+        f"least {needed}, or {lower}"
+    )
 
 
 def _validate_security(settings: Settings, where: Callable[[str], str]) -> None:

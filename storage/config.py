@@ -10,6 +10,15 @@ from storage.format import NODE_PREFIX_SIZE, SEGMENT_HEADER_SIZE
 FSYNC_POLICIES = ("always", "everysec", "no")
 
 
+def min_segment_bytes(node_entries: int, max_batch_entries: int, max_batch_bytes: int) -> int:
+    """The smallest segment that holds the largest batch in one fresh node.
+
+    Batches are atomic, so a batch never spans two segments: a fresh segment must take
+    its header, a node prefix, an offset-table slot per entry and the batch's bytes.
+    """
+    return SEGMENT_HEADER_SIZE + NODE_PREFIX_SIZE + 4 * max(node_entries, max_batch_entries) + max_batch_bytes
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     segment_bytes: int = 64 << 20
@@ -46,12 +55,13 @@ class EngineConfig:
                 raise InvalidArgumentError(f"{name} must be at least 1")
         if not -7 <= self.compression_level <= 22:
             raise InvalidArgumentError("compression_level must be between -7 and 22")
-        # Any batch must fit in one fresh node of a fresh segment: batches are atomic.
-        slots = max(self.node_entries, self.max_batch_entries)
-        needed = SEGMENT_HEADER_SIZE + NODE_PREFIX_SIZE + 4 * slots + self.max_batch_bytes
+        needed = min_segment_bytes(self.node_entries, self.max_batch_entries, self.max_batch_bytes)
         if self.segment_bytes < needed:
             raise InvalidArgumentError(
-                f"segment_bytes={self.segment_bytes} cannot hold one full batch; it must be at least {needed}"
+                f"segment_bytes={self.segment_bytes} cannot hold one full batch (batches are never split "
+                f"across segments): with max_batch_bytes={self.max_batch_bytes} and max_batch_entries="
+                f"{self.max_batch_entries} it must be at least {needed}; raise segment_bytes, or lower "
+                f"max_batch_bytes to at most {self.segment_bytes - (needed - self.max_batch_bytes)}"
             )
         if self.max_entry_bytes > self.max_batch_bytes:
             raise InvalidArgumentError("max_entry_bytes cannot exceed max_batch_bytes")

@@ -88,7 +88,6 @@ def test_text_values_are_parsed_by_type() -> None:
             {"overrides": {"max_read_bytes": "15MiB"}},
             "max_message_bytes (16777216, from the default) must hold",
         ),
-        ({"overrides": {"segment_bytes": "2MiB"}}, "storage engine settings: segment_bytes"),
         ({"overrides": {"append_threads": "0"}}, "append_threads: must be between 1 and 256"),
     ],
 )
@@ -96,6 +95,25 @@ def test_bad_values_are_refused_with_a_clear_message(kwargs: dict, message: str)
     with pytest.raises(ConfigError) as caught:
         load_settings(**kwargs)
     assert message in str(caught.value)
+
+
+def test_a_segment_too_small_for_a_full_batch_says_what_to_change() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_settings(overrides={"segment_bytes": "1MiB"})
+    assert str(caught.value) == (
+        "segment_bytes (1048576, from --set segment_bytes) is too small for one full batch, and a batch "
+        "is never split across segments: it takes 8428800 bytes with max_batch_bytes=8388608 (from the "
+        "default) and max_batch_entries=10000 (from the default). Raise segment_bytes to at least "
+        "8428800, or lower max_batch_bytes to at most 1008384 (e.g. 984KiB) and max_entry_bytes to no "
+        "more than that"
+    )
+    # Following the advice works; so does the engine's own check of the same rule.
+    settings = load_settings(
+        overrides={"segment_bytes": "1MiB", "max_batch_bytes": "984KiB", "max_entry_bytes": "984KiB"}
+    )
+    assert engine_config(settings).segment_bytes == 1 << 20
+    with pytest.raises(ConfigError, match=r"9588800, or lower max_batch_entries and max_batch_bytes$"):
+        load_settings(overrides={"segment_bytes": "1MiB", "max_batch_entries": "300000"})
 
 
 @pytest.mark.parametrize(
