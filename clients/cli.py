@@ -1,3 +1,4 @@
+# PYTHON_ARGCOMPLETE_OK  (argcomplete's marker: shell completion may run this module)
 """The `streamlog` command: everyday work against a server, and `serve` to run one.
 
     streamlog append orders '{"total": 42}'         streamlog tail -f orders
@@ -914,8 +915,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="streamlog",
         description="streamlog: a persistent, append-only stream service. Run `streamlog COMMAND --help`.",
         epilog="Exit codes: 0 ok, 1 failed on the server, 2 bad usage, 3 not found, 4 conflict, "
-        "5 unavailable or timed out, 6 not allowed, 130 interrupted.",
+        "5 unavailable or timed out, 6 not allowed, 130 interrupted. Shell completion (bash, zsh): "
+        'eval "$(register-python-argcomplete streamlog)".',
     )
+    parser.add_argument("--version", action="version", version=f"streamlog {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = _connection_options()
 
@@ -930,7 +933,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("serve", help="run a server (see `streamlog serve --help`)", add_help=False)
 
     p = command("append", "append entries: payload arguments (one atomic batch), or stdin lines", _cmd_append)
-    p.add_argument("stream")
+    p.add_argument("stream", help="the stream to append to (created by its first append)")
     p.add_argument("payloads", nargs="*", metavar="PAYLOAD", help="payloads (UTF-8); none: read stdin")
     p.add_argument("--tag", default="", help="tag (key) for every entry")
     p.add_argument("--header", type=_header, action="append", default=[], metavar="NAME=VALUE")
@@ -943,7 +946,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=500, help="entries per append from stdin (default: 500)")
 
     p = command("read", "read entries from an offset", _cmd_read)
-    p.add_argument("stream")
+    p.add_argument("stream", help="the stream to read")
     p.add_argument(
         "--from", dest="start", type=_offset, default=0, metavar="OFFSET", help="first offset (default: 0)"
     )
@@ -957,7 +960,7 @@ def build_parser() -> argparse.ArgumentParser:
     _entry_display(p)
 
     p = command("tail", "print the newest entries; with -f, keep following the stream", _cmd_tail)
-    p.add_argument("stream")
+    p.add_argument("stream", help="the stream to print (and follow)")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing entries as they are appended")
     p.add_argument(
         "-n", "--lines", type=int, default=10, help="start this many entries before the end (default: 10)"
@@ -975,8 +978,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     a = actions.add_parser("create", help="create a group", parents=[common])
-    a.add_argument("stream")
-    a.add_argument("group")
+    a.add_argument("stream", help="the stream the group reads")
+    a.add_argument("group", help="the new group's name")
     a.add_argument(
         "--start", type=_start, default="oldest", metavar="oldest|latest|OFFSET", help="(default: oldest)"
     )
@@ -988,20 +991,20 @@ def build_parser() -> argparse.ArgumentParser:
     a = actions.add_parser(
         "list", help="the groups of a stream, with lag and pending counts", parents=[common]
     )
-    a.add_argument("stream")
+    a.add_argument("stream", help="the stream whose groups to list")
     a = actions.add_parser("info", help="one group, with its consumers", parents=[common])
-    a.add_argument("stream")
-    a.add_argument("group")
+    a.add_argument("stream", help="the group's stream")
+    a.add_argument("group", help="the consumer group")
     a = actions.add_parser("pending", help="the group's pending entries", parents=[common])
-    a.add_argument("stream")
-    a.add_argument("group")
+    a.add_argument("stream", help="the group's stream")
+    a.add_argument("group", help="the consumer group")
     a.add_argument("--consumer", help="only this consumer's entries")
     a.add_argument("--min-idle-ms", type=int, default=0, help="only entries idle this long")
     a.add_argument("--count", type=int, default=20, help="detail rows (default: 20)")
     a = actions.add_parser("read", help="read as a consumer of the group", parents=[common])
-    a.add_argument("stream")
-    a.add_argument("group")
-    a.add_argument("consumer")
+    a.add_argument("stream", help="the group's stream")
+    a.add_argument("group", help="the consumer group")
+    a.add_argument("consumer", help="the consumer reading (created by its first read)")
     a.add_argument("--count", type=int, default=10, help="(default: 10)")
     a.add_argument("--block-ms", type=int, default=0, help="wait this long for entries")
     a.add_argument("--ack", action="store_true", help="acknowledge what was printed")
@@ -1011,9 +1014,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="consume batches as a consumer of the group, on one session (until Ctrl-C or --max-batches)",
         parents=[common],
     )
-    a.add_argument("stream")
-    a.add_argument("group")
-    a.add_argument("consumer")
+    a.add_argument("stream", help="the group's stream")
+    a.add_argument("group", help="the consumer group")
+    a.add_argument("consumer", help="the consumer reading (created by its first read)")
     a.add_argument("--count", type=int, default=10, help="entries per batch (default: 10)")
     a.add_argument(
         "--max-batches", type=int, default=0, metavar="N", help="stop after N batches (default: 0, no limit)"
@@ -1024,22 +1027,22 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--ack", action="store_true", help="acknowledge each batch once printed")
     _entry_display(a)
     a = actions.add_parser("ack", help="acknowledge entries", parents=[common])
-    a.add_argument("stream")
-    a.add_argument("group")
-    a.add_argument("offsets", nargs="*", type=_offset, metavar="OFFSET")
+    a.add_argument("stream", help="the group's stream")
+    a.add_argument("group", help="the consumer group")
+    a.add_argument("offsets", nargs="*", type=_offset, metavar="OFFSET", help="offsets to acknowledge")
     a.add_argument(
         "--range", type=_range, action="append", default=[], metavar="START-END", help="half-open range"
     )
     a = actions.add_parser("claim", help="take over pending entries for a consumer", parents=[common])
-    a.add_argument("stream")
-    a.add_argument("group")
-    a.add_argument("consumer")
-    a.add_argument("offsets", nargs="+", type=_offset, metavar="OFFSET")
+    a.add_argument("stream", help="the group's stream")
+    a.add_argument("group", help="the consumer group")
+    a.add_argument("consumer", help="the consumer taking the entries over")
+    a.add_argument("offsets", nargs="+", type=_offset, metavar="OFFSET", help="pending offsets to take over")
     a.add_argument("--min-idle-ms", type=int, default=0, help="only entries idle this long")
     _entry_display(a)
     a = actions.add_parser("delete", help="delete a group, or one consumer with --consumer", parents=[common])
-    a.add_argument("stream")
-    a.add_argument("group")
+    a.add_argument("stream", help="the group's stream")
+    a.add_argument("group", help="the consumer group")
     a.add_argument("--consumer", help="delete only this consumer (its pending entries return to the group)")
 
     p = command("info", "describe a stream (its config and groups), or list every stream", _cmd_info)
@@ -1047,7 +1050,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", default="", help="when listing: only streams starting with this")
 
     p = command("trim", "remove old entries from the start of a stream", _cmd_trim)
-    p.add_argument("stream")
+    p.add_argument("stream", help="the stream to trim")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--to", type=_offset, metavar="OFFSET", help="make OFFSET exactly the oldest entry")
     mode.add_argument(
@@ -1056,25 +1059,25 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--evict-up-to", type=_offset, metavar="OFFSET", help="evict whole nodes up to OFFSET")
 
     p = command("config", "show a stream's configuration, or change parts of it", _cmd_config)
-    p.add_argument("stream")
+    p.add_argument("stream", help="the stream to show or change")
     for flag in ("--max-entries", "--max-age-ms", "--max-bytes", "--tombstone-retention-ms"):
         p.add_argument(flag, type=_limit, default=_UNCHANGED, metavar="N|none")
     p.add_argument("--compaction", choices=("on", "off"))
     p.add_argument("--fsync", choices=("always", "everysec", "no", "server"))
 
     p = command("delete", "delete a stream and all its entries", _cmd_delete)
-    p.add_argument("stream")
+    p.add_argument("stream", help="the stream to delete")
     p.add_argument("--yes", action="store_true", help="really delete")
 
     p = command("export", "write a stream's entries as JSON Lines", _cmd_export)
-    p.add_argument("stream")
+    p.add_argument("stream", help="the stream to export")
     p.add_argument("-o", "--output", type=Path, metavar="FILE", help="(default: stdout)")
     p.add_argument("--from", dest="start", type=_offset, metavar="OFFSET", help="(default: the oldest entry)")
     p.add_argument("--to", dest="end", type=_offset, metavar="OFFSET", help="stop before this offset")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, help="(default: on a terminal)")
 
     p = command("import", "append JSON Lines (as export writes them) to a stream", _cmd_import)
-    p.add_argument("stream")
+    p.add_argument("stream", help="the stream to append to (created by its first append)")
     p.add_argument("-i", "--input", type=Path, metavar="FILE", help="(default: stdin)")
     p.add_argument("--batch", type=int, default=500, help="entries per append (default: 500)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, help="(default: on a terminal)")
@@ -1092,6 +1095,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1000, help="entries per append and per read (default: 1000)")
     p.add_argument("--keep", action="store_true", help="keep the stream")
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("streamlog")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+def _complete(parser: argparse.ArgumentParser) -> None:
+    """Answer the shell's completion request, if this run is one (argcomplete exits after it)."""
+    if "_ARGCOMPLETE" in os.environ:
+        import argcomplete
+
+        argcomplete.autocomplete(parser)
 
 
 def _exit_code(error: Exception) -> int:
@@ -1132,7 +1152,9 @@ def main(argv: Sequence[str] | None = None, out: IO[str] | None = None) -> int:
     if argv and argv[0] == "serve":
         return _serve(argv[1:])
     out = out or sys.stdout
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    _complete(parser)
+    args = parser.parse_args(argv)
     try:
         return args.handler(args, out)
     except UsageError as exc:

@@ -15,7 +15,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from service import logs
-from service.config import FSYNC_POLICIES, LOG_FORMATS, LOG_LEVELS, ConfigError, Settings, load_settings
+from service.config import (
+    FSYNC_POLICIES,
+    LOG_FORMATS,
+    LOG_LEVELS,
+    ConfigError,
+    Settings,
+    load_settings,
+    setting_names,
+)
 
 _DEFAULTS = Settings()
 EXIT_USAGE = 2  # argparse's code for bad command lines; bad settings are the same kind of mistake
@@ -41,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a streamlog server until SIGTERM or SIGINT. Settings come from defaults, "
         "then the TOML file (--config or STREAMLOG_CONFIG), then STREAMLOG_<NAME> environment "
         "variables, then these flags.",
+        epilog="Every setting, with its default and meaning: the settings table in README.md "
+        "(Running the server) and docs/OPERATIONS.md (Configure). Set any of them with "
+        "--set NAME=VALUE, STREAMLOG_<NAME>=VALUE or a NAME = VALUE line in the TOML file (there, "
+        "sizes are numbers of bytes; elsewhere they accept KiB, MiB and GiB). Settings: "
+        + ", ".join(setting_names())
+        + ".",
     )
     # Flag defaults are None so that a flag left out does not override the file or
     # the environment; the help shows the built-in default instead.
