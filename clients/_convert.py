@@ -229,6 +229,8 @@ def stream_info(message: pb.StreamInfo) -> StreamInfo:
         damaged=[gap(g) for g in message.damaged],
         groups=message.groups,
         retention_holder=holder,
+        used_bytes=message.used_bytes,
+        packed_segments=message.packed_segments,
     )
 
 

@@ -67,6 +67,22 @@ def _time(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+def _size(count: int) -> str:
+    """A number of bytes for people: B below 1 KiB, else KiB, MiB, GiB or TiB with one decimal."""
+    if count < 1024:
+        return f"{count} B"
+    value = float(count)
+    for unit in ("KiB", "MiB", "GiB"):
+        value /= 1024
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+    return f"{value / 1024:.1f} TiB"
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def _show_bytes(value: bytes, width: int = 60) -> str:
     """Payloads for people: text when it is printable UTF-8, else base64, cut to `width`."""
     try:
@@ -640,12 +656,13 @@ def _cmd_info(args: argparse.Namespace, out: IO[str]) -> int:
                         i.entries,
                         i.first_offset,
                         i.next_offset,
-                        i.bytes_on_disk,
+                        _size(i.used_bytes),
+                        _size(i.bytes_on_disk),
                         _time(i.last_timestamp_ms),
                     ]
                     for i in infos
                 ]
-                _table(rows, ["STREAM", "ENTRIES", "FIRST", "NEXT", "BYTES", "LAST APPEND"], out)
+                _table(rows, ["STREAM", "ENTRIES", "FIRST", "NEXT", "USED", "DISK", "LAST APPEND"], out)
             return EXIT_OK
         info = client.info(args.stream)
         groups = client.list_groups(args.stream) if info.groups else []
@@ -657,8 +674,17 @@ def _cmd_info(args: argparse.Namespace, out: IO[str]) -> int:
         ("offsets", f"{info.first_offset}..{info.next_offset - 1}" if info.entries else "none"),
         ("next offset", info.next_offset),
         ("entries", f"{info.entries} retained, {info.entries_added} ever added"),
-        ("on disk", f"{info.bytes_on_disk:,} bytes in {info.segments} segments, {info.nodes} nodes"),
-        ("compression", f"{info.compression_ratio:.2f}x"),
+        (
+            "on disk",
+            f"{_size(info.bytes_on_disk)} in {_plural(info.segments, 'segment')} "
+            f"({_plural(info.nodes, 'node')}); the entries use {_size(info.used_bytes)} of it",
+        ),
+        (
+            "compression",
+            f"{info.compression_ratio:.2f}x in {_plural(info.packed_segments, 'full segment')}"
+            if info.packed_segments
+            else "none yet: a segment's nodes are compressed once it is full",
+        ),
         ("last append", _time(info.last_timestamp_ms)),
         ("fsync in force", info.effective_fsync),
         *_config_pairs(info.config),

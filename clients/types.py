@@ -145,6 +145,10 @@ class StreamInfo:
     damaged: list[Gap] = field(default_factory=list)
     groups: int = 0
     retention_holder: RetentionHolder | None = None
+    # Bytes of bytes_on_disk holding entries (the rest is preallocated), and how many
+    # segments are packed (compression_ratio covers those; none yet while 0).
+    used_bytes: int = 0
+    packed_segments: int = 0
 
 
 @dataclass(frozen=True, slots=True)

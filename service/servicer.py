@@ -1003,6 +1003,8 @@ class StreamLogServicer:
                 segments=info.segments,
                 nodes=info.nodes,
                 compression_ratio=info.compression_ratio,
+                used_bytes=info.used_bytes,
+                packed_segments=info.packed_segments,
                 last_timestamp_ms=info.last_timestamp_ms,
                 config=_config_to_proto(info.config),
                 effective_fsync=_FSYNC_TO_PROTO[engine.stream_fsync(stream)],

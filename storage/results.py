@@ -56,6 +56,7 @@ class StreamInfo:
     bytes_on_disk: int  # file sizes, preallocated space of growing segments included
     used_bytes: int  # bytes holding headers and nodes
     segments: int
+    packed_segments: int  # full segments rewritten packed; compression_ratio covers these
     nodes: int
     compression_ratio: float
     last_timestamp_ms: int

@@ -859,6 +859,7 @@ class Stream:
                 bytes_on_disk=sum(s.file.size for s in self.segments),
                 used_bytes=sum(s.file.size if s.packed else s.end_pos for s in self.segments),
                 segments=len(self.segments),
+                packed_segments=sum(1 for s in self.segments if s.packed),
                 nodes=len(self.nodes),
                 compression_ratio=(raw / stored) if stored else 1.0,
                 last_timestamp_ms=self.last_ts,

@@ -4,18 +4,23 @@ the server's settings from `serve --help`, and shell completion."""
 from __future__ import annotations
 
 import argparse
+import io
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 
-from clients.cli import build_parser
+from clients import Client
+from clients.cli import build_parser, main
 from service.cli import build_parser as build_server_parser
 from service.config import setting_names
+from tests.service.helpers import ServerThread
 
 STREAMLOG = shutil.which("streamlog", path=str(Path(sys.executable).parent))
 
@@ -94,3 +99,34 @@ def test_the_completion_script_for_bash() -> None:
     result = subprocess.run([str(register), "streamlog"], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     assert "complete" in result.stdout and "streamlog" in result.stdout
+
+
+def info(server: ServerThread, *argv: str) -> str:
+    out = io.StringIO()
+    assert main(["info", *argv, "--address", server.target], out=out) == 0
+    return out.getvalue()
+
+
+def test_info_shows_sizes_in_human_units_and_what_the_entries_hold(server: ServerThread) -> None:
+    """The test server's segments are 1 MiB and preallocated; 10 entries use about 1 KiB of one."""
+    with Client(server.target) as client:
+        client.append("fresh", [b"x" * 100] * 10)
+        ride = b'{"ride": %05d, "city": "Lisbon", "note": "' + b"on time " * 70 + b'"}'
+        for batch in range(25):  # 1.4 MiB of compressible entries: the first segment fills up and is packed
+            client.append("full", [ride % (batch * 100 + i) for i in range(100)])
+        deadline = time.monotonic() + 60
+        while client.info("full").packed_segments == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)  # the server's maintenance packs full segments about every second
+        used = client.info("fresh").used_bytes
+    assert 10 * 100 < used < 4096
+    used_shown = f"{used / 1024:.1f} KiB"
+    shown = info(server, "fresh")
+    on_disk = f"1.0 MiB in 1 segment \\(1 node\\); the entries use {used_shown} of it"
+    assert re.search(f"\non disk +{on_disk}\n", shown), shown
+    assert re.search("\ncompression +none yet: a segment's nodes are compressed once it is full\n", shown)
+    shown = info(server, "full")
+    assert re.search(r"\ncompression +\d+\.\d\dx in 1 full segment\n", shown), shown
+    assert re.search(r"\non disk +\d\.\d MiB in 2 segments \(\d+ nodes\); the entries use \d", shown), shown
+    rows = [line.split() for line in info(server).splitlines()]
+    assert rows[0] == ["STREAM", "ENTRIES", "FIRST", "NEXT", "USED", "DISK", "LAST", "APPEND"]
+    assert rows[1][:8] == ["fresh", "10", "0", "10", *used_shown.split(), "1.0", "MiB"], rows
