@@ -10,13 +10,17 @@
 5. waits until both workers have committed the last ride and Spark has read
    everything, then compares the three totals with the API's ground truth.
 
-It exits 0 when the two workers and Spark agree exactly with the ground truth.
+Meanwhile it prints progress to stderr every few seconds: the log's entries and
+how far each worker and Spark have come. It exits 0 when the two workers and
+Spark agree exactly with the ground truth, and removes its temporary working
+directory unless a run failed (then it says where the directory is).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -25,12 +29,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from clients import AlreadyExistsError, Client, GroupConfig
+from clients import AlreadyExistsError, Client, GroupConfig, StreamlogError
 from examples.rides import api, worker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -157,6 +162,47 @@ class Report:
         return out
 
 
+class ProgressReporter:
+    """Every `every_s` seconds, one line of totals so far: the log's entries, and how far each
+    worker (its group's entries handled) and Spark (the end of its last micro-batch) have come."""
+
+    def __init__(
+        self, endpoint: str, say: Callable[[str], None], every_s: float, supervised: list[Supervised]
+    ) -> None:
+        self._endpoint = endpoint
+        self._say = say
+        self._every_s = every_s
+        self._supervised = supervised
+        self.query: Any = None  # Spark's streaming query, once it runs
+        self._stop = threading.Event()
+        self._started = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="rides-progress", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with Client(self._endpoint, timeout=5) as client:
+            while not self._stop.wait(self._every_s):
+                with contextlib.suppress(StreamlogError):  # a slow answer skips one line, no more
+                    self._say(self.line(client))
+
+    def line(self, client: Client) -> str:
+        elapsed = time.monotonic() - self._started
+        parts = [f"[{elapsed:.0f}s] log {client.info(api.STREAM).next_offset:,} entries"]
+        for job in self._supervised:
+            group = client.group_info(api.STREAM, job.name)
+            crashes = f"{job.crashes} crash" if job.crashes == 1 else f"{job.crashes} crashes"
+            parts.append(f"{job.name} {group.next_offset - group.pending:,} handled ({crashes})")
+        progress = self.query.lastProgress if self.query is not None else None
+        if progress and progress.get("sources"):
+            end = json.loads(progress["sources"][0]["endOffset"] or "{}")
+            parts.append(f"spark {end.get(api.STREAM, 0):,} read")
+        return "; ".join(parts)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
 def run(
     rides: int,
     data_dir: Path,
@@ -165,8 +211,13 @@ def run(
     crash_rate: float = 0.1,
     double_send_rate: float = 0.1,
     timeout_s: float = 600,
+    progress: Callable[[str], None] | None = None,
+    progress_every_s: float = 5.0,
 ) -> Report:
-    """Run the whole pipeline once; `spark` is a session to use (else one is made and stopped)."""
+    """Run the whole pipeline once; `spark` is a session to use (else one is made and stopped).
+
+    `progress`, when given, receives a line of totals so far every `progress_every_s` seconds.
+    """
     from examples.rides import spark_job
 
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -174,6 +225,7 @@ def run(
     server = Server(data_dir / "server")
     supervised: list[Supervised] = []
     query = None
+    reporter = None
     try:
         with Client(server.endpoint, timeout=30) as client:
             for name in WORKERS:  # the stream exists before Spark plans its first batch
@@ -192,10 +244,14 @@ def run(
                     "--until-ride", str(rides),
                 ]  # fmt: skip
                 supervised.append(Supervised(name, command, seed))
+            if progress is not None:
+                reporter = ProgressReporter(server.endpoint, progress, progress_every_s, supervised)
             if own_session:
                 spark = spark_job.session()
             table, checkpoint = data_dir / "ride_totals", data_dir / "spark-checkpoint"
             query = spark_job.totals_query(spark, server.endpoint, api.STREAM, table, checkpoint)
+            if reporter is not None:
+                reporter.query = query
             sent = api.simulate(
                 client, data_dir / "api.db", rides, double_send_rate=double_send_rate, seed=seed
             )
@@ -226,6 +282,8 @@ def run(
                 spark_job.read_totals(spark, table),
             )
     finally:
+        if reporter is not None:
+            reporter.stop()
         if query is not None:
             query.stop()
         for job in supervised:
@@ -246,10 +304,22 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     data = args.data or Path(tempfile.mkdtemp(prefix="rocket-rides-"))
-    print(f"working directory: {data}", flush=True)
-    report = run(
-        args.rides, data, seed=args.seed, crash_rate=args.crash_rate, double_send_rate=args.double_send_rate
-    )
-    for line in report.lines():
-        print(line)
-    return 0 if report.agreed else 1
+    agreed = False
+    try:
+        report = run(
+            args.rides,
+            data,
+            seed=args.seed,
+            crash_rate=args.crash_rate,
+            double_send_rate=args.double_send_rate,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+        for line in report.lines():
+            print(line)
+        agreed = report.agreed
+    finally:
+        if args.data is None and agreed:
+            shutil.rmtree(data, ignore_errors=True)
+        elif args.data is None:  # a failed run: keep the evidence
+            print(f"working directory kept for inspection: {data}", file=sys.stderr)
+    return 0 if agreed else 1

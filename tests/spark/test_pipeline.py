@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import re
+import tempfile
+from decimal import Decimal
+from pathlib import Path
+
 import pytest
 
 from examples.rides import pipeline
@@ -11,10 +16,47 @@ from examples.rides import pipeline
 def test_workers_and_spark_agree_exactly_with_the_ground_truth(spark, tmp_path) -> None:
     # Seed 3 makes both workers' first processes crash within their first three batches
     # and the API send some batches twice: the failures below are certain, not likely.
-    report = pipeline.run(1000, tmp_path / "rides", spark=spark, seed=3)
+    progress: list[str] = []
+    report = pipeline.run(
+        1000, tmp_path / "rides", spark=spark, seed=3, progress=progress.append, progress_every_s=0.5
+    )
     assert report.double_sent_batches >= 1
     assert report.entries == 1000 + 20 * report.double_sent_batches
     assert all(crashes >= 1 for crashes in report.worker_crashes.values()), report.worker_crashes
     assert report.workers == {"consumer0": report.truth, "consumer1": report.truth}
     assert report.spark == {"total_distance": report.truth, "rides": 1000, "last_ride_id": 1000}
     assert report.agreed
+    # Totals so far, every half second while it ran: the log, each worker, and Spark once it had read.
+    assert progress, "no progress was reported"
+    line = re.compile(
+        r"\[\d+s\] log [\d,]+ entries; consumer0 [\d,]+ handled \(\d+ crash(es)?\); "
+        r"consumer1 [\d,]+ handled \(\d+ crash(es)?\)(; spark [\d,]+ read)?$"
+    )
+    assert all(line.match(text) for text in progress), progress
+    assert any("spark" in text for text in progress), progress
+
+
+@pytest.mark.parametrize("agreed", [True, False])
+def test_main_removes_its_temporary_directory_unless_the_run_failed(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, agreed: bool
+) -> None:
+    """The pipeline itself is the test above; here `run` is replaced to check what main leaves behind."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    seen: list[Path] = []
+
+    def run(rides: int, data_dir: Path, **options: object) -> pipeline.Report:
+        (data_dir / "server").mkdir()  # what a run leaves: the server's data, databases, checkpoints
+        seen.append(data_dir)
+        truth = Decimal("1.5")
+        spark = {"total_distance": truth if agreed else Decimal(0), "rides": rides, "last_ride_id": rides}
+        return pipeline.Report(rides, rides, 0, truth, {"consumer0": truth}, {"consumer0": 0}, spark)
+
+    monkeypatch.setattr(pipeline, "run", run)
+    assert pipeline.main(["--rides", "3"]) == (0 if agreed else 1)
+    [data_dir] = seen
+    assert data_dir.parent == tmp_path
+    err = capsys.readouterr().err
+    if agreed:
+        assert not data_dir.exists() and err == ""
+    else:
+        assert data_dir.exists() and f"working directory kept for inspection: {data_dir}" in err
