@@ -1,0 +1,267 @@
+"""Every code block of README.md, docs/*.md and clients/node/README.md runs as written.
+
+Each document gets a fresh server, as `make run` gives a reader: default settings,
+data in ./data of the directory the blocks run in. Its blocks run top to bottom,
+each seeing what the blocks before it did, with the virtualenv's commands first
+on PATH (the README asks the reader to activate it). The changes to the text:
+`localhost:7070` becomes the test server's address (tests use ephemeral ports),
+which STREAMLOG_ADDRESS also names for the streamlog command, and the examples'
+scratch directory /tmp/streamlog-examples becomes one of the test's own.
+
+How a block is run (and how one says it must not be) is in tests/docs/snippets.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from service.config import Settings, load_settings
+from tests.docs.snippets import DOCUMENTS, REPO, Block, blocks, commands
+from tests.service.helpers import ServerThread
+
+NODE = shutil.which("node")
+NPM = shutil.which("npm")
+# Where examples keep files that outlive a command (Spark's output and checkpoints): a directory
+# of each document's own in the test, as Spark resolves paths from its own working directory.
+EXAMPLES_DIR = "/tmp/streamlog-examples"
+RUN_TIMEOUT_S = 120
+# A block or command that runs until Ctrl-C is interrupted once it has printed its
+# first line, or after this long: what it does before then must not fail.
+FOLLOW_S = 15
+
+
+class Reader:
+    """A process's stdout, read line by line as it comes, on a thread."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.text: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(process,), daemon=True)
+        self._thread.start()
+
+    def _read(self, process: subprocess.Popen[str]) -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            self.lines.put(line)
+
+    def wait_for_a_line(self, timeout_s: float) -> None:
+        with contextlib.suppress(queue.Empty):
+            self.text.append(self.lines.get(timeout=timeout_s))
+
+    def rest(self) -> str:
+        self._thread.join(timeout=10)
+        while not self.lines.empty():
+            self.text.append(self.lines.get())
+        return "".join(self.text)
+
+
+class Runner:
+    """Runs one document's blocks against its server, in `workdir`."""
+
+    def __init__(self, server: ServerThread, workdir: Path, request: pytest.FixtureRequest) -> None:
+        self.server = server
+        self.workdir = workdir
+        self.request = request
+        self.env = {
+            **os.environ,
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            "STREAMLOG_ADDRESS": server.target,
+            "PYTHONPATH": str(REPO),
+        }
+        self.not_run: list[str] = []
+
+    def code(self, block: Block) -> str:
+        return block.code.replace("localhost:7070", self.server.target).replace(
+            EXAMPLES_DIR, str(self.workdir / "examples")
+        )
+
+    def run(self, block: Block) -> None:
+        getattr(self, f"run_{block.kind}")(block)
+
+    def run_skip(self, block: Block) -> None:
+        pass
+
+    def run_text(self, block: Block) -> None:
+        pass
+
+    def run_settings(self, block: Block) -> None:
+        """A streamlog.toml: the server accepts it (every value in range and consistent)."""
+        path = self.workdir / "streamlog.toml"
+        path.write_text(block.code)
+        load_settings(config_file=path)
+
+    def run_python(self, block: Block) -> None:
+        command = [sys.executable, "-c", self.code(block)]
+        if block.marker == "until interrupted":
+            self.interrupt(block, command, expect="KeyboardInterrupt")
+        else:
+            self.check(block, command)
+
+    def run_sh(self, block: Block) -> None:
+        code = self.code(block)
+        steps = commands(code)
+        if not any(c.expected is not None or c.until_interrupted for c in steps):
+            # A plain script: run as written, in one shell (variables carry from line to line).
+            self.check(block, ["bash", "-e", "-o", "pipefail", "-c", code])
+            return
+        for step in steps:
+            command = ["bash", "-o", "pipefail", "-c", step.text]
+            started = time.monotonic()
+            if step.until_interrupted:
+                self.interrupt(block, command)
+                print(f"  {time.monotonic() - started:.1f}s (interrupted) {step.text[:70]}")
+                continue
+            output = self.check(block, command)
+            print(f"  {time.monotonic() - started:.1f}s {step.text[:70]}")
+            if step.expected:
+                assert normalized(output) == normalized(step.expected), (
+                    f"{block.where}: `{step.text}` printed\n{output}\nbut the document shows\n{step.expected}"
+                )
+
+    def run_js(self, block: Block) -> None:
+        if NODE is None or NPM is None:
+            self.not_run.append(f"{block.where} (needs Node.js 20 and npm)")
+            return
+        install_node_client()
+        # From the repository's root, as the block says (require('./clients/node')).
+        self.check(block, [NODE, "-e", self.code(block)], cwd=REPO)
+
+    def run_spark(self, block: Block) -> None:
+        """In this process, with the suite's SparkSession as `spark`; queries it starts are run
+        over what there is to read, then stopped."""
+        spark = self.request.getfixturevalue("spark")
+        previous = Path.cwd()
+        os.chdir(self.workdir)
+        try:
+            exec(compile(self.code(block), block.where, "exec"), {"spark": spark, "__name__": "__snippet__"})
+            for query in spark.streams.active:
+                query.processAllAvailable()
+                query.stop()
+        finally:
+            for query in spark.streams.active:
+                query.stop()
+            os.chdir(previous)
+
+    def check(self, block: Block, command: list[str], cwd: Path | None = None) -> str:
+        result = subprocess.run(
+            command,
+            cwd=cwd or self.workdir,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )
+        assert result.returncode == 0, (
+            f"{block.where}: exit {result.returncode}\n--- ran:\n{command[-1]}\n--- stdout:\n{result.stdout}"
+            f"\n--- stderr:\n{result.stderr}"
+        )
+        return result.stdout
+
+    def interrupt(self, block: Block, command: list[str], expect: str = "") -> None:
+        """Run a command that goes on until Ctrl-C: once it is going, send it SIGINT. It must not
+        have failed before then; `expect` is the last line it then writes to stderr."""
+        process = subprocess.Popen(
+            command,
+            cwd=self.workdir,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # Ctrl-C reaches the whole process group, as in a terminal
+            # SIGINT handled by default, as in a terminal, even if this test runs in a background job
+            # (which ignores it, and children inherit that).
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        reader = Reader(process)
+        reader.wait_for_a_line(FOLLOW_S)
+        ended_alone = process.poll() is not None
+        if not ended_alone:
+            os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(timeout=30)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)
+        stdout, stderr = reader.rest(), process.stderr.read() if process.stderr else ""
+        shown = f"{block.where}: `{command[-1]}`\n--- stdout:\n{stdout}\n--- stderr:\n{stderr}"
+        if ended_alone:
+            assert process.returncode == 0, shown
+        elif expect:
+            assert stderr.strip().splitlines()[-1:] == [expect], shown
+
+
+def normalized(text: str) -> str:
+    """Output as a document shows it: times differ from run to run, and the end of a stream
+    depends on what the blocks before appended."""
+    text = re.sub(r'"(timestamp_ms|end_offset)": "\d+"', r'"\1": "…"', text)
+    with contextlib.suppress(json.JSONDecodeError):
+        return json.dumps(json.loads(text), indent=2, sort_keys=True)
+    return "\n".join(line.rstrip() for line in text.strip().splitlines())
+
+
+_installed = False
+
+
+def install_node_client() -> None:
+    """`npm install` in clients/node once per run (its README's first step)."""
+    global _installed
+    if not _installed:
+        assert NPM is not None
+        install = subprocess.run(
+            [NPM, "install", "--no-audit", "--no-fund", "--loglevel=error"],
+            cwd=REPO / "clients" / "node",
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert install.returncode == 0, install.stderr
+        _installed = True
+
+
+@pytest.fixture
+def document_server(tmp_path: Path) -> Iterator[tuple[ServerThread, Path]]:
+    """A server as `make run` starts it (default settings, data in ./data), on an ephemeral port."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    (workdir / ".venv").symlink_to(Path(sys.executable).parents[1])  # `source .venv/bin/activate` works
+    server = ServerThread(Settings(data_dir=workdir / "data", port=0, log_level="warning"))
+    server.start()
+    try:
+        yield server, workdir
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_every_block_runs_as_written(
+    document: str, document_server: tuple[ServerThread, Path], request: pytest.FixtureRequest
+) -> None:
+    server, workdir = document_server
+    runner = Runner(server, workdir, request)
+    found = blocks(document)
+    # Before anything runs: every block says how it is run (one that cannot, unmarked, fails here).
+    assert all(block.kind for block in found)
+    for block in found:
+        started = time.monotonic()
+        runner.run(block)
+        print(f"{block.where} {block.kind}: {time.monotonic() - started:.1f}s")
+    if runner.not_run:
+        pytest.skip("not run: " + ", ".join(runner.not_run))
