@@ -155,7 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
     try:
         return run(
-            args.endpoint, args.stream, args.name, args.db, args.crash_rate, args.until_ride, args.idle_exit_s
+            args.endpoint,
+            args.stream,
+            args.name,
+            args.db,
+            args.crash_rate,
+            args.until_ride,
+            args.idle_exit_s,
+            crash_seed=args.crash_seed,
         )
     except NotFoundError as exc:
         print(f"{args.name}: {exc}", file=sys.stderr)

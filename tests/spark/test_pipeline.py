@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from examples.rides import pipeline
+from examples.rides import pipeline, worker
 
 
 @pytest.mark.timeout(420)
@@ -60,3 +60,13 @@ def test_main_removes_its_temporary_directory_unless_the_run_failed(
         assert not data_dir.exists() and err == ""
     else:
         assert data_dir.exists() and f"working directory kept for inspection: {data_dir}" in err
+
+
+def test_a_worker_crashes_as_its_seed_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The supervisor's --crash-seed reaches the worker, so the crashes of the test above are certain."""
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(worker, "run", lambda *args, **options: seen.update(options) or 0)
+    argv = ["--endpoint", "127.0.0.1:1", "--name", "consumer0", "--db", "x.db"]
+    argv += ["--crash-seed", "3-consumer0-0"]
+    assert worker.main(argv) == 0
+    assert seen["crash_seed"] == "3-consumer0-0"
