@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 DOCUMENTS = [
     "README.md",
     "docs/API.md",
+    "docs/HTTP.md",
     "docs/CLIENTS.md",
     "docs/OPERATIONS.md",
     "docs/SPARK.md",
@@ -35,6 +36,7 @@ DOCUMENTS = [
     "docs/DURABILITY.md",
     "docs/PERFORMANCE.md",
     "docs/RELIABILITY.md",
+    "docs/CLUSTER.md",
     "clients/node/README.md",
 ]
 # Every document of docs/ must be in the list above: a new one is not forgotten.

@@ -4,9 +4,10 @@ Each document gets a fresh server, as `make run` gives a reader: default setting
 data in ./data of the directory the blocks run in. Its blocks run top to bottom,
 each seeing what the blocks before it did, with the virtualenv's commands first
 on PATH (the README asks the reader to activate it). The changes to the text:
-`localhost:7070` becomes the test server's address (tests use ephemeral ports),
-which STREAMLOG_ADDRESS also names for the streamlog command, and the examples'
-scratch directory /tmp/streamlog-examples becomes one of the test's own.
+`localhost:7070` (gRPC) and `localhost:7080` (HTTP) become the test server's
+addresses (tests use ephemeral ports), STREAMLOG_ADDRESS names the first for the
+streamlog command, and the examples' scratch directory /tmp/streamlog-examples
+becomes one of the test's own.
 
 How a block is run (and how one says it must not be) is in tests/docs/snippets.py.
 """
@@ -31,6 +32,7 @@ import pytest
 
 from service.config import Settings, load_settings
 from tests.docs.snippets import DOCUMENTS, REPO, Block, blocks, commands
+from tests.ops.helpers import free_port
 from tests.service.helpers import ServerThread
 
 NODE = shutil.which("node")
@@ -85,9 +87,11 @@ class Runner:
         self.not_run: list[str] = []
 
     def code(self, block: Block) -> str:
-        return block.code.replace("localhost:7070", self.server.target).replace(
-            EXAMPLES_DIR, str(self.workdir / "examples")
-        )
+        code = block.code.replace(EXAMPLES_DIR, str(self.workdir / "examples"))
+        http = f"127.0.0.1:{self.server.settings.http_port}"
+        for host in ("localhost", "127.0.0.1"):
+            code = code.replace(f"{host}:7070", self.server.target).replace(f"{host}:7080", http)
+        return code
 
     def run(self, block: Block) -> None:
         getattr(self, f"run_{block.kind}")(block)
@@ -237,11 +241,13 @@ def install_node_client() -> None:
 
 @pytest.fixture
 def document_server(tmp_path: Path) -> Iterator[tuple[ServerThread, Path]]:
-    """A server as `make run` starts it (default settings, data in ./data), on an ephemeral port."""
+    """A server as `make run` starts it (default settings, data in ./data, the HTTP API on), on
+    ephemeral ports."""
     workdir = tmp_path / "work"
     workdir.mkdir()
     (workdir / ".venv").symlink_to(Path(sys.executable).parents[1])  # `source .venv/bin/activate` works
-    server = ServerThread(Settings(data_dir=workdir / "data", port=0, log_level="warning"))
+    settings = Settings(data_dir=workdir / "data", port=0, http_port=free_port(), log_level="warning")
+    server = ServerThread(settings)
     server.start()
     try:
         yield server, workdir
