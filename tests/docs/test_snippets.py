@@ -83,6 +83,7 @@ class Runner:
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
             "STREAMLOG_ADDRESS": server.target,
             "PYTHONPATH": str(REPO),
+            "PYTHONFAULTHANDLER": "1",
         }
         self.not_run: list[str] = []
 
@@ -197,7 +198,14 @@ class Runner:
         ended_alone = process.poll() is not None
         if not ended_alone:
             os.killpg(process.pid, signal.SIGINT)
+        hung = False
         try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            # Still running a minute after Ctrl-C: SIGABRT makes Python's fault handler
+            # (PYTHONFAULTHANDLER) print where every thread is, for the failure below.
+            hung = True
+            os.killpg(process.pid, signal.SIGABRT)
             process.wait(timeout=30)
         finally:
             if process.poll() is None:
@@ -205,6 +213,7 @@ class Runner:
                 process.wait(timeout=10)
         stdout, stderr = reader.rest(), process.stderr.read() if process.stderr else ""
         shown = f"{block.where}: `{command[-1]}`\n--- stdout:\n{stdout}\n--- stderr:\n{stderr}"
+        assert not hung, "still running a minute after Ctrl-C: " + shown
         if ended_alone:
             assert process.returncode == 0, shown
         elif expect:
