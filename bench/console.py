@@ -24,7 +24,7 @@ from pathlib import Path
 from bench.browser import browser
 from bench.common import emit, free_port
 from bench.service import streamlog_server
-from storage import Engine, EngineConfig
+from storage import AppendBatch, Engine, EngineConfig
 
 GROUP_STREAM, GROUP = "jobs", "workers"
 # Small segments: 100,000 streams must fit on a developer's disk.
@@ -46,7 +46,7 @@ def build(data: Path, streams: int, pending: int) -> None:
         def make(i: int) -> None:
             name = f"stream-{i:06d}"
             if i < 100:
-                engine.append(name, [b'{"n": %d, "kind": "sample"}' % j for j in range(50)])
+                engine.append(name, AppendBatch([b'{"n": %d, "kind": "sample"}' % j for j in range(50)]))
             else:
                 engine.create_stream(name)
 
@@ -55,7 +55,8 @@ def build(data: Path, streams: int, pending: int) -> None:
             list(pool.map(make, range(streams)))
         for start in range(0, pending, 1000):
             engine.append(
-                GROUP_STREAM, [b'{"job": %d}' % j for j in range(start, min(start + 1000, pending))]
+                GROUP_STREAM,
+                AppendBatch([b'{"job": %d}' % j for j in range(start, min(start + 1000, pending))]),
             )
         engine.create_group(GROUP_STREAM, GROUP, start="oldest")
         for consumer in range(pending // 10_000 + 1):

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from bench.common import Timer, emit, percentiles
-from storage import Engine, EngineConfig
+from storage import AppendBatch, Engine, EngineConfig
 from storage.inspect import inspect_segment
 
 BATCH = 1000
@@ -47,7 +47,7 @@ def _rides(n: int) -> list[bytes]:
 def _fill(engine: Engine, stream: str, total: int, batch: list[bytes]) -> float:
     with Timer() as t:
         for _ in range(total // BATCH):
-            engine.append(stream, batch)
+            engine.append(stream, AppendBatch(batch))
     return t.elapsed
 
 

@@ -89,7 +89,7 @@ NEXT_OFFSET_TRAILER = "streamlog-next-offset"
 def trailers_for(exc: BaseException) -> tuple[tuple[str, str], ...]:
     """Machine-readable details for clients: a failed conditional append says where the stream is."""
     if isinstance(exc, OffsetMismatchError):
-        return ((NEXT_OFFSET_TRAILER, str(exc.next_offset)),)
+        return ((NEXT_OFFSET_TRAILER, str(exc.end_offset)),)
     return ()
 
 

@@ -178,7 +178,7 @@ class GroupWaits:
 
     # ------------------------------------------------------------------ wake-ups
 
-    def on_append(self, stream: str, next_offset: int) -> None:
+    def on_append(self, stream: str, end_offset: int) -> None:
         """The engine's append listener; safe to call from any thread."""
         self._on_loop(self._wake_stream, stream)
 

@@ -14,13 +14,12 @@ from streamlog.v1 import streamlog_pb2 as pb
 
 from service import validation
 from service.errors import invalid_argument
-from storage import GroupConfig, GroupInfo, GroupReadResult, PendingInfo, ReadResult
-from storage.results import Gap
+from storage import Gap, GapReason, GroupConfig, GroupInfo, GroupReadResult, PendingInfo, StreamBounds
 
 _GAP_REASONS = {
-    "evicted": pb.GAP_REASON_EVICTED,
-    "compacted": pb.GAP_REASON_COMPACTED,
-    "corrupt": pb.GAP_REASON_CORRUPT,
+    GapReason.EVICTED: pb.GAP_REASON_EVICTED,
+    GapReason.COMPACTED: pb.GAP_REASON_COMPACTED,
+    GapReason.CORRUPT: pb.GAP_REASON_CORRUPT,
 }
 # GroupConfig fields that are unset (None) when not limited, and must be > 0 when set.
 _POSITIVE = ("max_deliveries", "max_pending")
@@ -32,7 +31,7 @@ _COUNTERS = ("delivered", "redelivered", "acked", "ack_unknown", "expired", "dea
 def gap_to_proto(gap: Gap | None) -> pb.Gap | None:
     if gap is None:
         return None
-    return pb.Gap(start_offset=gap.start, end_offset=gap.end, reason=_GAP_REASONS[gap.reason])
+    return pb.Gap(start_offset=gap.start_offset, end_offset=gap.end_offset, reason=_GAP_REASONS[gap.reason])
 
 
 def config_from_proto(message: pb.GroupConfig, field: str = "config") -> GroupConfig:
@@ -117,16 +116,16 @@ def pending_to_proto(info: PendingInfo) -> pb.GetPendingResponse:
 def read_reply(
     reply_type: type[pb.ReadResponse] | type[pb.SubscribeResponse] | type[pb.ConsumeResponse],
     result: GroupReadResult | None,
-    bounds: ReadResult,
+    bounds: StreamBounds,
     **extra: int,
 ) -> bytes:
     """A serialized Read, Subscribe or Consume reply for a group read (None: nothing came).
 
-    `bounds` is a read of no entries, for the stream's first and end offsets; `extra`
+    `bounds` are the stream's first and end offsets; `extra`
     holds the acknowledgement counts of a Read that carried acks (and a Consume reply's
     batches).
     """
-    fields: dict[str, Any] = {"first_offset": bounds.first_offset, "end_offset": bounds.next_offset}
+    fields: dict[str, Any] = {"first_offset": bounds.first_offset, "end_offset": bounds.end_offset}
     fields.update(extra)
     if result is None:
         return reply_type(**fields).SerializeToString()

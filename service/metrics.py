@@ -301,7 +301,7 @@ class MetricsInterceptor(WrappingInterceptor):
             entries.inc(reply.last_offset - reply.first_offset + 1)
         size.inc(request.ByteSize())
         engine = self._engine()
-        if engine is not None and engine.stream_fsync(stream) == "always":
+        if engine is not None and engine.fsync_policy(stream).blocks:
             self._m.durable_append_seconds.observe(elapsed)
 
     def _account_Read(self, request: Any, reply: Any, elapsed: float) -> None:
@@ -385,7 +385,7 @@ class EngineCollector(Collector):
             "first_offset": GaugeMetricFamily(
                 "streamlog_stream_first_offset", "Oldest retained offset.", labels=["stream"]
             ),
-            "next_offset": GaugeMetricFamily(
+            "end_offset": GaugeMetricFamily(
                 "streamlog_stream_next_offset", "Offset the next append gets.", labels=["stream"]
             ),
             "damaged": GaugeMetricFamily(

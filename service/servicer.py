@@ -57,6 +57,7 @@ from service.replybudget import ReplyBudget, ReplyCharge
 from service.waiters import Waiters, Wake
 from service.wire import entries_hold_only_payloads
 from storage import (
+    AppendBatch,
     CorruptionError,
     Engine,
     GroupReadResult,
@@ -100,28 +101,12 @@ _deliver_at = attrgetter("deliver_at_ms")
 _gap = groupwire.gap_to_proto
 
 
-def _forward_next(result: ReadResult, offset: int) -> int:
-    """Where a forward read continues: after its last entry, else after its gap, else where it was."""
-    if result.last_offset is not None:
-        return result.last_offset + 1
-    if result.gap is not None:
-        return max(offset, result.gap.end)
-    return offset
-
-
 def _has_news(result: ReadResult, offset: int) -> bool:
     """Whether a forward read at `offset` has something to tell: entries, or a gap that moves it on.
 
     A gap that does not move past `offset` would make a follower loop without waiting.
     """
-    return bool(result.count) or (result.gap is not None and result.gap.end > offset)
-
-
-def _reverse_next(result: ReadResult) -> int:
-    """Where a reverse read continues: below its last entry, or -1 when nothing older remains."""
-    if result.last_offset is None or result.last_offset - 1 < result.first_offset:
-        return -1
-    return result.last_offset - 1
+    return bool(result.count) or (result.gap is not None and result.gap.end_offset > offset)
 
 
 def _read_reply(result: ReadResult, next_offset: int) -> bytes:
@@ -130,7 +115,7 @@ def _read_reply(result: ReadResult, next_offset: int) -> bytes:
         first_offset=result.first_offset,
         next_offset=next_offset,
         gap=_gap(result.gap),
-        end_offset=result.next_offset,
+        end_offset=result.end_offset,
     ).SerializeToString()
     return b"".join(result.records) + tail if result.records else tail
 
@@ -143,7 +128,7 @@ def _subscribe_reply(result: ReadResult | None, next_offset: int) -> bytes:
         first_offset=result.first_offset,
         next_offset=next_offset,
         gap=_gap(result.gap),
-        end_offset=result.next_offset,
+        end_offset=result.end_offset,
     ).SerializeToString()
     return b"".join(result.records) + tail if result.records else tail
 
@@ -282,7 +267,7 @@ class StreamLogServicer:
 
     async def _group_call(self, engine: Engine, stream: str, function: Callable[..., T], *args: Any) -> T:
         """A group call that may wait for a journal sync: in a thread on "always" streams, else here."""
-        if engine.stream_fsync(stream) == "always":
+        if engine.fsync_policy(stream).blocks:
             return await self._in_thread(function, *args)
         return function(*args)
 
@@ -333,11 +318,11 @@ class StreamLogServicer:
         waits = self.group_waits
         if not waits.busy(stream, group):
             # Nobody queued ahead: read now.
-            fsync_always = engine.stream_fsync(stream) == "always"
+            in_thread = engine.fsync_policy(stream).blocks
             result = await self._read_group(engine, stream, group, options, charge)
             if has_news(result) or wait_s == 0:
                 return result
-            if not fsync_always:
+            if not in_thread:
                 # Read on the loop with no await since, so no append or ack went unseen: queue up
                 # without reading again, and be woken when the read said something falls due.
                 return await waits.wait(
@@ -422,25 +407,25 @@ class StreamLogServicer:
             raise limit_exceeded("max_batch_entries", limit, f"entries: the batch has {count} entries")
         if request.payloads:
             # The fast form: a repeated bytes field converts to a list in one C call.
-            payloads, columns = list(request.payloads), {}
+            batch = AppendBatch(list(request.payloads))
         else:
             # The engine takes columns. The common batch has payloads only: one pass
             # gets them, and a size comparison done in C proves there is nothing else.
             payloads = list(map(_payload, entries))
             only_payloads = entries_hold_only_payloads(request, stream, payloads)
-            columns = {} if only_payloads else _optional_columns(entries)
+            batch = AppendBatch(payloads, **({} if only_payloads else _optional_columns(entries)))
+        options: dict[str, Any] = {}
         if request.producer_id:
-            columns["producer_id"] = request.producer_id
-            sequence = request.producer_sequence
-            columns["producer_sequence"] = validation.non_negative("producer_sequence", sequence)
+            sequence = validation.non_negative("producer_sequence", request.producer_sequence)
+            options["producer"] = (request.producer_id, sequence)
         if request.HasField("expected_next_offset"):
-            columns["expected_next_offset"] = validation.non_negative(
+            options["expected_end"] = validation.non_negative(
                 "expected_next_offset", request.expected_next_offset
             )
-        if engine.stream_fsync(stream) == "always":
-            result = await self._in_thread(engine.append, stream, payloads, **columns)
+        if engine.fsync_policy(stream).blocks:
+            result = await self._in_thread(engine.append, stream, batch, **options)
         else:
-            result = engine.append(stream, payloads, **columns)
+            result = engine.append(stream, batch, **options)
         return pb.AppendResponse(
             first_offset=result.first_offset,
             last_offset=result.last_offset,
@@ -469,10 +454,10 @@ class StreamLogServicer:
         await charge.reserve(max_bytes)
         if request.reverse:
             result = engine.read(stream, offset, count, max_bytes=max_bytes, reverse=True)
-            return _held(charge, _read_reply(result, _reverse_next(result)))
+            return _held(charge, _read_reply(result, result.next_offset))
         if not block_ms:
             result = engine.read(stream, offset, count, max_bytes=max_bytes)
-            return _held(charge, _read_reply(result, _forward_next(result, offset)))
+            return _held(charge, _read_reply(result, result.next_offset))
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._wait_limit_s(context, block_ms)
@@ -490,7 +475,7 @@ class StreamLogServicer:
             else:
                 seen = True
                 if _has_news(result, offset):
-                    return _held(charge, _read_reply(result, _forward_next(result, offset)))
+                    return _held(charge, _read_reply(result, result.next_offset))
             # Nothing yet: wait, holding no room, with no await between the read above and this call.
             charge.settle(0)
             wake = await self._waiters.wait(stream, offset, deadline - loop.time())
@@ -525,7 +510,7 @@ class StreamLogServicer:
         if offsets or ranges:
             # First, so that the room it makes in a bounded pending list serves this very read.
             acked = await self._group_call(engine, stream, engine.ack, stream, group, offsets, ranges)
-            acks = {"acknowledged": acked.acked, "ack_unknown": acked.unknown}
+            acks = {"acknowledged": acked.acknowledged, "ack_unknown": acked.unknown}
         if block_ms:
             waited = await self._group_read_or_wait(
                 engine, stream, group, options, self._wait_limit_s(context, block_ms), charge
@@ -536,7 +521,7 @@ class StreamLogServicer:
             result = waited if isinstance(waited, GroupReadResult) else None
         else:
             result = await self._read_group(engine, stream, group, options, charge)
-        return _held(charge, groupwire.read_reply(pb.ReadResponse, result, engine.read(stream, 0, 0), **acks))
+        return _held(charge, groupwire.read_reply(pb.ReadResponse, result, engine.bounds(stream), **acks))
 
     @translate_errors
     async def Subscribe(
@@ -579,7 +564,7 @@ class StreamLogServicer:
                 else:
                     seen = True
                     if _has_news(result, offset):
-                        offset = _forward_next(result, offset)
+                        offset = result.next_offset
                         first = False
                         reply = _held(charge, _subscribe_reply(result, offset))
                         # The records are in the reply: `result` must not hold a second copy
@@ -640,7 +625,7 @@ class StreamLogServicer:
                 if waited is Wake.CLOSED:
                     raise unavailable("server is shutting down; subscribe again")
                 if isinstance(waited, GroupReadResult) and (wait_s == 0 or has_news(waited)):
-                    reply = groupwire.read_reply(pb.SubscribeResponse, waited, engine.read(stream, 0, 0))
+                    reply = groupwire.read_reply(pb.SubscribeResponse, waited, engine.bounds(stream))
                     del waited  # its records are in the reply (see Subscribe)
                     yield _held(charge, reply)
                     charge.settle(0)
@@ -671,11 +656,11 @@ class StreamLogServicer:
 
         async def ack(offsets: list[int], ranges: list[tuple[int, int]]) -> tuple[int, int]:
             result = await self._group_call(engine, stream, engine.ack, stream, group, offsets, ranges)
-            return result.acked, result.unknown
+            return result.acknowledged, result.unknown
 
         def reply(result: GroupReadResult | None, batches: int, acknowledged: int, unknown: int) -> bytes:
             counts = {"batches": batches, "acknowledged": acknowledged, "ack_unknown": unknown}
-            reply = groupwire.read_reply(pb.ConsumeResponse, result, engine.read(stream, 0, 0), **counts)
+            reply = groupwire.read_reply(pb.ConsumeResponse, result, engine.bounds(stream), **counts)
             return _held(charge, reply)
 
         # Read options for n batches at once: count x n entries (at most max_read_entries).
@@ -722,10 +707,10 @@ class StreamLogServicer:
             if start == pb.START_POSITION_TIMESTAMP:
                 return engine.seek_time(stream, timestamp_ms)
             # A read of no entries costs nothing and reports the stream's bounds.
-            bounds = engine.read(stream, 0, 0)
+            bounds = engine.bounds(stream)
         except StreamNotFoundError:
             return 0  # the stream's first append will have offset 0
-        return bounds.first_offset if start == pb.START_POSITION_OLDEST else bounds.next_offset
+        return bounds.first_offset if start == pb.START_POSITION_OLDEST else bounds.end_offset
 
     @translate_errors
     async def Ack(self, request: pb.AckRequest, context: grpc.aio.ServicerContext) -> pb.AckResponse:
@@ -736,7 +721,7 @@ class StreamLogServicer:
             raise invalid_argument("offsets, ranges: nothing to acknowledge")
         offsets, ranges = self._ack_items(request.offsets, request.ranges, ("offsets", "ranges"))
         result = await self._group_call(engine, stream, engine.ack, stream, group, offsets, ranges)
-        return pb.AckResponse(acknowledged=result.acked, unknown=result.unknown)
+        return pb.AckResponse(acknowledged=result.acknowledged, unknown=result.unknown)
 
     @translate_errors
     async def Nack(self, request: pb.NackRequest, context: grpc.aio.ServicerContext) -> pb.NackResponse:
@@ -794,7 +779,7 @@ class StreamLogServicer:
             offset = validation.non_negative("offset", request.offset)
 
             def at_offset() -> int:
-                end = engine.read(stream, 0, 0).next_offset
+                end = engine.bounds(stream).end_offset
                 if offset > end:
                     # As Trim: the stream may get there later, so the request is not malformed.
                     raise ServiceError(
@@ -996,7 +981,7 @@ class StreamLogServicer:
             info=pb.StreamInfo(
                 name=info.name,
                 first_offset=info.first_offset,
-                next_offset=info.next_offset,
+                next_offset=info.end_offset,
                 entries_added=info.entries_added,
                 entries=info.entries,
                 bytes_on_disk=info.bytes_on_disk,
@@ -1007,7 +992,7 @@ class StreamLogServicer:
                 packed_segments=info.packed_segments,
                 last_timestamp_ms=info.last_timestamp_ms,
                 config=_config_to_proto(info.config),
-                effective_fsync=_FSYNC_TO_PROTO[engine.stream_fsync(stream)],
+                effective_fsync=_FSYNC_TO_PROTO[engine.fsync_policy(stream)],
                 damaged=[_gap(gap) for gap in info.damaged],
                 groups=groups,
                 retention_holder=None
@@ -1036,7 +1021,7 @@ class StreamLogServicer:
             raise invalid_argument(f"mode: set one of {', '.join(_TRIM_MODES)}")
         value = validation.non_negative(mode, getattr(request, mode))
         if mode == "trim_to_offset":
-            end = engine.read(stream, 0, 0).next_offset
+            end = engine.bounds(stream).end_offset
             if value > end:
                 raise ServiceError(
                     grpc.StatusCode.OUT_OF_RANGE,

@@ -1,8 +1,8 @@
 """Wake-ups for blocked reads and subscriptions, driven by the engine's append listener.
 
 A reader that found nothing at `offset` registers a future under its stream and
-awaits it. Every append calls `on_append(stream, next_offset)`; it resolves the
-futures of that stream's readers whose offset is now below `next_offset`, and
+awaits it. Every append calls `on_append(stream, end_offset)`; it resolves the
+futures of that stream's readers whose offset is now below `end_offset`, and
 only those, so a reader waiting for a far offset (RCP 11: "block for an offset of
 old_offset + N") is not woken for nothing. There is no polling anywhere: an idle
 reader is one future in a dict.
@@ -80,14 +80,14 @@ class Waiters:
                 if not waiting:
                     del self._waiting[stream]
 
-    def on_append(self, stream: str, next_offset: int) -> None:
+    def on_append(self, stream: str, end_offset: int) -> None:
         """The engine's append listener; safe to call from any thread."""
         if threading.get_ident() == self._loop_thread:
-            self._wake_appended(stream, next_offset)
+            self._wake_appended(stream, end_offset)
             return
         # RuntimeError: the loop is closed, so the server has stopped and nobody waits.
         with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._wake_appended, stream, next_offset)
+            self._loop.call_soon_threadsafe(self._wake_appended, stream, end_offset)
 
     def on_delete(self, stream: str) -> None:
         """End every wait on `stream` with DELETED. Call on the loop thread."""
@@ -100,11 +100,11 @@ class Waiters:
         for futures in waiting.values():
             self._wake_all(futures, Wake.CLOSED)
 
-    def _wake_appended(self, stream: str, next_offset: int) -> None:
+    def _wake_appended(self, stream: str, end_offset: int) -> None:
         waiting = self._waiting.get(stream)
         if not waiting:
             return
-        ready = [future for future, offset in waiting.items() if offset < next_offset]
+        ready = [future for future, offset in waiting.items() if offset < end_offset]
         for future in ready:
             del waiting[future]
             if not future.done():

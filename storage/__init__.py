@@ -31,10 +31,12 @@ from storage.groups import (
 )
 from storage.records import Entry
 from storage.results import AppendResult, Gap, ReadResult, StreamInfo
+from storage.types import AppendBatch, FsyncPolicy, GapReason, StreamBounds
 
 __all__ = [
     "MAX_DURATION_MS",
     "AckResult",
+    "AppendBatch",
     "AppendResult",
     "ConsumerInfo",
     "CorruptionError",
@@ -43,7 +45,9 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "Entry",
+    "FsyncPolicy",
     "Gap",
+    "GapReason",
     "GroupConfig",
     "GroupCounters",
     "GroupInfo",
@@ -58,6 +62,7 @@ __all__ = [
     "PreconditionError",
     "ReadResult",
     "StorageError",
+    "StreamBounds",
     "StreamConfig",
     "StreamInfo",
     "StreamNotFoundError",

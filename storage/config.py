@@ -6,8 +6,15 @@ from dataclasses import asdict, dataclass, fields
 
 from storage.errors import InvalidArgumentError
 from storage.format import NODE_PREFIX_SIZE, SEGMENT_HEADER_SIZE
+from storage.types import FsyncPolicy
 
-FSYNC_POLICIES = ("always", "everysec", "no")
+
+def _fsync_policy(value: str) -> FsyncPolicy:
+    try:
+        return FsyncPolicy(value)
+    except ValueError:
+        choices = ", ".join(FsyncPolicy)
+        raise InvalidArgumentError(f"fsync must be one of {choices}, not {value!r}") from None
 
 
 def min_segment_bytes(node_entries: int, max_batch_entries: int, max_batch_bytes: int) -> int:
@@ -27,7 +34,7 @@ class EngineConfig:
     max_batch_entries: int = 10_000
     max_batch_bytes: int = 8 << 20
     max_tag_bytes: int = 1024
-    fsync: str = "everysec"
+    fsync: FsyncPolicy = FsyncPolicy.EVERYSEC  # a string naming one is taken too
     compression: bool = True
     compression_level: int = 3
     cache_nodes: int = 256
@@ -40,10 +47,7 @@ class EngineConfig:
     dedup_max_producers: int = 10_000
 
     def __post_init__(self) -> None:
-        if self.fsync not in FSYNC_POLICIES:
-            raise InvalidArgumentError(
-                f"fsync must be one of {', '.join(FSYNC_POLICIES)}, not {self.fsync!r}"
-            )
+        object.__setattr__(self, "fsync", _fsync_policy(self.fsync))
         for name in (
             "node_entries",
             "max_entry_bytes",
@@ -76,7 +80,7 @@ class StreamConfig:
     max_bytes: int | None = None  # bytes on disk, evicting whole nodes
     compaction: bool = False  # keep only the latest entry per tag in sealed segments
     tombstone_retention_ms: int = 86_400_000
-    fsync: str | None = None
+    fsync: FsyncPolicy | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_entries", "max_age_ms", "max_bytes"):
@@ -85,10 +89,8 @@ class StreamConfig:
                 raise InvalidArgumentError(f"{name} must not be negative")
         if self.tombstone_retention_ms < 0:
             raise InvalidArgumentError("tombstone_retention_ms must not be negative")
-        if self.fsync is not None and self.fsync not in FSYNC_POLICIES:
-            raise InvalidArgumentError(
-                f"fsync must be one of {', '.join(FSYNC_POLICIES)}, not {self.fsync!r}"
-            )
+        if self.fsync is not None:
+            object.__setattr__(self, "fsync", _fsync_policy(self.fsync))
 
     def to_dict(self) -> dict:
         return asdict(self)

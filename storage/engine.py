@@ -1,8 +1,8 @@
 """The engine: a data directory of streams, the public entry point of `storage`.
 
-    from storage import Engine
+    from storage import AppendBatch, Engine
     with Engine("./data") as engine:
-        first = engine.append("rides", [b'{"id": 1}', b'{"id": 2}']).first_offset
+        first = engine.append("rides", AppendBatch([b'{"id": 1}', b'{"id": 2}'])).first_offset
         print(engine.read("rides", first, 10).entries())
 
 Layout: DATA/LOCK (held while open), DATA/streams/<encoded name>/ with a
@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from storage.cache import NodeCache
@@ -36,6 +36,7 @@ from storage.groups import AckResult, GroupConfig, GroupInfo, GroupReadResult, N
 from storage.names import dirname_for, validate_name
 from storage.results import AppendResult, ReadResult, StreamInfo
 from storage.stream import META_FILE, EngineContext, Stream
+from storage.types import AppendBatch, FsyncPolicy, StreamBounds
 
 log = logging.getLogger("streamlog.storage")
 
@@ -198,42 +199,39 @@ class Engine:
     def append(
         self,
         name: str,
-        payloads: Sequence[bytes],
+        batch: AppendBatch,
         *,
-        tags: Sequence[str] | None = None,
-        headers: Sequence[Mapping[str, bytes] | None] | None = None,
-        deliver_at_ms: Sequence[int] | None = None,
-        producer_id: str | None = None,
-        producer_sequence: int | None = None,
-        expected_next_offset: int | None = None,
+        producer: tuple[str, int] | None = None,
+        expected_end: int | None = None,
     ) -> AppendResult:
         """Append a batch; returns once it is as durable as the stream's fsync policy promises.
 
-        With `producer_id` and `producer_sequence` the append is idempotent: a retry
+        With `producer` (producer id, sequence) the append is idempotent: a retry
         of the same (producer, sequence) within the dedup window writes nothing and
-        returns the first attempt's offsets (`duplicate` set). With
-        `expected_next_offset` it is conditional: OffsetMismatchError (a
-        PreconditionError carrying the actual next offset) if the stream moved.
+        returns the first attempt's offsets (`duplicate` set). With `expected_end`
+        it is conditional: OffsetMismatchError (a PreconditionError carrying the
+        stream's actual end offset) if the stream's end is elsewhere.
         """
-        self._check_batch(payloads, tags, headers, deliver_at_ms)
-        producer = self._check_producer(producer_id, producer_sequence)
-        if expected_next_offset is not None:
-            if not isinstance(expected_next_offset, int) or expected_next_offset < 0:
-                raise InvalidArgumentError("expected_next_offset must be a non-negative integer")
-            if expected_next_offset and name not in self._streams:
+        self._check_batch(batch)
+        producer = self._check_producer(producer)
+        if expected_end is not None:
+            if not isinstance(expected_end, int) or expected_end < 0:
+                raise InvalidArgumentError("expected_end must be a non-negative integer")
+            if expected_end and name not in self._streams:
                 validate_name(name)
-                raise OffsetMismatchError(expected_next_offset, 0)  # nothing created
+                raise OffsetMismatchError(expected_end, 0)  # nothing created
         stream = self._stream_or_create(name)
-        result = stream.append(payloads, tags, headers, deliver_at_ms, producer, expected_next_offset)
+        result = stream.append(batch, producer, expected_end)
         if not result.duplicate:
             for listener in self._listeners:
                 listener(name, result.last_offset + 1)
         return result
 
     @staticmethod
-    def _check_producer(producer_id: str | None, sequence: int | None) -> tuple[str, int] | None:
-        if producer_id is None and sequence is None:
+    def _check_producer(producer: tuple[str, int] | None) -> tuple[str, int] | None:
+        if producer is None:
             return None
+        producer_id, sequence = producer
         if not producer_id or not isinstance(producer_id, str) or sequence is None:
             raise InvalidArgumentError("an idempotent append needs both a producer id and a sequence")
         try:
@@ -246,8 +244,14 @@ class Engine:
             raise InvalidArgumentError("producer sequence must be a non-negative integer")
         return producer_id, sequence
 
-    def _check_batch(self, payloads, tags, headers, deliver_at_ms) -> None:
+    def _check_batch(self, batch: AppendBatch) -> None:
         cfg = self.config
+        payloads, tags, headers, deliver_at_ms = (
+            batch.payloads,
+            batch.tags,
+            batch.headers,
+            batch.deliver_at_ms,
+        )
         n = len(payloads)
         if n == 0:
             raise InvalidArgumentError("a batch needs at least one entry")
@@ -331,12 +335,18 @@ class Engine:
     def stream_config(self, name: str) -> StreamConfig:
         return self._stream(name).config
 
-    def stream_fsync(self, name: str) -> str:
+    def bounds(self, name: str) -> StreamBounds:
+        """The stream's retained range as readers see it (StreamNotFoundError if there is none)."""
+        return self._stream(name).bounds()
+
+    def fsync_policy(self, name: str) -> FsyncPolicy:
+        """The fsync policy in force for the stream: its own, or the engine's (also for a stream
+        that does not exist yet: the policy its first append would get)."""
         stream = self._streams.get(name)
         return stream.fsync if stream is not None else self.config.fsync
 
     def add_append_listener(self, listener: AppendListener) -> None:
-        """`listener(stream, next_offset)` runs after every append, on the appending thread."""
+        """`listener(stream, end_offset)` runs after every append, on the appending thread."""
         self._listeners.append(listener)
 
     def sync(self) -> None:
@@ -353,7 +363,7 @@ class Engine:
             if stream.closed:
                 continue
             try:
-                if stream.fsync == "everysec" and stream.dirty:
+                if stream.fsync is FsyncPolicy.EVERYSEC and stream.dirty:
                     stream.sync()
                 stream.pack_pending()
                 stream.apply_retention(now)

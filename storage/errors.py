@@ -39,10 +39,11 @@ class PreconditionError(StorageError):
 class OffsetMismatchError(PreconditionError):
     """A conditional append expected the stream to be at another offset."""
 
-    def __init__(self, expected: int, next_offset: int) -> None:
-        super().__init__(f"the stream's next offset is {next_offset}, not the expected {expected}")
+    def __init__(self, expected: int, end_offset: int) -> None:
+        # "next offset" in the message: the wire's name for the stream's end (expected_next_offset).
+        super().__init__(f"the stream's next offset is {end_offset}, not the expected {expected}")
         self.expected = expected
-        self.next_offset = next_offset
+        self.end_offset = end_offset
 
 
 class DiskFullError(StorageError):

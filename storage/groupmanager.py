@@ -59,6 +59,7 @@ from storage.groups import (
 from storage.names import dirname_for, validate_name
 from storage.records import decode_records, skim_records
 from storage.results import Gap
+from storage.types import AppendBatch, FsyncPolicy, GapReason
 
 log = logging.getLogger("streamlog.storage")
 
@@ -164,7 +165,7 @@ def _spanning(a: Gap | None, b: Gap | None) -> Gap | None:
     """One gap covering two eviction gaps of a reply (every offset between them is evicted too)."""
     if a is None or b is None:
         return a or b
-    return Gap(min(a.start, b.start), max(a.end, b.end), "evicted")
+    return Gap(min(a.start_offset, b.start_offset), max(a.end_offset, b.end_offset), GapReason.EVICTED)
 
 
 class _Store:
@@ -242,7 +243,7 @@ class GroupManager:
         Groups only see visible entries and a cursor is never set past the end, so this happens
         only when the journal kept more than the stream did (e.g. everysec, both lost a second).
         """
-        end = self._engine.read(store.name, 0, 0).next_offset
+        end = self._engine.bounds(store.name).end_offset
         changed = False
         for group in store.state.groups.values():
             lost = [o for o in group.pending if o >= end] + [o for o in group.scheduled if o >= end]
@@ -339,7 +340,7 @@ class GroupManager:
                 raise
             seq, changed = self._persist(store)
         journal = store.log
-        if seq is not None and journal is not None and self._engine.stream_fsync(stream) == "always":
+        if seq is not None and journal is not None and self._engine.fsync_policy(stream).blocks:
             store.gate.wait(seq, journal.sync)
         for group in sorted(changed):
             for listener in self._listeners:
@@ -414,7 +415,7 @@ class GroupManager:
                 journal = store.log
                 if journal is None:
                     continue
-                if self._engine.stream_fsync(name) == "everysec" and journal.dirty:
+                if self._engine.fsync_policy(name) is FsyncPolicy.EVERYSEC and journal.dirty:
                     store.gate.wait(journal.seq, journal.sync)
                 with store.lock:
                     if store.log is not None and store.log.used_bytes > store.log.capacity_bytes // 2:
@@ -519,9 +520,8 @@ class GroupManager:
                 for d, entry in batch
             ]
             try:
-                self._engine.append(
-                    target, [e.payload for e in entries], tags=[e.tag for e in entries], headers=headers
-                )
+                letters = AppendBatch([e.payload for e in entries], [e.tag for e in entries], headers)
+                self._engine.append(target, letters)
             except (InvalidArgumentError, LimitExceededError) as exc:
                 # Will never fit (e.g. headers at the size limit): keeping it pending would block forever.
                 log.error(
@@ -613,11 +613,11 @@ class GroupManager:
         """
         if not group.scheduled:
             return None
-        evicted = group.scheduled_below(self._engine.read(stream, 0, 0).first_offset)
+        evicted = group.scheduled_below(self._engine.bounds(stream).first_offset)
         if not evicted:
             return None
         group.remove(evicted, g.R_EVICTED)
-        return Gap(evicted[0], evicted[-1] + 1, "evicted")
+        return Gap(evicted[0], evicted[-1] + 1, GapReason.EVICTED)
 
     def _record_new(self, group, consumer, now, retry_ms, expire_ms, noack, start, out) -> None:
         """Record the first delivery of the entries added to `out` since `start`, and their counts."""
@@ -659,11 +659,11 @@ class GroupManager:
             result = self._engine.read(stream, cursor, room, max_bytes=budget)
             if cursor < result.first_offset:
                 if gap is None:
-                    gap = Gap(cursor, result.first_offset, "evicted")
+                    gap = Gap(cursor, result.first_offset, GapReason.EVICTED)
                 cursor = result.first_offset
             if result.count == 0:
-                cursor = max(cursor, result.next_offset)  # what is left before the end is holes
-                caught_up = cursor == result.next_offset
+                cursor = max(cursor, result.end_offset)  # what is left before the end is holes
+                caught_up = cursor == result.end_offset
                 break
             run = range(cursor, result.last_offset + 1)
             fast = False
@@ -695,8 +695,8 @@ class GroupManager:
                     cursor = offset + 1
                 if stopped:
                     break
-            if cursor >= result.next_offset:
-                caught_up = cursor == result.next_offset
+            if cursor >= result.end_offset:
+                caught_up = cursor == result.end_offset
                 break
         group.schedule(scheduled)
         self._record_new(group, consumer, now, retry_ms, expire_ms, noack, start, out)
@@ -712,8 +712,8 @@ class GroupManager:
         larger count would also run past int64 as the group reads on.
         """
         check_non_negative("entries_read", entries_read, optional=True)
-        bounds = self._engine.read(stream, 0, 0)
-        end = bounds.next_offset
+        bounds = self._engine.bounds(stream)
+        end = bounds.end_offset
         if start == "oldest":
             cursor = bounds.first_offset
         elif start == "newest":
@@ -796,7 +796,7 @@ class GroupManager:
             return len(consumers), consumer in consumers
 
     def _info(self, stream: str, store: _Store, group: g.Group) -> GroupInfo:
-        end = self._engine.read(stream, 0, 0).next_offset
+        end = self._engine.bounds(stream).end_offset
         lag = None
         if group.entries_read == group.cursor:
             lag = self._engine.count(stream, group.cursor, end) + len(group.scheduled)

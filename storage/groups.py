@@ -229,7 +229,7 @@ class PendingInfo:
 
 @dataclass(frozen=True, slots=True)
 class AckResult:
-    acked: int  # entries that were pending and are now acknowledged
+    acknowledged: int  # entries that were pending and are now acknowledged
     unknown: int  # offsets named that were not pending (harmless; counted in ack_unknown)
 
 

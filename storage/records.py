@@ -17,11 +17,12 @@ decodes these bytes itself: `storage` does not depend on protobuf.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import accumulate
 
 from storage.errors import CorruptionError
+from storage.types import AppendBatch
 
 
 def encode_varint(value: int) -> bytes:
@@ -86,13 +87,7 @@ def _encode_headers(headers: Mapping[str, bytes]) -> bytes:
 
 
 def encode_batch(
-    first_offset: int,
-    timestamp_ms: int,
-    payloads: Sequence[bytes],
-    tags: Sequence[str] | None = None,
-    headers: Sequence[Mapping[str, bytes] | None] | None = None,
-    deliver_at_ms: Sequence[int] | None = None,
-    start: int = 0,
+    first_offset: int, timestamp_ms: int, batch: AppendBatch, start: int = 0
 ) -> tuple[bytes, array]:
     """Encode a batch of entries sharing one timestamp.
 
@@ -102,6 +97,7 @@ def encode_batch(
     Tag strings must be encodable as UTF-8 (the caller validates).
     """
     varint = _varint
+    payloads, tags, headers, deliver_at_ms = batch.payloads, batch.tags, batch.headers, batch.deliver_at_ms
     offsets = _consecutive_varints(first_offset, len(payloads))
     plain = tags is None and headers is None and deliver_at_ms is None
     if plain and min(map(len, payloads)) > 0 and max(map(len, payloads)) < _SMALL_LIMIT - 32:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from storage.config import StreamConfig
 from storage.records import Entry, decode_records
+from storage.types import GapReason
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,11 +19,11 @@ class AppendResult:
 
 @dataclass(frozen=True, slots=True)
 class Gap:
-    """Offsets start..end-1 that a read asked for and that no longer exist."""
+    """Offsets start_offset..end_offset-1 that a read asked for and that no longer exist."""
 
-    start: int
-    end: int
-    reason: str  # "evicted" (retention or trim), "compacted", or "corrupt" (failed its CRC)
+    start_offset: int
+    end_offset: int
+    reason: GapReason
 
 
 @dataclass(slots=True)
@@ -30,11 +31,15 @@ class ReadResult:
     """Entries as encoded records (see storage.records), plus the stream's bounds.
 
     `records` concatenated are the wire bytes of `repeated Entry entries = 1`.
+    `next_offset` is where the reader continues: forward, after the last entry
+    returned (or after the gap, or where it asked when there is nothing); in
+    reverse, before the last entry returned, or -1 when nothing older remains.
     """
 
     records: list[bytes]
     count: int
     first_offset: int
+    end_offset: int  # the stream's end: the offset the next append will take
     next_offset: int
     gap: Gap | None = None
     last_offset: int | None = None
@@ -50,7 +55,7 @@ class ReadResult:
 class StreamInfo:
     name: str
     first_offset: int
-    next_offset: int
+    end_offset: int
     entries_added: int
     entries: int
     bytes_on_disk: int  # file sizes, preallocated space of growing segments included

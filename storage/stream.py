@@ -15,7 +15,7 @@ import struct
 import threading
 from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +50,7 @@ from storage.fs import FileSystem, SegmentFile
 from storage.records import attach_producer, decode_record, encode_batch, record_offset_and_timestamp
 from storage.results import AppendResult, Gap, ReadResult, StreamInfo
 from storage.segment import SEGMENT_SUFFIX, GrowingNode, NodeRef, Segment
+from storage.types import AppendBatch, FsyncPolicy, GapReason, StreamBounds
 
 log = logging.getLogger("streamlog.storage")
 
@@ -136,8 +137,8 @@ class Stream:
         self.max_ts = array("q")  # node max timestamps (non-decreasing), for seek by time
         self.active: GrowingNode | None = None
         self.first_offset = 0
-        self.next_offset = 0
-        self.visible_next = 0  # reads stop here: in "always" mode, only synced entries are visible
+        self.end_offset = 0
+        self.visible_end = 0  # reads stop here: in "always" mode, only synced entries are visible
         self.last_ts = 0
         self.write_seq = 0
         self.dirty: set[SegmentFile] = set()
@@ -201,7 +202,7 @@ class Stream:
                     for later in names[i:]:
                         fs.remove(self.directory / later)
                     break
-                self._note_damage(Gap(expected, segment.base_offset, "corrupt"))
+                self._note_damage(Gap(expected, segment.base_offset, GapReason.CORRUPT))
             if cut:
                 log.warning("stream %r: segment %s: %s", self.name, fname, cut)
                 if last and not segment.packed:
@@ -214,7 +215,7 @@ class Stream:
                         Gap(
                             segment.nodes[-1].end_offset if segment.nodes else segment.base_offset,
                             segment.end_offset() if segment.packed else -1,
-                            "corrupt",
+                            GapReason.CORRUPT,
                         )
                     )
             self.segments.append(segment)
@@ -228,13 +229,17 @@ class Stream:
                     self._index_append(ref)
         end = self.segments[-1].end_offset() if self.segments else 0
         # Never hand out an offset that a damaged segment may hold.
-        self.next_offset = max([end, meta_first, *(max(g.start, g.end) for g in self.damaged)])
+        self.end_offset = max([end, meta_first, *(max(g.start_offset, g.end_offset) for g in self.damaged)])
         self.first_offset = max(meta_first, 0)
-        self.visible_next = self.next_offset
+        self.visible_end = self.end_offset
         self.last_ts = self.max_ts[-1] if self.max_ts else 0
         # Resolve damage ranges that ran to "the next segment" once that is known.
         self.damaged = [
-            Gap(g.start, g.end if g.end >= 0 else self._next_base_after(g.start), g.reason)
+            Gap(
+                g.start_offset,
+                g.end_offset if g.end_offset >= 0 else self._next_base_after(g.start_offset),
+                g.reason,
+            )
             for g in self.damaged
         ]
         if resumed is not None:
@@ -253,7 +258,7 @@ class Stream:
             except CorruptionError as exc:
                 log.error("stream %r: %s; rebuilding it from the stream", self.name, exc)
                 self.producers = _producer_table(self.ctx.config)
-        self.producers.forget_from(self.next_offset)  # batches a power loss took back
+        self.producers.forget_from(self.end_offset)  # batches a power loss took back
         horizon = self.ctx.clock() - self.ctx.config.dedup_window_ms
         for ref in self.nodes:
             h = ref.header
@@ -276,7 +281,7 @@ class Stream:
                     # Its first offset is not stored: a retry carries the same batch, whose length tells.
                     batch = BatchRecord(-1, entry.offset, entry.timestamp_ms)
                     self.producers.record(entry.producer_id, entry.producer_sequence, batch)
-        self.producers.scanned_to = self.next_offset
+        self.producers.scanned_to = self.end_offset
 
     def save_producers(self, now_ms: int) -> None:
         """Expire idle producers and snapshot the table if it changed (maintenance, close)."""
@@ -284,7 +289,7 @@ class Stream:
             self.producers.expire(now_ms)
             if not self.producers.changed:
                 return
-            self.producers.scanned_to = self.next_offset
+            self.producers.scanned_to = self.end_offset
             raw = self.producers.encode()
             self.producers.changed = False
         self.ctx.fs.write_file_atomic(self.directory / PRODUCERS_FILE, raw)
@@ -300,17 +305,22 @@ class Stream:
         if salvaged is None:
             # Keep the file for the operator, out of the way of a new segment of the same name.
             self.ctx.fs.rename(path, path.with_name(path.name + ".damaged"))
-            self._note_damage(Gap(base, -1, "corrupt"))
+            self._note_damage(Gap(base, -1, GapReason.CORRUPT))
             return None
         log.warning("stream %r: segment %s salvaged: header rewritten", self.name, path.name)
         return salvaged, None
 
     def _next_base_after(self, offset: int) -> int:
         i = bisect_right(self.bases, offset)
-        return self.bases[i] if i < len(self.bases) else self.next_offset
+        return self.bases[i] if i < len(self.bases) else self.end_offset
 
     def _note_damage(self, gap: Gap) -> None:
-        log.error("stream %r: offsets %d..%d are damaged and will be skipped", self.name, gap.start, gap.end)
+        log.error(
+            "stream %r: offsets %d..%d are damaged and will be skipped",
+            self.name,
+            gap.start_offset,
+            gap.end_offset,
+        )
         self.damaged.append(gap)
 
     def _index_append(self, ref: NodeRef) -> None:
@@ -320,41 +330,35 @@ class Stream:
         self.max_ts.append(ref.header.max_ts)
 
     @property
-    def fsync(self) -> str:
+    def fsync(self) -> FsyncPolicy:
         return self.config.fsync or self.ctx.config.fsync
 
     # ------------------------------------------------------------------ append
 
     def append(
-        self,
-        payloads: Sequence[bytes],
-        tags: Sequence[str] | None,
-        headers: Sequence[Mapping[str, bytes] | None] | None,
-        deliver_at_ms: Sequence[int] | None,
-        producer: tuple[str, int] | None = None,
-        expected_next: int | None = None,
+        self, batch: AppendBatch, producer: tuple[str, int] | None = None, expected_end: int | None = None
     ) -> AppendResult:
-        """Append a batch; `producer` (id, sequence) makes it idempotent, `expected_next` conditional."""
-        n = len(payloads)
+        """Append a batch; `producer` (id, sequence) makes it idempotent, `expected_end` conditional."""
+        n = len(batch)
         limit = self.ctx.config.max_batch_bytes
-        always = self.fsync == "always"
+        always = self.fsync is FsyncPolicy.ALWAYS
         with self.lock:
             if self.closed:
                 raise InvalidArgumentError(f"stream {self.name!r} was deleted")
             if self.gate.error is not None:
                 raise DurabilityError(f"appends are refused after a failed sync: {self.gate.error}")
-            if expected_next is not None and expected_next != self.next_offset:
-                raise OffsetMismatchError(expected_next, self.next_offset)
+            if expected_end is not None and expected_end != self.end_offset:
+                raise OffsetMismatchError(expected_end, self.end_offset)
             earlier = self.producers.lookup(*producer) if producer else None
             if earlier is not None:
                 seq = self.write_seq  # the first attempt may still be on its way to disk
             else:
-                first, ts = self._write_batch(payloads, tags, headers, deliver_at_ms, producer, limit)
+                first, ts = self._write_batch(batch, producer, limit)
                 if producer:
                     self.producers.record(*producer, BatchRecord(first, first + n - 1, ts))
                 seq = self.write_seq
                 if not always:
-                    self.visible_next = self.next_offset
+                    self.visible_end = self.end_offset
         if always:
             self.gate.wait(seq, self._sync_now)
         if earlier is not None:
@@ -362,11 +366,13 @@ class Stream:
             return AppendResult(first, earlier.last_offset, earlier.timestamp_ms, duplicate=True)
         return AppendResult(first, first + n - 1, ts)
 
-    def _write_batch(self, payloads, tags, headers, deliver_at_ms, producer, limit: int) -> tuple[int, int]:
+    def _write_batch(
+        self, batch: AppendBatch, producer: tuple[str, int] | None, limit: int
+    ) -> tuple[int, int]:
         """Encode and write one batch into the active node (or a new one). Call with `lock` held."""
-        n = len(payloads)
+        n = len(batch)
         ts = max(self.ctx.clock(), self.last_ts)
-        first = self.next_offset
+        first = self.end_offset
         node = self.active
         fits = (
             node is not None
@@ -374,8 +380,9 @@ class Stream:
             and node.ref.segment is self.segments[-1]
         )
         start = node.positions[-1] if fits else 0
-        blob, positions = encode_batch(first, ts, payloads, tags, headers, deliver_at_ms, start)
-        flags = NODE_DELAYED if deliver_at_ms is not None and any(deliver_at_ms) else 0
+        blob, positions = encode_batch(first, ts, batch, start)
+        delayed = batch.deliver_at_ms is not None and any(batch.deliver_at_ms)
+        flags = NODE_DELAYED if delayed else 0
         if producer:
             blob = attach_producer(blob, positions[-2] - start, *producer)
             positions[-1] = start + len(blob)
@@ -388,7 +395,7 @@ class Stream:
             node = self._start_node(n, len(blob), ts)
         node.append(blob, positions, ts, flags)
         self.max_ts[-1] = ts
-        self.next_offset = first + n
+        self.end_offset = first + n
         self.last_ts = ts
         self.write_seq += 1
         self.dirty.add(node.ref.segment.file)
@@ -401,11 +408,11 @@ class Stream:
         if (
             tail is None
             or tail.packed
-            or tail.end_offset() != self.next_offset
+            or tail.end_offset() != self.end_offset
             or tail.end_pos + need > tail.file.size
         ):
             tail = self._roll(ts)
-        node = GrowingNode.start(tail, slots, self.next_offset)
+        node = GrowingNode.start(tail, slots, self.end_offset)
         tail.nodes.append(node.ref)
         self._index_append(node.ref)
         self.active = node
@@ -418,7 +425,7 @@ class Stream:
             # otherwise a power loss could leave a hole in the middle of the stream.
             old.file.sync()
         segment = Segment.create(
-            self.ctx.fs, self.directory, self.next_offset, self.ctx.config.segment_bytes, now_ms
+            self.ctx.fs, self.directory, self.end_offset, self.ctx.config.segment_bytes, now_ms
         )
         self.segments.append(segment)
         if old is not None and not old.packed and self.ctx.config.compression:
@@ -432,11 +439,11 @@ class Stream:
             files = list(self.dirty)
             self.dirty.clear()
             seq = self.write_seq
-            upto = self.next_offset
+            upto = self.end_offset
         for file in files:
             file.sync()
         with self.lock:
-            self.visible_next = max(self.visible_next, upto)
+            self.visible_end = max(self.visible_end, upto)
         return seq
 
     def sync(self) -> None:
@@ -457,17 +464,31 @@ class Stream:
             body.base_offset, positions, body.deltas, lambda lo, hi: blob[positions[lo] : positions[hi]]
         )
 
-    def _hole_reason(self, offset: int) -> str:
-        return "corrupt" if any(g.start <= offset < g.end for g in self.damaged) else "compacted"
+    def _hole_reason(self, offset: int) -> GapReason:
+        return (
+            GapReason.CORRUPT
+            if any(g.start_offset <= offset < g.end_offset for g in self.damaged)
+            else GapReason.COMPACTED
+        )
 
     def _corrupt(self, ref: NodeRef, exc: CorruptionError) -> Gap:
-        gap = Gap(ref.base_offset, ref.end_offset, "corrupt")
+        gap = Gap(ref.base_offset, ref.end_offset, GapReason.CORRUPT)
         if not ref.corrupt:
             ref.corrupt = True
-            log.error("stream %r: node at offsets %d..%d is corrupt (%s)", self.name, gap.start, gap.end, exc)
+            log.error(
+                "stream %r: node at offsets %d..%d is corrupt (%s)",
+                self.name,
+                gap.start_offset,
+                gap.end_offset,
+                exc,
+            )
             self.damaged.append(gap)
             self._holes = True
         return gap
+
+    def bounds(self) -> StreamBounds:
+        with self.lock:
+            return StreamBounds(self.first_offset, self.visible_end)
 
     def read(self, offset: int, count: int, max_bytes: int, reverse: bool) -> ReadResult:
         if offset < 0 or count < 0 or max_bytes < 0:
@@ -478,8 +499,8 @@ class Stream:
             return self._read_forward(offset, count, max_bytes)
 
     def _read_forward(self, offset: int, count: int, max_bytes: int) -> ReadResult:
-        end, first = self.visible_next, self.first_offset
-        gap = Gap(offset, first, "evicted") if offset < first else None
+        end, first = self.visible_end, self.first_offset
+        gap = Gap(offset, first, GapReason.EVICTED) if offset < first else None
         start = max(offset, first)
         records: list[bytes] = []
         taken = size = 0
@@ -523,12 +544,12 @@ class Stream:
                 break
         if count and not taken and gap is None and start < end:
             gap = Gap(start, end, self._hole_reason(start))  # nothing left but a hole
-        return ReadResult(records, taken, first, end, gap, last)
+        return ReadResult(records, taken, first, end, _after(offset, last, gap), gap, last)
 
     def _read_backward(self, offset: int, count: int, max_bytes: int) -> ReadResult:
-        end, first = self.visible_next, self.first_offset
+        end, first = self.visible_end, self.first_offset
         if offset < first:
-            return ReadResult([], 0, first, end, Gap(offset, first, "evicted"), None)
+            return ReadResult([], 0, first, end, -1, Gap(offset, first, GapReason.EVICTED), None)
         start = min(offset, end - 1)  # the highest offset wanted
         records: list[bytes] = []
         taken = size = 0
@@ -550,18 +571,18 @@ class Stream:
             for j in range(hi - 1, max(lo, hi - (count - taken)) - 1, -1):
                 length = positions[j + 1] - positions[j]
                 if max_bytes and taken and size + length > max_bytes:
-                    return ReadResult(records, taken, first, end, None, last)
+                    return ReadResult(records, taken, first, end, _before(last, first), None, last)
                 records.append(view.slice(j, j + 1))
                 taken += 1
                 size += length
                 last = view.offset_at(j)
             if last is not None:
                 start = last - 1
-        return ReadResult(records, taken, first, end, None, last)
+        return ReadResult(records, taken, first, end, _before(last, first), None, last)
 
     def seek_time(self, timestamp_ms: int) -> int:
         with self.lock:
-            end = self.visible_next
+            end = self.visible_end
             i = bisect_left(self.max_ts, timestamp_ms)
             while i < len(self.nodes) and self.nodes[i].base_offset < end:
                 ref = self.nodes[i]
@@ -586,7 +607,7 @@ class Stream:
     def count(self, start: int, end: int) -> int:
         with self.lock:
             start = max(start, self.first_offset)
-            end = min(end, self.visible_next)
+            end = min(end, self.visible_end)
             if start >= end:
                 return 0
             if not self._has_holes():
@@ -639,7 +660,7 @@ class Stream:
             del self.nodes[:k]
             del self.bases[:k]
             del self.max_ts[:k]
-        self.damaged = [g for g in self.damaged if g.end > offset]
+        self.damaged = [g for g in self.damaged if g.end_offset > offset]
         self._holes = None
         while len(self.segments) > 1 and self.segments[0].end_offset() <= offset:
             segment = self.segments.pop(0)
@@ -655,7 +676,7 @@ class Stream:
         if first_offset < 0:
             raise InvalidArgumentError("trim offset must not be negative")
         with self.maintenance_lock, self.lock:
-            self._set_first_offset(min(first_offset, self.next_offset))
+            self._set_first_offset(min(first_offset, self.end_offset))
             return self.first_offset
 
     def evict(self, up_to_offset: int) -> int:
@@ -675,7 +696,7 @@ class Stream:
             return self.first_offset
 
     def _keep_last(self, n: int) -> None:
-        nxt = self.next_offset
+        nxt = self.end_offset
         nodes = self.nodes
         k = 0
         while k + 1 < len(nodes) and nxt - nodes[k + 1].base_offset >= n:
@@ -853,9 +874,9 @@ class Stream:
             return StreamInfo(
                 name=self.name,
                 first_offset=self.first_offset,
-                next_offset=self.visible_next,
-                entries_added=self.visible_next,
-                entries=self.count(self.first_offset, self.visible_next),
+                end_offset=self.visible_end,
+                entries_added=self.visible_end,
+                entries=self.count(self.first_offset, self.visible_end),
                 bytes_on_disk=sum(s.file.size for s in self.segments),
                 used_bytes=sum(s.file.size if s.packed else s.end_pos for s in self.segments),
                 segments=len(self.segments),
@@ -890,6 +911,18 @@ class Stream:
                     segment.close()
                 self.segments.clear()
                 self.nodes.clear()
+
+
+def _after(offset: int, last: int | None, gap: Gap | None) -> int:
+    """Where a forward read at `offset` continues: after its last entry, else after its gap."""
+    if last is not None:
+        return last + 1
+    return max(offset, gap.end_offset) if gap is not None else offset
+
+
+def _before(last: int | None, first: int) -> int:
+    """Where a reverse read continues: below its last entry, or -1 when nothing older remains."""
+    return -1 if last is None or last - 1 < first else last - 1
 
 
 def _producer_table(cfg: EngineConfig) -> ProducerTable:

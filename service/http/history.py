@@ -130,5 +130,5 @@ def _ends_of(engine: Engine) -> dict[str, int]:
     ends = {}
     for stream in engine.list_streams():
         with contextlib.suppress(StorageError):
-            ends[stream] = engine.read(stream, 0, 0).next_offset
+            ends[stream] = engine.bounds(stream).end_offset
     return ends

@@ -11,6 +11,7 @@ import pytest
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
+from storage import AppendBatch
 from tests.service.test_auth import ACL_TOML, TOKENS, TOKENS_TOML, write
 
 
@@ -151,7 +152,7 @@ def test_sign_in_and_a_token_without_rights_sees_a_clear_refusal(
         tokens_file=write(tmp_path / "tokens.toml", TOKENS_TOML),
         acl_file=write(tmp_path / "acl.toml", ACL_TOML),
     )
-    server.server.engine.append("s1", [b"secret"])
+    server.server.engine.append("s1", AppendBatch([b"secret"]))
     tab = open_console(server)
     page = tab.visit("#/")
     assert "needs a token" in page.locator("#signin").inner_text()

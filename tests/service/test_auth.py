@@ -22,6 +22,7 @@ from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 from service import auth
 from service.config import ConfigError, Settings, validate
 from service.server import SERVICE
+from storage import AppendBatch
 from tests.service.certs import CertificateAuthority
 from tests.service.helpers import ServerThread
 
@@ -293,7 +294,7 @@ def auth_server(start_server: Callable[..., ServerThread], tmp_path: Path) -> Se
         acl_file=write(tmp_path / "acl.toml", ACL_TOML),
     )
     # Something to read, so allowed calls reach the engine (their answers vary; none is an auth refusal).
-    server.server.engine.append("s1", [b"a", b"b"])
+    server.server.engine.append("s1", AppendBatch([b"a", b"b"]))
     return server
 
 
@@ -361,7 +362,7 @@ def test_the_docs_read_only_spark_job_cannot_take_or_ack_entries_of_group_billin
         acl_file=write(tmp_path / "acl.toml", docs_acl_example()),
     )
     engine = server.server.engine
-    engine.append("rides", [b"ride %d" % i for i in range(5)])
+    engine.append("rides", AppendBatch([b"ride %d" % i for i in range(5)]))
     engine.create_group("rides", "billing", start="oldest")
     spark = (("authorization", f"Bearer {tokens['spark-job']}"),)
     worker = (("authorization", f"Bearer {tokens['billing-worker']}"),)
@@ -442,7 +443,7 @@ def test_credentials_are_checked_before_the_request_is_read(
 def test_list_streams_shows_only_what_the_caller_may_touch(auth_server: ServerThread) -> None:
     engine = auth_server.server.engine
     for name in ("s2", "s3", "t1", "t2", "t3", "t4", "t5", "u1"):
-        engine.append(name, [b"x"])
+        engine.append(name, AppendBatch([b"x"]))
     with grpc.insecure_channel(auth_server.target) as channel:
         stub = pb_grpc.StreamLogServiceStub(channel)
         # Pages of 2 (of 9 names); the hidden t* names end pages, and their tokens must not name them.
@@ -527,7 +528,7 @@ def test_a_revoked_token_ends_its_open_subscriptions(
 ) -> None:
     tokens = write(tmp_path / "tokens.toml", TOKENS_TOML)
     server = start_server(tokens_file=tokens, acl_file=write(tmp_path / "acl.toml", ACL_TOML))
-    server.server.engine.append("s1", [b"before"])
+    server.server.engine.append("s1", AppendBatch([b"before"]))
     with grpc.insecure_channel(server.target) as channel:
         stub = pb_grpc.StreamLogServiceStub(channel)
         revoked = stub.Subscribe(pb.SubscribeRequest(stream="s1"), metadata=bearer("reader"), timeout=30)
@@ -564,20 +565,20 @@ def test_a_subscriber_revoked_while_a_reply_waits_to_be_sent_ends_after_that_rep
         subscription = pb_grpc.StreamLogServiceStub(channel).Subscribe(
             pb.SubscribeRequest(stream="s1"), metadata=bearer("reader"), timeout=60
         )
-        engine.append("s1", chunk)
+        engine.append("s1", AppendBatch(chunk))
         next(subscription)
 
         # The client stops reading; replies pile up until the server waits to send one.
         def sending() -> bool:
-            engine.append("s1", chunk)
+            engine.append("s1", AppendBatch(chunk))
             return server.call(lambda: [c.inside for c in interceptor._open]) == [False]
 
         wait_for(sending, timeout_s=30)
-        written = engine.read("s1", 0, 0).next_offset
+        written = engine.bounds("s1").end_offset
         reader = f'[[tokens]]\nprincipal = "reader"\ntoken = "{TOKENS["reader"]}"\n'
         write(Path(tokens), without(TOKENS_TOML, reader))
         assert server.server.ops.reload("test") is True
-        engine.append("s1", chunk)
+        engine.append("s1", AppendBatch(chunk))
         offsets = []
         with pytest.raises(grpc.RpcError) as info:
             for reply in subscription:
@@ -600,7 +601,7 @@ def test_reloaded_rules_end_the_sessions_and_blocked_reads_they_no_longer_allow(
     rules = write(tmp_path / "acl.toml", ACL_TOML)
     server = start_server(tokens_file=write(tmp_path / "tokens.toml", TOKENS_TOML), acl_file=rules)
     engine = server.server.engine
-    engine.append("s1", [b"a", b"b"])
+    engine.append("s1", AppendBatch([b"a", b"b"]))
     engine.create_group("s1", "g1", start="oldest")
     with grpc.insecure_channel(server.target) as channel:
         stub = pb_grpc.StreamLogServiceStub(channel)
@@ -717,7 +718,7 @@ def test_tls_serves_verified_clients_and_refuses_plaintext(
     start_server: Callable[..., ServerThread], tmp_path: Path, pki: dict[str, Any]
 ) -> None:
     server = start_server(**tls_files(tmp_path, pki, mutual=False))
-    server.server.engine.append("s1", [b"x"])
+    server.server.engine.append("s1", AppendBatch([b"x"]))
     assert secure_call(server, pki["ca"].cert_pem) == grpc.StatusCode.OK
     # A client that does not trust the server's CA fails the handshake.
     assert secure_call(server, pki["other"].cert_pem) == grpc.StatusCode.UNAVAILABLE
@@ -733,7 +734,7 @@ def test_mutual_tls_needs_a_client_certificate_from_the_ca(
     start_server: Callable[..., ServerThread], tmp_path: Path, pki: dict[str, Any]
 ) -> None:
     server = start_server(**tls_files(tmp_path, pki, mutual=True))
-    server.server.engine.append("s1", [b"x"])
+    server.server.engine.append("s1", AppendBatch([b"x"]))
     roots = pki["ca"].cert_pem
     assert secure_call(server, roots, pki["alice"]) == grpc.StatusCode.OK
     assert secure_call(server, roots) == grpc.StatusCode.UNAVAILABLE  # no certificate
@@ -749,7 +750,7 @@ def test_a_client_certificate_names_the_principal_for_the_rules(
     )
     tokens = write(tmp_path / "tokens.toml", TOKENS_TOML)
     server = start_server(**tls_files(tmp_path, pki, mutual=True), acl_file=rules, tokens_file=tokens)
-    server.server.engine.append("s1", [b"x"])
+    server.server.engine.append("s1", AppendBatch([b"x"]))
     roots, alice = pki["ca"].cert_pem, pki["alice"]
     assert secure_call(server, roots, alice) == grpc.StatusCode.OK
     # A token, when sent, names the caller instead: "stranger" may not read s1.
@@ -769,7 +770,7 @@ def test_a_certificate_named_like_a_role_is_refused_not_taken_for_the_role(
         ACL_TOML + '[[rules]]\nprincipals = ["role:admins"]\nstreams = ["*"]\npermissions = ["admin"]\n',
     )
     server = start_server(**tls_files(tmp_path, pki, mutual=True), acl_file=rules)
-    server.server.engine.append("s1", [b"x"])
+    server.server.engine.append("s1", AppendBatch([b"x"]))
     impostor = pki["ca"].issue("role:admins", server=False)
     with caplog.at_level(logging.INFO, logger="service.auth"):
         assert secure_call(server, pki["ca"].cert_pem, impostor) == grpc.StatusCode.UNAUTHENTICATED
@@ -784,7 +785,7 @@ def test_renewed_certificates_apply_to_new_connections_without_restart(
 ) -> None:
     files = tls_files(tmp_path, pki, mutual=False)
     server = start_server(**files)
-    server.server.engine.append("s1", [b"x"])
+    server.server.engine.append("s1", AppendBatch([b"x"]))
     assert secure_call(server, pki["ca"].cert_pem) == grpc.StatusCode.OK
     # A key that does not match the certificate is refused; the old pair stays in use.
     Path(files["tls_key_file"]).write_bytes(pki["server2"].key_pem)

@@ -13,6 +13,8 @@ import pytest
 from google.protobuf.descriptor import FieldDescriptor
 from streamlog.v1 import streamlog_pb2 as pb
 
+from storage import AppendBatch
+
 ROOT = Path(__file__).resolve().parents[2]
 PROTOS = ROOT / "protos"
 GENERATED = PROTOS / "gen" / "streamlog"
@@ -97,10 +99,12 @@ def test_engine_records_parse_as_entries(tmp_path: Path) -> None:
     with Engine(tmp_path, config=EngineConfig(background=False)) as engine:
         engine.append(
             "s",
-            [b"a", b"", b"c" * 300],
-            tags=["t", "", "x"],
-            headers=[{"h": b"v"}, None, {"k": b"", "l": b"\xff"}],
-            deliver_at_ms=[0, 7, 2**40],
+            AppendBatch(
+                [b"a", b"", b"c" * 300],
+                tags=["t", "", "x"],
+                headers=[{"h": b"v"}, None, {"k": b"", "l": b"\xff"}],
+                deliver_at_ms=[0, 7, 2**40],
+            ),
         )
         result = engine.read("s", 0, 10)
         parsed = pb.ReadResponse.FromString(result.data()).entries

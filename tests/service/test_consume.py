@@ -172,7 +172,7 @@ def test_a_session_consumes_a_stream_in_batches_acking_each_batch_with_the_next_
     fill(stub, "s", 1)
     config = pb.StreamConfig(fsync=fsync_policy)
     stub.SetStreamConfig(pb.SetStreamConfigRequest(stream="s", config=config), timeout=TIMEOUT)
-    assert server.server.engine is not None and server.server.engine.stream_fsync("s") == fsync
+    assert server.server.engine is not None and server.server.engine.fsync_policy("s") == fsync
     fill(stub, "s", 24, start=1)
     create(stub, "s", "g")
     session = sessions(stream="s", group="g", consumer="a", count=4, batches=1)

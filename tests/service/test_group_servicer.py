@@ -18,7 +18,7 @@ from streamlog.v1 import streamlog_pb2 as pb
 
 from service.groupwaits import GroupReadOptions, GroupWaits
 from service.waiters import Wake
-from storage import GroupReadResult, StreamConfig
+from storage import AppendBatch, GroupReadResult, StreamConfig
 from tests.service.helpers import Aborted, FakeContext
 from tests.service.test_servicer import Harness, append, run
 
@@ -148,8 +148,8 @@ def test_a_delayed_entry_wakes_a_blocked_reader_when_due(tmp_path: Path) -> None
         h.engine.create_stream("s")
         await create_group(h, "s", "g")
         due = int(time.time() * 1000) + 300
-        h.engine.append("s", [b"later"], deliver_at_ms=[due])
-        h.engine.append("s", [b"now"])
+        h.engine.append("s", AppendBatch([b"later"], deliver_at_ms=[due]))
+        h.engine.append("s", AppendBatch([b"now"]))
         first = await read(h, stream="s", group="g", consumer="a", count=10)
         assert [e.payload for e in first.entries] == [b"now"]  # the delayed one holds nothing back
         reply = await read(h, stream="s", group="g", consumer="a", count=10, block_ms=5000)
@@ -240,7 +240,7 @@ def test_group_calls_use_a_thread_only_for_always_fsync_streams(tmp_path: Path) 
         assert h.executor.submitted == submitted
 
         h.engine.create_stream("safe", StreamConfig(fsync="always"))
-        h.engine.append("safe", [b"a"])
+        h.engine.append("safe", AppendBatch([b"a"]))
         await create_group(h, "safe", "g")
         submitted = h.executor.submitted
         reply = await read(h, stream="safe", group="g", consumer="c")
@@ -257,7 +257,7 @@ def test_a_blocked_group_read_on_an_always_stream_is_woken_by_an_append(tmp_path
         await create_group(h, "safe", "g")
         blocked = asyncio.create_task(read(h, stream="safe", group="g", consumer="a", block_ms=5000))
         await until(lambda: h.servicer.group_waits.count("safe", "g") == 1)
-        await asyncio.to_thread(h.engine.append, "safe", [b"x"])  # as an "always" Append does
+        await asyncio.to_thread(h.engine.append, "safe", AppendBatch([b"x"]))  # as an "always" Append does
         reply = await asyncio.wait_for(blocked, 2)
         assert [e.payload for e in reply.entries] == [b"x"]
 

@@ -14,6 +14,7 @@ from google.protobuf import json_format
 from bench.common import free_port
 from service import auth
 from service.server import SERVICE
+from storage import AppendBatch
 from tests.service.helpers import ServerThread
 from tests.service.http_client import HttpApi
 from tests.service.test_auth import (
@@ -38,8 +39,8 @@ def auth_server(start_server: Callable[..., ServerThread], tmp_path: Path) -> Se
         tokens_file=write(tmp_path / "tokens.toml", TOKENS_TOML),
         acl_file=write(tmp_path / "acl.toml", ACL_TOML),
     )
-    server.server.engine.append("s1", [b"a", b"b"])
-    server.server.engine.append("t1", [b"hidden"])
+    server.server.engine.append("s1", AppendBatch([b"a", b"b"]))
+    server.server.engine.append("t1", AppendBatch([b"hidden"]))
     return server
 
 
@@ -112,7 +113,7 @@ def test_tls_with_the_grpc_certificates(
     pki: dict[str, Any],  # noqa: F811
 ) -> None:
     server = start_server(http_port=free_port(), **tls_files(tmp_path, pki, mutual=False))
-    server.server.engine.append("s1", [b"x"])
+    server.server.engine.append("s1", AppendBatch([b"x"]))
     secure = HttpApi.of(server, tls=_client_tls(pki), host="localhost")
     assert secure.get("/v1/streams/s1").json["info"]["name"] == "s1"
     with pytest.raises((ConnectionError, OSError)):
@@ -134,7 +135,7 @@ def test_mutual_tls_names_the_principal_by_its_certificate(
         acl_file=rules,
         tokens_file=write(tmp_path / "tokens.toml", TOKENS_TOML),
     )
-    server.server.engine.append("s1", [b"x"])
+    server.server.engine.append("s1", AppendBatch([b"x"]))
     alice = HttpApi.of(server, tls=_client_tls(pki, tmp_path, pki["alice"]), host="localhost")
     assert alice.get("/v1/streams/s1").status == 200
     assert alice.post("Append", {"stream": "s1", "payloads": ["eA=="]}).status == 403

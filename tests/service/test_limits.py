@@ -16,7 +16,7 @@ from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
 from service import limits
 from service.server import SERVICE
-from storage import Engine, EngineConfig
+from storage import AppendBatch, Engine, EngineConfig
 from tests.service.helpers import ServerThread, append, small_settings
 
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -285,7 +285,7 @@ def test_streams_still_being_created_count_across_a_refresh(
     monkeypatch.setattr(limits.time, "monotonic", lambda: clock[0])
     engine = Engine(tmp_path / "data")
     try:
-        engine.append("existing", [b"x"])
+        engine.append("existing", AppendBatch([b"x"]))
         guard = limits.LimitsInterceptor(
             SERVICE.full_name, small_settings(tmp_path, max_streams=3), lambda: engine
         )
@@ -334,7 +334,7 @@ def test_registering_a_consumer_costs_the_same_in_a_group_of_10_000(tmp_path: Pa
     with a generous factor: the listing made it about 100 times slower."""
     engine = Engine(tmp_path / "data", EngineConfig(fsync="no"))
     try:
-        engine.append("s", [b"x"])
+        engine.append("s", AppendBatch([b"x"]))
         for group, size in (("small", 100), ("big", 10_000)):
             engine.create_group("s", group)
             for i in range(size):

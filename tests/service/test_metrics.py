@@ -18,6 +18,7 @@ from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
 from service.config import Settings
 from service.server import SERVICE
+from storage import AppendBatch
 from tests.service.helpers import ServerThread, append
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -220,8 +221,8 @@ def test_with_authorization_on_only_token_holders_see_names_and_only_theirs(
     rules.write_text(METRICS_ACL)
     server = start_server(metrics_port=free_port(), tokens_file=str(tokens), acl_file=str(rules))
     engine = server.server.engine
-    engine.append("alpha", [b"a"])
-    engine.append("beta", [b"b"])
+    engine.append("alpha", AppendBatch([b"a"]))
+    engine.append("beta", AppendBatch([b"b"]))
     engine.create_group("beta", "billing")
 
     anonymous = scrape(server)

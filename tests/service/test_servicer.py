@@ -16,6 +16,7 @@ from service.config import engine_config
 from service.servicer import StreamLogServicer
 from service.waiters import Waiters
 from storage import (
+    AppendBatch,
     CorruptionError,
     DiskFullError,
     DurabilityError,
@@ -126,7 +127,7 @@ def test_blocking_read_is_woken_by_an_append_from_another_thread(tmp_path: Path)
         await asyncio.sleep(0.05)
         assert not waiting.done() and h.waiters.count("s") == 1
         # An append made off the loop, as "always" appends are: the wake-up hops threads.
-        await asyncio.to_thread(h.engine.append, "s", [b"x"])
+        await asyncio.to_thread(h.engine.append, "s", AppendBatch([b"x"]))
         reply = await asyncio.wait_for(waiting, 2)
         assert [e.payload for e in reply.entries] == [b"x"]
         assert h.waiters.count() == 0

@@ -29,7 +29,7 @@ def test_an_append_wakes_only_readers_whose_offset_it_reaches() -> None:
         other = asyncio.create_task(waiters.wait("t", 0, None))
         await settle()
         assert waiters.count() == 3
-        waiters.on_append("s", 5)  # next_offset 5: offset 5 does not exist yet
+        waiters.on_append("s", 5)  # end_offset 5: offset 5 does not exist yet
         await settle()
         assert not near.done()
         waiters.on_append("s", 6)

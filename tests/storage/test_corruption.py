@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from storage import CorruptionError, Engine, EngineConfig, StorageError
+from storage import AppendBatch, CorruptionError, Engine, EngineConfig, StorageError
 from storage.format import (
     NODE_HEADER_SIZE,
     NODE_PREFIX_SIZE,
@@ -117,7 +117,7 @@ def flip(path: Path, pos: int, bit: int = 0) -> None:
 def read_everything(engine: Engine, name: str = NAME) -> tuple[int, int, dict[int, bytes], list]:
     """All entries from first_offset on (offset -> payload) and the gaps met; fails on garbage."""
     info = engine.info(name)
-    first, nxt = info.first_offset, info.next_offset
+    first, nxt = info.first_offset, info.end_offset
     got: dict[int, bytes] = {}
     gaps = []
     cursor = first
@@ -132,8 +132,10 @@ def read_everything(engine: Engine, name: str = NAME) -> tuple[int, int, dict[in
         if result.gap is not None:
             gaps.append(result.gap)
         if not entries:
-            assert result.gap is not None and result.gap.end > cursor, f"read at {cursor}: nothing, no gap"
-            cursor = result.gap.end
+            assert result.gap is not None and result.gap.end_offset > cursor, (
+                f"read at {cursor}: nothing, no gap"
+            )
+            cursor = result.gap.end_offset
             continue
         for e in entries:
             assert e.offset >= cursor and e.offset not in got, f"offset {e.offset} out of order"
@@ -150,11 +152,11 @@ def build(data: Path, *, compression: bool = True, batches: int = 160) -> dict[i
     for b in range(batches):
         n = 8 if b % 7 else 3  # mostly full nodes, some partly filled ones
         items = [payload(offset + i) for i in range(n)]
-        result = engine.append(NAME, items)
+        result = engine.append(NAME, AppendBatch(items))
         assert result.first_offset == offset
         expected.update({offset + i: p for i, p in enumerate(items)})
         offset += n
-    engine.append(OTHER, [b"o1", b"o2"])
+    engine.append(OTHER, AppendBatch([b"o1", b"o2"]))
     engine.maintain()  # pack the sealed segments
     engine.close()
     assert len(segment_files(data)) >= 4
@@ -184,20 +186,20 @@ def assert_rest_readable(engine: Engine, expected: dict[int, bytes]) -> tuple[di
     for offset in expected:
         if offset in got or offset < first:
             continue
-        assert any(g.start <= offset < g.end for g in damaged), (
+        assert any(g.start_offset <= offset < g.end_offset for g in damaged), (
             f"offset {offset} is missing and not inside a reported damaged range {damaged}"
         )
     for gap in gaps:
         assert gap.reason == "corrupt", f"a hole left by damage is reported as {gap}"
-    assert engine.info(OTHER).next_offset == 2
+    assert engine.info(OTHER).end_offset == 2
     assert [e.payload for e in engine.read(OTHER, 0, 5).entries()] == [b"o1", b"o2"]
     return got, gaps
 
 
 def appends_still_work(engine: Engine) -> None:
-    nxt = engine.info(NAME).next_offset
+    nxt = engine.info(NAME).end_offset
     for i in range(6):  # enough to roll at least one new segment
-        result = engine.append(NAME, [b"after-%d-" % i * 150] * 8)
+        result = engine.append(NAME, AppendBatch([b"after-%d-" % i * 150] * 8))
         assert result.first_offset == nxt + 8 * i
     tail = engine.read(NAME, nxt, 48).entries()
     assert [e.offset for e in tail] == list(range(nxt, nxt + 48))
@@ -279,10 +281,10 @@ def torn_tail_source(tmp_path_factory) -> tuple[Path, dict[int, bytes], int]:
     for b in range(43):
         n = 8 if b < 40 else [3, 2, 2][b - 40]
         items = [b"e%05d" % (offset + i) + b"-" * (offset % 7) for i in range(n)]
-        engine.append(NAME, items)
+        engine.append(NAME, AppendBatch(items))
         expected.update({offset + i: p for i, p in enumerate(items)})
         offset += n
-    engine.append(OTHER, [b"o1", b"o2"])
+    engine.append(OTHER, AppendBatch([b"o1", b"o2"]))
     engine.close()
     (stream_dir(data) / "CLEAN").unlink()  # a crash, not a clean shutdown: the tail gets its full scan
     assert len(segment_files(data)) == 1
@@ -327,7 +329,7 @@ def test_tail_cut_at_every_byte_of_its_last_node_keeps_the_longest_valid_prefix(
             first, nxt, got, gaps = read_everything(engine)
             assert first == 0 and not gaps and not engine.info(NAME).damaged, "a torn tail is not damage"
             assert got == {o: expected[o] for o in range(len(got))}, "not a prefix of what was appended"
-            assert nxt == len(got), f"next_offset {nxt} but {len(got)} entries readable"
+            assert nxt == len(got), f"end_offset {nxt} but {len(got)} entries readable"
             assert len(got) in (keep, lenient), f"kept {len(got)} entries, the longest valid prefix is {keep}"
             engine.close()
             engine = open_engine(work, fsync="no")  # a clean start trusts what recovery left
@@ -369,10 +371,12 @@ def test_segment_header_bit_flip_is_reported_and_the_rest_stays_readable(data, w
     damaged = engine.info(NAME).damaged
     lost = [o for o in range(base, end) if o not in got]
     if lost:  # whatever was lost is reported as damage, and a read that starts there says so
-        assert any(g.start <= base < g.end for g in damaged), f"segment {base}..{end} lost, damage {damaged}"
+        assert any(g.start_offset <= base < g.end_offset for g in damaged), (
+            f"segment {base}..{end} lost, damage {damaged}"
+        )
         result = engine.read(NAME, base, 5)
-        assert result.gap is not None and result.gap.reason == "corrupt" and result.gap.start == base
-    assert engine.info(NAME).next_offset >= max(expected) + 1, "offsets would be reused"
+        assert result.gap is not None and result.gap.reason == "corrupt" and result.gap.start_offset == base
+    assert engine.info(NAME).end_offset >= max(expected) + 1, "offsets would be reused"
     appends_still_work(engine)
     engine.close()
 
@@ -399,7 +403,7 @@ def test_node_header_bit_flip_in_a_packed_segment(data, field, slots):
     else:
         assert not any(o in got for o in node)
         damaged = engine.info(NAME).damaged
-        assert any(g.start <= node[0] and node[-1] < g.end for g in damaged), damaged
+        assert any(g.start_offset <= node[0] and node[-1] < g.end_offset for g in damaged), damaged
         result = engine.read(NAME, node[0], 3)
         assert result.gap is not None and result.gap.reason == "corrupt"
         assert all(o in got for o in range(0, nodes[0][1].base_offset))  # earlier segments untouched
@@ -448,9 +452,12 @@ def test_blob_bit_flip_in_a_sealed_node_is_reported_as_a_corrupt_gap(tmp_path, c
     node = range(header.base_offset, header.base_offset + header.count)
     result = engine.read(NAME, node[0], 3)  # the gap, then whatever follows it
     assert result.gap is not None
-    assert (result.gap.start, result.gap.reason) == (node[0], "corrupt") and result.gap.end >= node[-1] + 1
+    assert (result.gap.start_offset, result.gap.reason) == (
+        node[0],
+        "corrupt",
+    ) and result.gap.end_offset >= node[-1] + 1
     assert all(e.offset > node[-1] for e in result.entries())
-    assert any(g.start <= node[0] and node[-1] < g.end for g in engine.info(NAME).damaged)
+    assert any(g.start_offset <= node[0] and node[-1] < g.end_offset for g in engine.info(NAME).damaged)
     got, _ = assert_rest_readable(engine, expected)
     assert set(expected) - set(got) == set(node), "only the damaged node is lost"
     before = engine.read(NAME, node[0] - 3, 10)  # a read running into the damage stops before it
@@ -500,7 +507,7 @@ def test_append_to_an_unreadable_stream_is_refused_and_leaves_its_files_alone(da
     engine = open_engine(directory)
     assert engine.unreadable == [NAME]
     with pytest.raises(StorageError):
-        engine.append(NAME, [b"x"])
+        engine.append(NAME, AppendBatch([b"x"]))
     assert meta.read_bytes() == damaged, "the damaged metadata (the evidence) was overwritten"
     engine.close()
 

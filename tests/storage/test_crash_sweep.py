@@ -10,7 +10,7 @@ snapshot is then reopened and checked:
 - the engine opens, nothing is unreadable, nothing is reported damaged;
 - every entry read back decodes, sits at the offset it was appended at and is
   byte-identical to what was appended there; nothing that was never appended;
-- offsets run contiguously from first_offset to next_offset (compaction may
+- offsets run contiguously from first_offset to end_offset (compaction may
   leave holes, only where a later entry with the same tag survives);
 - in "always" mode every acknowledged entry is there, timestamp included;
 - first_offset only moved if a trim or retention was under way;
@@ -37,6 +37,7 @@ from pathlib import Path
 import pytest
 
 from storage import (
+    AppendBatch,
     CorruptionError,
     DiskFullError,
     DurabilityError,
@@ -267,10 +268,12 @@ def make_batch(rng: random.Random, tagged: bool) -> list[Record]:
 def append(engine: Engine, name: str, batch: list[Record]):
     return engine.append(
         name,
-        [r[1] for r in batch],
-        tags=[r[0] for r in batch] if any(r[0] for r in batch) else None,
-        headers=[dict(r[2]) or None for r in batch] if any(r[2] for r in batch) else None,
-        deliver_at_ms=[r[3] for r in batch] if any(r[3] for r in batch) else None,
+        AppendBatch(
+            [r[1] for r in batch],
+            tags=[r[0] for r in batch] if any(r[0] for r in batch) else None,
+            headers=[dict(r[2]) or None for r in batch] if any(r[2] for r in batch) else None,
+            deliver_at_ms=[r[3] for r in batch] if any(r[3] for r in batch) else None,
+        ),
     )
 
 
@@ -357,7 +360,7 @@ def run_workload(variant: Variant, seed: int, k: int) -> list[Case]:
             engine.maintain()
         elif op in ("trim", "evict"):
             info = engine.info(MAIN)
-            target = rng.randint(info.first_offset, info.next_offset)
+            target = rng.randint(info.first_offset, info.end_offset)
             (engine.trim if op == "trim" else engine.evict)(MAIN, target)
         elif op == "keep_last":
             engine.keep_last(MAIN, rng.randint(0, 300))
@@ -367,7 +370,7 @@ def run_workload(variant: Variant, seed: int, k: int) -> list[Case]:
             engine.close()
             engine = open_engine(fs, variant.fsync, clock)
             info = engine.info(MAIN)
-            assert info.next_offset == model.acked_next, f"seed {seed}: clean reopen lost entries"
+            assert info.end_offset == model.acked_next, f"seed {seed}: clean reopen lost entries"
         elif op == "aux":
             model.inflight = None
             aux_op(engine, model, rng)
@@ -449,9 +452,9 @@ def key(entry) -> tuple:
 
 
 def read_all(engine: Engine, name: str, problems: list[str]) -> tuple[int, int, list, list]:
-    """Every entry from first_offset to next_offset, in forward reads of up to 97 entries."""
+    """Every entry from first_offset to end_offset, in forward reads of up to 97 entries."""
     info = engine.info(name)
-    first, nxt = info.first_offset, info.next_offset
+    first, nxt = info.first_offset, info.end_offset
     entries, gaps = [], []
     cursor = first
     for _ in range(nxt - first + 10):
@@ -463,9 +466,9 @@ def read_all(engine: Engine, name: str, problems: list[str]) -> tuple[int, int, 
         except CorruptionError as exc:
             problems.append(f"{name}: garbage: the records read at {cursor} do not decode ({exc})")
             break
-        if (result.first_offset, result.next_offset) != (first, nxt):
+        if (result.first_offset, result.end_offset) != (first, nxt):
             problems.append(
-                f"{name}: read at {cursor} reports bounds {result.first_offset}..{result.next_offset}, "
+                f"{name}: read at {cursor} reports bounds {result.first_offset}..{result.end_offset}, "
                 f"info says {first}..{nxt}"
             )
         if result.count != len(got) or (got and result.last_offset != got[-1].offset):
@@ -473,10 +476,10 @@ def read_all(engine: Engine, name: str, problems: list[str]) -> tuple[int, int, 
         if result.gap is not None:
             gaps.append(result.gap)
         if not got:
-            if result.gap is not None and result.gap.end > cursor:
-                cursor = result.gap.end
+            if result.gap is not None and result.gap.end_offset > cursor:
+                cursor = result.gap.end_offset
                 continue
-            problems.append(f"{name}: read at {cursor} returned nothing, before next_offset {nxt}")
+            problems.append(f"{name}: read at {cursor} returned nothing, before end_offset {nxt}")
             break
         if got[0].offset < cursor:
             problems.append(f"{name}: read at {cursor} returned offset {got[0].offset}")
@@ -501,9 +504,9 @@ def check_main(case: Case, engine: Engine, problems: list[str]) -> tuple:
             f"first_offset is {first}; it was {snap.committed_first} with {snap.inflight} in flight"
         )
     if nxt > max(snap.attempted_next, first):
-        problems.append(f"next_offset {nxt} is beyond anything appended ({snap.attempted_next})")
+        problems.append(f"end_offset {nxt} is beyond anything appended ({snap.attempted_next})")
     if variant.fsync == "always" and nxt < snap.acked_next:
-        problems.append(f"acknowledged entries lost: next_offset {nxt} < {snap.acked_next} acknowledged")
+        problems.append(f"acknowledged entries lost: end_offset {nxt} < {snap.acked_next} acknowledged")
     offsets = [e.offset for e in entries]
     if offsets != sorted(set(offsets)):
         problems.append("offsets read back are not strictly increasing")
@@ -622,7 +625,7 @@ def verify(case: Case) -> list[str]:
         note(found)
         phase, found = "appending after recovery", []
         rng = random.Random(case.seed)
-        before = engine.info(MAIN).next_offset if engine.exists(MAIN) else 0
+        before = engine.info(MAIN).end_offset if engine.exists(MAIN) else 0
         added = []
         for _ in range(6):  # ~72 KiB: at least one new segment
             batch = [("", rng.randbytes(1500), (), 0) for _ in range(8)]
@@ -767,7 +770,7 @@ def fresh(fsync: str = "always", **stream_config) -> tuple[FaultFS, Engine, Cloc
 
 
 def ack(engine: Engine, acked: list[bytes], items: list[bytes]) -> None:
-    result = engine.append(MAIN, items)
+    result = engine.append(MAIN, AppendBatch(items))
     assert result.first_offset == len(acked)
     acked.extend(items)
 
@@ -793,8 +796,8 @@ def assert_recovers(state: FaultFS, fsync: str, acked: list[bytes], attempted: l
         "a clean close and a power loss changed the content"
     )
     for i in range(6):
-        assert engine.append(MAIN, [b"after-%d" % i * 180] * 8).first_offset == len(got) + 8 * i
-    assert engine.info(MAIN).next_offset == len(got) + 48
+        assert engine.append(MAIN, AppendBatch([b"after-%d" % i * 180] * 8)).first_offset == len(got) + 8 * i
+    assert engine.info(MAIN).end_offset == len(got) + 48
     engine.close()
 
 
@@ -812,7 +815,7 @@ def test_kill9_in_the_middle_of_an_append_keeps_every_acknowledged_entry(write):
     attempted = acked + small_items(len(acked), 2)  # fits the active node: the same node grows
     fs.crash_at_write = fs.writes + write
     with pytest.raises(Crash):
-        engine.append(MAIN, attempted[len(acked) :])
+        engine.append(MAIN, AppendBatch(attempted[len(acked) :]))
     assert_recovers(fs.crashed_copy(random.Random(write), "process"), "always", acked, attempted)
 
 
@@ -862,14 +865,14 @@ def test_a_header_slot_rejected_by_recovery_is_never_trusted_later(then):
     attempted = acked + small_items(len(acked), 2)
     fs.crash_at_sync = fs.syncs + 1
     with pytest.raises(Crash):
-        engine.append(MAIN, attempted[len(acked) :])
+        engine.append(MAIN, AppendBatch(attempted[len(acked) :]))
     state = fs.crashed_copy(mode="power", fate=keep_only_headers)
     if then == "clean restart":
         assert_recovers(state, "always", acked, attempted)
         return
     clock = Clock(1_800_000_000_000)
     engine = open_engine(state, "always", clock)
-    assert engine.info(MAIN).next_offset == len(acked)
+    assert engine.info(MAIN).end_offset == len(acked)
     for i in range(20):  # new nodes, then a new segment: the damaged node's segment is no longer last
         ack(engine, acked, [b"roll-%03d" % i * 200] * 8)
         if engine.info(MAIN).segments == 2:
@@ -886,7 +889,7 @@ def test_the_repair_of_a_torn_tail_is_durable_before_the_clean_marker():
     attempted = acked + small_items(len(acked), 3)
     fs.crash_at_sync = fs.syncs + 1
     with pytest.raises(Crash):
-        engine.append(MAIN, attempted[len(acked) :])
+        engine.append(MAIN, AppendBatch(attempted[len(acked) :]))
     assert_recovers(fs.crashed_copy(mode="power", fate=keep_only_headers), "always", acked, attempted)
 
 
@@ -900,14 +903,14 @@ def test_power_loss_after_a_roll_in_everysec_mode_keeps_a_prefix():
     first_segment = ROOT / "streams" / MAIN / "00000000000000000000.seg"
     for _ in range(100):  # into a second segment
         items = [b"b%05d" % len(attempted) * 250] * 8
-        engine.append(MAIN, items)
+        engine.append(MAIN, AppendBatch(items))
         attempted.extend(items)
         if engine.info(MAIN).segments == 2:
             break
     assert engine.info(MAIN).segments == 2
     for _ in range(2):
         items = [b"c%05d" % len(attempted) * 250] * 8
-        engine.append(MAIN, items)
+        engine.append(MAIN, AppendBatch(items))
         attempted.extend(items)
     # The pages of the new segment reached the disk, those of the old one did not.
     state = fs.crashed_copy(mode="power", fate=lambda w: "drop" if w.path == str(first_segment) else "keep")
@@ -916,14 +919,14 @@ def test_power_loss_after_a_roll_in_everysec_mode_keeps_a_prefix():
 
 def test_compaction_never_removes_an_entry_whose_successor_is_not_durable():
     fs, engine, _ = fresh("everysec", compaction=True)
-    engine.append(MAIN, [b"old value"], tags=["key"])
+    engine.append(MAIN, AppendBatch([b"old value"], tags=["key"]))
     for _ in range(100):  # the old value's segment gets sealed
-        engine.append(MAIN, [b"x" * 1500] * 8)
+        engine.append(MAIN, AppendBatch([b"x" * 1500] * 8))
         if engine.info(MAIN).segments == 2:
             break
     assert engine.info(MAIN).segments == 2
     engine.sync()
-    engine.append(MAIN, [b"new value"], tags=["key"])  # not yet synced
+    engine.append(MAIN, AppendBatch([b"new value"], tags=["key"]))  # not yet synced
     assert engine.compact(MAIN) == 1
     engine = open_engine(fs.crashed_copy(mode="lost"), "everysec", Clock())
     problems: list[str] = []
@@ -935,11 +938,13 @@ def test_compaction_never_removes_an_entry_whose_successor_is_not_durable():
 def test_a_read_starting_in_a_compacted_range_at_the_end_reports_the_gap():
     fs, engine, clock = fresh("always", compaction=True, tombstone_retention_ms=0)
     for _ in range(5):
-        engine.append(MAIN, [b"x" * 1500] * 8)
-    engine.append(MAIN, [b""] * 8, tags=["gone"] * 8)  # tombstones, expired at once, at the segment's end
+        engine.append(MAIN, AppendBatch([b"x" * 1500] * 8))
+    engine.append(
+        MAIN, AppendBatch([b""] * 8, tags=["gone"] * 8)
+    )  # tombstones, expired at once, at the segment's end
     assert engine.info(MAIN).segments == 1
-    end = engine.info(MAIN).next_offset
-    engine.append(MAIN, [b"y" * 1500] * 8)
+    end = engine.info(MAIN).end_offset
+    engine.append(MAIN, AppendBatch([b"y" * 1500] * 8))
     assert engine.info(MAIN).segments == 2
     clock.now_ms += 1  # the tombstones are now older than their retention
     assert engine.compact(MAIN) == 8
@@ -947,7 +952,7 @@ def test_a_read_starting_in_a_compacted_range_at_the_end_reports_the_gap():
     second = ROOT / "streams" / MAIN / f"{end:020d}.seg"
     fs.poke(second, 64, bytes(len(fs.file_bytes(second)) - 64))
     engine = open_engine(fs.crashed_copy(mode="lost"), "always", Clock())
-    assert engine.info(MAIN).next_offset == end
+    assert engine.info(MAIN).end_offset == end
     result = engine.read(MAIN, end - 8, 10)
     assert result.count == 0
-    assert result.gap is not None and (result.gap.start, result.gap.reason) == (end - 8, "compacted")
+    assert result.gap is not None and (result.gap.start_offset, result.gap.reason) == (end - 8, "compacted")

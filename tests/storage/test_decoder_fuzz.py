@@ -19,7 +19,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from storage import CorruptionError, Engine, EngineConfig, GroupConfig, StreamConfig, grouplog
+from storage import AppendBatch, CorruptionError, Engine, EngineConfig, GroupConfig, StreamConfig, grouplog
 from storage.dedup import BatchRecord, ProducerTable
 from storage.format import NodeBody, NodeHeader, SegmentHeader, decode_packed_body, encode_packed_node
 from storage.records import decode_records, encode_batch, record_offset_and_timestamp
@@ -55,10 +55,7 @@ def _parses_or_corrupt(decode, raw: bytes) -> None:
 _BLOB, _POSITIONS = encode_batch(
     1234,
     1_700_000_000_000,
-    [b"payload-one", b"", b"x" * 300],
-    ["tag", "", "é"],
-    [None, {"k": b"v"}, {}],
-    [0, 5, 0],
+    AppendBatch([b"payload-one", b"", b"x" * 300], ["tag", "", "é"], [None, {"k": b"v"}, {}], [0, 5, 0]),
 )
 _SEGMENT_HEADER = SegmentHeader(1000, 2000, 65536, 7, 1).encode()
 _PACKED = encode_packed_node(NodeBody(1234, _POSITIONS, _BLOB), 1, 2, 0, zstandard.ZstdCompressor())
@@ -132,7 +129,7 @@ def test_producer_snapshot(raw):
 def _real_group_files() -> tuple[bytes, bytes, bytes]:
     """A snapshot, a journal (cut after its last record) and one record body, made by a real engine."""
     with tempfile.TemporaryDirectory() as tmp, Engine(tmp, EngineConfig(**SMALL)) as engine:
-        engine.append("s", [b"a"] * 10)
+        engine.append("s", AppendBatch([b"a"] * 10))
         engine.create_group("s", "g", config=GroupConfig(max_pending=100))
         taken = engine.read_group("s", "g", "consumer-1", 5, retry_ms=1000)
         engine.ack("s", "g", offsets=taken.offsets[:2], ranges=[(3, 5)])

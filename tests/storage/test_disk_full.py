@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from storage import DiskFullError, DurabilityError, Engine, EngineConfig, StorageError
+from storage import AppendBatch, DiskFullError, DurabilityError, Engine, EngineConfig, StorageError
 from tests.storage.conftest import SMALL
 from tests.storage.faultfs import FaultFS
 
@@ -41,8 +41,8 @@ def read_all(engine: Engine, name: str) -> list[tuple[int, bytes]]:
     info = engine.info(name)
     out: list[tuple[int, bytes]] = []
     cursor = info.first_offset
-    for _ in range(info.next_offset - info.first_offset + 1):
-        if cursor >= info.next_offset:
+    for _ in range(info.end_offset - info.first_offset + 1):
+        if cursor >= info.end_offset:
             break
         result = engine.read(name, cursor, 100)
         entries = result.entries()
@@ -58,7 +58,7 @@ def fill_until_full(engine: Engine, name: str, rng: random.Random) -> list[tuple
     for _ in range(1000):  # a bound far above what fits
         items = batch(rng)
         try:
-            result = engine.append(name, items)
+            result = engine.append(name, AppendBatch(items))
         except DiskFullError:
             return acked
         acked.extend((result.first_offset + i, p) for i, p in enumerate(items))
@@ -101,7 +101,7 @@ def test_real_full_disk_fails_cleanly_at_segment_creation_and_recovers(tmpfs, fs
     engine = Engine(data, EngineConfig(**SMALL, fsync=fsync), clock=Clock())
     spare = []
     for _ in range(15):  # ~180 KiB in a second stream, to be deleted later
-        result = engine.append("spare", batch(rng))
+        result = engine.append("spare", AppendBatch(batch(rng)))
         spare.append(result.first_offset)
     acked = fill_until_full(engine, "main", rng)
     assert len(acked) > 100
@@ -111,15 +111,15 @@ def test_real_full_disk_fails_cleanly_at_segment_creation_and_recovers(tmpfs, fs
     # The failure is clean and repeatable, the stream intact and readable.
     for _ in range(3):
         with pytest.raises(DiskFullError):
-            engine.append("main", batch(rng))
+            engine.append("main", AppendBatch(batch(rng)))
     assert sorted(p.name for p in (data / "streams" / "main").iterdir()) == files
     assert read_all(engine, "main") == acked
-    assert engine.info("main").next_offset == len(acked)
+    assert engine.info("main").end_offset == len(acked)
 
     # Free space: appends go on where they stopped.
     engine.delete_stream("spare")
     more = batch(rng)
-    result = engine.append("main", more)
+    result = engine.append("main", AppendBatch(more))
     assert result.first_offset == len(acked)
     acked.extend((result.first_offset + i, p) for i, p in enumerate(more))
     assert read_all(engine, "main") == acked
@@ -149,11 +149,11 @@ def test_faultfs_full_disk_fails_cleanly_and_recovers(how):
     fs = new_fs()
     engine = faultfs_engine(fs)
     for _ in range(15):
-        engine.append("spare", batch(rng))
+        engine.append("spare", AppendBatch(batch(rng)))
     acked: list[tuple[int, bytes]] = []
     for _ in range(10):
         items = batch(rng)
-        result = engine.append("main", items)
+        result = engine.append("main", AppendBatch(items))
         acked.extend((result.first_offset + i, p) for i, p in enumerate(items))
     if how == "switch":
         fs.disk_full = True
@@ -163,7 +163,7 @@ def test_faultfs_full_disk_fails_cleanly_and_recovers(how):
         more = fill_until_full(engine, "main", rng)
     acked.extend(more)
     with pytest.raises(DiskFullError):
-        engine.append("main", batch(rng))
+        engine.append("main", AppendBatch(batch(rng)))
     assert read_all(engine, "main") == acked
 
     # A power loss now loses nothing acknowledged.
@@ -175,7 +175,7 @@ def test_faultfs_full_disk_fails_cleanly_and_recovers(how):
     else:
         engine.delete_stream("spare")
     items = batch(rng)
-    result = engine.append("main", items)
+    result = engine.append("main", AppendBatch(items))
     assert result.first_offset == len(acked)
     acked.extend((result.first_offset + i, p) for i, p in enumerate(items))
     assert read_all(engine, "main") == acked
@@ -188,7 +188,7 @@ def test_trim_on_a_full_disk_changes_nothing():
     fs = new_fs()
     engine = faultfs_engine(fs, fsync="no")
     for _ in range(20):
-        engine.append("main", batch(rng, size=200))
+        engine.append("main", AppendBatch(batch(rng, size=200)))
     before = read_all(engine, "main")
     fs.disk_full = True
     with pytest.raises(DiskFullError):
@@ -202,7 +202,7 @@ def test_segments_not_packed_for_lack_of_space_are_packed_later():
     fs = new_fs()
     engine = faultfs_engine(fs, fsync="no")
     for _ in range(60):
-        engine.append("main", [rng.choice([b"a", b"b"]) * 1500 for _ in range(8)])
+        engine.append("main", AppendBatch([rng.choice([b"a", b"b"]) * 1500 for _ in range(8)]))
     sealed = engine.info("main").segments - 1
     assert sealed >= 3
     fs.disk_full = True
@@ -221,7 +221,7 @@ def test_an_io_error_during_maintenance_is_reported_not_raised():
     fs = new_fs()
     engine = faultfs_engine(fs, fsync="no")
     for _ in range(40):
-        engine.append("main", batch(rng))
+        engine.append("main", AppendBatch(batch(rng)))
     fs.fail_at_sync = fs.syncs + 1  # the fsync of the first packed copy
     errors: list[BaseException] = []
     worker = threading.Thread(target=_catch, args=(engine.maintain, errors))  # as the background thread
@@ -229,7 +229,7 @@ def test_an_io_error_during_maintenance_is_reported_not_raised():
     worker.join()
     assert fs.failed_syncs == 1
     assert not errors, f"maintain() raised {errors[0]!r}"
-    engine.append("main", batch(rng))
+    engine.append("main", AppendBatch(batch(rng)))
 
 
 def _catch(fn, errors: list[BaseException]) -> None:
@@ -250,26 +250,26 @@ def test_fsync_failure_in_always_mode_stops_appends_and_keeps_what_was_acknowled
     acked: list[tuple[int, bytes]] = []
     for _ in range(30):  # across segments and packing
         items = batch(rng, n=rng.randint(1, 8))
-        result = engine.append("main", items)
+        result = engine.append("main", AppendBatch(items))
         acked.extend((result.first_offset + i, p) for i, p in enumerate(items))
     engine.maintain()
-    engine.append("other", [b"unaffected"])
+    engine.append("other", AppendBatch([b"unaffected"]))
 
     fs.fail_at_sync = fs.syncs + 1  # the sync of the next append's segment
     failed = batch(rng, n=3)
     with pytest.raises(DurabilityError):
-        engine.append("main", failed)
+        engine.append("main", AppendBatch(failed))
     assert fs.failed_syncs == 1
     for _ in range(3):  # no retry that could lie: every later append is refused
         with pytest.raises(DurabilityError):
-            engine.append("main", batch(rng, n=1))
+            engine.append("main", AppendBatch(batch(rng, n=1)))
     with pytest.raises(DurabilityError):
         engine.sync()
     assert fs.failed_syncs == 1, "the engine retried a failed fsync"
     # Reads still work and show exactly what was acknowledged.
     assert read_all(engine, "main") == acked
-    assert engine.info("main").next_offset == len(acked)
-    assert engine.append("other", [b"still fine"]).first_offset == 1  # other streams go on
+    assert engine.info("main").end_offset == len(acked)
+    assert engine.append("other", AppendBatch([b"still fine"])).first_offset == 1  # other streams go on
     with contextlib.suppress(StorageError):  # reporting the failure again on close is fine
         engine.close()
 
@@ -280,7 +280,7 @@ def test_fsync_failure_in_always_mode_stops_appends_and_keeps_what_was_acknowled
         assert got == acked
     else:  # the page cache survived: the failed batch may be there, whole
         assert got in (acked, acked + [(len(acked) + i, p) for i, p in enumerate(failed)])
-    result = engine.append("main", [b"after restart"])
+    result = engine.append("main", AppendBatch([b"after restart"]))
     assert result.first_offset == len(got)
     assert [e.payload for e in engine.read("other", 0, 5).entries()] == [b"unaffected", b"still fine"]
     engine.close()

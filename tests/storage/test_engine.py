@@ -9,11 +9,14 @@ import threading
 import pytest
 
 from storage import (
+    AppendBatch,
     DurabilityError,
     Engine,
     EngineConfig,
+    FsyncPolicy,
     InvalidArgumentError,
     LimitExceededError,
+    StreamBounds,
     StreamConfig,
     StreamNotFoundError,
 )
@@ -26,24 +29,54 @@ def offsets(result) -> list[int]:
 
 def test_append_assigns_contiguous_offsets_from_zero(open_engine):
     engine = open_engine()
-    first = engine.append("s", [b"a", b"b", b"c"])
-    second = engine.append("s", [b"d"])
+    first = engine.append("s", AppendBatch([b"a", b"b", b"c"]))
+    second = engine.append("s", AppendBatch([b"d"]))
     assert (first.first_offset, first.last_offset) == (0, 2)
     assert (second.first_offset, second.last_offset) == (3, 3)
     result = engine.read("s", 0, 10)
     assert [e.payload for e in result.entries()] == [b"a", b"b", b"c", b"d"]
     assert offsets(result) == [0, 1, 2, 3]
-    assert (result.first_offset, result.next_offset, result.last_offset, result.count) == (0, 4, 3, 4)
+    assert (result.first_offset, result.end_offset, result.last_offset, result.count) == (0, 4, 3, 4)
+
+
+def test_bounds_and_where_a_read_continues(open_engine):
+    engine = open_engine()
+    with pytest.raises(StreamNotFoundError):
+        engine.bounds("s")
+    engine.append("s", AppendBatch([b"x"] * 20))
+    engine.trim("s", 5)
+    assert engine.bounds("s") == StreamBounds(first_offset=5, end_offset=20)
+    forward = engine.read("s", 7, 3)
+    assert (forward.last_offset, forward.next_offset, forward.end_offset) == (9, 10, 20)
+    evicted = engine.read("s", 2, 0)  # nothing taken: it continues after the gap
+    assert (evicted.gap.end_offset, evicted.next_offset) == (5, 5)
+    assert engine.read("s", 30, 5).next_offset == 30  # past the end: where it asked
+    backward = engine.read("s", 9, 3, reverse=True)
+    assert (offsets(backward), backward.next_offset) == ([9, 8, 7], 6)
+    assert engine.read("s", 6, 5, reverse=True).next_offset == -1  # nothing older than 5 remains
+
+
+def test_fsync_policy_is_the_streams_own_or_the_engines(open_engine):
+    engine = open_engine(fsync="everysec")
+    assert engine.config.fsync is FsyncPolicy.EVERYSEC
+    assert engine.fsync_policy("new") is FsyncPolicy.EVERYSEC  # what its first append would get
+    engine.create_stream("durable", StreamConfig(fsync="always"))
+    assert engine.fsync_policy("durable") is FsyncPolicy.ALWAYS
+    assert [policy.blocks for policy in FsyncPolicy] == [True, False, False]
+    with pytest.raises(InvalidArgumentError, match="fsync must be one of always, everysec, no"):
+        StreamConfig(fsync="sometimes")
 
 
 def test_entry_fields_round_trip(open_engine):
     engine = open_engine()
     engine.append(
         "s",
-        [b"p1", b"", b"p3"],
-        tags=["user-1", "user-2", ""],
-        headers=[{"trace": b"\x00\x01", "k": b"v"}, None, {}],
-        deliver_at_ms=[0, 123, 0],
+        AppendBatch(
+            [b"p1", b"", b"p3"],
+            tags=["user-1", "user-2", ""],
+            headers=[{"trace": b"\x00\x01", "k": b"v"}, None, {}],
+            deliver_at_ms=[0, 123, 0],
+        ),
     )
     e0, e1, e2 = engine.read("s", 0, 3).entries()
     assert (e0.tag, e0.payload, e0.headers, e0.deliver_at_ms) == (
@@ -58,16 +91,16 @@ def test_entry_fields_round_trip(open_engine):
 
 def test_timestamps_never_go_backwards(open_engine, clock):
     engine = open_engine()
-    engine.append("s", [b"a"])
+    engine.append("s", AppendBatch([b"a"]))
     clock.advance(-5000)  # the wall clock stepped back
-    engine.append("s", [b"b"])
+    engine.append("s", AppendBatch([b"b"]))
     a, b = engine.read("s", 0, 2).entries()
     assert b.timestamp_ms == a.timestamp_ms
 
 
 def test_records_are_protobuf_entry_wire_bytes(open_engine):
     engine = open_engine()
-    engine.append("s", [b"hi"], tags=["t"])
+    engine.append("s", AppendBatch([b"hi"], tags=["t"]))
     ts = engine.read("s", 0, 1).entries()[0].timestamp_ms
     ts_varint = bytearray()
     value = ts
@@ -82,7 +115,7 @@ def test_records_are_protobuf_entry_wire_bytes(open_engine):
 @pytest.mark.parametrize("name", ["../x", "a/b", "..", ".", "x" * 255, "ü/ñ %41", "~hash"])
 def test_odd_names_are_just_names(open_engine, tmp_path, name):
     engine = open_engine()
-    engine.append(name, [b"v"])
+    engine.append(name, AppendBatch([b"v"]))
     assert engine.read(name, 0, 1).entries()[0].payload == b"v"
     assert engine.list_streams() == [name]
     for path in (tmp_path / "data").rglob("*"):
@@ -95,27 +128,27 @@ def test_odd_names_are_just_names(open_engine, tmp_path, name):
 def test_bad_names_are_refused(open_engine, name):
     engine = open_engine()
     with pytest.raises(InvalidArgumentError):
-        engine.append(name, [b"v"])
+        engine.append(name, AppendBatch([b"v"]))
     assert engine.list_streams() == []
 
 
 def test_limits_are_enforced_with_their_names(open_engine):
     engine = open_engine()
     with pytest.raises(LimitExceededError) as too_many:
-        engine.append("s", [b"x"] * 65)
+        engine.append("s", AppendBatch([b"x"] * 65))
     assert too_many.value.limit == "max_batch_entries"
     with pytest.raises(LimitExceededError) as too_big:
-        engine.append("s", [b"x" * 4097])
+        engine.append("s", AppendBatch([b"x" * 4097]))
     assert too_big.value.limit == "max_entry_bytes"
     with pytest.raises(LimitExceededError) as batch_bytes:
-        engine.append("s", [b"x" * 4000] * 5)
+        engine.append("s", AppendBatch([b"x" * 4000] * 5))
     assert batch_bytes.value.limit == "max_batch_bytes"
     with pytest.raises(InvalidArgumentError):
-        engine.append("s", [])
+        engine.append("s", AppendBatch([]))
     with pytest.raises(InvalidArgumentError):
-        engine.append("s", [b"a"], tags=["a", "b"])
+        engine.append("s", AppendBatch([b"a"], tags=["a", "b"]))
     with pytest.raises(InvalidArgumentError):
-        engine.append("s", [b"a"], deliver_at_ms=[-1])
+        engine.append("s", AppendBatch([b"a"], deliver_at_ms=[-1]))
     assert not engine.exists("s")  # nothing refused created the stream
 
 
@@ -123,7 +156,7 @@ def test_unknown_stream_and_bad_read_arguments(open_engine):
     engine = open_engine()
     with pytest.raises(StreamNotFoundError):
         engine.read("nope", 0, 1)
-    engine.append("s", [b"a"])
+    engine.append("s", AppendBatch([b"a"]))
     with pytest.raises(InvalidArgumentError):
         engine.read("s", -1, 1)
     with pytest.raises(InvalidArgumentError):
@@ -133,7 +166,7 @@ def test_unknown_stream_and_bad_read_arguments(open_engine):
 def fill(engine, name, n, batch=5, size=20):
     for start in range(0, n, batch):
         k = min(batch, n - start)
-        engine.append(name, [f"{start + i:0{size}d}".encode() for i in range(k)])
+        engine.append(name, AppendBatch([f"{start + i:0{size}d}".encode() for i in range(k)]))
 
 
 def test_reads_across_nodes_segments_and_packing(open_engine):
@@ -175,14 +208,14 @@ def test_read_past_the_end_is_empty(open_engine):
     engine = open_engine()
     fill(engine, "s", 10)
     result = engine.read("s", 10, 5)
-    assert (result.count, result.records, result.next_offset, result.gap) == (0, [], 10, None)
+    assert (result.count, result.records, result.end_offset, result.gap) == (0, [], 10, None)
 
 
 def test_seek_by_time(open_engine, clock):
     engine = open_engine()
     stamps = []
     for _ in range(30):
-        engine.append("s", [b"x"] * 3)
+        engine.append("s", AppendBatch([b"x"] * 3))
         stamps.append(clock.now_ms)
         clock.advance(10)
     engine.maintain()
@@ -207,7 +240,7 @@ def test_evicted_range_is_reported_as_a_gap(open_engine):
     fill(engine, "s", 100)
     engine.trim("s", 42)
     result = engine.read("s", 10, 3)
-    assert result.gap is not None and (result.gap.start, result.gap.end, result.gap.reason) == (
+    assert result.gap is not None and (result.gap.start_offset, result.gap.end_offset, result.gap.reason) == (
         10,
         42,
         "evicted",
@@ -224,7 +257,7 @@ def test_evict_and_keep_last_drop_whole_nodes(open_engine):
     assert engine.read("s", 0, 1).entries()[0].offset == first
     first = engine.keep_last("s", 30)
     assert 100 - first >= 30 and 100 - first < 30 + 8
-    assert engine.info("s").next_offset == 100  # offsets never move back
+    assert engine.info("s").end_offset == 100  # offsets never move back
 
 
 def test_retention_deletes_segment_files(open_engine, tmp_path):
@@ -237,7 +270,7 @@ def test_retention_deletes_segment_files(open_engine, tmp_path):
     after = len(list(directory.glob("*.seg")))
     assert before > 3 and after < before
     info = engine.info("s")
-    assert info.next_offset - info.first_offset >= 100
+    assert info.end_offset - info.first_offset >= 100
     engine.close()
     reopened = open_engine()
     assert reopened.info("s").first_offset == info.first_offset
@@ -257,7 +290,7 @@ def test_age_and_bytes_retention(open_engine, clock):
     engine.set_stream_config("big", StreamConfig(max_bytes=20_000))
     engine.apply_retention("big")
     info = engine.info("big")
-    assert info.first_offset > 0 and info.next_offset == 2000
+    assert info.first_offset > 0 and info.end_offset == 2000
 
 
 def test_retention_floor_hook_holds_entries_back(open_engine):
@@ -275,9 +308,9 @@ def test_compaction_keeps_latest_per_tag_and_offsets(open_engine, clock):
     for i in range(600):
         key = f"k{i % 7}"
         payload = b"" if i == 300 and key == "k6" else f"v{i}".ljust(200).encode()
-        engine.append("kv", [payload], tags=[key])
+        engine.append("kv", AppendBatch([payload], tags=[key]))
         expected[key] = (i, payload)
-    engine.append("kv", [b"untagged"])
+    engine.append("kv", AppendBatch([b"untagged"]))
     removed = engine.compact("kv")
     assert removed > 400
     survivors = engine.read("kv", 0, 1000).entries()
@@ -333,7 +366,7 @@ def test_ride_records_compress_below_30_percent(tmp_path, clock):
     ]
     with Engine(tmp_path / "d", config, clock=clock) as engine:
         for i in range(0, len(rides), 1000):
-            engine.append("rides", rides[i : i + 1000])
+            engine.append("rides", AppendBatch(rides[i : i + 1000]))
         engine.maintain()
         info = engine.info("rides")
         packed = sum(p.stat().st_size for p in (tmp_path / "d" / "streams").rglob("*.seg")) - (1 << 20)
@@ -356,7 +389,7 @@ def test_reopen_keeps_everything_and_reads_no_blob_at_startup(open_engine, monke
     reopened = open_engine()
     monkeypatch.undo()
     assert [reopened.read("s", o, 50).data() for o in range(0, 500, 50)] == before
-    assert reopened.append("s", [b"next"]).first_offset == 500
+    assert reopened.append("s", AppendBatch([b"next"])).first_offset == 500
 
 
 def test_unclean_shutdown_keeps_written_entries(tmp_path, clock):
@@ -388,7 +421,7 @@ def test_second_engine_on_same_directory_is_refused(tmp_path):
 
 def test_always_mode_shares_syncs_between_concurrent_appenders(open_engine, monkeypatch):
     engine = open_engine(fsync="always")
-    engine.append("s", [b"warm-up"])
+    engine.append("s", AppendBatch([b"warm-up"]))
     calls = []
     from storage import fs as fs_module
 
@@ -404,20 +437,20 @@ def test_always_mode_shares_syncs_between_concurrent_appenders(open_engine, monk
 
     def worker():
         for _ in range(25):
-            engine.append("s", [b"x" * 10])
+            engine.append("s", AppendBatch([b"x" * 10]))
 
     threads = [threading.Thread(target=worker) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
-    assert engine.info("s").next_offset == appends + 1
+    assert engine.info("s").end_offset == appends + 1
     assert len(calls) < appends / 2  # group commit: many appends per sync
 
 
 def test_always_mode_fsync_failure_stops_appends(open_engine, monkeypatch):
     engine = open_engine(fsync="always")
-    engine.append("s", [b"kept"])
+    engine.append("s", AppendBatch([b"kept"]))
     from storage import fs as fs_module
 
     def failing_sync(self):
@@ -425,10 +458,10 @@ def test_always_mode_fsync_failure_stops_appends(open_engine, monkeypatch):
 
     monkeypatch.setattr(fs_module.SegmentFile, "sync", failing_sync)
     with pytest.raises(DurabilityError):
-        engine.append("s", [b"lost"])
+        engine.append("s", AppendBatch([b"lost"]))
     monkeypatch.undo()
     with pytest.raises(DurabilityError):
-        engine.append("s", [b"refused"])
+        engine.append("s", AppendBatch([b"refused"]))
     assert [e.payload for e in engine.read("s", 0, 10).entries()] == [b"kept"]
 
 
@@ -436,9 +469,9 @@ def test_always_mode_hides_unsynced_entries_from_readers(open_engine):
     engine = open_engine(fsync="always")
     stream_seen = []
     engine.add_append_listener(
-        lambda name, nxt: stream_seen.append((name, nxt, engine.info(name).next_offset))
+        lambda name, nxt: stream_seen.append((name, nxt, engine.info(name).end_offset))
     )
-    engine.append("s", [b"a", b"b"])
+    engine.append("s", AppendBatch([b"a", b"b"]))
     assert stream_seen == [("s", 2, 2)]
 
 
@@ -448,7 +481,7 @@ def test_delete_stream_removes_its_files(open_engine, tmp_path):
     engine.delete_stream("gone")
     assert not engine.exists("gone")
     assert list((tmp_path / "data" / "streams").iterdir()) == []
-    assert engine.append("gone", [b"new"]).first_offset == 0
+    assert engine.append("gone", AppendBatch([b"new"])).first_offset == 0
 
 
 def test_stats_and_info(open_engine):
@@ -458,7 +491,7 @@ def test_stats_and_info(open_engine):
     stats = engine.stats()
     assert stats["streams"] == 2 and stats["entries"] == 110
     info = engine.info("a")
-    assert (info.entries, info.entries_added, info.first_offset, info.next_offset) == (100, 100, 0, 100)
+    assert (info.entries, info.entries_added, info.first_offset, info.end_offset) == (100, 100, 0, 100)
     assert info.bytes_on_disk >= 64 * 1024 and info.nodes >= 100 // 8
 
 
@@ -479,8 +512,10 @@ def test_compaction_keeps_only_the_superseded_offsets_of_segments_not_yet_rewrit
     for i in range(0, 3000, 50):
         engine.append(
             "kv",
-            [f"v{j}".ljust(100).encode() for j in range(i, i + 50)],
-            tags=[f"k{j % 7}" for j in range(i, i + 50)],
+            AppendBatch(
+                [f"v{j}".ljust(100).encode() for j in range(i, i + 50)],
+                tags=[f"k{j % 7}" for j in range(i, i + 50)],
+            ),
         )
     engine.compact("kv")
     stream = engine._stream("kv")
@@ -491,7 +526,7 @@ def test_compaction_keeps_only_the_superseded_offsets_of_segments_not_yet_rewrit
     assert set(index.superseded) <= {stream.segments[-1].base_offset}
     assert all(row.itemsize == 8 for row in index.superseded.values())
     left = sum(len(row) for row in index.superseded.values())
-    assert left <= stream.next_offset - stream.segments[-1].base_offset
+    assert left <= stream.end_offset - stream.segments[-1].base_offset
 
 
 def test_compaction_rounds_decode_only_what_was_appended_since_the_last(open_engine, monkeypatch):
@@ -500,7 +535,7 @@ def test_compaction_rounds_decode_only_what_was_appended_since_the_last(open_eng
     engine = open_engine(compaction_interval_ms=0)
     engine.create_stream("kv", StreamConfig(compaction=True))
     for i in range(600):
-        engine.append("kv", [f"v{i}".ljust(200).encode()], tags=[f"k{i % 7}"])
+        engine.append("kv", AppendBatch([f"v{i}".ljust(200).encode()], tags=[f"k{i % 7}"]))
     first_removed = engine.compact("kv")
     decoded = []
     real = stream_module.decode_record
@@ -511,7 +546,7 @@ def test_compaction_rounds_decode_only_what_was_appended_since_the_last(open_eng
 
     monkeypatch.setattr(stream_module, "decode_record", counting)
     for i in range(600, 610):
-        engine.append("kv", [f"v{i}".ljust(200).encode()], tags=[f"k{i % 7}"])
+        engine.append("kv", AppendBatch([f"v{i}".ljust(200).encode()], tags=[f"k{i % 7}"]))
     engine.compact("kv")
     assert first_removed > 400
     assert len(decoded) <= 10  # the new records only, not the whole stream again

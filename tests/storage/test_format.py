@@ -9,6 +9,7 @@ import pytest
 import zstandard
 from crc32c import crc32c
 
+from storage import AppendBatch
 from storage.errors import CorruptionError
 from storage.format import (
     NODE_SPARSE,
@@ -67,7 +68,7 @@ def test_node_header_bytes_and_slot_choice():
 
 
 def test_packed_node_round_trip_dense_sparse_and_compressed():
-    blob, positions = encode_batch(10, 5, [b"a" * 50, b"b" * 60, b"c" * 70])
+    blob, positions = encode_batch(10, 5, AppendBatch([b"a" * 50, b"b" * 60, b"c" * 70]))
     dense = NodeBody(10, positions, blob)
     compressor = zstandard.ZstdCompressor(level=3)
     for body, flags in ((dense, 0), (NodeBody(10, array("I", [0, len(blob)]), blob, array("I", [4])), 0)):
@@ -89,7 +90,7 @@ def test_incompressible_node_is_stored_raw():
     import os
 
     payloads = [os.urandom(100) for _ in range(50)]
-    blob, positions = encode_batch(0, 1, payloads)
+    blob, positions = encode_batch(0, 1, AppendBatch(payloads))
     node = encode_packed_node(NodeBody(0, positions, blob), 1, 1, 0, zstandard.ZstdCompressor())
     header = NodeHeader.decode(node[:64])
     assert not header.flags & NODE_ZSTD
@@ -100,10 +101,7 @@ def test_records_decode_what_they_encode():
     blob, positions = encode_batch(
         2**40,
         1_700_000_000_000,
-        [b"x", b"", b"z" * 20000],
-        ["t", "", "é"],
-        [None, {"h": b"1"}, {}],
-        [0, 9, 0],
+        AppendBatch([b"x", b"", b"z" * 20000], ["t", "", "é"], [None, {"h": b"1"}, {}], [0, 9, 0]),
     )
     entries = decode_records(blob)
     assert [e.offset for e in entries] == [2**40, 2**40 + 1, 2**40 + 2]
@@ -128,7 +126,7 @@ def test_inspector_lists_and_verifies(tmp_path, capsys):
 
     with Engine(tmp_path / "d", EngineConfig(**SMALL)) as engine:
         for i in range(400):
-            engine.append("s", [b"%d" % i * 30] * 5)
+            engine.append("s", AppendBatch([b"%d" % i * 30] * 5))
         engine.maintain()
     assert inspect_main([str(tmp_path / "d")]) == 0
     listing = capsys.readouterr().out
@@ -152,7 +150,7 @@ def test_verify_checks_group_and_producer_files(tmp_path, capsys):
     from .conftest import SMALL
 
     with Engine(tmp_path / "d", EngineConfig(**SMALL)) as engine:
-        engine.append("s", [b"a"] * 5, producer_id="p", producer_sequence=1)
+        engine.append("s", AppendBatch([b"a"] * 5), producer=("p", 1))
         engine.create_group("s", "g")
         engine.read_group("s", "g", "c", 3)
     assert inspect_main(["verify", str(tmp_path / "d")]) == 0

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import storage.engine
-from storage import CorruptionError, Engine, EngineConfig, GroupConfig
+from storage import AppendBatch, CorruptionError, Engine, EngineConfig, GroupConfig
 from storage import groups as g
 from storage.fs import FileSystem
 from storage.grouplog import (
@@ -213,7 +213,7 @@ def durable_view(state: dict) -> dict:
 def test_engine_recovers_a_torn_journal_and_starts_a_fresh_one(tmp_path, clock):
     config = EngineConfig(**SMALL)
     engine = Engine(tmp_path, config, clock=clock)
-    engine.append("s", [b"x"] * 10)
+    engine.append("s", AppendBatch([b"x"] * 10))
     engine.create_group("s", "g")
     engine.read_group("s", "g", "a", 4)
     before = engine._groups.dump("s")
@@ -229,7 +229,7 @@ def test_engine_recovers_a_torn_journal_and_starts_a_fresh_one(tmp_path, clock):
     assert engine._groups.dump("s") == before
     (fresh,) = directory.glob("*.journal")
     assert fresh.name != journal_path.name  # appends never land in front of the cut tail
-    assert engine.ack("s", "g", [0, 1]).acked == 2
+    assert engine.ack("s", "g", [0, 1]).acknowledged == 2
     engine.close()
 
 
@@ -237,7 +237,7 @@ def test_a_lost_record_never_resurrects_the_ones_after_it(clock):
     fs = FaultFS()
     fs.prepare_dir(ROOT)
     engine = fault_engine(fs, clock, "no")
-    engine.append("s", [b"x"] * 10)
+    engine.append("s", AppendBatch([b"x"] * 10))
     engine.create_group("s", "g")  # a checkpoint: durable
     engine.read_group("s", "g", "a", 4)  # record 1: its write is dropped by the crash
     engine.ack("s", "g", [0, 1, 2, 3])  # record 2: its write survives the crash
@@ -259,7 +259,7 @@ def test_crash_at_every_sync_point_gives_the_state_before_or_after_the_call(cloc
     fs = FaultFS()
     fs.prepare_dir(ROOT)
     engine = fault_engine(fs, clock, "always")
-    engine.append("s", [b"e%d" % i for i in range(60)])
+    engine.append("s", AppendBatch([b"e%d" % i for i in range(60)]))
     engine.create_group("s", "g", config=GroupConfig(retry_ms=30))
     states = [durable_view(engine._groups.dump("s"))]
     crashes: list[tuple[FaultFS, int]] = []
@@ -292,7 +292,7 @@ def test_crash_at_every_sync_point_gives_the_state_before_or_after_the_call(cloc
 def test_a_damaged_snapshot_leaves_the_stream_readable_and_groups_refusing(tmp_path, clock):
     config = EngineConfig(**SMALL)
     engine = Engine(tmp_path, config, clock=clock)
-    engine.append("s", [b"x"] * 3)
+    engine.append("s", AppendBatch([b"x"] * 3))
     engine.create_group("s", "g")
     engine.close()
     path = tmp_path / "streams" / "s" / SNAPSHOT_FILE
@@ -310,8 +310,8 @@ def test_a_damaged_snapshot_leaves_the_stream_readable_and_groups_refusing(tmp_p
 def test_leftover_journals_are_removed_at_start_up(tmp_path, clock):
     config = EngineConfig(**SMALL)
     engine = Engine(tmp_path, config, clock=clock)
-    engine.append("s", [b"x"])
-    engine.append("t", [b"x"])
+    engine.append("s", AppendBatch([b"x"]))
+    engine.append("t", AppendBatch([b"x"]))
     engine.create_group("s", "g")
     engine.close()
     s_dir, t_dir = tmp_path / "streams" / "s", tmp_path / "streams" / "t"

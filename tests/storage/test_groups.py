@@ -15,6 +15,7 @@ import pytest
 import storage.engine
 from storage import (
     MAX_DURATION_MS,
+    AppendBatch,
     DiskFullError,
     DurabilityError,
     Engine,
@@ -37,8 +38,8 @@ ROOT = Path("/faultfs/data")
 
 def fill(engine: Engine, n: int, stream: str = "s", **columns) -> None:
     """Append entries whose payload names their offset: b"e<offset>"."""
-    first = engine.read(stream, 0, 0).next_offset if engine.exists(stream) else 0
-    engine.append(stream, [b"e%d" % (first + i) for i in range(n)], **columns)
+    first = engine.bounds(stream).end_offset if engine.exists(stream) else 0
+    engine.append(stream, AppendBatch([b"e%d" % (first + i) for i in range(n)], **columns))
 
 
 def fill_nodes(engine: Engine, nodes: int, stream: str = "s") -> None:
@@ -256,7 +257,7 @@ def test_reads_track_pending_entries_like_xreadgroup_and_noack_does_not(open_eng
 
 def test_count_zero_and_max_bytes(open_engine):
     engine = open_engine()
-    engine.append("s", [b"x" * 100] * 10)
+    engine.append("s", AppendBatch([b"x" * 100] * 10))
     engine.create_group("s", "g")
     assert engine.read_group("s", "g", "c", 0).count == 0
     result = engine.read_group("s", "g", "c", 10, max_bytes=350)
@@ -289,7 +290,7 @@ def test_unknown_counts_of_huge_range_acks_saturate_at_int64_and_survive_a_resta
     engine.read_group("s", "g", "c", 10)
     top = 2**63 - 1
     result = engine.ack("s", "g", ranges=[(0, top), (0, top)])
-    assert (result.acked, result.unknown) == (10, top)
+    assert (result.acknowledged, result.unknown) == (10, top)
     engine.ack("s", "g", ranges=[(0, top)])
     assert engine.group_info("s", "g").counters.ack_unknown == top
     engine.close()
@@ -302,10 +303,10 @@ def test_ack_by_offsets_and_half_open_ranges_counts_unknown(open_engine):
     engine.create_group("s", "g")
     engine.read_group("s", "g", "c", 10)
     result = engine.ack("s", "g", offsets=[0, 0, 99], ranges=[(3, 6)])
-    assert (result.acked, result.unknown) == (4, 2)  # 0, 3, 4, 5 acked; the second 0 and 99 unknown
+    assert (result.acknowledged, result.unknown) == (4, 2)  # 0, 3, 4, 5 acked; the second 0 and 99 unknown
     assert sorted(pending_map(engine)) == [1, 2, 6, 7, 8, 9]
     again = engine.ack("s", "g", ranges=[(0, 10)])  # RCP TACK 0-9
-    assert (again.acked, again.unknown) == (6, 4)
+    assert (again.acknowledged, again.unknown) == (6, 4)
     counters = engine.group_info("s", "g").counters
     assert (counters.acked, counters.ack_unknown) == (10, 6)
     with pytest.raises(InvalidArgumentError):
@@ -426,7 +427,7 @@ def test_expire_ms_takes_entries_out_of_the_pending_list(open_engine, clock):
 
 def test_max_deliveries_dead_letters_with_origin_headers(open_engine, clock):
     engine = open_engine()
-    engine.append("s", [b"p0", b"p1"], tags=["t0", ""], headers=[{"h": b"v"}, None])
+    engine.append("s", AppendBatch([b"p0", b"p1"], tags=["t0", ""], headers=[{"h": b"v"}, None]))
     config = GroupConfig(retry_ms=10, max_deliveries=2, dead_letter_stream="dlq")
     engine.create_group("s", "g", config=config)
     assert engine.read_group("s", "g", "a", 2).delivery_counts == [1, 1]
@@ -585,16 +586,16 @@ def test_lag_against_hand_computed_values(open_engine):
     engine.trim("s", 7)  # entries 4..6 evicted before the group got them
     assert engine.group_info("s", "g").lag == 3
     result = engine.read_group("s", "g", "a", 10)
-    assert result.offsets == [7, 8, 9] and (result.gap.start, result.gap.end) == (4, 7)
+    assert result.offsets == [7, 8, 9] and (result.gap.start_offset, result.gap.end_offset) == (4, 7)
     info = engine.group_info("s", "g")
     assert (info.entries_read, info.lag) == (10, 0)
 
 
 def test_lag_counts_exactly_over_compaction_holes(open_engine):
     engine = open_engine(compression=False)
-    engine.append("s", [b"v"] * 16, tags=["k"] * 16)  # one tag: compaction keeps only the last
+    engine.append("s", AppendBatch([b"v"] * 16, tags=["k"] * 16))  # one tag: compaction keeps only the last
     for _ in range(6):  # roll the segment, so the tagged entries are in a sealed one
-        engine.append("s", [b"x" * 3000] * 4)
+        engine.append("s", AppendBatch([b"x" * 3000] * 4))
     engine.create_group("s", "g")
     assert engine.compact("s") == 15
     info = engine.group_info("s", "g")
@@ -733,14 +734,14 @@ def test_retention_hold_keeps_what_a_group_still_needs(open_engine, clock):
     assert engine.keep_last("s", 0) == 12  # whole nodes are evicted, never past the floor
     engine.set_stream_config("s", StreamConfig(max_entries=0))
     engine.apply_retention("s")
-    assert engine.read("s", 0, 0).first_offset == 12
+    assert engine.bounds("s").first_offset == 12
     info = engine.group_info("s", "g")
     assert info.holds_retention and info.hold_offset == 12
     assert not engine.group_info("s", "free").holds_retention
     engine.ack("s", "g", ranges=[(12, 20)])
     assert engine.retention_holder("s") == ("g", 20)  # now the cursor
     engine.apply_retention("s")
-    assert engine.read("s", 0, 0).first_offset == 20
+    assert engine.bounds("s").first_offset == 20
 
 
 def test_an_idle_group_releases_retention(open_engine, clock):
@@ -908,7 +909,7 @@ def test_everysec_power_loss_redelivers_and_never_loses(clock):
     assert sorted(pending_map(after)) == [2, 3]
     again = after.read_group("s", "g", "b", 10)
     assert again.offsets == [4, 5, 6, 7, 8, 9]
-    assert after.ack("s", "g", ranges=[(0, 10)]).acked == 8
+    assert after.ack("s", "g", ranges=[(0, 10)]).acknowledged == 8
 
 
 def test_a_failed_journal_sync_stops_group_changes(clock):

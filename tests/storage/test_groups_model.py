@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from storage import Engine, EngineConfig, GroupConfig
+from storage import AppendBatch, Engine, EngineConfig, GroupConfig
 from tests.storage.faultfs import FaultFS
 
 from .conftest import SMALL, FakeClock
@@ -339,7 +339,7 @@ class GroupsModel(RuleBasedStateMachine):
         now = self.clock.now_ms
         due = [now + d if d else 0 for d in delays[:n]]
         first = self.engine.append(
-            "s", [b"e%d" % (len(self.deliver_at) + i) for i in range(n)], deliver_at_ms=due
+            "s", AppendBatch([b"e%d" % (len(self.deliver_at) + i) for i in range(n)], deliver_at_ms=due)
         )
         assert first.first_offset == len(self.deliver_at)
         self.deliver_at += due
@@ -389,7 +389,7 @@ class GroupsModel(RuleBasedStateMachine):
         assert result.offsets == want
         assert len(set(result.offsets)) == len(result.offsets)  # each offset at most once per reply
         assert result.pending_full == full
-        assert (None if result.gap is None else (result.gap.start, result.gap.end)) == gap
+        assert (None if result.gap is None else (result.gap.start_offset, result.gap.end_offset)) == gap
         counts = [model.pending[o].count if o in model.pending else 1 for o in want]
         assert result.delivery_counts == counts
         # As GetPending then shows them (entries retired at once, e.g. exhausted with retry_ms 0, aside).
@@ -413,7 +413,7 @@ class GroupsModel(RuleBasedStateMachine):
             ranges.append((start, start + data.draw(st.integers(0, 5))))
         want = model.ack(self.clock.now_ms, self.first, offsets, ranges)
         result = self.engine.ack("s", group, offsets, ranges)
-        assert (result.acked, result.unknown) == want
+        assert (result.acknowledged, result.unknown) == want
 
     @precondition(lambda self: any(m.pending for m in self.models.values()))
     @rule(group=st.sampled_from(sorted(GROUPS)), data=st.data(), delay_ms=st.sampled_from([0, 30, 500]))

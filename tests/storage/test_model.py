@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from storage import Engine, EngineConfig, StreamConfig
+from storage import AppendBatch, Engine, EngineConfig, StreamConfig
 
 from .conftest import SMALL, FakeClock
 
@@ -50,7 +50,7 @@ class EngineModel(RuleBasedStateMachine):
     @rule(batch=batches, step=st.integers(0, 50))
     def append(self, batch, step):
         self.clock.advance(step)
-        result = self.engine.append("s", [p for p, _ in batch], tags=[t for _, t in batch])
+        result = self.engine.append("s", AppendBatch([p for p, _ in batch], tags=[t for _, t in batch]))
         assert result.first_offset == self.next
         for i, (payload, tag) in enumerate(batch):
             self.entries[self.next + i] = (payload, tag, result.timestamp_ms)
@@ -70,9 +70,9 @@ class EngineModel(RuleBasedStateMachine):
             assert got  # at least one entry, whatever the byte bound
         for entry in got:
             assert (entry.payload, entry.tag, entry.timestamp_ms) == self.entries[entry.offset]
-        assert (result.first_offset, result.next_offset) == (self.first, self.next)
+        assert (result.first_offset, result.end_offset) == (self.first, self.next)
         if offset < self.first and count:
-            assert result.gap is not None and result.gap.start == offset
+            assert result.gap is not None and result.gap.start_offset == offset
 
     @precondition(lambda self: self.next > 0)
     @rule(data=st.data(), count=st.integers(1, 40))
@@ -155,7 +155,7 @@ class EngineModel(RuleBasedStateMachine):
     def bounds_hold(self):
         if self.next:
             info = self.engine.info("s")
-            assert (info.first_offset, info.next_offset, info.entries_added) == (
+            assert (info.first_offset, info.end_offset, info.entries_added) == (
                 self.first,
                 self.next,
                 self.next,

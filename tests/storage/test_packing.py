@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tracemalloc
 
+from storage import AppendBatch
 from storage.fs import FileSystem
 
 SEGMENT = 4 << 20
@@ -18,7 +19,7 @@ def full_segment(open_engine):
     )
     total = 0
     while engine.info("s").segments < 2 if total else True:
-        engine.append("s", [os.urandom(PAYLOAD) for _ in range(200)])
+        engine.append("s", AppendBatch([os.urandom(PAYLOAD) for _ in range(200)]))
         total += 200
     return engine, total
 
