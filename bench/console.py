@@ -24,7 +24,7 @@ from pathlib import Path
 from bench.browser import browser
 from bench.common import emit, free_port
 from bench.service import streamlog_server
-from storage import AppendBatch, Engine, EngineConfig
+from storage import AppendBatch, Engine, EngineConfig, GroupReadOptions
 
 GROUP_STREAM, GROUP = "jobs", "workers"
 # Small segments: 100,000 streams must fit on a developer's disk.
@@ -60,7 +60,7 @@ def build(data: Path, streams: int, pending: int) -> None:
             )
         engine.create_group(GROUP_STREAM, GROUP, start="oldest")
         for consumer in range(pending // 10_000 + 1):
-            engine.read_group(GROUP_STREAM, GROUP, f"worker-{consumer}", 10_000)
+            engine.read_group(GROUP_STREAM, GROUP, GroupReadOptions(f"worker-{consumer}", 10_000))
         assert engine.group_info(GROUP_STREAM, GROUP).pending == pending
         engine.sync()
     finally:

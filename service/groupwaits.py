@@ -36,31 +36,11 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from service.waiters import Wake
-from storage import GroupReadResult
+from storage import GroupReadOptions, GroupReadResult
 from storage.engine import wall_clock_ms
-
-
-@dataclass(frozen=True, slots=True)
-class GroupReadOptions:
-    """One group read's parameters (engine.read_group's, minus stream and group)."""
-
-    consumer: str
-    count: int
-    max_bytes: int = 0
-    retry_ms: int | None = None
-    expire_ms: int | None = None
-    noack: bool = False
-    claim_idle_ms: int | None = None
-
-    @property
-    def kind(self) -> tuple[bool, int | None]:
-        """Reads of the same kind see the same entries: if one finds nothing, so do the others."""
-        return self.noack, self.claim_idle_ms
-
 
 # (stream, group, options, charge): `charge` is the waiter's, handed to the reader as it was
 # given to `wait`, so that the reader reserves room for the reply it may fill (replybudget.py).

@@ -52,7 +52,7 @@ from service.errors import (
     translate_errors,
     unavailable,
 )
-from service.groupwaits import GroupReadOptions, GroupWaits, WaitResult, has_news
+from service.groupwaits import GroupWaits, WaitResult, has_news
 from service.replybudget import ReplyBudget, ReplyCharge
 from service.waiters import Waiters, Wake
 from service.wire import entries_hold_only_payloads
@@ -60,6 +60,7 @@ from storage import (
     AppendBatch,
     CorruptionError,
     Engine,
+    GroupReadOptions,
     GroupReadResult,
     PreconditionError,
     ReadResult,
@@ -277,19 +278,7 @@ class StreamLogServicer:
         """A group read, with room reserved in `charge` for the reply it may fill (kept only if it
         found something: the caller then settles it to the reply's size)."""
         await charge.reserve(options.max_bytes)
-        call = functools.partial(
-            engine.read_group,
-            stream,
-            group,
-            options.consumer,
-            options.count,
-            max_bytes=options.max_bytes,
-            retry_ms=options.retry_ms,
-            expire_ms=options.expire_ms,
-            noack=options.noack,
-            claim_idle_ms=options.claim_idle_ms,
-        )
-        result = await self._group_call(engine, stream, call)
+        result = await self._group_call(engine, stream, engine.read_group, stream, group, options)
         if not has_news(result):
             charge.settle(0)
         return result

@@ -32,7 +32,15 @@ from storage.errors import (
 )
 from storage.fs import FileSystem
 from storage.groupmanager import GroupListener, GroupManager
-from storage.groups import AckResult, GroupConfig, GroupInfo, GroupReadResult, NackResult, PendingInfo
+from storage.groups import (
+    AckResult,
+    GroupConfig,
+    GroupInfo,
+    GroupReadOptions,
+    GroupReadResult,
+    NackResult,
+    PendingInfo,
+)
 from storage.names import dirname_for, validate_name
 from storage.results import AppendResult, ReadResult, StreamInfo
 from storage.stream import META_FILE, EngineContext, Stream
@@ -418,30 +426,8 @@ class Engine:
     def delete_consumer(self, stream: str, group: str, consumer: str) -> int:
         return self._groups.delete_consumer(stream, group, consumer)
 
-    def read_group(
-        self,
-        stream: str,
-        group: str,
-        consumer: str,
-        count: int,
-        *,
-        max_bytes: int = 0,
-        retry_ms: int | None = None,
-        expire_ms: int | None = None,
-        noack: bool = False,
-        claim_idle_ms: int | None = None,
-    ) -> GroupReadResult:
-        return self._groups.read_group(
-            stream,
-            group,
-            consumer,
-            count,
-            max_bytes=max_bytes,
-            retry_ms=retry_ms,
-            expire_ms=expire_ms,
-            noack=noack,
-            claim_idle_ms=claim_idle_ms,
-        )
+    def read_group(self, stream: str, group: str, options: GroupReadOptions) -> GroupReadResult:
+        return self._groups.read_group(stream, group, options)
 
     def ack(
         self, stream: str, group: str, offsets: Sequence[int] = (), ranges: Sequence[tuple[int, int]] = ()

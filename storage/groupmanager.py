@@ -48,6 +48,7 @@ from storage.groups import (
     AckResult,
     GroupConfig,
     GroupInfo,
+    GroupReadOptions,
     GroupReadResult,
     GroupSet,
     NackResult,
@@ -841,19 +842,7 @@ class GroupManager:
         with self._writing(stream) as store:
             return store.state.group(group).delete_consumer(consumer, self._now())
 
-    def read_group(
-        self,
-        stream: str,
-        group: str,
-        consumer: str,
-        count: int,
-        *,
-        max_bytes: int = 0,
-        retry_ms: int | None = None,
-        expire_ms: int | None = None,
-        noack: bool = False,
-        claim_idle_ms: int | None = None,
-    ) -> GroupReadResult:
+    def read_group(self, stream: str, group: str, options: GroupReadOptions) -> GroupReadResult:
         """Up to `count` entries for `consumer` of `group`, each handed to no other consumer.
 
         In this order: pending entries whose retry time has passed (earliest first; their
@@ -872,16 +861,12 @@ class GroupManager:
         waiting readers in arrival order by calling it once per reader, arming one timer for
         `next_due_ms` and waking on appends and on group listeners (acks that free room).
         """
-        validate_label("consumer", consumer)
-        check_non_negative("count", count)
-        check_non_negative("max_bytes", max_bytes)
-        for name, value in (
-            ("retry_ms", retry_ms),
-            ("expire_ms", expire_ms),
-            ("claim_idle_ms", claim_idle_ms),
-        ):
-            check_duration(name, value)
-        count = min(count, self._engine.config.max_batch_entries)  # bounds the journal record of one read
+        if not isinstance(options, GroupReadOptions):
+            raise InvalidArgumentError("options must be a GroupReadOptions")
+        consumer, noack, claim_idle_ms = options.consumer, options.noack, options.claim_idle_ms
+        retry_ms, expire_ms = options.retry_ms, options.expire_ms
+        # Bounds the journal record of one read.
+        count = min(options.count, self._engine.config.max_batch_entries)
         with self._writing(stream) as store:
             found = store.state.group(group)
             now = self._now()
@@ -889,7 +874,7 @@ class GroupManager:
             cfg = found.config
             retry = retry_ms if retry_ms is not None else cfg.retry_ms
             expire = expire_ms if expire_ms is not None else cfg.expire_ms
-            out = _Out(max_bytes)
+            out = _Out(options.max_bytes)
             if not noack and count:
                 due = found.take_due_retries(now, count)
                 claims: list[int] = []

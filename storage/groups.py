@@ -167,6 +167,38 @@ class GroupConfig:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+# ---------------------------------------------------------------------- what a group read takes
+
+
+@dataclass(frozen=True, slots=True)
+class GroupReadOptions:
+    """One group read's parameters besides its stream and group (see GroupManager.read_group).
+
+    Checked when made (InvalidArgumentError), so a reader that repeats a read
+    (a waiting one, a Consume session) checks its options once.
+    """
+
+    consumer: str
+    count: int  # at most this many entries (the engine caps it at max_batch_entries)
+    max_bytes: int = 0  # bound on the records' size, at least one entry; 0: none
+    retry_ms: int | None = None  # overrides the group's for the entries this read delivers
+    expire_ms: int | None = None  # likewise (expiry counts from an entry's first delivery)
+    noack: bool = False  # take only new entries, and do not track them
+    claim_idle_ms: int | None = None  # also claim pending entries idle this long (claim-on-read)
+
+    def __post_init__(self) -> None:
+        validate_label("consumer", self.consumer)
+        check_non_negative("count", self.count)
+        check_non_negative("max_bytes", self.max_bytes)
+        for name in ("retry_ms", "expire_ms", "claim_idle_ms"):
+            check_duration(name, getattr(self, name))
+
+    @property
+    def kind(self) -> tuple[bool, int | None]:
+        """Reads of the same kind see the same entries: if one finds nothing, so do the others."""
+        return self.noack, self.claim_idle_ms
+
+
 # ---------------------------------------------------------------------- what calls return
 
 

@@ -24,7 +24,7 @@ from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 from service.consume import ConsumeSession, SessionCalls
 from service.groupwaits import WaitResult
 from service.waiters import Wake
-from storage import GroupReadResult
+from storage import GroupReadOptions, GroupReadResult
 from tests.service.helpers import ServerThread
 from tests.service.test_groups_e2e import TIMEOUT, create, fill, gread, info, offsets, pending, until, waiting
 from tests.service.test_metrics import free_port, scrape, value
@@ -852,7 +852,7 @@ def test_opening_a_session_costs_the_same_in_a_group_of_10_000(
             create(stub, "s", group)
             server.call(
                 lambda group=group, size=size: [
-                    engine.read_group("s", group, f"c{i}", 0) for i in range(size)
+                    engine.read_group("s", group, GroupReadOptions(f"c{i}", 0)) for i in range(size)
                 ]
             )
 

@@ -16,9 +16,9 @@ import grpc
 import pytest
 from streamlog.v1 import streamlog_pb2 as pb
 
-from service.groupwaits import GroupReadOptions, GroupWaits
+from service.groupwaits import GroupWaits
 from service.waiters import Wake
-from storage import AppendBatch, GroupReadResult, StreamConfig
+from storage import AppendBatch, GroupReadOptions, GroupReadResult, StreamConfig
 from tests.service.helpers import Aborted, FakeContext
 from tests.service.test_servicer import Harness, append, run
 

@@ -16,7 +16,7 @@ from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
 from service import limits
 from service.server import SERVICE
-from storage import AppendBatch, Engine, EngineConfig
+from storage import AppendBatch, Engine, EngineConfig, GroupReadOptions
 from tests.service.helpers import ServerThread, append, small_settings
 
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -338,7 +338,7 @@ def test_registering_a_consumer_costs_the_same_in_a_group_of_10_000(tmp_path: Pa
         for group, size in (("small", 100), ("big", 10_000)):
             engine.create_group("s", group)
             for i in range(size):
-                engine.read_group("s", group, f"c{i}", 0)
+                engine.read_group("s", group, GroupReadOptions(f"c{i}", 0))
         settings = small_settings(tmp_path, max_consumers_per_group=20_000)
         guard = limits.LimitsInterceptor(SERVICE.full_name, settings, lambda: engine)
         names = [f"new{i}" for i in range(30)]
@@ -346,7 +346,7 @@ def test_registering_a_consumer_costs_the_same_in_a_group_of_10_000(tmp_path: Pa
         big = _register_timing(engine, guard, "big", names)
         assert big < 10 * small + 0.0005, (small, big)
         # The 10,001st consumer registers, and the limit still counts every consumer.
-        assert engine.read_group("s", "big", "new0-0", 1).offsets == [0]
+        assert engine.read_group("s", "big", GroupReadOptions("new0-0", 1)).offsets == [0]
         assert len(engine.group_info("s", "big").consumers) == 10_001
         full = limits.LimitsInterceptor(
             SERVICE.full_name, small_settings(tmp_path, max_consumers_per_group=10_001), lambda: engine

@@ -43,6 +43,7 @@ from storage import (
     DurabilityError,
     Engine,
     EngineConfig,
+    GroupReadOptions,
     StreamConfig,
     inspect,
 )
@@ -395,7 +396,7 @@ def run_workload(variant: Variant, seed: int, k: int) -> list[Case]:
 
 def group_op(engine: Engine, model: Model, rng: random.Random) -> None:
     """A group read, then an ack of some of what is pending: each change waits for its journal sync."""
-    taken = engine.read_group(MAIN, GROUP, rng.choice(["c1", "c2"]), rng.randint(1, 20))
+    taken = engine.read_group(MAIN, GROUP, GroupReadOptions(rng.choice(["c1", "c2"]), rng.randint(1, 20)))
     model.delivered = model.delivered | set(taken.offsets)
     unacked = sorted(model.delivered - model.acked)
     chosen = frozenset(o for o in unacked if rng.random() < 0.6)

@@ -19,7 +19,16 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from storage import AppendBatch, CorruptionError, Engine, EngineConfig, GroupConfig, StreamConfig, grouplog
+from storage import (
+    AppendBatch,
+    CorruptionError,
+    Engine,
+    EngineConfig,
+    GroupConfig,
+    GroupReadOptions,
+    StreamConfig,
+    grouplog,
+)
 from storage.dedup import BatchRecord, ProducerTable
 from storage.format import NodeBody, NodeHeader, SegmentHeader, decode_packed_body, encode_packed_node
 from storage.records import decode_records, encode_batch, record_offset_and_timestamp
@@ -131,7 +140,7 @@ def _real_group_files() -> tuple[bytes, bytes, bytes]:
     with tempfile.TemporaryDirectory() as tmp, Engine(tmp, EngineConfig(**SMALL)) as engine:
         engine.append("s", AppendBatch([b"a"] * 10))
         engine.create_group("s", "g", config=GroupConfig(max_pending=100))
-        taken = engine.read_group("s", "g", "consumer-1", 5, retry_ms=1000)
+        taken = engine.read_group("s", "g", GroupReadOptions("consumer-1", 5, retry_ms=1000))
         engine.ack("s", "g", offsets=taken.offsets[:2], ranges=[(3, 5)])
         engine.nack("s", "g", [2], delay_ms=10)
         directory = Path(tmp) / "streams" / "s"

@@ -9,7 +9,7 @@ import pytest
 import zstandard
 from crc32c import crc32c
 
-from storage import AppendBatch
+from storage import AppendBatch, GroupReadOptions
 from storage.errors import CorruptionError
 from storage.format import (
     NODE_SPARSE,
@@ -152,7 +152,7 @@ def test_verify_checks_group_and_producer_files(tmp_path, capsys):
     with Engine(tmp_path / "d", EngineConfig(**SMALL)) as engine:
         engine.append("s", AppendBatch([b"a"] * 5), producer=("p", 1))
         engine.create_group("s", "g")
-        engine.read_group("s", "g", "c", 3)
+        engine.read_group("s", "g", GroupReadOptions("c", 3))
     assert inspect_main(["verify", str(tmp_path / "d")]) == 0
     capsys.readouterr()
     directory = tmp_path / "d" / "streams" / "s"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import storage.engine
-from storage import AppendBatch, CorruptionError, Engine, EngineConfig, GroupConfig
+from storage import AppendBatch, CorruptionError, Engine, EngineConfig, GroupConfig, GroupReadOptions
 from storage import groups as g
 from storage.fs import FileSystem
 from storage.grouplog import (
@@ -215,7 +215,7 @@ def test_engine_recovers_a_torn_journal_and_starts_a_fresh_one(tmp_path, clock):
     engine = Engine(tmp_path, config, clock=clock)
     engine.append("s", AppendBatch([b"x"] * 10))
     engine.create_group("s", "g")
-    engine.read_group("s", "g", "a", 4)
+    engine.read_group("s", "g", GroupReadOptions("a", 4))
     before = engine._groups.dump("s")
     engine.ack("s", "g", [0, 1])
     engine.close()
@@ -239,7 +239,7 @@ def test_a_lost_record_never_resurrects_the_ones_after_it(clock):
     engine = fault_engine(fs, clock, "no")
     engine.append("s", AppendBatch([b"x"] * 10))
     engine.create_group("s", "g")  # a checkpoint: durable
-    engine.read_group("s", "g", "a", 4)  # record 1: its write is dropped by the crash
+    engine.read_group("s", "g", GroupReadOptions("a", 4))  # record 1: its write is dropped by the crash
     engine.ack("s", "g", [0, 1, 2, 3])  # record 2: its write survives the crash
 
     def fate(write) -> str:
@@ -248,7 +248,7 @@ def test_a_lost_record_never_resurrects_the_ones_after_it(clock):
     crashed = fs.crashed_copy(mode="power", fate=fate)
     engine = fault_engine(crashed, clock, "no")
     assert engine.pending("s", "g").count == 0 and engine.group_info("s", "g").cursor == 0
-    engine.read_group("s", "g", "b", 1)  # lands at the start of the new journal
+    engine.read_group("s", "g", GroupReadOptions("b", 1))  # lands at the start of the new journal
     again = fault_engine(crashed.crashed_copy(mode="process"), clock, "no")
     state = again._groups.dump("s")["g"]
     assert sorted(state["pending"]) == [0] and state["counters"]["acked"] == 0
@@ -271,7 +271,7 @@ def test_crash_at_every_sync_point_gives_the_state_before_or_after_the_call(cloc
     while calls < 150:
         step = calls % 3
         if step == 0:
-            engine.read_group("s", "g", f"c{calls % 2}", 2)
+            engine.read_group("s", "g", GroupReadOptions(f"c{calls % 2}", 2))
         elif step == 1:
             engine.ack("s", "g", [o for o in range(60) if rng.random() < 0.1])
         else:
@@ -302,7 +302,7 @@ def test_a_damaged_snapshot_leaves_the_stream_readable_and_groups_refusing(tmp_p
     engine = Engine(tmp_path, config, clock=clock)
     assert engine.read("s", 0, 10).count == 3
     with pytest.raises(CorruptionError):
-        engine.read_group("s", "g", "a", 1)
+        engine.read_group("s", "g", GroupReadOptions("a", 1))
     engine.close()
     assert path.read_bytes() == bytes(raw)  # left alone for whoever repairs it
 

@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from storage import AppendBatch, Engine, EngineConfig, GroupConfig
+from storage import AppendBatch, Engine, EngineConfig, GroupConfig, GroupReadOptions
 from tests.storage.faultfs import FaultFS
 
 from .conftest import SMALL, FakeClock
@@ -379,12 +379,14 @@ class GroupsModel(RuleBasedStateMachine):
         result = self.engine.read_group(
             "s",
             group,
-            consumer,
-            count,
-            retry_ms=retry_ms,
-            expire_ms=expire_ms,
-            noack=noack,
-            claim_idle_ms=claim_idle_ms,
+            GroupReadOptions(
+                consumer,
+                count,
+                retry_ms=retry_ms,
+                expire_ms=expire_ms,
+                noack=noack,
+                claim_idle_ms=claim_idle_ms,
+            ),
         )
         assert result.offsets == want
         assert len(set(result.offsets)) == len(result.offsets)  # each offset at most once per reply
