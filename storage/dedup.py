@@ -8,7 +8,7 @@ most recent batches, and forgets producers idle longer than the window.
 The source of truth is the stream itself: the last entry of an idempotent
 batch carries the producer id and sequence (storage/records.py), in the same
 atomic node write as the batch. This table is a cache of it, saved to
-`producers.snap` now and then; at start-up the snapshot is loaded and only
+`producers.snap` (storage/layout.py) now and then; at start-up the snapshot is loaded and only
 nodes written after it are scanned (those flagged as holding producer info).
 """
 
@@ -23,7 +23,6 @@ from crc32c import crc32c
 
 from storage.errors import CorruptionError, PreconditionError
 
-SNAPSHOT_FILE = "producers.snap"
 _MAGIC = b"SLPD"
 
 
@@ -84,15 +83,25 @@ class ProducerTable:
         if stale:
             self.changed = True
 
-    def forget_from(self, next_offset: int) -> None:
-        """Drop batches at or past `next_offset`: after a power loss their entries are gone."""
+    def forget_from(self, end_offset: int) -> None:
+        """Drop batches at or past `end_offset`: after a power loss their entries are gone."""
         for producer in list(self._producers):
             batches = self._producers[producer]
-            for sequence in [s for s, b in batches.items() if b.last_offset >= next_offset]:
+            for sequence in [s for s, b in batches.items() if b.last_offset >= end_offset]:
                 del batches[sequence]
             if not batches:
                 del self._producers[producer]
-        self.scanned_to = min(self.scanned_to, next_offset)
+        self.scanned_to = min(self.scanned_to, end_offset)
+
+    def snapshot(self, now_ms: int, end_offset: int) -> bytes | None:
+        """Expire idle producers; the table's snapshot if it changed since the last one, else None.
+        `end_offset`: the stream's end, below which every idempotent batch is in the table."""
+        self.expire(now_ms)
+        if not self.changed:
+            return None
+        self.scanned_to = end_offset
+        self.changed = False
+        return self.encode()
 
     def encode(self) -> bytes:
         body = json.dumps(

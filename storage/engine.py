@@ -5,8 +5,10 @@
         first = engine.append("rides", AppendBatch([b'{"id": 1}', b'{"id": 2}'])).first_offset
         print(engine.read("rides", first, 10).entries())
 
-Layout: DATA/LOCK (held while open), DATA/streams/<encoded name>/ with a
-`stream.meta` file and `<20-digit base offset>.seg` segment files.
+The engine opens, creates and deletes streams in a data directory (laid out as
+storage/layout.py says), hands each call to its stream, and runs the
+maintenance thread; the consumer-group calls come from GroupCalls
+(storage/groupsapi.py).
 """
 
 from __future__ import annotations
@@ -16,40 +18,39 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
+from storage.admission import check_batch, check_expected_end, check_producer
 from storage.cache import NodeCache
 from storage.config import EngineConfig, StreamConfig
+from storage.context import EngineContext
 from storage.errors import (
     CorruptionError,
-    InvalidArgumentError,
-    LimitExceededError,
     OffsetMismatchError,
     PreconditionError,
     StorageError,
     StreamNotFoundError,
 )
 from storage.fs import FileSystem
-from storage.groupmanager import GroupListener, GroupManager
-from storage.groups import (
-    AckResult,
-    GroupConfig,
-    GroupInfo,
-    GroupReadOptions,
-    GroupReadResult,
-    NackResult,
-    PendingInfo,
+from storage.groupmanager import GroupManager
+from storage.groupsapi import GroupCalls
+from storage.layout import (
+    DELETED_SUFFIX,
+    LOCK_FILE,
+    META_FILE,
+    SEGMENT_SUFFIX,
+    stream_directory,
+    streams_root,
 )
-from storage.names import dirname_for, validate_name
+from storage.names import validate_name
 from storage.results import AppendResult, ReadResult, StreamInfo
-from storage.stream import META_FILE, EngineContext, Stream
+from storage.stream import Stream
 from storage.types import AppendBatch, FsyncPolicy, StreamBounds
 
 log = logging.getLogger("streamlog.storage")
 
 AppendListener = Callable[[str, int], None]
-MAX_PRODUCER_ID_BYTES = 255
 GROUP_JOURNAL_BYTES = 1 << 20  # per stream with groups; checkpointed into a snapshot as it fills
 
 
@@ -57,7 +58,7 @@ def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-class Engine:
+class Engine(GroupCalls):
     def __init__(
         self,
         data_dir: str | os.PathLike,
@@ -70,7 +71,7 @@ class Engine:
         self.data_dir = Path(data_dir)
         self._fs = fs or FileSystem()
         self._clock = clock or wall_clock_ms
-        self._fs.makedirs(self.data_dir / "streams")
+        self._fs.makedirs(streams_root(self.data_dir))
         self._lock_fd = self._take_lock() if fs is None else None
         self._lock = threading.Lock()
         self._listeners: list[AppendListener] = []
@@ -99,7 +100,7 @@ class Engine:
     # ------------------------------------------------------------------ lifecycle
 
     def _take_lock(self) -> int:
-        fd = os.open(self.data_dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.data_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
@@ -111,14 +112,14 @@ class Engine:
         return self.retention_floor(name)
 
     def _load(self) -> None:
-        root = self.data_dir / "streams"
+        root = streams_root(self.data_dir)
         for dirname in self._fs.listdir(root):
             directory = root / dirname
-            if dirname.endswith(".deleted"):
+            if dirname.endswith(DELETED_SUFFIX):
                 self._fs.remove_tree(directory)  # a delete that crashed half-way
                 continue
             if not self._fs.exists(directory / META_FILE):
-                if not any(name.endswith(".seg") for name in self._fs.listdir(directory)):
+                if not any(name.endswith(SEGMENT_SUFFIX) for name in self._fs.listdir(directory)):
                     self._fs.remove_tree(directory)  # a creation that a crash cut short
                 continue
             try:
@@ -172,7 +173,7 @@ class Engine:
         with self._lock:
             stream = self._streams.get(name)
             if stream is None:
-                directory = self.data_dir / "streams" / dirname_for(name)
+                directory = stream_directory(self.data_dir, name)
                 if directory.name in self.unreadable:
                     # Its metadata is damaged: keep the evidence, refuse to write over it.
                     raise PreconditionError(f"stream {name!r} is damaged on disk; see the server log")
@@ -198,7 +199,7 @@ class Engine:
             self._streams.pop(name, None)
         stream.close(clean=False)
         # Rename first so a crash mid-delete leaves a directory that start-up finishes removing.
-        doomed = stream.directory.with_name(stream.directory.name + ".deleted")
+        doomed = stream.directory.with_name(stream.directory.name + DELETED_SUFFIX)
         self._fs.rename(stream.directory, doomed)
         self._fs.remove_tree(doomed)
 
@@ -220,93 +221,18 @@ class Engine:
         it is conditional: OffsetMismatchError (a PreconditionError carrying the
         stream's actual end offset) if the stream's end is elsewhere.
         """
-        self._check_batch(batch)
-        producer = self._check_producer(producer)
-        if expected_end is not None:
-            if not isinstance(expected_end, int) or expected_end < 0:
-                raise InvalidArgumentError("expected_end must be a non-negative integer")
-            if expected_end and name not in self._streams:
-                validate_name(name)
-                raise OffsetMismatchError(expected_end, 0)  # nothing created
+        check_batch(self.config, batch)
+        producer = check_producer(producer)
+        check_expected_end(expected_end)
+        if expected_end and name not in self._streams:
+            validate_name(name)
+            raise OffsetMismatchError(expected_end, 0)  # nothing created
         stream = self._stream_or_create(name)
         result = stream.append(batch, producer, expected_end)
         if not result.duplicate:
             for listener in self._listeners:
                 listener(name, result.last_offset + 1)
         return result
-
-    @staticmethod
-    def _check_producer(producer: tuple[str, int] | None) -> tuple[str, int] | None:
-        if producer is None:
-            return None
-        producer_id, sequence = producer
-        if not producer_id or not isinstance(producer_id, str) or sequence is None:
-            raise InvalidArgumentError("an idempotent append needs both a producer id and a sequence")
-        try:
-            size = len(producer_id.encode())
-        except UnicodeEncodeError as exc:
-            raise InvalidArgumentError("producer id is not valid UTF-8") from exc
-        if size > MAX_PRODUCER_ID_BYTES:
-            raise InvalidArgumentError(f"producer id is {size} bytes; the limit is {MAX_PRODUCER_ID_BYTES}")
-        if not isinstance(sequence, int) or sequence < 0:
-            raise InvalidArgumentError("producer sequence must be a non-negative integer")
-        return producer_id, sequence
-
-    def _check_batch(self, batch: AppendBatch) -> None:
-        cfg = self.config
-        payloads, tags, headers, deliver_at_ms = (
-            batch.payloads,
-            batch.tags,
-            batch.headers,
-            batch.deliver_at_ms,
-        )
-        n = len(payloads)
-        if n == 0:
-            raise InvalidArgumentError("a batch needs at least one entry")
-        if n > cfg.max_batch_entries:
-            raise LimitExceededError("max_batch_entries", cfg.max_batch_entries, f"batch has {n} entries")
-        try:
-            biggest = max(map(len, payloads))
-        except TypeError as exc:
-            raise InvalidArgumentError("payloads must be bytes") from exc
-        if biggest > cfg.max_entry_bytes:
-            raise LimitExceededError("max_entry_bytes", cfg.max_entry_bytes, f"an entry has {biggest} bytes")
-        total = sum(map(len, payloads))
-        if total > cfg.max_batch_bytes:
-            raise LimitExceededError(
-                "max_batch_bytes", cfg.max_batch_bytes, f"batch has {total} payload bytes"
-            )
-        for column, label in ((tags, "tags"), (headers, "headers"), (deliver_at_ms, "deliver_at_ms")):
-            if column is not None and len(column) != n:
-                raise InvalidArgumentError(f"{label} has {len(column)} items for {n} payloads")
-        if tags is not None:
-            for tag in tags:
-                if not isinstance(tag, str):
-                    raise InvalidArgumentError("tags must be strings")
-                try:
-                    size = len(tag.encode())
-                except UnicodeEncodeError as exc:
-                    raise InvalidArgumentError("a tag is not valid UTF-8") from exc
-                if size > cfg.max_tag_bytes:
-                    raise LimitExceededError("max_tag_bytes", cfg.max_tag_bytes, f"a tag has {size} bytes")
-        if headers is not None:
-            for entry_headers in headers:
-                if not entry_headers:
-                    continue
-                size = 0
-                for key, value in entry_headers.items():
-                    if not isinstance(key, str) or not isinstance(value, (bytes, bytearray, memoryview)):
-                        raise InvalidArgumentError("headers map strings to bytes")
-                    try:
-                        size += len(key.encode()) + len(value)
-                    except UnicodeEncodeError as exc:
-                        raise InvalidArgumentError("a header name is not valid UTF-8") from exc
-                if size > cfg.max_entry_bytes:
-                    raise LimitExceededError(
-                        "max_entry_bytes", cfg.max_entry_bytes, f"headers take {size} bytes"
-                    )
-        if deliver_at_ms is not None and any(not isinstance(d, int) or d < 0 for d in deliver_at_ms):
-            raise InvalidArgumentError("deliver_at_ms must be non-negative integers")
 
     def read(
         self, name: str, offset: int, count: int, *, max_bytes: int = 0, reverse: bool = False
@@ -323,19 +249,19 @@ class Engine:
         return self._stream(name).info()
 
     def evict(self, name: str, up_to_offset: int) -> int:
-        return self._stream(name).evict(up_to_offset)
+        return self._stream(name).retention.evict(up_to_offset)
 
     def keep_last(self, name: str, n: int) -> int:
-        return self._stream(name).keep_last(n)
+        return self._stream(name).retention.keep_last(n)
 
     def trim(self, name: str, first_offset: int) -> int:
-        return self._stream(name).trim(first_offset)
+        return self._stream(name).retention.trim(first_offset)
 
     def compact(self, name: str) -> int:
-        return self._stream(name).compact(self._clock())
+        return self._stream(name).cleaner.compact(self._clock())
 
     def apply_retention(self, name: str) -> None:
-        self._stream(name).apply_retention(self._clock())
+        self._stream(name).retention.apply(self._clock())
 
     def set_stream_config(self, name: str, config: StreamConfig) -> None:
         self._stream(name).set_config(config)
@@ -373,102 +299,23 @@ class Engine:
             try:
                 if stream.fsync is FsyncPolicy.EVERYSEC and stream.dirty:
                     stream.sync()
-                stream.pack_pending()
-                stream.apply_retention(now)
+                stream.cleaner.pack_pending()
+                stream.retention.apply(now)
                 stream.save_producers(now)
-                if (
-                    stream.config.compaction
-                    and now - stream.last_compaction_ms >= self.config.compaction_interval_ms
-                ):
-                    stream.compact(now)
+                due = now - stream.cleaner.last_compaction_ms >= self.config.compaction_interval_ms
+                if stream.config.compaction and due:
+                    stream.cleaner.compact(now)
             except (StorageError, OSError) as exc:
                 log.error("maintenance of stream %r failed: %s", stream.name, exc)
         self._groups.maintain()  # group expiry and dead letters, everysec journal syncs, checkpoints
 
     # ------------------------------------------------------------------ consumer groups
-    # Delegations to storage/groupmanager.py, where each call is documented.
-
-    def create_group(
-        self,
-        stream: str,
-        group: str,
-        *,
-        start: str | int = "oldest",
-        entries_read: int | None = None,
-        config: GroupConfig | None = None,
-    ) -> GroupInfo:
-        return self._groups.create_group(stream, group, start=start, entries_read=entries_read, config=config)
-
-    def delete_group(self, stream: str, group: str) -> None:
-        self._groups.delete_group(stream, group)
-
-    def list_groups(self, stream: str) -> list[GroupInfo]:
-        return self._groups.list_groups(stream)
-
-    def group_streams(self) -> list[str]:
-        """The streams that have consumer groups, in no particular order."""
-        return self._groups.group_streams()
-
-    def group_info(self, stream: str, group: str) -> GroupInfo:
-        return self._groups.group_info(stream, group)
-
-    def set_group_offset(
-        self, stream: str, group: str, offset: str | int, entries_read: int | None = None
-    ) -> GroupInfo:
-        return self._groups.set_group_offset(stream, group, offset, entries_read)
-
-    def set_group_config(self, stream: str, group: str, config: GroupConfig) -> GroupInfo:
-        return self._groups.set_group_config(stream, group, config)
-
-    def consumer_count(self, stream: str, group: str, consumer: str) -> tuple[int, bool]:
-        return self._groups.consumer_count(stream, group, consumer)
-
-    def delete_consumer(self, stream: str, group: str, consumer: str) -> int:
-        return self._groups.delete_consumer(stream, group, consumer)
-
-    def read_group(self, stream: str, group: str, options: GroupReadOptions) -> GroupReadResult:
-        return self._groups.read_group(stream, group, options)
-
-    def ack(
-        self, stream: str, group: str, offsets: Sequence[int] = (), ranges: Sequence[tuple[int, int]] = ()
-    ) -> AckResult:
-        return self._groups.ack(stream, group, offsets, ranges)
-
-    def nack(self, stream: str, group: str, offsets: Sequence[int], delay_ms: int = 0) -> NackResult:
-        return self._groups.nack(stream, group, offsets, delay_ms)
-
-    def claim(
-        self, stream: str, group: str, consumer: str, min_idle_ms: int, offsets: Sequence[int]
-    ) -> GroupReadResult:
-        return self._groups.claim(stream, group, consumer, min_idle_ms, offsets)
-
-    def autoclaim(
-        self, stream: str, group: str, consumer: str, min_idle_ms: int, cursor: int = 0, count: int = 100
-    ) -> tuple[int, GroupReadResult]:
-        return self._groups.autoclaim(stream, group, consumer, min_idle_ms, cursor, count)
-
-    def pending(
-        self,
-        stream: str,
-        group: str,
-        *,
-        consumer: str | None = None,
-        min_idle_ms: int = 0,
-        start: int = 0,
-        end: int | None = None,
-        count: int = 100,
-    ) -> PendingInfo:
-        return self._groups.pending(
-            stream, group, consumer=consumer, min_idle_ms=min_idle_ms, start=start, end=end, count=count
-        )
+    # The group calls themselves come from GroupCalls (storage/groupsapi.py).
 
     def retention_holder(self, stream: str) -> tuple[str, int] | None:
         """(group, offset) of the consumer group holding the stream's retention back, or None."""
         self._stream(stream)
         return self._groups.retention_holder(stream)
-
-    def add_group_listener(self, listener: GroupListener) -> None:
-        self._groups.add_listener(listener)
 
     # ------------------------------------------------------------------ maintenance loop
 

@@ -1,7 +1,9 @@
 """Byte layout of segment files and macro nodes (docs/FORMAT.md has the tables).
 
-All integers are little-endian. Every structure recovery trusts carries a
-CRC32C: the segment header, each node header, and each node body.
+The segment header, the node header and its flags, and a node's entries in
+memory (`NodeBody`); the two node layouts are in storage/growing.py and
+storage/packed.py. All integers are little-endian. Every structure recovery
+trusts carries a CRC32C: the segment header, each node header, and each node body.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import struct
 from array import array
 from dataclasses import dataclass
 
-import zstandard
 from crc32c import crc32c
 
 from storage.errors import CorruptionError
@@ -181,81 +182,6 @@ class NodeBody:
 
     def byte_size(self) -> int:
         return len(self.blob) + 4 * len(self.positions)
-
-
-def encode_packed_node(
-    body: NodeBody, min_ts: int, max_ts: int, flags: int, compressor: zstandard.ZstdCompressor | None
-) -> bytes:
-    """A complete immutable node: two identical header slots and its body."""
-    count = body.count
-    parts = [body.positions[:count].tobytes()]
-    node_flags = flags & NODE_CARRIED_FLAGS
-    if body.deltas is not None:
-        parts.append(body.deltas.tobytes())
-        node_flags |= NODE_SPARSE
-        span = body.deltas[-1] + 1 if count else 0
-    else:
-        span = count
-    parts.append(body.blob)
-    raw = b"".join(parts)
-    stored = raw
-    if compressor is not None:
-        squeezed = compressor.compress(raw)
-        # Keep the node raw unless zstd saves at least an eighth (as ZFS does): a raw node is
-        # cheaper to read, and incompressible payloads would only pay decompression for nothing.
-        if len(squeezed) <= len(raw) - len(raw) // 8:
-            stored = squeezed
-            node_flags |= NODE_ZSTD
-    header = NodeHeader(
-        seq=1,
-        count=count,
-        base_offset=body.base_offset,
-        slots=span,
-        blob_len=len(body.blob),
-        stored_len=len(stored),
-        body_crc=crc32c(stored),
-        blob_crc=crc32c(raw),
-        min_ts=min_ts,
-        max_ts=max_ts,
-        flags=node_flags,
-    ).encode()
-    node = header + header + stored
-    return node + b"\x00" * (-len(node) % 8)
-
-
-def decode_packed_body(
-    header: NodeHeader, stored: bytes, decompressor: zstandard.ZstdDecompressor
-) -> NodeBody:
-    if crc32c(stored) != header.body_crc:
-        raise CorruptionError("node body CRC mismatch")
-    raw = stored
-    if header.flags & NODE_ZSTD:
-        try:
-            raw = decompressor.decompress(stored, max_output_size=_packed_raw_size(header))
-        except zstandard.ZstdError as exc:
-            raise CorruptionError(f"node body does not decompress: {exc}") from exc
-        if crc32c(raw) != header.blob_crc:
-            raise CorruptionError("decompressed node body does not match its CRC")
-    if len(raw) != _packed_raw_size(header):
-        raise CorruptionError("node body length does not match its header")
-    count = header.count
-    positions = array("I")
-    positions.frombytes(raw[: 4 * count])
-    positions.append(header.blob_len)
-    deltas = None
-    start = 4 * count
-    if header.flags & NODE_SPARSE:
-        deltas = array("I")
-        deltas.frombytes(raw[start : start + 4 * count])
-        start += 4 * count
-    body = NodeBody(header.base_offset, positions, raw[start:], deltas)
-    check_positions(body)
-    return body
-
-
-def _packed_raw_size(header: NodeHeader) -> int:
-    tables = 2 if header.flags & NODE_SPARSE else 1
-    return 4 * header.count * tables + header.blob_len
 
 
 def check_positions(body: NodeBody) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from storage.errors import CorruptionError, DiskFullError, DurabilityError
+from storage.layout import TMP_SUFFIX
 
 SEGMENT_MIN_BYTES = 64  # a segment header; anything shorter is a file whose creation a crash cut short
 
@@ -140,7 +141,7 @@ class FileSystem:
         (a segment header; its length must not): room is left for it before the parts,
         and it is written last. An exception from the parts leaves `path` as it was.
         """
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = path.with_name(path.name + TMP_SUFFIX)
         parts = (data,) if isinstance(data, bytes | bytearray | memoryview) else data
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -57,7 +56,8 @@ from storage.groups import (
     check_non_negative,
     validate_label,
 )
-from storage.names import dirname_for, validate_name
+from storage.layout import stream_directory
+from storage.names import validate_name
 from storage.records import decode_records, skim_records
 from storage.results import Gap
 from storage.types import AppendBatch, FsyncPolicy, GapReason
@@ -202,7 +202,7 @@ class GroupManager:
     # ------------------------------------------------------------------ lifecycle
 
     def _directory(self, stream: str) -> Path:
-        return self._engine.data_dir / "streams" / dirname_for(stream)
+        return stream_directory(self._engine.data_dir, stream)
 
     def _now(self) -> int:
         return max(self._clock(), 0)
@@ -463,8 +463,8 @@ class GroupManager:
         s = self._engine._stream(stream)
         delayed, max_ts = False, 0
         with s.lock:
-            nodes = s.nodes
-            i = max(bisect_right(s.bases, start) - 1, 0)
+            nodes = s.index.nodes
+            i = s.index.holding(start)
             while i < len(nodes):
                 header = nodes[i].header
                 if header.base_offset >= end:

@@ -18,13 +18,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from storage import grouplog
-from storage.dedup import SNAPSHOT_FILE as PRODUCERS_FILE
 from storage.dedup import ProducerTable
 from storage.errors import CorruptionError
 from storage.format import NODE_SPARSE, NODE_ZSTD, SegmentHeader
 from storage.fs import FileSystem
-from storage.segment import SEGMENT_SUFFIX, Segment
-from storage.stream import META_FILE, decode_meta
+from storage.layout import META_FILE, PRODUCERS_FILE, SEGMENT_SUFFIX, decode_meta, streams_root
+from storage.segment import Segment
 
 
 @dataclass
@@ -101,7 +100,7 @@ def _segments_under(path: Path) -> Iterator[Path]:
     if path.is_file():
         yield path
         return
-    streams = path / "streams"
+    streams = streams_root(path)
     dirs = sorted(streams.iterdir()) if streams.is_dir() else [path]
     for directory in dirs:
         yield from sorted(directory.glob(f"*{SEGMENT_SUFFIX}"))
@@ -110,7 +109,7 @@ def _segments_under(path: Path) -> Iterator[Path]:
 def verify(data_dir: Path) -> list[str]:
     """Every problem found in a data directory, as sentences; empty when all is well."""
     problems: list[str] = []
-    streams = data_dir / "streams"
+    streams = streams_root(data_dir)
     if not streams.is_dir():
         return [f"{data_dir} is not a streamlog data directory (no streams/)"]
     for directory in sorted(p for p in streams.iterdir() if p.is_dir()):

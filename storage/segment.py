@@ -1,19 +1,24 @@
 """Segment files and the nodes inside them.
 
-A segment is a file named by the zero-padded offset of its first entry. It is
-either *growing* (fixed size, preallocated, nodes appended in place, the last
-node still being written) or *packed* (rewritten once full or compacted:
-immutable, sized to its content, nodes usually zstd-compressed).
+A segment is a file named by the zero-padded offset of its first entry
+(storage/layout.py). It is either *growing* (fixed size, preallocated, nodes
+appended in place, the last node still being written: storage/growing.py) or
+*packed* (rewritten once full, compacted or merged: immutable, sized to its
+content, nodes usually zstd-compressed: storage/packed.py). This module finds
+and checks the chain of nodes in a file, whatever its layout; `NodeRef` is
+where a node lives, `NodeView` its entries as the read path sees them.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from array import array
+from bisect import bisect_left
+from collections.abc import Callable
 from pathlib import Path
 
 import zstandard
-from crc32c import crc32c
 
 from storage.errors import CorruptionError
 from storage.format import (
@@ -25,18 +30,18 @@ from storage.format import (
     NodeBody,
     NodeHeader,
     SegmentHeader,
-    check_positions,
-    decode_packed_body,
     pick_header,
 )
 from storage.fs import FileSystem, SegmentFile
+from storage.growing import plausible_growing, read_growing_body
+from storage.layout import segment_name
+from storage.packed import read_packed_body
+from storage.records import record_offset_and_timestamp
+from storage.results import Gap
+from storage.types import GapReason
 
-SEGMENT_SUFFIX = ".seg"
+log = logging.getLogger("streamlog.storage")
 _uids = itertools.count(1)
-
-
-def segment_name(base_offset: int) -> str:
-    return f"{base_offset:020d}{SEGMENT_SUFFIX}"
 
 
 class NodeRef:
@@ -64,6 +69,63 @@ class NodeRef:
     def disk_size(self) -> int:
         return self.header.disk_size
 
+    def damage(self) -> Gap:
+        """The range this node covers, as the damage its failed checks cause."""
+        return Gap(self.base_offset, self.end_offset, GapReason.CORRUPT)
+
+    def mark_corrupt(self, stream: str, exc: Exception) -> bool:
+        """Flag the node as failing its checks; True the first time (the caller records the damage)."""
+        if self.corrupt:
+            return False
+        self.corrupt = True
+        log.error(
+            "stream %r: node at offsets %d..%d is corrupt (%s)",
+            stream,
+            self.base_offset,
+            self.end_offset,
+            exc,
+        )
+        return True
+
+
+class NodeView:
+    """A node's entries as the read path sees them, whether the active node or a decoded one."""
+
+    __slots__ = ("base", "deltas", "positions", "slice")
+
+    def __init__(
+        self, base: int, positions: array, deltas: array | None, slice_: Callable[[int, int], bytes]
+    ):
+        self.base = base
+        self.positions = positions
+        self.deltas = deltas
+        self.slice = slice_  # records lo..hi-1, back to back
+
+    @property
+    def count(self) -> int:
+        return len(self.positions) - 1
+
+    def offset_at(self, index: int) -> int:
+        return self.base + (self.deltas[index] if self.deltas is not None else index)
+
+    def index_of(self, offset: int) -> int:
+        """Index of the first entry whose offset is >= `offset`."""
+        if self.deltas is None:
+            return min(max(offset - self.base, 0), self.count)
+        return bisect_left(self.deltas, offset - self.base)
+
+    def first_at_or_after(self, timestamp_ms: int) -> int:
+        """Index of the first entry appended at or after `timestamp_ms` (count if none)."""
+        lo, hi = 0, self.count
+        while lo < hi:
+            mid = (lo + hi) // 2
+            _, ts = record_offset_and_timestamp(self.slice(mid, mid + 1), 0)
+            if ts < timestamp_ms:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
 
 class Segment:
     """One open segment file and its nodes, in offset order."""
@@ -86,6 +148,9 @@ class Segment:
     @property
     def packed(self) -> bool:
         return self.header.packed
+
+    def ref_at(self, pos: int, header: NodeHeader) -> NodeRef:
+        return NodeRef(self, pos, header)
 
     def end_offset(self) -> int:
         """The offset that the next segment must start at."""
@@ -174,7 +239,7 @@ class Segment:
             return False
         if self.packed:
             return header.base_offset >= expected
-        return header.base_offset == expected and header.stored_len == 4 * header.slots + header.blob_len
+        return header.base_offset == expected and plausible_growing(header)
 
     def _body_ok(self, pos: int, header: NodeHeader) -> bool:
         try:
@@ -183,23 +248,13 @@ class Segment:
             return False
         return True
 
-    def read_body(self, ref: NodeRef, decompressor) -> NodeBody:
+    def read_body(self, ref: NodeRef, decompressor: zstandard.ZstdDecompressor | None) -> NodeBody:
         """Read and check one node's entries. Raises CorruptionError on any mismatch."""
-        header = ref.header
-        start = ref.pos + NODE_PREFIX_SIZE
         if self.packed:
-            stored = self.file.read(start, header.stored_len)
-            return decode_packed_body(header, stored, decompressor or zstandard.ZstdDecompressor())
-        table = self.file.read(start, 4 * header.count)
-        blob = self.file.read(start + 4 * header.slots, header.blob_len)
-        if crc32c(table) != header.body_crc or crc32c(blob) != header.blob_crc:
-            raise CorruptionError("node CRC mismatch")
-        positions = array("I")
-        positions.frombytes(table)
-        positions.append(header.blob_len)
-        body = NodeBody(header.base_offset, positions, blob)
-        check_positions(body)
-        return body
+            return read_packed_body(
+                self.file, ref.pos, ref.header, decompressor or zstandard.ZstdDecompressor()
+            )
+        return read_growing_body(self.file, ref.pos, ref.header)
 
     def truncate_after(self, pos: int) -> None:
         """Zero everything from `pos` on, so no stale node beyond a cut can ever be read back."""
@@ -213,83 +268,3 @@ class Segment:
 
     def close(self) -> None:
         self.file.close()
-
-
-class GrowingNode:
-    """The active node: entries are appended in place, then a header slot is rewritten.
-
-    The two header slots are written alternately (by sequence number), so a
-    torn header write leaves the previous header, and the prefix it
-    describes, intact. The CRCs grow incrementally with the table and blob.
-    """
-
-    def __init__(self, ref: NodeRef, positions: array) -> None:
-        self.ref = ref
-        self.positions = positions  # count+1 entries: the last is the blob length
-
-    @classmethod
-    def start(cls, segment: Segment, slots: int, base_offset: int) -> GrowingNode:
-        header = NodeHeader(0, 0, base_offset, slots, 0, 4 * slots, 0, 0, 0, 0)
-        ref = NodeRef(segment, segment.end_pos, header)
-        return cls(ref, array("I", [0]))
-
-    @classmethod
-    def resume(cls, ref: NodeRef) -> GrowingNode:
-        table = ref.segment.file.read(ref.pos + NODE_PREFIX_SIZE, 4 * ref.header.count)
-        positions = array("I")
-        positions.frombytes(table)
-        positions.append(ref.header.blob_len)
-        return cls(ref, positions)
-
-    @property
-    def count(self) -> int:
-        return self.ref.header.count
-
-    @property
-    def blob_start(self) -> int:
-        return self.ref.pos + NODE_PREFIX_SIZE + 4 * self.ref.header.slots
-
-    def room(self, entries: int, nbytes: int) -> bool:
-        h = self.ref.header
-        return (
-            h.count + entries <= h.slots
-            and self.blob_start + h.blob_len + nbytes <= self.ref.segment.file.size
-        )
-
-    def append(self, blob: bytes, positions: array, timestamp_ms: int, flags: int) -> None:
-        """Write a batch whose positions already start at this node's blob length."""
-        h = self.ref.header
-        file = self.ref.segment.file
-        file.write(self.blob_start + h.blob_len, blob)
-        table = positions[:-1].tobytes()
-        file.write(self.ref.pos + NODE_PREFIX_SIZE + 4 * h.count, table)
-        count = h.count + len(positions) - 1
-        header = NodeHeader(
-            seq=h.seq + 1,
-            count=count,
-            base_offset=h.base_offset,
-            slots=h.slots,
-            blob_len=positions[-1],
-            stored_len=4 * h.slots + positions[-1],
-            body_crc=crc32c(table, h.body_crc),
-            blob_crc=crc32c(blob, h.blob_crc),
-            min_ts=timestamp_ms if h.count == 0 else h.min_ts,
-            max_ts=timestamp_ms,
-            flags=h.flags | flags,
-        )
-        file.write(self.ref.pos + NODE_HEADER_SIZE * (header.seq % 2), header.encode())
-        self.ref.header = header
-        del self.positions[-1]
-        self.positions.extend(positions)
-        self.ref.segment.end_pos = self.ref.pos + header.disk_size
-
-    def body(self) -> NodeBody:
-        """The node's entries as they stand now (a copy of the blob)."""
-        h = self.ref.header
-        blob = self.ref.segment.file.read(self.blob_start, h.blob_len)
-        return NodeBody(h.base_offset, array("I", self.positions), blob)
-
-    def slice(self, lo: int, hi: int) -> bytes:
-        """Records lo..hi-1 straight from the mapping."""
-        start = self.positions[lo]
-        return self.ref.segment.file.read(self.blob_start + start, self.positions[hi] - start)

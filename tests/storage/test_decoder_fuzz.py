@@ -30,9 +30,10 @@ from storage import (
     grouplog,
 )
 from storage.dedup import BatchRecord, ProducerTable
-from storage.format import NodeBody, NodeHeader, SegmentHeader, decode_packed_body, encode_packed_node
+from storage.format import NodeBody, NodeHeader, SegmentHeader
+from storage.layout import decode_meta, encode_meta
+from storage.packed import decode_packed_body, encode_packed_node
 from storage.records import decode_records, encode_batch, record_offset_and_timestamp
-from storage.stream import decode_meta, encode_meta
 
 from .conftest import SMALL
 

@@ -519,7 +519,7 @@ def test_compaction_keeps_only_the_superseded_offsets_of_segments_not_yet_rewrit
         )
     engine.compact("kv")
     stream = engine._stream("kv")
-    index = stream._tags
+    index = stream.cleaner.tags
     assert len(stream.segments) > 3
     assert len(index.latest) == 7
     # Sealed segments were rewritten without their superseded entries; only the active one's remain.
@@ -530,7 +530,7 @@ def test_compaction_keeps_only_the_superseded_offsets_of_segments_not_yet_rewrit
 
 
 def test_compaction_rounds_decode_only_what_was_appended_since_the_last(open_engine, monkeypatch):
-    from storage import stream as stream_module
+    from storage import cleaner as cleaner_module
 
     engine = open_engine(compaction_interval_ms=0)
     engine.create_stream("kv", StreamConfig(compaction=True))
@@ -538,13 +538,13 @@ def test_compaction_rounds_decode_only_what_was_appended_since_the_last(open_eng
         engine.append("kv", AppendBatch([f"v{i}".ljust(200).encode()], tags=[f"k{i % 7}"]))
     first_removed = engine.compact("kv")
     decoded = []
-    real = stream_module.decode_record
+    real = cleaner_module.decode_record
 
     def counting(*args, **kwargs):
         decoded.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(stream_module, "decode_record", counting)
+    monkeypatch.setattr(cleaner_module, "decode_record", counting)
     for i in range(600, 610):
         engine.append("kv", AppendBatch([f"v{i}".ljust(200).encode()], tags=[f"k{i % 7}"]))
     engine.compact("kv")

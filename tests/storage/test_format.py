@@ -17,12 +17,11 @@ from storage.format import (
     NodeBody,
     NodeHeader,
     SegmentHeader,
-    decode_packed_body,
-    encode_packed_node,
     pick_header,
 )
 from storage.inspect import main as inspect_main
 from storage.names import dirname_for
+from storage.packed import decode_packed_body, encode_packed_node
 from storage.records import decode_records, encode_batch
 
 

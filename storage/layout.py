@@ -1,0 +1,79 @@
+"""Where a data directory keeps things: file names, the directory layout, a stream's meta file.
+
+    DATA/LOCK                                held while an engine has the directory open
+    DATA/streams/<encoded name>/             one stream (storage/names.py encodes the name)
+        stream.meta                          name, first offset, config (below)
+        <20-digit base offset>.seg           segment files (storage/segment.py)
+        producers.snap                       the idempotent-append table (storage/dedup.py)
+        CLEAN                                written by a clean shutdown, removed at start-up
+        *.tmp                                a file being replaced; a crash may leave one behind
+        *.seg.damaged                        a segment with nothing readable, kept for the operator
+    DATA/streams/<encoded name>.deleted/     a stream whose deletion a crash interrupted
+
+The consumer groups' files beside the segments are named in storage/grouplog.py.
+docs/FORMAT.md has the byte layout of each file.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from crc32c import crc32c
+
+from storage.config import StreamConfig
+from storage.errors import CorruptionError
+from storage.names import dirname_for
+
+if TYPE_CHECKING:  # fs.py names its temporary files with TMP_SUFFIX from here
+    from storage.fs import FileSystem
+
+LOCK_FILE = "LOCK"
+STREAMS_DIR = "streams"
+DELETED_SUFFIX = ".deleted"
+META_FILE = "stream.meta"
+CLEAN_MARKER = "CLEAN"
+PRODUCERS_FILE = "producers.snap"
+SEGMENT_SUFFIX = ".seg"
+TMP_SUFFIX = ".tmp"
+DAMAGED_SUFFIX = ".damaged"
+_META_MAGIC = b"SLMT"
+
+
+def streams_root(data_dir: Path) -> Path:
+    return data_dir / STREAMS_DIR
+
+
+def stream_directory(data_dir: Path, name: str) -> Path:
+    return streams_root(data_dir) / dirname_for(name)
+
+
+def segment_name(base_offset: int) -> str:
+    return f"{base_offset:020d}{SEGMENT_SUFFIX}"
+
+
+def segment_base(filename: str) -> int:
+    """The base offset a segment file's name gives."""
+    return int(filename.split(".")[0])
+
+
+def encode_meta(name: str, first_offset: int, config: StreamConfig) -> bytes:
+    body = json.dumps({"name": name, "first_offset": first_offset, "config": config.to_dict()}).encode()
+    return _META_MAGIC + struct.pack("<I", crc32c(body)) + body
+
+
+def write_meta(fs: FileSystem, directory: Path, name: str, first_offset: int, config: StreamConfig) -> None:
+    """Replace the stream's meta file, atomically and durably."""
+    fs.write_file_atomic(directory / META_FILE, encode_meta(name, first_offset, config))
+
+
+def decode_meta(raw: bytes) -> tuple[str, int, StreamConfig]:
+    if raw[:4] != _META_MAGIC or len(raw) < 8:
+        raise CorruptionError("stream metadata has a bad magic")
+    body = raw[8:]
+    if struct.unpack_from("<I", raw, 4)[0] != crc32c(body):
+        raise CorruptionError("stream metadata CRC mismatch")
+    data = json.loads(body)
+    return data["name"], int(data["first_offset"]), StreamConfig.from_dict(data["config"])

@@ -1,0 +1,215 @@
+"""Recovery: opening one stream's directory at start-up (Kafka's LogLoader).
+
+`LogLoader.load` turns what a clean shutdown, a crash or a power loss left on
+disk into the state a stream starts from (`LoadedLog`), repairing what it
+must, in this order (docs/FORMAT.md, "Recovery rules"):
+
+- `*.tmp` files (a rewrite that crashed before its rename) are removed;
+- trailing segments in which no node was ever written are removed;
+- each segment's node headers are read; after an unclean shutdown the last
+  segment's node bodies are checked too, and a torn tail is cut (durably);
+- a segment whose header is damaged is salvaged from its node chain;
+- every other range that cannot be read is reported as damaged (`corrupt`
+  gaps), and no offset it may hold is handed out again;
+- the node index is built from the headers alone, and the idempotent-append
+  table is loaded and caught up with the batches written after its snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from storage.context import EngineContext
+from storage.dedup import BatchRecord, ProducerTable
+from storage.errors import CorruptionError
+from storage.format import NODE_PREFIX_SIZE, NODE_PRODUCER, SEGMENT_HEADER_SIZE
+from storage.growing import GrowingNode
+from storage.index import NodeIndex
+from storage.layout import DAMAGED_SUFFIX, PRODUCERS_FILE, SEGMENT_SUFFIX, TMP_SUFFIX, segment_base
+from storage.packed import decompressor
+from storage.records import decode_record
+from storage.results import Gap
+from storage.segment import NodeRef, Segment
+from storage.types import GapReason
+
+log = logging.getLogger("streamlog.storage")
+
+
+@dataclass
+class LoadedLog:
+    """What a stream starts from."""
+
+    segments: list[Segment]
+    index: NodeIndex  # the retained nodes
+    active: GrowingNode | None  # the node appends resume into
+    first_offset: int
+    end_offset: int
+    damaged: list[Gap]
+    producers: ProducerTable
+
+
+def new_producer_table(ctx: EngineContext) -> ProducerTable:
+    cfg = ctx.config
+    return ProducerTable(cfg.dedup_batches_per_producer, cfg.dedup_window_ms, cfg.dedup_max_producers)
+
+
+class LogLoader:
+    def __init__(self, ctx: EngineContext, name: str, directory: Path) -> None:
+        self.ctx = ctx
+        self.name = name
+        self.directory = directory
+        self.damaged: list[Gap] = []  # an end of -1: "up to the next retained node"
+
+    def load(self, meta_first: int, clean: bool) -> LoadedLog:
+        """The stream's state, from the first offset its meta file holds and whether it was closed
+        cleanly (with a CLEAN marker, node bodies are trusted and not read)."""
+        segments = self._open_segments(self._segment_files(), clean)
+        tail = segments[-1] if segments else None
+        resumed = tail.nodes[-1] if tail is not None and not tail.packed and tail.nodes else None
+        # The node appends resume into stays indexed even when trimmed past, as it is live.
+        index = NodeIndex(r for s in segments for r in s.nodes if r.end_offset > meta_first or r is resumed)
+        end = tail.end_offset() if tail is not None else 0
+        # Never hand out an offset that a damaged segment may hold.
+        damage_ends = (max(g.start_offset, g.end_offset) for g in self.damaged)
+        end_offset = max([end, meta_first, *damage_ends])
+        # Resolve damage ranges that ran to "the next segment" once that is known.
+        damaged = [
+            g
+            if g.end_offset >= 0
+            else Gap(g.start_offset, _or(index.base_after(g.start_offset), end_offset), g.reason)
+            for g in self.damaged
+        ]
+        active = GrowingNode.resume(resumed) if resumed is not None else None
+        producers = self._load_producers(index.nodes, active, end_offset, damaged)
+        return LoadedLog(segments, index, active, max(meta_first, 0), end_offset, damaged, producers)
+
+    # ------------------------------------------------------------------ segments
+
+    def _segment_files(self) -> list[str]:
+        fs = self.ctx.fs
+        files = fs.listdir(self.directory)
+        for leftover in (f for f in files if f.endswith(TMP_SUFFIX)):
+            fs.remove(self.directory / leftover)  # a rewrite that crashed before its rename
+        names = [f for f in files if f.endswith(SEGMENT_SUFFIX)]
+        # A trailing segment in which no node was ever written holds no entry: remove it. It may
+        # be a creation that a crash cut short (header torn or missing, preallocation lost), and
+        # a new segment of the same name must be creatable at the same base offset.
+        while names:
+            head = fs.read_head(self.directory / names[-1], SEGMENT_HEADER_SIZE + NODE_PREFIX_SIZE)
+            if any(head[SEGMENT_HEADER_SIZE:]):
+                break
+            fs.remove(self.directory / names.pop())
+        return names
+
+    def _open_segments(self, names: list[str], clean: bool) -> list[Segment]:
+        fs = self.ctx.fs
+        segments: list[Segment] = []
+        expected = segment_base(names[0]) if names else None
+        for i, fname in enumerate(names):
+            last = i == len(names) - 1
+            opened = self._open_segment(self.directory / fname, verify=last and not clean)
+            if opened is None:
+                continue
+            segment, cut = opened
+            if expected is not None and segment.base_offset != expected:
+                if segment.base_offset < expected:
+                    log.error(
+                        "stream %r: segment %s overlaps its predecessor; dropping it and later ones",
+                        self.name,
+                        fname,
+                    )
+                    segment.close()
+                    for later in names[i:]:
+                        fs.remove(self.directory / later)
+                    break
+                self._note_damage(Gap(expected, segment.base_offset, GapReason.CORRUPT))
+            if cut:
+                log.warning("stream %r: segment %s: %s", self.name, fname, cut)
+                if last and not segment.packed:
+                    # Torn tail: keep the valid prefix, and make the cut durable before anything
+                    # else is written, so a later power loss cannot bring the torn node back.
+                    segment.truncate_after(segment.end_pos)
+                    segment.file.sync()
+                else:
+                    self._note_damage(
+                        Gap(
+                            segment.nodes[-1].end_offset if segment.nodes else segment.base_offset,
+                            segment.end_offset() if segment.packed else -1,
+                            GapReason.CORRUPT,
+                        )
+                    )
+            segments.append(segment)
+            expected = segment.end_offset()
+        return segments
+
+    def _open_segment(self, path: Path, verify: bool) -> tuple[Segment, str | None] | None:
+        """Open one segment; salvage it if its header is damaged; None if nothing can be read."""
+        try:
+            return Segment.open(self.ctx.fs, path, writable=True, verify=verify)
+        except CorruptionError as exc:
+            log.error("stream %r: segment %s has a damaged header (%s)", self.name, path.name, exc)
+        base = segment_base(path.name)
+        salvaged = Segment.salvage(self.ctx.fs, path, base)
+        if salvaged is None:
+            # Keep the file for the operator, out of the way of a new segment of the same name.
+            self.ctx.fs.rename(path, path.with_name(path.name + DAMAGED_SUFFIX))
+            self._note_damage(Gap(base, -1, GapReason.CORRUPT))
+            return None
+        log.warning("stream %r: segment %s salvaged: header rewritten", self.name, path.name)
+        return salvaged, None
+
+    def _note_damage(self, gap: Gap) -> None:
+        log.error(
+            "stream %r: offsets %d..%d are damaged and will be skipped",
+            self.name,
+            gap.start_offset,
+            gap.end_offset,
+        )
+        self.damaged.append(gap)
+
+    # ------------------------------------------------------------------ idempotent appends
+
+    def _load_producers(
+        self, nodes: Sequence[NodeRef], active: GrowingNode | None, end_offset: int, damaged: list[Gap]
+    ) -> ProducerTable:
+        """The idempotent-append table: its snapshot, then the batches written after it."""
+        fs = self.ctx.fs
+        path = self.directory / PRODUCERS_FILE
+        producers = new_producer_table(self.ctx)
+        if fs.exists(path):
+            try:
+                producers.load(fs.read_file(path))
+            except CorruptionError as exc:
+                log.error("stream %r: %s; rebuilding it from the stream", self.name, exc)
+                producers = new_producer_table(self.ctx)
+        producers.forget_from(end_offset)  # batches a power loss took back
+        horizon = self.ctx.clock() - self.ctx.config.dedup_window_ms
+        for ref in nodes:
+            h = ref.header
+            if ref.end_offset <= producers.scanned_to or not h.flags & NODE_PRODUCER or h.max_ts < horizon:
+                continue
+            if active is not None and ref is active.ref:
+                body = active.body()
+            else:
+                try:
+                    body = ref.segment.read_body(ref, decompressor())
+                except CorruptionError as exc:
+                    if ref.mark_corrupt(self.name, exc):
+                        damaged.append(ref.damage())
+                    continue
+            pos = 0
+            for _ in range(body.count):
+                entry, pos = decode_record(body.blob, pos)
+                if entry.producer_id:
+                    # Its first offset is not stored: a retry carries the same batch, whose length tells.
+                    batch = BatchRecord(-1, entry.offset, entry.timestamp_ms)
+                    producers.record(entry.producer_id, entry.producer_sequence, batch)
+        producers.scanned_to = end_offset
+        return producers
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
