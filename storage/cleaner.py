@@ -3,10 +3,13 @@
 - packing: a full growing segment is rewritten as a packed file, its nodes
   compressed one by one;
 - compaction: only the latest entry per tag survives in sealed segments (an
-  empty payload with a tag is a tombstone, removed after a delay).
+  empty payload with a tag is a tombstone, removed after a delay);
+- merging: runs of adjacent packed segments that compaction left small are
+  merged into one file (at most `segment_bytes`), so a long-lived keyed stream
+  does not keep one small file per `segment_bytes` ever written.
 
 Each rewrite is crash-safe (storage/packed.py writes the new file next to the
-old one and renames it over), then swaps the segment in the stream's list and
+old one and renames it over), then swaps the segments in the stream's list and
 index under its lock. All of them run under the stream's `maintenance_lock`,
 so they never race each other or retention.
 """
@@ -69,7 +72,8 @@ class Cleaner:
     # ------------------------------------------------------------------ compaction
 
     def compact(self, now_ms: int) -> int:
-        """Keep only the latest entry per tag in sealed segments. Returns the entries removed.
+        """Keep only the latest entry per tag in sealed segments, then merge the small segments
+        that leaves. Returns the entries removed.
 
         Incremental, like Kafka's cleaner with its dirty section: the index of the
         latest offset per tag is kept between rounds, with the superseded offsets of
@@ -115,6 +119,7 @@ class Cleaner:
                     continue
                 removed += before - _entries_from(packed, stream.first_offset)
                 index.forget(base, doomed)
+            self._merge_small()
             self.last_compaction_ms = now_ms
             return removed
 
@@ -137,6 +142,47 @@ class Cleaner:
                     index.note(entry.tag, entry.offset, not entry.payload, entry.timestamp_ms, bases)
             index.scanned_to = max(index.scanned_to, ref.end_offset)
 
+    # ------------------------------------------------------------------ merging
+
+    def _merge_small(self) -> None:
+        """Merge each run of adjacent packed sealed segments that fits in `segment_bytes` together."""
+        stream = self._stream
+        limit = stream.ctx.config.segment_bytes
+        with stream.lock:
+            sealed = stream.segments[:-1]
+            damaged = list(stream.damaged)
+        run: list[Segment] = []
+        size = 0
+        for segment in sealed:
+            mergeable = segment.packed and not _holds_damage(segment, damaged)
+            if mergeable and run and size + segment.file.size <= limit:
+                run.append(segment)
+                size += segment.file.size
+                continue
+            self._merge(run)
+            run, size = ([segment], segment.file.size) if mergeable else ([], 0)
+        self._merge(run)
+
+    def _merge(self, run: list[Segment]) -> None:
+        """One packed file in place of the run (if it has two segments or more): their nodes copied
+        as they are (a packed node does not depend on where it sits), named after the first."""
+        if len(run) < 2:
+            return
+        stream = self._stream
+        first = stream.first_offset
+        nodes = (
+            segment.file.read(ref.pos, ref.disk_size)
+            for segment in run
+            for ref in segment.nodes
+            if ref.end_offset > first
+        )
+        try:
+            self._replace(run, nodes)
+        except CorruptionError as exc:
+            log.error("stream %r: segments from %s not merged: %s", stream.name, run[0].path.name, exc)
+            return
+        self.tags.merge_segments([segment.base_offset for segment in run])
+
     # ------------------------------------------------------------------ rewriting one segment
 
     def _bodies(self, segment: Segment) -> Iterator[tuple[NodeBody, int, int, int]]:
@@ -153,16 +199,32 @@ class Cleaner:
         cfg = self._stream.ctx.config
         compressor = zstandard.ZstdCompressor(level=cfg.compression_level) if cfg.compression else None
         nodes = (encode_packed_node(body, lo, hi, flags, compressor) for body, lo, hi, flags in bodies)
+        return self._replace([old], nodes)
+
+    def _replace(self, old: list[Segment], nodes: Iterable[bytes]) -> Segment:
+        """Replace adjacent segments `old` with one packed file, named after the first, holding
+        `nodes` (encoded packed nodes); returns it.
+
+        The new file replaces the first one atomically; the others are removed after, and a crash
+        in between leaves segments that the new one covers, which recovery removes. An error from
+        `nodes` (a corrupt node) leaves every segment as it was.
+        """
         stream = self._stream
         fs = stream.ctx.fs
-        write_packed_segment(fs, old.path, old.base_offset, old.end_offset(), old.header.created_ms, nodes)
-        new, cut = Segment.open(fs, old.path, writable=False, verify=False)
+        head = old[0]
+        end = old[-1].end_offset()
+        write_packed_segment(fs, head.path, head.base_offset, end, head.header.created_ms, nodes)
+        new, cut = Segment.open(fs, head.path, writable=False, verify=False)
         if cut:
-            raise CorruptionError(f"rewritten segment {old.path.name} does not read back: {cut}")
+            raise CorruptionError(f"rewritten segment {head.path.name} does not read back: {cut}")
         with stream.lock:
-            stream.segments[stream.segments.index(old)] = new
-            stream.index.replace_segments([old], (r for r in new.nodes if r.end_offset > stream.first_offset))
-            stream.release(old)
+            at = stream.segments.index(head)
+            stream.segments[at : at + len(old)] = [new]
+            stream.index.replace_segments(old, (r for r in new.nodes if r.end_offset > stream.first_offset))
+            for segment in old:
+                stream.release(segment)
+        for segment in old[1:]:
+            fs.remove(segment.path)
         return new
 
 
@@ -201,6 +263,18 @@ class TagIndex:
         self.superseded.pop(base, None)
         for tag in [t for t, (o, _, _) in self.latest.items() if o in removed]:
             del self.latest[tag]  # an expired tombstone: the key is gone
+
+    def merge_segments(self, bases: Sequence[int]) -> None:
+        """The segments at `bases` are now one, at bases[0]: what was superseded in them is in it."""
+        rows = [row for base in bases if (row := self.superseded.pop(base, None)) is not None]
+        if rows:
+            self.superseded[bases[0]] = array("q", [o for row in rows for o in row])
+
+
+def _holds_damage(segment: Segment, damaged: Sequence) -> bool:
+    """Whether a damaged range falls in the segment: it stays as it is, for the operator."""
+    base, end = segment.base_offset, segment.end_offset()
+    return any(g.start_offset < end and base < g.end_offset for g in damaged)
 
 
 def _entries_from(segment: Segment, first_offset: int) -> int:

@@ -9,6 +9,9 @@ must, in this order (docs/FORMAT.md, "Recovery rules"):
 - each segment's node headers are read; after an unclean shutdown the last
   segment's node bodies are checked too, and a torn tail is cut (durably);
 - a segment whose header is damaged is salvaged from its node chain;
+- a segment that the packed segment before it covers entirely is what a
+  merge of small segments left behind when a crash came before its removal:
+  it is removed;
 - every other range that cannot be read is reported as damaged (`corrupt`
   gaps), and no offset it may hold is handed out again;
 - the node index is built from the headers alone, and the idempotent-append
@@ -116,6 +119,13 @@ class LogLoader:
             segment, cut = opened
             if expected is not None and segment.base_offset != expected:
                 if segment.base_offset < expected:
+                    if segments and segments[-1].packed and segment.end_offset() <= expected:
+                        # A merge wrote this segment's nodes into the one before, then a crash
+                        # came before this file was removed: finish the merge.
+                        log.warning("stream %r: segment %s was merged into its predecessor", self.name, fname)
+                        segment.close()
+                        fs.remove(segment.path)
+                        continue
                     log.error(
                         "stream %r: segment %s overlaps its predecessor; dropping it and later ones",
                         self.name,

@@ -18,7 +18,12 @@ snapshot is then reopened and checked:
   recovery's own writes were made durable), the stream accepts new appends
   (enough to roll a segment) which read back, and they survive a further crash.
 
-CI runs 1,150 crash points over seven variants (about 30 s on two cores);
+The merge variant takes its crash points while compaction runs, where runs of
+small compacted segments are merged, and checks that some of them fall
+between a merge and the removal of its source segments (the case recovery
+finishes).
+
+CI runs 1,280 crash points over eight variants (about 40 s on two cores);
 `STREAMLOG_CRASH_POINTS=N` spreads about N over them for a long run. A failure
 names the variant, seed and crash point; rerun one seed with
 `STREAMLOG_CRASH_SEED=... pytest tests/storage/test_crash_sweep.py -k VARIANT`.
@@ -27,6 +32,7 @@ The single-scenario tests at the end pin each engine defect the sweep found.
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import tempfile
@@ -47,6 +53,7 @@ from storage import (
     StreamConfig,
     inspect,
 )
+from storage.format import SegmentHeader
 from tests.storage.conftest import SMALL as CONFTEST_SMALL
 from tests.storage.faultfs import Crash, FaultFS, FaultSegmentFile
 
@@ -85,6 +92,8 @@ class Variant:
     write_share: float = 0.0  # share of crash points taken at write points rather than sync points
     per_run: int = 10  # crash points sampled from one workload run
     steps: int = 110  # operations per workload run
+    merges: bool = False  # some crash points must leave a merge's source segments behind
+    focus: frozenset[str] = frozenset()  # take crash points only while these ops run (empty: any)
 
 
 VARIANTS = [
@@ -111,6 +120,17 @@ VARIANTS = [
     Variant("no-power", "no", "power", 110, ops=frozenset({"evict", "reopen"}), write_share=0.5),
     Variant(
         "always-power-groups", "always", "power", 150, ops=frozenset({"group", "reopen"}), write_share=0.2
+    ),
+    Variant(
+        "always-power-merge",
+        "always",
+        "power",
+        130,
+        ops=frozenset({"compact", "reopen"}),
+        tagged=True,
+        steps=220,
+        merges=True,
+        focus=frozenset({"compact", "maintain"}),
     ),
 ]
 
@@ -291,6 +311,8 @@ def run_workload(variant: Variant, seed: int, k: int) -> list[Case]:
     def offer(kind: str) -> None:
         share = variant.write_share if kind == "write" else 1 - variant.write_share
         if share <= 0 or pick.random() >= share:
+            return
+        if variant.focus and model.inflight not in variant.focus:
             return
         slot = reservoir.slot()
         if slot is None:
@@ -730,18 +752,32 @@ def test_faultfs_crash_points_failures_and_full_disk():
 # ---------------------------------------------------------------------- the sweep
 
 
-def sweep(variant: Variant) -> tuple[int, list[str]]:
+def merge_left_behind(state: FaultFS) -> bool:
+    """Whether a segment of the main stream lies inside the packed segment before it: a merge wrote
+    the packed one, and the crash came before its other sources were removed."""
+    directory = ROOT / "streams" / MAIN
+    names = [n for n in state.listdir(directory) if n.endswith(".seg")]
+    for before, after in itertools.pairwise(names):
+        header = SegmentHeader.decode(state.file_bytes(directory / before)[:64])
+        if header.packed and int(after.split(".")[0]) < header.end_offset:
+            return True
+    return False
+
+
+def sweep(variant: Variant) -> tuple[int, list[str], int]:
+    """Crash points checked, the failures, and how many crash points left a merge's sources behind."""
     wanted = points_for(variant)
-    checked = 0
+    checked = merges = 0
     failures: list[str] = []
     for seed in seeds_for(variant):
         cases = run_workload(variant, seed, min(variant.per_run, max(wanted - checked - 1, 1)))
         for case in cases:
+            merges += merge_left_behind(case.fs)
             problems = verify(case)
             checked += 1
             if problems:
                 failures.append(f"{case.label()}: {'; '.join(problems[:3])}")
-    return checked, failures
+    return checked, failures, merges
 
 
 @pytest.mark.parametrize(
@@ -749,10 +785,12 @@ def sweep(variant: Variant) -> tuple[int, list[str]]:
     [pytest.param(v, id=v.id) for v in VARIANTS],
 )
 def test_crash_sweep(variant: Variant):
-    checked, failures = sweep(variant)
-    print(f"{variant.id}: {checked} crash points checked, {len(failures)} failed")
+    checked, failures, merges = sweep(variant)
+    print(f"{variant.id}: {checked} crash points checked, {len(failures)} failed, {merges} amid a merge")
     assert checked >= points_for(variant) or os.environ.get("STREAMLOG_CRASH_SEED")
     assert not failures, f"{len(failures)} of {checked} crash points failed:\n" + "\n".join(failures[:12])
+    if variant.merges and not os.environ.get("STREAMLOG_CRASH_SEED"):
+        assert merges, "no crash point fell between a merge and the removal of its source segments"
 
 
 # ---------------------------------------------------------------------- one scenario per defect found
