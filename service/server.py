@@ -35,6 +35,7 @@ from service.ops import Operations
 from service.servicer import StreamLogServicer
 from service.waiters import Waiters
 from storage import Engine
+from storage.fs import FileSystem
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +116,11 @@ def check_port_free(host: str, port: int, setting: str) -> None:
 class StreamLogServer:
     """One server: call `await start()`, later `await stop()`, on the same event loop."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, fs: FileSystem | None = None) -> None:
         self.settings = settings
+        # Tests only: the engine's file system (tests/cluster/powernode.py runs a server on
+        # one that keeps only what was synced, to cut its power). None: the real one.
+        self._fs = fs
         self.port: int | None = None
         self.engine: Engine | None = None
         self._server: grpc.aio.Server | None = None
@@ -204,7 +208,7 @@ class StreamLogServer:
         log.info("serving %d streams", len(self.engine.list_streams()))
 
     def _open_engine(self) -> Engine:
-        engine = Engine(self.settings.data_dir, config=engine_config(self.settings))
+        engine = Engine(self.settings.data_dir, config=engine_config(self.settings), fs=self._fs)
         for dirname in engine.unreadable:
             log.warning("stream directory %s failed its checks and is not served", dirname)
         return engine
@@ -251,14 +255,19 @@ def _sync_and_close(engine: Engine) -> None:
     engine.close()
 
 
-async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
-    """Run a server until SIGTERM or SIGINT (or `stop` is set), then shut it down gracefully."""
+async def serve(
+    settings: Settings, stop: asyncio.Event | None = None, *, fs: FileSystem | None = None
+) -> None:
+    """Run a server until SIGTERM or SIGINT (or `stop` is set), then shut it down gracefully.
+
+    `fs`: the engine's file system, for tests (see StreamLogServer); None, the real one.
+    """
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
     signals = (signal.SIGTERM, signal.SIGINT)
     for signum in signals:
         loop.add_signal_handler(signum, stop.set)
-    server = StreamLogServer(settings)
+    server = StreamLogServer(settings, fs=fs)
     # SIGHUP re-reads the TLS certificates, tokens and access rules (see service/auth.py).
     loop.add_signal_handler(signal.SIGHUP, lambda: server.ops and server.ops.reload("SIGHUP"))
     signals = (*signals, signal.SIGHUP)

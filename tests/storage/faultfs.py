@@ -39,10 +39,12 @@ Crash points. Every file sync and every directory sync is a *sync point*
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import os
 import random
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -394,6 +396,32 @@ class FaultFS:
                     child = node.entries[part] = self._new_dir()
                     node.durable[part] = child
                 node = child
+
+    def load(self, source: Path, path: Path) -> None:
+        """Copy the real directory tree `source` to `path` here, durably and outside the counts.
+
+        The inverse of `export`: a data directory that was on disk before the process started.
+        """
+        with self._lock:
+            self.prepare_dir(path)
+            for directory, subdirs, files in os.walk(source):
+                here = path / Path(directory).relative_to(source)
+                for name in subdirs:
+                    self.prepare_dir(here / name)
+                parent = self._dir(here)
+                for name in files:
+                    inode = _Inode(self._new_serial(), (Path(directory) / name).read_bytes())
+                    parent.entries[name] = parent.durable[name] = inode
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        """Hold every file operation of every thread until the block ends.
+
+        A crash image taken inside (`crashed_copy`) stays the last state: no write or sync
+        can happen after it, or its acknowledgement reach a client, while the block runs.
+        """
+        with self._lock:
+            yield
 
     def export(self, path: Path, dest: Path) -> None:
         """Write the live tree under `path` into the real directory `dest` (for offline tools)."""
