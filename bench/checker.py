@@ -148,26 +148,27 @@ class Report:
             counts[violation.rule] += 1
         return dict(counts)
 
-    def text(self, history: History, limit: int = 20, window_s: float = 10.0) -> str:
-        """The violations (the first `limit` of each rule), each with its operation and the faults
-        active or begun within `window_s` before it."""
+    def text(self, history: History, limit: int = 20, window_s: float = 10.0, after: int = 3) -> str:
+        """The violations (the first `limit` of each rule), each with the operation that broke the rule,
+        the faults under way or begun within `window_s` before it, and the first `after` since."""
         if self.ok:
             return "no violations"
         lines = [f"{len(self.violations)} violations: {self.by_rule()}"]
         shown: dict[str, int] = defaultdict(int)
+        last_op = None
         for violation in self.violations:
             shown[violation.rule] += 1
             if shown[violation.rule] > limit:
                 continue
             lines.append(violation.describe())
-            if violation.op is None:
-                continue
+            if violation.op is None or violation.op == last_op:
+                continue  # the same operation as the line before: said already
+            last_op = violation.op
             op = history.operations[violation.op]
             lines.append(f"    {op.describe()}")
-            position = op.completed if op.completed is not None else op.invoked
-            now_s = op.completed_s if op.completed_s is not None else op.invoked_s
-            for fault in history.faults_before(position, window_s, now_s):
-                lines.append(f"    before it: {fault.describe()}")
+            before, since = history.faults_around(op, window_s, after)
+            lines += [f"    before it: {fault.describe()}" for fault in before]
+            lines += [f"    since: {fault.describe()}" for fault in since]
         for rule, count in shown.items():
             if count > limit:
                 lines.append(f"... and {count - limit} more {rule}")
@@ -266,7 +267,7 @@ class _Check:
             if origin is None or origin[0].stream != stream:
                 self.add(
                     "phantom",
-                    f"an entry no client appended: {entry.payload!r}",
+                    f"an entry no client appended: {_payload(entry.payload)}",
                     stream=stream,
                     offset=entry.offset,
                     node=log.node,
@@ -409,7 +410,7 @@ class _Check:
                     rule, holds = ("lost", "nothing") if held is None else ("changed", _entry(held))
                     self.add(
                         rule,
-                        f"acknowledged {payload!r} at {result.timestamp_ms} ms; the log holds {holds}",
+                        f"acknowledged {_payload(payload)} at {result.timestamp_ms} ms; the log has {holds}",
                         stream=batch.stream,
                         offset=offset,
                         node=node,
@@ -434,7 +435,7 @@ class _Check:
             if origin is None or origin[0].stream != op.stream:
                 self.add(
                     "phantom",
-                    f"a read returned an entry no client appended: {entry.payload!r}",
+                    f"a read returned an entry no client appended: {_payload(entry.payload)}",
                     stream=op.stream,
                     offset=entry.offset,
                     op=op.id,
@@ -539,9 +540,14 @@ def _at(log: ReplicaLog, offset: int) -> LogEntry | None:
     return None
 
 
+def _payload(payload: bytes, limit: int = 32) -> str:
+    """A payload as a short repr: the workload's carry their identity first, then padding."""
+    return repr(payload) if len(payload) <= limit else f"{payload[:limit]!r}+{len(payload) - limit}B"
+
+
 def _entry(entry: LogEntry) -> str:
     tag = f" tag {entry.tag!r}" if entry.tag else ""
-    return f"{entry.payload!r} at {entry.timestamp_ms} ms{tag}"
+    return f"{_payload(entry.payload)} at {entry.timestamp_ms} ms{tag}"
 
 
 def _ranges(offsets: Iterable[int], limit: int = 5) -> str:

@@ -201,14 +201,20 @@ class History:
     def of_kind(self, kind: str) -> Iterator[Operation]:
         return (op for op in self.operations if op.kind == kind)
 
-    def faults_before(self, position: int, window_s: float, now_s: float) -> list[Fault]:
-        """Faults active at `position` or that started within `window_s` before `now_s`."""
-        return [
+    def faults_around(self, op: Operation, window_s: float, after: int) -> tuple[list[Fault], list[Fault]]:
+        """The faults around `op`: those under way while it ran or begun within `window_s` before it,
+        and the first `after` begun once it had completed (what may have undone it since)."""
+        end = op.completed if op.completed is not None else op.invoked
+        before = [
             fault
             for fault in self.faults
-            if fault.started <= position
-            and (fault.ended is None or fault.ended >= position or fault.started_s >= now_s - window_s)
+            if fault.started <= end
+            and (
+                fault.ended is None or fault.ended >= op.invoked or fault.started_s >= op.invoked_s - window_s
+            )
         ]
+        since = [fault for fault in self.faults if fault.started > end][:after]
+        return before, since
 
     def counts(self) -> dict[str, dict[str, int]]:
         """kind -> status -> operations (status "in flight" for those never completed)."""

@@ -402,23 +402,39 @@ def test_a_log_that_starts_later_than_its_first_offset_says_so():
 # ---------------------------------------------------------------------- the report
 
 
-def test_the_report_names_the_operation_and_the_faults_before_it():
+def test_the_report_names_the_operation_and_the_faults_around_it():
     run = Run()
     early = run.history.fault_started("kill", "n9", "long ago")
     run.history.fault_ended(early)
-    for _ in range(3):
-        run.append([bytes([65 + _])], status="unknown")
+    for i in range(3):
+        run.append([bytes([65 + i])], status="unknown")
     fault = run.history.fault_started("power", "n1", "lost")
     op = run.append(ABC, 3)
     run.history.fault_ended(fault)
+    since = run.history.fault_started("disk-full", "n1")
     report = check(run.history, final({"n1": entries([b"A", b"B", b"C"])}))
     text = report.text(run.history, window_s=60)
-    assert text.splitlines()[0] == "4 violations: {'uncommitted': 1, 'lost': 3}"
+    lines = text.splitlines()
+    assert lines[0] == "4 violations: {'uncommitted': 1, 'lost': 3}"
+    assert lines[2] == f"    {op.describe()}"
+    assert "append('s', payloads=[b'a', b'b', b'c'], producer=None, sequence=None)" in lines[2]
+    assert lines[3].startswith("    before it: fault 0 kill n9")  # begun within the window
+    assert lines[4].startswith("    before it: fault 1 power n1") and lines[4].endswith("(lost)")
+    assert lines[5] == f"    since: {since.describe()}"
+    assert lines[6].startswith("[a:lost] acknowledged b'a' at 1000 ms; the log has nothing")
+    assert len(lines) == 9  # the three lost entries share the operation: it is named once
+    short = report.text(run.history, window_s=0.0, limit=1, after=0)
+    assert "fault 0 kill" not in short and "fault 1 power" in short and "since:" not in short
+    assert short.splitlines()[-1] == "... and 2 more lost"
+
+
+def test_long_payloads_are_shortened_in_messages():
+    long = b"p0-chaos-0:17:3:" + b"." * 100
+    run = Run()
+    run.append([b"x"], 0)
+    run.read([LogEntry(0, TS, "", long)])
+    text = check(run.history, final({"n1": entries([b"x"])})).text(run.history)
     assert (
-        f"op {op.id} producer: append('s', payloads=[b'a', b'b', b'c'], producer=None, sequence=None)" in text
+        "read b'p0-chaos-0:17:3:................'+84B at 1000 ms; the final log holds b'x' at 1000 ms" in text
     )
-    assert "before it: fault 1 power n1 from" in text and "(lost)" in text
-    assert "before it: fault 0 kill n9" in text  # within the window
-    short = report.text(run.history, window_s=0.0, limit=1)
-    assert "fault 0 kill" not in short and "fault 1 power" in short
-    assert "... and 2 more lost" in short
+    assert "a read returned an entry no client appended: b'p0-chaos-0:17:3:................'+84B" in text

@@ -68,18 +68,22 @@ def test_positions_stay_unique_when_threads_record_at_once():
     assert [op.id for op in history.operations] == list(range(2000))
 
 
-def test_faults_before_an_operation_are_those_active_then_or_begun_shortly_before():
+def test_the_faults_around_an_operation_are_those_under_way_or_just_before_and_the_next_ones_after():
     history = History()
     old = history.fault_started("kill", "n1")
     history.fault_ended(old)
     active = history.fault_started("partition", "n2")
     op = history.invoke("p", "append", "s", payloads=[b"x"])
     history.unknown(op, "UNAVAILABLE")
-    later = history.fault_started("pause", "n3")
-    assert history.faults_before(op.completed, window_s=0.0, now_s=op.completed_s) == [active]
-    assert history.faults_before(op.completed, window_s=3600, now_s=op.completed_s) == [old, active]
-    assert later not in history.faults_before(op.completed, window_s=3600, now_s=op.completed_s)
-    assert "never healed" in active.describe() and "until" in old.describe()
+    history.fault_ended(active)
+    later = [history.fault_started(kind, "n3") for kind in ("pause", "power", "reset")]
+    history.fault_ended(later[0])
+    history.fault_ended(later[1])
+    assert history.faults_around(op, window_s=0.0, after=2) == ([active], later[:2])
+    assert history.faults_around(op, window_s=3600, after=5) == ([old, active], later)
+    in_flight = history.invoke("p", "read", "s")
+    assert history.faults_around(in_flight, window_s=0.0, after=5) == ([later[2]], [])
+    assert "never healed" in later[2].describe() and "until" in old.describe()
 
 
 def test_a_saved_history_loads_back_equal(tmp_path):
