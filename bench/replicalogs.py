@@ -8,6 +8,7 @@ engine takes the directory's lock).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from bench.checker import FinalStream, ReplicaLog
 from bench.history import LogEntry
@@ -43,8 +44,43 @@ def read_replica(data_dir: Path, node: str) -> tuple[dict[str, ReplicaLog], list
 
 def single_server_streams(logs: dict[str, ReplicaLog]) -> dict[str, FinalStream]:
     """The final state of a single server's streams: it leads them all, and all it holds is committed."""
+    return {
+        name: FinalStream(name, log.node, (log.node,), _end(log), {log.node: log})
+        for name, log in logs.items()
+    }
+
+
+def cluster_streams(
+    logs_by_node: dict[str, dict[str, ReplicaLog]], placements: dict[str, Any]
+) -> tuple[dict[str, FinalStream], list[tuple[str, str]]]:
+    """The final state of a cluster's streams: each stream's placement at the end (DescribeCluster's
+    `StreamPlacement`: leader, replicas, in-sync replicas, high watermark) with its replicas' logs.
+
+    Without a high watermark (replication does not report one), what the leader holds is committed.
+    Also returns the copies found on nodes that are not among their stream's replicas (stream, node).
+    """
     streams = {}
-    for name, log in logs.items():
-        end = log.entries[-1].offset + 1 if log.entries else log.first_offset
-        streams[name] = FinalStream(name, log.node, (log.node,), end, {log.node: log})
-    return streams
+    for name, placement in placements.items():
+        logs = {
+            node: logs_by_node[node][name]
+            for node in placement.replicas
+            if name in logs_by_node.get(node, {})
+        }
+        committed = placement.high_watermark
+        if committed is None:
+            leader = logs.get(placement.leader)
+            committed = _end(leader) if leader is not None else 0
+        streams[name] = FinalStream(
+            name, placement.leader, tuple(placement.in_sync_replicas), committed, logs
+        )
+    stray = [
+        (name, node)
+        for node, logs in sorted(logs_by_node.items())
+        for name in sorted(logs)
+        if name not in placements or node not in placements[name].replicas
+    ]
+    return streams, stray
+
+
+def _end(log: ReplicaLog) -> int:
+    return log.entries[-1].offset + 1 if log.entries else log.first_offset

@@ -11,6 +11,7 @@ test suite's own tools (tests/cluster/, tests/storage/faultfs.py).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -18,9 +19,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import free_port, wait_serving
+from tests.cluster.etcd_server import EtcdCluster
+from tests.cluster.proxy import FaultProxy
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 60.0
@@ -45,7 +50,7 @@ class NodeProcess:
         fsync: str = "always",
         power_mode: str = "lost",
         seed: int = 0,
-        args: tuple[str, ...] = (),
+        args: Callable[[NodeProcess], list[str]] | None = None,
         settings: dict[str, str] | None = None,
     ) -> None:
         self.name = name
@@ -54,7 +59,7 @@ class NodeProcess:
         self.fsync = fsync
         self.power_mode = power_mode
         self.seed = seed
-        self.args = args
+        self.args = args  # more flags, made at each start (they may name the node's port)
         self.settings = {**NODE_SETTINGS, **(settings or {})}
         self.port = free_port()
         self.process: subprocess.Popen | None = None
@@ -82,7 +87,7 @@ class NodeProcess:
             "--host=127.0.0.1",
             f"--port={self.port}",
             f"--fsync={self.fsync}",
-            *self.args,
+            *(self.args(self) if self.args is not None else ()),
             *overrides,
         ]
 
@@ -201,3 +206,124 @@ class NodeProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+
+@dataclass(frozen=True)
+class TestbedConfig:
+    nodes: int = 3  # 1: a single server, no etcd (the embedded default); more: a cluster
+    etcd_members: int = 3
+    fsync: str = "always"
+    power_mode: str = "lost"
+    replication_factor: int = 1
+    lease_ttl_ms: int = 2000
+    seed: int = 0
+
+
+class Testbed:
+    """etcd and the nodes, with a fault proxy on every link (started and stopped on the running loop).
+
+    Links, each its own FaultProxy: `client_links[node]` (the workload's clients dial a
+    node there), `peer_links[(a, b)]` (node a dials node b there: a's `peer_addresses`),
+    `etcd_links[(node, i)]` (the node reaches etcd member i there: its `--cluster`).
+    """
+
+    __test__ = False  # not a pytest class, whatever its name
+
+    def __init__(self, directory: Path, config: TestbedConfig) -> None:
+        self.directory = directory
+        self.config = config
+        self.clustered = config.nodes > 1
+        names = [f"n{i + 1}" for i in range(config.nodes)]
+        self.nodes = {
+            name: NodeProcess(
+                name,
+                directory / "nodes",
+                fsync=config.fsync,
+                power_mode=config.power_mode,
+                seed=config.seed * 1000 + i * 100,
+                args=self._cluster_flags if self.clustered else None,
+            )
+            for i, name in enumerate(names)
+        }
+        self.etcd = EtcdCluster(directory / "etcd", config.etcd_members) if self.clustered else None
+        self.client_links: dict[str, FaultProxy] = {}
+        self.peer_links: dict[tuple[str, str], FaultProxy] = {}
+        self.etcd_links: dict[tuple[str, int], FaultProxy] = {}
+
+    @property
+    def client_addresses(self) -> list[str]:
+        return [_address(self.client_links[name].address) for name in self.nodes]
+
+    def links_of(self, name: str) -> list[FaultProxy]:
+        """Every link that reaches node `name` or that it dials."""
+        peers = [proxy for pair, proxy in self.peer_links.items() if name in pair]
+        etcd = [proxy for (node, _), proxy in self.etcd_links.items() if node == name]
+        return [self.client_links[name], *peers, *etcd]
+
+    def _cluster_flags(self, node: NodeProcess) -> list[str]:
+        cfg = self.config
+        etcd = ",".join(_address(self.etcd_links[node.name, i].address) for i in range(cfg.etcd_members))
+        peers = ",".join(
+            f"{dialed}={_address(proxy.address)}"
+            for (dialer, dialed), proxy in self.peer_links.items()
+            if dialer == node.name
+        )
+        return [
+            f"--cluster={etcd}",
+            f"--node-id={node.name}",
+            f"--advertise={node.address}",
+            f"--set=peer_addresses={peers}",
+            f"--set=lease_ttl_ms={cfg.lease_ttl_ms}",
+            f"--set=default_replication_factor={cfg.replication_factor}",
+        ]
+
+    async def start(self) -> None:
+        if self.etcd is not None:
+            await asyncio.to_thread(self.etcd.start)
+        for name, node in self.nodes.items():
+            self.client_links[name] = await _proxy(("127.0.0.1", node.port))
+            for other, peer in self.nodes.items():
+                if other != name:
+                    self.peer_links[name, other] = await _proxy(("127.0.0.1", peer.port))
+            if self.etcd is not None:
+                for i, endpoint in enumerate(self.etcd.endpoints):
+                    self.etcd_links[name, i] = await _proxy(endpoint)
+        await asyncio.gather(*(self.start_node(name) for name in self.nodes))
+
+    async def start_node(self, name: str) -> None:
+        """(Re)start a node and wait until it serves; the proxies follow it if it had to move port."""
+        node = self.nodes[name]
+        await asyncio.to_thread(node.start)
+        for (_, dialed), proxy in self.peer_links.items():
+            if dialed == name:
+                proxy.target = ("127.0.0.1", node.port)
+        self.client_links[name].target = ("127.0.0.1", node.port)
+
+    async def stop(self) -> None:
+        """Stop every node cleanly (each writes its disk out), then the proxies and etcd."""
+        try:
+            await asyncio.gather(*(asyncio.to_thread(node.stop) for node in self.nodes.values()))
+        finally:
+            for proxy in self.proxies():
+                await proxy.stop()
+            self.abandon()
+
+    def proxies(self) -> list[FaultProxy]:
+        return [*self.client_links.values(), *self.peer_links.values(), *self.etcd_links.values()]
+
+    def abandon(self) -> None:
+        """Kill whatever still runs (cleanup after a failure; a node's unsaved disk is lost)."""
+        for node in self.nodes.values():
+            node.abandon()
+        if self.etcd is not None:
+            self.etcd.stop()
+
+
+async def _proxy(target: tuple[str, int]) -> FaultProxy:
+    proxy = FaultProxy(target)
+    await proxy.start()
+    return proxy
+
+
+def _address(endpoint: tuple[str, int]) -> str:
+    return f"{endpoint[0]}:{endpoint[1]}"

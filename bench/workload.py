@@ -45,7 +45,7 @@ class WorkloadConfig:
     group: str = "chaos"
     workers_per_stream: int = 1
     batch_entries: tuple[int, int] = (1, 20)  # a batch holds this many entries (inclusive range)
-    payload_bytes: int = 40
+    payload_bytes: int = 100
     pace_s: float = 0.02  # a producer's pause between batches
     call_timeout_s: float = 5.0
     block_ms: int = 500  # blocking reads wait this long for new entries

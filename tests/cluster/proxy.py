@@ -25,7 +25,7 @@ _LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 
 class FaultProxy:
     def __init__(self, target: tuple[str, int]) -> None:
-        self._target = target
+        self.target = target  # where new connections go (settable: a server that moved to another port)
         self._open = {TO_TARGET: asyncio.Event(), FROM_TARGET: asyncio.Event()}
         for gate in self._open.values():
             gate.set()
@@ -71,7 +71,7 @@ class FaultProxy:
 
     async def _accept(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         try:
-            target_reader, target_writer = await asyncio.open_connection(*self._target)
+            target_reader, target_writer = await asyncio.open_connection(*self.target)
         except OSError:
             client_writer.close()
             return
