@@ -68,6 +68,10 @@ def kinds_for(nodes: int, replication_factor: int, fsync: str, etcd_members: int
     return kinds
 
 
+# A full disk shows only when a node needs new space (a segment or a file to write):
+# it is held long enough for a busy stream's segment to fill.
+HOLD_S = {"disk-full": (2.0, 6.0)}
+
 Action = Callable[[], Awaitable[None]]
 
 
@@ -139,7 +143,7 @@ class Nemesis:
         self.injected[kind] = self.injected.get(kind, 0) + 1
         try:
             await plan.inject()
-            await asyncio.sleep(self.rng.uniform(*self.hold_s))
+            await asyncio.sleep(self.rng.uniform(*HOLD_S.get(kind, self.hold_s)))
         finally:
             await plan.heal()
             self.history.fault_ended(fault)

@@ -31,7 +31,12 @@ REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 60.0
 EXIT_TIMEOUT_S = 60.0
 # Small segments keep a node's in-memory disk small; batches must still fit one.
-NODE_SETTINGS = {"segment_bytes": "2MiB", "max_batch_bytes": "1MiB", "shutdown_grace_ms": "2000"}
+NODE_SETTINGS = {
+    "segment_bytes": "1MiB",
+    "max_batch_bytes": "512KiB",
+    "max_entry_bytes": "256KiB",
+    "shutdown_grace_ms": "2000",
+}
 _BIND_ATTEMPTS = 3
 
 

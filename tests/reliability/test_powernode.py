@@ -1,4 +1,4 @@
-"""Power loss and a full disk for a real `streamlog serve` process (tests/cluster/powernode.py).
+"""Power loss and a full disk for a real `streamlog serve` process, run by tests/cluster/powernode.py.
 
 The node runs on a disk that keeps only what was synced; the workload of the chaos
 bench (bench/workload.py: idempotent producers that retry through failures, a
