@@ -61,8 +61,12 @@ def kinds_for(nodes: int, replication_factor: int, fsync: str, etcd_members: int
     kinds = [kind for kind in KINDS if nodes > 1 or kind not in CLUSTER_KINDS]
     if etcd_members < 3:  # etcd itself survives losing a member only with 3 or more
         kinds = [kind for kind in kinds if kind not in ("etcd-kill", "etcd-leader-kill")]
-    if fsync != "always" and replication_factor < 3:
-        kinds = [kind for kind in kinds if kind not in ("power", "power-all")]
+    if fsync != "always":
+        # Unsynced entries die with the power: one node's survive on a majority of replicas,
+        # nobody's survive when every node goes down at once.
+        kinds = [
+            kind for kind in kinds if kind != "power-all" and (kind != "power" or replication_factor >= 3)
+        ]
     if replication_factor < 3:
         kinds.remove("wipe")  # with fewer than 3 copies, a lost disk can hold the only one
     return kinds
@@ -138,7 +142,7 @@ class Nemesis:
     async def one(self, kind: str | None = None) -> None:
         """Inject one fault (of `kind`, or a random one), hold it, heal it."""
         kind = kind or self.next_kind()
-        plan = await getattr(self, "_" + kind.replace("-", "_"))()
+        plan = await self.plan(kind)
         fault = self.history.fault_started(kind, plan.target, plan.detail)
         self.injected[kind] = self.injected.get(kind, 0) + 1
         try:
@@ -147,6 +151,12 @@ class Nemesis:
         finally:
             await plan.heal()
             self.history.fault_ended(fault)
+
+    async def plan(self, kind: str) -> Plan:
+        """Choose the target of a fault of `kind` and say how to inject and heal it (nothing done yet)."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown fault kind {kind!r}")
+        return await getattr(self, "_" + kind.replace("-", "_"))()
 
     def _node(self) -> str:
         return self.rng.choice(sorted(self.testbed.nodes))

@@ -215,6 +215,8 @@ class NodeProcess:
 
 @dataclass(frozen=True)
 class TestbedConfig:
+    __test__ = False  # not a pytest class, whatever its name
+
     nodes: int = 3  # 1: a single server, no etcd (the embedded default); more: a cluster
     etcd_members: int = 3
     fsync: str = "always"
@@ -283,6 +285,11 @@ class Testbed:
         ]
 
     async def start(self) -> None:
+        await self.open_links()
+        await asyncio.gather(*(self.start_node(name) for name in self.nodes))
+
+    async def open_links(self) -> None:
+        """Start etcd and every proxy (the nodes' ports are known before they start)."""
         if self.etcd is not None:
             await asyncio.to_thread(self.etcd.start)
         for name, node in self.nodes.items():
@@ -293,7 +300,6 @@ class Testbed:
             if self.etcd is not None:
                 for i, endpoint in enumerate(self.etcd.endpoints):
                     self.etcd_links[name, i] = await _proxy(endpoint)
-        await asyncio.gather(*(self.start_node(name) for name in self.nodes))
 
     async def start_node(self, name: str) -> None:
         """(Re)start a node and wait until it serves; the proxies follow it if it had to move port."""

@@ -138,7 +138,8 @@ class EtcdCluster:
             with contextlib.suppress(OSError, ValueError):
                 with urllib.request.urlopen(request, timeout=2) as reply:
                     status = json.load(reply)
-                if status["header"]["member_id"] == status["leader"]:
+                # No "leader" field (zero, left out of the JSON) while an election is under way.
+                if status.get("leader") and status["header"]["member_id"] == status["leader"]:
                     return index
         raise RuntimeError("no etcd member is leader")
 

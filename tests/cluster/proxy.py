@@ -39,6 +39,11 @@ class FaultProxy:
         return self._server.sockets[0].getsockname()[:2]
 
     @property
+    def blocked(self) -> set[str]:
+        """The directions held now: TO_TARGET and/or FROM_TARGET."""
+        return {way for way, gate in self._open.items() if not gate.is_set()}
+
+    @property
     def connections(self) -> int:
         """Connections open through the proxy now."""
         return len(self._connections)
