@@ -132,7 +132,6 @@ class Workload:
         self.history = history
         self.addresses = list(addresses)
         self.config = config
-        self.rng = random.Random(config.seed)
         self.stopping = asyncio.Event()
         self.acked_entries = 0
         self._progress = asyncio.Condition()
