@@ -106,30 +106,16 @@ def _settled(description, testbed: Testbed, streams: tuple[str, ...]) -> list[st
     return waiting
 
 
-async def settle(testbed: Testbed, streams: tuple[str, ...], timeout_s: float = SETTLE_TIMEOUT_S):
-    """Wait until the cluster is settled; its description then, and what was still wrong if it never was."""
+async def settle(
+    testbed: Testbed, streams: tuple[str, ...], timeout_s: float = SETTLE_TIMEOUT_S
+) -> list[str]:
+    """Wait until the cluster is settled; what was still wrong if it never was (empty: settled)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        description = await _describe(testbed)
-        waiting = _settled(description, testbed, streams)
+        waiting = _settled(await _describe(testbed), testbed, streams)
         if not waiting or time.monotonic() > deadline:
-            return description, waiting
+            return waiting
         await asyncio.sleep(0.25)  # other processes' state: nothing here is told when it changes
-
-
-async def heal_all(testbed: Testbed) -> None:
-    """Undo whatever a fault left behind: every link open, every process running, every disk with space."""
-    for proxy in testbed.proxies():
-        proxy.unblock()
-    for name, node in testbed.nodes.items():
-        if node.paused:
-            node.resume()
-        if not node.running:
-            await testbed.start_node(name)
-    if testbed.etcd is not None:
-        for index, member in enumerate(testbed.etcd.members):
-            if member.process is None or member.process.poll() is not None:
-                await asyncio.to_thread(testbed.etcd.restart, index)
 
 
 async def chaos(
@@ -159,14 +145,13 @@ async def chaos(
         nemesis = Nemesis(testbed, history, kinds, rng, interval_s=interval_s)
         stop = asyncio.Event()
         load.start()
-        faults = asyncio.ensure_future(nemesis.run(stop))
+        injecting = asyncio.ensure_future(nemesis.run(stop))
         await asyncio.sleep(duration_s)
         stop.set()
-        await faults
-        await heal_all(testbed)
+        await injecting  # the fault under way is healed: every node runs, every link is open
         placements = None
         if testbed.clustered:
-            _, waiting = await settle(testbed, work_config.streams)
+            waiting = await settle(testbed, work_config.streams)
             problems += [f"not settled after {SETTLE_TIMEOUT_S} s: {why}" for why in waiting]
         await load.stop()
         if not await load.drain(DRAIN_TIMEOUT_S):
