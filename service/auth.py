@@ -50,14 +50,14 @@ rule lets it touch; its page tokens are then opaque handles, so a page that ends
 on a hidden stream does not reveal that stream's name.
 
 **Reloads** of the token and ACL files check the calls that outlive them again
-(Subscribe, Consume, blocking Reads), and end those the new files refuse. A call
-waiting in the service is cancelled and answers the refusal; one sending a reply
-(an outer layer is writing it) is marked, and ends before asking for the next.
+(Subscribe, Consume, blocking Reads: the server's open calls, service/opencalls.py),
+and end those the new files refuse, with the refusal as their status: wherever
+such a call waits, it stops there. Replies already handed to gRPC still reach
+the client, before the status.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import collections
 import contextlib
@@ -72,7 +72,7 @@ import os
 import secrets
 import ssl
 import tomllib
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,7 @@ from streamlog.v1 import streamlog_pb2 as pb
 
 from service.config import ConfigError, Settings
 from service.interceptors import StreamBehavior, UnaryBehavior, WrappingInterceptor, iterate
+from service.opencalls import OpenCalls
 
 log = logging.getLogger(__name__)
 
@@ -471,31 +472,21 @@ class Denied(Exception):
 # observer(event, detail): told of every refusal, e.g. to count it (service/metrics.py).
 Observer = Callable[[str, str], None]
 
-# Unary calls that may wait long enough to outlive a reload: checked again on it, as streams are.
-_WAITING_UNARY = frozenset({"Read"})
-
-
-class _OpenCall:
-    """A call that may outlive the rules it was allowed by: a stream, or a blocking read."""
-
-    __slots__ = ("context", "inside", "method", "request", "revoked", "task")
-
-    def __init__(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> None:
-        self.method, self.request, self.context = method, request, context
-        self.task = asyncio.current_task()
-        # Whether the call's task is in the service (reading, waiting), where a cancellation
-        # reaches the wrapper; else it is sending a reply in an outer layer.
-        self.inside = True
-        self.revoked: Denied | None = None
-
 
 class AuthInterceptor(WrappingInterceptor):
     """Identifies the caller of each StreamLogService call and checks the rules."""
 
     def __init__(
-        self, service: Any, state: AuthState, observer: Observer | None = None, *, certificates: bool = False
+        self,
+        service: Any,
+        state: AuthState,
+        calls: OpenCalls,
+        observer: Observer | None = None,
+        *,
+        certificates: bool = False,
     ) -> None:
-        """`certificates`: mutual TLS is on, so a client certificate identifies a caller too."""
+        """`calls`: the server's open calls, checked again when the tokens and rules are reloaded;
+        `certificates`: mutual TLS is on, so a client certificate identifies a caller too."""
         super().__init__(service.full_name)
         missing = [m.name for m in service.methods if m.name not in METHOD_ACCESS and m.name != LIST_METHOD]
         if missing:
@@ -505,9 +496,7 @@ class AuthInterceptor(WrappingInterceptor):
         self._certificates = certificates
         # ListStreams page handle -> (principal name, the servicer's token); oldest dropped first.
         self._pages: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
-        # Calls checked again when the tokens and rules are reloaded; on the server's loop.
-        self._open: set[_OpenCall] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._calls = calls
         state.listeners.append(self._reloaded)
 
     # -- identity and decisions
@@ -590,6 +579,10 @@ class AuthInterceptor(WrappingInterceptor):
             )
 
     async def _refuse(self, context: grpc.aio.ServicerContext, method: str, denied: Denied) -> None:
+        self._report(context, method, denied)
+        await context.abort(denied.code, denied.message)
+
+    def _report(self, context: grpc.aio.ServicerContext, method: str, denied: Denied) -> None:
         log.log(
             denied.level,
             "call refused: %s",
@@ -598,7 +591,6 @@ class AuthInterceptor(WrappingInterceptor):
         )
         if self._observer is not None:
             self._observer("auth", denied.reason)
-        await context.abort(denied.code, denied.message)
 
     # -- before the request is read
 
@@ -624,62 +616,41 @@ class AuthInterceptor(WrappingInterceptor):
 
     # -- calls that outlive a reload
 
-    @contextlib.contextmanager
-    def _watched(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> Iterator[_OpenCall]:
-        """Keep the call in the open set; a cancellation by `_revoke` ends the block quietly, and
-        the caller then refuses the call with `revoked`."""
-        call = _OpenCall(method, request, context)
-        self._loop = self._loop or asyncio.get_running_loop()
-        self._open.add(call)
-        try:
-            yield call
-        except asyncio.CancelledError:
-            if call.revoked is None:
-                raise  # the client went away, or the server is stopping
-            call.task.uncancel()  # type: ignore[union-attr]
-        finally:
-            self._open.discard(call)
-
     def _reloaded(self) -> None:
         # Reloads run on the loop (SIGHUP, the file watcher) or on another thread (tests, tools).
-        if self._loop is not None:
+        loop = self._calls.loop
+        if loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop has closed: no calls are open
-                self._loop.call_soon_threadsafe(self._recheck)
+                loop.call_soon_threadsafe(self._recheck)
 
     def _recheck(self) -> None:
         """Check every open call against the tokens and rules now in force; end those refused."""
-        for call in list(self._open):
-            if call.revoked is not None:
+        for call in self._calls:
+            if call.ending is not None:
                 continue
             try:
                 self.check(call.method, call.request, self.identify(call.context, again=True))
             except Denied as denied:
-                call.revoked = Denied(
+                revoked = Denied(
                     denied.code,
                     f"access withdrawn when the token and ACL files were reloaded: {denied.message}",
                     "revoked",
                 )
-                if call.inside:
-                    call.task.cancel()  # type: ignore[union-attr]
-                # Else it is sending a reply: it ends before asking the service for the next.
+                self._report(call.context, call.method, revoked)
+                call.end(revoked.code, revoked.message)
 
     # -- wrappers
 
     def wrap_unary(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
         if method == LIST_METHOD:
             return self._wrap_list(behavior)
-        may_wait = method in _WAITING_UNARY
 
         async def authorized(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
                 self.check(method, request, self.identify(context))
             except Denied as denied:
                 await self._refuse(context, method, denied)
-            if not (may_wait and request.block_ms > 0):
-                return await behavior(request, context)
-            with self._watched(method, request, context) as call:
-                return await behavior(request, context)
-            await self._refuse(context, method, call.revoked)  # type: ignore[arg-type]
+            return await behavior(request, context)
 
         return authorized
 
@@ -689,16 +660,9 @@ class AuthInterceptor(WrappingInterceptor):
                 self.check(method, request, self.identify(context))
             except Denied as denied:
                 await self._refuse(context, method, denied)
-            with self._watched(method, request, context) as call:
-                async with contextlib.aclosing(iterate(behavior, request, context)) as replies:
-                    async for reply in replies:
-                        if call.revoked is not None:
-                            break
-                        call.inside = False
-                        yield reply
-                        call.inside = True
-            if call.revoked is not None:
-                await self._refuse(context, method, call.revoked)
+            async with contextlib.aclosing(iterate(behavior, request, context)) as replies:
+                async for reply in replies:
+                    yield reply
 
         return authorized
 
@@ -784,11 +748,13 @@ class Security:
             return server.add_insecure_port(address)
         return server.add_secure_port(address, self.tls.server_credentials())
 
-    def interceptor(self, service: Any, observer: Observer | None = None) -> AuthInterceptor | None:
+    def interceptor(
+        self, service: Any, calls: OpenCalls, observer: Observer | None = None
+    ) -> AuthInterceptor | None:
         if self.auth is None:
             return None
         certificates = self.tls is not None and bool(self.tls.client_ca_file)
-        return AuthInterceptor(service, self.auth, observer, certificates=certificates)
+        return AuthInterceptor(service, self.auth, calls, observer, certificates=certificates)
 
     def reload(self, reason: str) -> bool:
         """Re-read every file; keep the old state of a part whose files do not load."""

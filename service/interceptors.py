@@ -27,6 +27,15 @@ StreamBehavior = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any] | 
 # A bidirectional behavior: the requests in, the replies out.
 SessionBehavior = Callable[[AsyncIterator[Any], grpc.aio.ServicerContext], AsyncIterator[Any]]
 
+# Unary RPCs whose calls may wait: a Read with block_ms.
+WAITING_UNARY = frozenset({"Read"})
+
+
+def waits(method: str, request: Any) -> bool:
+    """Whether a unary call may wait for entries: it stays open until ended from outside or served
+    (service/opencalls.py), and counts as a blocked read (service/limits.py)."""
+    return method in WAITING_UNARY and request.block_ms > 0
+
 
 class WrappingInterceptor(grpc.aio.ServerInterceptor):
     """Wraps the handlers of one service; subclasses define the wrappers."""

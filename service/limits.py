@@ -40,8 +40,8 @@ import grpc
 
 from service.config import Settings
 from service.errors import ServiceError, limit_exceeded
-from service.interceptors import StreamBehavior, UnaryBehavior, WrappingInterceptor, iterate
-from service.opencalls import OpenCall, OpenCalls
+from service.interceptors import StreamBehavior, UnaryBehavior, WrappingInterceptor, iterate, waits
+from service.opencalls import OpenCall
 from storage import Engine, StorageError
 
 log = logging.getLogger(__name__)
@@ -247,7 +247,7 @@ class LimitsInterceptor(WrappingInterceptor):
                     request = await self.check(method, request, engine)
                 except LimitError as exc:
                     await self._refuse(context, method, request, exc)
-            if method != "Read" or request.block_ms <= 0:
+            if not waits(method, request):
                 try:
                     return await behavior(request, context)
                 finally:
@@ -306,46 +306,30 @@ class LimitsInterceptor(WrappingInterceptor):
         return self._subscriptions_by_peer.get(peer, 0)
 
 
-class SendTimeoutInterceptor(WrappingInterceptor):
-    """Serves every streaming call through `calls` (service/opencalls.py), and cuts off
-    subscribers that stop taking replies. Install it first (outermost): it sends every
-    reply itself, with `context.write`, to time each send."""
+class SendTimeout:
+    """Sends the replies of open streaming calls (service/opencalls.py), and cuts off subscribers
+    that stop taking them."""
 
-    def __init__(
-        self, service_name: str, timeout_ms: int, calls: OpenCalls, observer: Observer | None = None
-    ) -> None:
-        super().__init__(service_name)
+    def __init__(self, timeout_ms: int, observer: Observer | None = None) -> None:
         self._timeout_s = timeout_ms / 1000
         self._timeout_ms = timeout_ms
-        self._calls = calls
         self._observer = observer
         self.cut_off = 0
 
-    def wrap_unary(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
-        return behavior
-
-    def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
-        timeout_s = self._timeout_s
-
-        async def send(call: OpenCall, reply: Any) -> None:
-            try:
-                # A send waits while the client's flow-control window is full. (A timeout
-                # context costs one timer per reply on the subscriber hot path.)
-                async with asyncio.timeout(timeout_s):
-                    await call.context.write(reply)
-            except TimeoutError:
-                raise self._cut_off(call) from None
-            except grpc.aio.InternalError:
-                # gRPC's core refused the send (ExecuteBatchError): the client has gone (or
-                # cancelled) and the call has not been told yet. A subscriber leaving is normal,
-                # so the call ends as cancelled (gRPC logs that at debug), not as a servicer
-                # failure (logged at ERROR with a traceback).
-                raise asyncio.CancelledError from None
-
-        async def timed(request: Any, context: grpc.aio.ServicerContext) -> None:
-            await self._calls.serve(method, request, context, iterate(behavior, request, context), send)
-
-        return timed
+    async def send(self, call: OpenCall, reply: Any) -> None:
+        try:
+            # A send waits while the client's flow-control window is full. (A timeout
+            # context costs one timer per reply on the subscriber hot path.)
+            async with asyncio.timeout(self._timeout_s):
+                await call.context.write(reply)
+        except TimeoutError:
+            raise self._cut_off(call) from None
+        except grpc.aio.InternalError:
+            # gRPC's core refused the send (ExecuteBatchError): the client has gone (or
+            # cancelled) and the call has not been told yet. A subscriber leaving is normal,
+            # so the call ends as cancelled (gRPC logs that at debug), not as a servicer
+            # failure (logged at ERROR with a traceback).
+            raise asyncio.CancelledError from None
 
     def _cut_off(self, call: OpenCall) -> ServiceError:
         self.cut_off += 1

@@ -1,12 +1,16 @@
-"""Open streaming calls (Subscribe, Consume): a registry of them, and ending one from outside.
+"""Calls that stay open (Subscribe, Consume, Reads that wait): a registry of them, and ending one
+from outside.
 
-A subscription ends when its handler stops; something else may need to end it
-first: the send timeout cutting off a subscriber whose client stopped reading, or
-the auth layer ending the calls of a principal whose rights were revoked. Each
-open call is served by `OpenCalls.serve`, which registers it; `OpenCall.end`
-(or `OpenCalls.end_where`) interrupts its handler wherever it waits, closes its
-replies at once (the subscription's reads, counts and waits end now), and
-answers the status given.
+A call ends when its handler stops; something else may need to end it first: the
+send timeout cutting off a subscriber whose client stopped reading
+(service/limits.py), or the auth layer ending the calls a reload of the token and
+ACL files no longer allows (service/auth.py). `OpenCallsInterceptor`, the
+outermost interceptor, registers every such call: streaming calls are served by
+`OpenCalls.serve`, Reads that wait by `OpenCalls.hold`. `OpenCall.end` (or
+`OpenCalls.end_where`) interrupts its handler wherever it waits (reading, waiting
+for entries or credit, sending a reply), closes its replies at once (the
+subscription's reads, counts and waits end now), and answers the status given.
+The layers inside see the call end with that status, not as cancelled.
 
 What ending cannot do: grpc.aio has no way for a server to reset one call (no
 RST_STREAM from Python). A reply already handed to gRPC stays in its buffers,
@@ -28,10 +32,18 @@ from typing import Any
 import grpc
 
 from service.errors import ServiceError
+from service.interceptors import (
+    WAITING_UNARY,
+    StreamBehavior,
+    UnaryBehavior,
+    WrappingInterceptor,
+    iterate,
+    waits,
+)
 
 
 class OpenCall:
-    """One open streaming call: what it asked for, and a way to end it."""
+    """One open call: what it asked for, and a way to end it."""
 
     __slots__ = ("_task", "context", "ending", "method", "request")
 
@@ -45,15 +57,28 @@ class OpenCall:
     def end(self, code: grpc.StatusCode, message: str) -> None:
         """End the call with this status (on the event loop; once: later calls change nothing)."""
         if self.ending is None and self._task is not None:
-            self.ending = (code, message)
+            self._end_with(code, message)
             self._task.cancel()
+
+    def _end_with(self, code: grpc.StatusCode, message: str) -> None:
+        self.ending = (code, message)
+        # Set now, so that the layers inside (metrics) see the status, not a cancellation.
+        self.context.set_code(code)
+
+
+# How an open streaming call's replies are sent (the send timeout's, service/limits.py). It may
+# end the call by raising ServiceError: its code and message become the status.
+Send = Callable[[OpenCall, Any], Awaitable[None]]
 
 
 class OpenCalls:
-    """The open streaming calls of one server. Event loop thread only."""
+    """The open calls of one server. Event loop thread only."""
 
     def __init__(self) -> None:
         self._open: dict[OpenCall, None] = {}  # insertion-ordered, O(1) removal
+        # The loop the calls run on, for those who end calls from other threads (None until a
+        # call has opened: until then there is nothing to end).
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def __len__(self) -> int:
         return len(self._open)
@@ -68,32 +93,49 @@ class OpenCalls:
             call.end(code, message)
         return len(chosen)
 
+    def _register(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> OpenCall:
+        call = OpenCall(method, request, context)
+        self._open[call] = None
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        return call
+
+    async def hold(
+        self, method: str, request: Any, context: grpc.aio.ServicerContext, behavior: UnaryBehavior
+    ) -> Any:
+        """The reply of unary `behavior`, unless the call is ended first."""
+        call = self._register(method, request, context)
+        try:
+            return await behavior(request, context)
+        except asyncio.CancelledError:
+            if call.ending is None:
+                raise  # the client went away, or the server is stopping
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        finally:
+            del self._open[call]
+        await context.abort(*call.ending)  # type: ignore[misc]
+
     async def serve(
         self,
         method: str,
         request: Any,
         context: grpc.aio.ServicerContext,
         replies: AsyncIterator[Any],
-        send: Callable[[OpenCall, Any], Awaitable[None]],
+        send: Send,
     ) -> None:
-        """Send `replies` with `send` until they end or the call is ended.
-
-        `send` may end the call itself by raising ServiceError (its code and message
-        become the status).
-        """
-        call = OpenCall(method, request, context)
-        self._open[call] = None
+        """Send `replies` with `send` until they end or the call is ended."""
+        call = self._register(method, request, context)
         try:
             await context.send_initial_metadata(())
             async for reply in replies:
                 try:
                     await send(call, reply)
                 except ServiceError as exc:
-                    call.ending = (exc.code, exc.message)
+                    call._end_with(exc.code, exc.message)
                     break
         except asyncio.CancelledError:
             if call.ending is None:
-                raise  # the client went away, or the server is stopping
+                raise
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
         finally:
             del self._open[call]
@@ -101,3 +143,33 @@ class OpenCalls:
             await replies.aclose()
         if call.ending is not None:
             await context.abort(*call.ending)
+
+
+class OpenCallsInterceptor(WrappingInterceptor):
+    """Registers every call that stays open in `calls`: streaming calls, whose replies it sends
+    with `send` (so it must be installed first, outermost), and Reads that wait."""
+
+    def __init__(self, service_name: str, calls: OpenCalls, send: Send) -> None:
+        super().__init__(service_name)
+        self._calls = calls
+        self._send = send
+
+    def wrap_unary(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
+        if method not in WAITING_UNARY:
+            return behavior
+        calls = self._calls
+
+        async def held(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if not waits(method, request):
+                return await behavior(request, context)
+            return await calls.hold(method, request, context, behavior)
+
+        return held
+
+    def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
+        calls, send = self._calls, self._send
+
+        async def served(request: Any, context: grpc.aio.ServicerContext) -> None:
+            await calls.serve(method, request, context, iterate(behavior, request, context), send)
+
+        return served

@@ -4,11 +4,12 @@ TLS and auth (service/auth.py), limits (service/limits.py), metrics
 (service/metrics.py), the plaintext health-only port, the reloading of TLS and
 auth files (on SIGHUP and when they change), and the start-up log of settings.
 
-Interceptors run outermost first: the subscriber send timeout (it sends every
-Subscribe reply itself), metrics (so refused calls are timed and counted too),
-auth (nothing unidentified reaches the limits' counters), then limits. A call
-without valid credentials is refused by auth before its request is read, with a
-handler the outer layers pass through: it is counted as a refusal, not timed.
+Interceptors run outermost first: the registry of open calls (it sends every
+Subscribe reply itself, under the subscriber send timeout), metrics (so refused
+calls are timed and counted too), auth (nothing unidentified reaches the limits'
+counters), then limits. A call without valid credentials is refused by auth
+before its request is read, with a handler the outer layers pass through: it is
+counted as a refusal, not timed.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from grpc_health.v1 import health_pb2_grpc
 
 from service import auth, limits, metrics
 from service.config import Settings, describe, describe_changes
-from service.opencalls import OpenCalls
+from service.opencalls import OpenCalls, OpenCallsInterceptor
 from service.replybudget import ReplyBudget
 from storage import Engine
 
@@ -43,16 +44,17 @@ class Operations:
         """`service`: the proto's service descriptor; `engine` is None until recovery ends;
         `replies`: the servicer's reply budget, for the metrics."""
         self.settings = settings
-        # Open Subscribe and Consume calls, each of which can be ended from here (service/opencalls.py).
+        # Open Subscribe and Consume calls and waiting Reads, each of which can be ended from here
+        # (service/opencalls.py): by the send timeout, and by auth when a reload revokes them.
         self.open_calls = OpenCalls()
         self.security = auth.Security(settings)  # ConfigError for TLS, token or ACL files that do not load
         self.metrics = metrics.Metrics() if settings.metrics_port else None
         observer = self.metrics.refused if self.metrics is not None else None
         self.limits = limits.LimitsInterceptor(service.full_name, settings, engine, observer)
-        self.send_timeout = limits.SendTimeoutInterceptor(
-            service.full_name, settings.subscriber_send_timeout_ms, self.open_calls, observer
-        )
-        chain: list[grpc.aio.ServerInterceptor | None] = [self.send_timeout]
+        self.send_timeout = limits.SendTimeout(settings.subscriber_send_timeout_ms, observer)
+        chain: list[grpc.aio.ServerInterceptor | None] = [
+            OpenCallsInterceptor(service.full_name, self.open_calls, self.send_timeout.send)
+        ]
         if self.metrics is not None:
             chain.append(metrics.MetricsInterceptor(service.full_name, self.metrics, engine))
             self.metrics.registry.register(
@@ -60,7 +62,7 @@ class Operations:
             )
             if replies is not None:
                 self.metrics.registry.register(metrics.ReplyBudgetCollector(replies))
-        chain.append(self.security.interceptor(service, observer))
+        chain.append(self.security.interceptor(service, self.open_calls, observer))
         chain.append(self.limits)
         self._interceptors = [i for i in chain if i is not None]
         self.metrics_server: metrics.MetricsServer | None = None

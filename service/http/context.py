@@ -4,12 +4,13 @@ Each HTTP call runs through the same wrapped method handlers as a gRPC call
 (service/http/calls.py), so it meets the same auth, limits, metrics and servicer.
 Those call, on their context, exactly these: `invocation_metadata` (the bearer
 token), `peer` (logs, per-connection limits), `auth_context` (the client
-certificate's common name under mutual TLS), `abort` (every refusal),
-`code` (metrics), `time_remaining` (blocking reads), `write` (each reply of a
-streaming call, sent by the outermost interceptor), `send_initial_metadata` (open
-streaming calls), `add_done_callback` (the reply budget gives its bytes back when
-the call ends: the gateway calls `done`). Nothing else is implemented:
-a new use of the context shows up as an AttributeError in the HTTP tests.
+certificate's common name under mutual TLS), `abort` (every refusal), `code`
+(metrics), `set_code` (a call ended from outside, service/opencalls.py),
+`time_remaining` (blocking reads), `write` (each reply of a streaming call, sent
+by the outermost interceptor), `send_initial_metadata` (open calls),
+`add_done_callback` (the reply budget gives its bytes back when the call ends:
+the gateway calls `done`). Nothing else is implemented: a new use of the context
+shows up as an AttributeError in the HTTP tests.
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ class HttpContext:
 
     def code(self) -> grpc.StatusCode | None:
         return self._code
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self._code = code
 
     def time_remaining(self) -> float | None:
         return None  # HTTP has no deadline; a blocking read waits its block_ms

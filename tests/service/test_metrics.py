@@ -111,6 +111,34 @@ def test_refusals_are_counted_by_limit(metered: ServerThread) -> None:
     )
 
 
+def test_calls_ended_from_outside_are_counted_with_the_status_they_end_with(metered: ServerThread) -> None:
+    calls = metered.server.ops.open_calls
+    with grpc.insecure_channel(metered.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        subscription = stub.Subscribe(pb.SubscribeRequest(stream="s"), timeout=30)
+        blocked = stub.Read.future(pb.ReadRequest(stream="s", block_ms=9000), timeout=30)
+        next(subscription)
+        deadline = time.monotonic() + 10
+        while metered.call(lambda: len(calls)) != 2:
+            assert time.monotonic() < deadline, "the blocking read did not start waiting"
+            time.sleep(0.01)
+        ended = metered.call(
+            lambda: calls.end_where(lambda call: True, grpc.StatusCode.PERMISSION_DENIED, "revoked")
+        )
+        assert ended == 2
+        with pytest.raises(grpc.RpcError) as info:
+            next(subscription)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(grpc.RpcError) as info:
+            blocked.result()
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    samples = scrape(metered)
+    for method in ("Subscribe", "Read"):
+        labels = {"method": method, "code": "PERMISSION_DENIED"}
+        assert value(samples, "streamlog_rpc_duration_seconds_count", **labels) == 1
+        assert value(samples, "streamlog_rpc_duration_seconds_count", method=method, code="CANCELLED") == 0
+
+
 def test_deleted_streams_leave_no_series(metered: ServerThread) -> None:
     with grpc.insecure_channel(metered.target) as channel:
         stub = pb_grpc.StreamLogServiceStub(channel)
