@@ -49,6 +49,15 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+def scrape_when(server: ServerThread, condition: Callable[[Samples], bool], timeout_s: float = 10) -> Samples:
+    """The first scrape that meets `condition`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition(samples := scrape(server)):
+        assert time.monotonic() < deadline, "the metrics did not get there in time"
+        time.sleep(0.01)
+    return samples
+
+
 @pytest.fixture
 def metered(start_server: Callable[..., ServerThread]) -> ServerThread:
     return start_server(metrics_port=free_port(), fsync="always", max_streams=3)
@@ -103,7 +112,15 @@ def test_refusals_are_counted_by_limit(metered: ServerThread) -> None:
             append(stub, name, b"x")
         with pytest.raises(grpc.RpcError):
             append(stub, "d", b"x")
-    samples = scrape(metered)
+    # A refused call is timed once its status is sent (gRPC's abort sends it, then raises): wait
+    # for that, not for the client's error.
+    samples = scrape_when(
+        metered,
+        lambda samples: (
+            value(samples, "streamlog_rpc_duration_seconds_count", method="Append", code="RESOURCE_EXHAUSTED")
+            > 0
+        ),
+    )
     assert value(samples, "streamlog_refusals_total", kind="limit", reason="max_streams") == 1
     assert (
         value(samples, "streamlog_rpc_duration_seconds_count", method="Append", code="RESOURCE_EXHAUSTED")
