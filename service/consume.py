@@ -1,4 +1,4 @@
-"""Consume sessions: a consumer-group read loop steered by the client over one bidirectional call.
+"""Consume: a consumer-group read loop steered by the client over one bidirectional call.
 
 The client's side of the call carries acknowledgements and credit (batches wanted);
 the server sends a batch only while it owes one, so entries are assigned to the
@@ -18,13 +18,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import grpc
 from streamlog.v1 import streamlog_pb2 as pb
 
-from service.errors import invalid_argument, limit_exceeded, not_found, unavailable
+from service import groupwire, validation
+from service.errors import invalid_argument, limit_exceeded, not_found, translate_errors, unavailable
+from service.groupdelivery import GroupDelivery, group_options
 from service.groupwaits import WaitResult, has_news
+from service.serving import Serving
 from service.waiters import Wake
 from storage import GroupReadResult
 
@@ -182,3 +189,79 @@ class ConsumeSession:
             # Not `owed`: a batch may have gone out while the acknowledgements were applied.
             self._owed += request.batches
             self._credit.set()
+
+
+class ConsumeCalls:
+    """The Consume RPC: one ConsumeSession per call, and the open sessions."""
+
+    def __init__(self, serving: Serving, groups: GroupDelivery) -> None:
+        self._serving = serving
+        self._groups = groups
+        # Open sessions, woken when the server starts draining (an idle one waits for credit).
+        self._sessions: set[ConsumeSession] = set()
+
+    def wake_all(self) -> None:
+        """Have every open session look at the server's state now (it is shutting down)."""
+        for session in self._sessions:
+            session.wake()
+
+    @translate_errors
+    async def Consume(
+        self, requests: AsyncIterator[pb.ConsumeRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        serving, groups = self._serving, self._groups
+        engine = serving.ready()
+        opening = await anext(requests, None)
+        if opening is None:
+            return  # the client closed its side without opening a session
+        settings = serving.settings
+        stream = validation.stream(opening.stream)
+        group = validation.name("group", opening.group)
+        count, max_bytes = serving.reply_limits(opening, settings.default_read_entries)
+        options = group_options(opening, count, max_bytes)
+        # NOT_FOUND now for a stream or group that does not exist, even if no batch is asked for yet
+        # (an O(1) look, not a GroupInfo: its cost must not grow with the group's consumers).
+        engine.consumer_count(stream, group, options.consumer)
+
+        # Each batch is held from its read until its send completes, when the session asks for
+        # the next one (the open calls' registry sends them one at a time, service/opencalls.py).
+        charge = serving.replies.charge(context)
+
+        async def ack(offsets: list[int], ranges: list[tuple[int, int]]) -> tuple[int, int]:
+            result = await groups.ack(engine, stream, group, offsets, ranges)
+            return result.acknowledged, result.unknown
+
+        def reply(result: GroupReadResult | None, batches: int, acknowledged: int, unknown: int) -> bytes:
+            counts = {"batches": batches, "acknowledged": acknowledged, "ack_unknown": unknown}
+            return charge.hold(
+                groupwire.read_reply(pb.ConsumeResponse, result, engine.bounds(stream), **counts)
+            )
+
+        # Read options for n batches at once: count x n entries (at most max_read_entries).
+        options_for = functools.cache(
+            lambda n: dataclasses.replace(options, count=min(count * n, settings.max_read_entries))
+        )
+
+        def read_or_wait(batches: int, wait_s: float | None, until: asyncio.Event | None) -> Any:
+            return groups.read_or_wait(engine, stream, group, options_for(batches), wait_s, charge, until)
+
+        calls = SessionCalls(
+            read_or_wait=read_or_wait,
+            ack=ack,
+            ack_items=functools.partial(groups.ack_items, names=("ack_offsets", "ack_ranges")),
+            reply=reply,
+            draining=lambda: serving.draining,
+            stream=stream,
+            count=count,
+            max_batches=settings.max_consume_batches,
+        )
+        session = ConsumeSession(calls)
+        with serving.subscription():
+            self._sessions.add(session)
+            try:
+                async with contextlib.aclosing(session.run(opening, requests)) as replies:
+                    async for reply_bytes in replies:
+                        yield reply_bytes
+                        charge.settle(0)
+            finally:
+                self._sessions.discard(session)

@@ -13,7 +13,6 @@ from typing import Any
 from streamlog.v1 import streamlog_pb2 as pb
 
 from service import validation
-from service.errors import invalid_argument
 from storage import Gap, GapReason, GroupConfig, GroupInfo, GroupReadResult, PendingInfo, StreamBounds
 
 _GAP_REASONS = {
@@ -41,10 +40,7 @@ def config_from_proto(message: pb.GroupConfig, field: str = "config") -> GroupCo
             values[name] = validation.duration_ms(f"{field}.{name}", getattr(message, name))
     for name in _POSITIVE:
         if message.HasField(name):
-            value = getattr(message, name)
-            if value <= 0:
-                raise invalid_argument(f"{field}.{name}: must be positive when set, got {value}")
-            values[name] = value
+            values[name] = validation.positive(f"{field}.{name}", getattr(message, name))
     values["delay_ms"] = validation.duration_ms(f"{field}.delay_ms", message.delay_ms)
     if message.dead_letter_stream:
         values["dead_letter_stream"] = validation.name(

@@ -65,6 +65,11 @@ class ReplyCharge:
             self.held = nbytes
             self._budget.add(self.peer, delta)
 
+    def hold(self, reply: bytes) -> bytes:
+        """`reply`, now counted at its size (in place of the room reserved for it)."""
+        self.settle(len(reply))
+        return reply
+
     def release(self, *_: Any) -> None:
         """Give back everything (the signature of a done callback)."""
         self.settle(0)

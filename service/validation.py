@@ -8,9 +8,14 @@ error.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import grpc
+from streamlog.v1 import streamlog_pb2 as pb
+
 from service.config import MAX_STREAM_NAME_BYTES
-from service.errors import invalid_argument
-from storage import MAX_DURATION_MS
+from service.errors import ServiceError, invalid_argument, limit_exceeded
+from storage import MAX_DURATION_MS, Engine
 
 
 def name(field: str, value: str) -> str:
@@ -32,6 +37,13 @@ def stream(value: str) -> str:
 def non_negative(field: str, value: int) -> int:
     if value < 0:
         raise invalid_argument(f"{field}: must not be negative, got {value}")
+    return value
+
+
+def positive(field: str, value: int) -> int:
+    """A limit that is unset when not wanted, and must be above 0 when set."""
+    if value <= 0:
+        raise invalid_argument(f"{field}: must be positive when set, got {value}")
     return value
 
 
@@ -63,3 +75,51 @@ def duration_ms(field: str, value: int) -> int:
             f"{field}: {value} ms is past the limit of {MAX_DURATION_MS} ms (about 31,700 years)"
         )
     return value
+
+
+def ack_items(
+    offsets: Sequence[int], ranges: Sequence[pb.OffsetRange], names: tuple[str, str], limit: int
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """Offsets and [start, end) ranges to acknowledge: at most `limit` (max_ack_offsets) items,
+    none negative, no range ending before it starts."""
+    items = len(offsets) + len(ranges)
+    if items > limit:
+        raise limit_exceeded("max_ack_offsets", limit, f"{', '.join(names)}: {items} items in one call")
+    if offsets and min(offsets) < 0:
+        raise invalid_argument(f"{names[0]}: must not be negative")
+    for index, span in enumerate(ranges):
+        offset_range(f"{names[1]}[{index}]", span.start_offset, span.end_offset)
+    return list(offsets), [(span.start_offset, span.end_offset) for span in ranges]
+
+
+def offsets(values: Sequence[int], limit: int) -> list[int]:
+    """The offsets of a Nack or Claim: at least one, none negative, at most `limit` (max_ack_offsets)."""
+    if not values:
+        raise invalid_argument("offsets: at least one offset is required")
+    if len(values) > limit:
+        raise limit_exceeded("max_ack_offsets", limit, f"offsets: {len(values)} offsets in one call")
+    if min(values) < 0:
+        raise invalid_argument("offsets: must not be negative")
+    return list(values)
+
+
+def offset_range(where: str, start: int, end: int | None) -> tuple[int, int | None]:
+    """A range of offsets [start, end) (end None: to the stream's end): start not negative, end not
+    before it. `where` names the range in its request, "" for the request's own fields."""
+    non_negative(f"{where}.start_offset" if where else "start_offset", start)
+    if end is not None and end < start:
+        head = f"{where}: end_offset" if where else "end_offset:"
+        raise invalid_argument(f"{head} {end} is before start_offset {start}")
+    return start, end
+
+
+def not_past_end(engine: Engine, stream: str, field: str, offset: int) -> int:
+    """An offset `stream` has reached: at most its end. Past it is OUT_OF_RANGE, not INVALID_ARGUMENT:
+    the stream may get there later, so the request is not malformed."""
+    end = engine.bounds(stream).end_offset
+    if offset > end:
+        raise ServiceError(
+            grpc.StatusCode.OUT_OF_RANGE,
+            f"{field}: {offset} is past the end of stream {stream!r} (next_offset {end})",
+        )
+    return offset

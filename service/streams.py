@@ -1,0 +1,242 @@
+"""The stream RPCs: Append, Read, and the stream's administration (list, describe, delete, trim,
+configure, seek by time, count).
+
+Append and Read are the hot paths: batches in, batches out (service/streamwire.py).
+An append to a stream whose fsync policy blocks runs in the thread pool, else on
+the loop (`Serving.may_block`); a read is an in-memory slice, on the loop. A Read
+that names a group is a group read (service/groupdelivery.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+from typing import Any
+
+import grpc
+from streamlog.v1 import streamlog_pb2 as pb
+
+from service import streamwire, validation
+from service.config import MAX_STREAM_NAME_BYTES
+from service.errors import invalid_argument, limit_exceeded, not_found, translate_errors
+from service.groupdelivery import GroupDelivery, has_group_fields
+from service.serving import Serving
+from service.waiters import Wake
+from storage import CorruptionError, Engine, ReadResult, StreamNotFoundError
+
+log = logging.getLogger(__name__)
+
+_TRIM_MODES = ("evict_up_to_offset", "keep_last", "trim_to_offset")
+# Bigger than any offset: engine.count clamps the end of a range to the stream's end.
+_END_OF_STREAM = 2**63 - 1
+
+
+def read_waiting(
+    engine: Engine, stream: str, offset: int, count: int, max_bytes: int, seen: bool
+) -> ReadResult | None:
+    """A forward read by a caller that waits for entries: None while the stream does not exist
+    (RCP 11's BLOCK waits on a stream that does not exist yet); NOT_FOUND if it existed during
+    the call (`seen`) and is gone now: it was deleted."""
+    try:
+        return engine.read(stream, offset, count, max_bytes=max_bytes)
+    except StreamNotFoundError:
+        if seen:
+            raise not_found(f"stream {stream!r} was deleted") from None
+        return None
+
+
+class StreamCalls:
+    """Appends, reads and the administration of streams."""
+
+    def __init__(self, serving: Serving, groups: GroupDelivery) -> None:
+        self._serving = serving
+        self._groups = groups
+
+    # ------------------------------------------------------------------ data
+
+    @translate_errors
+    async def Append(self, request: pb.AppendRequest, context: grpc.aio.ServicerContext) -> pb.AppendResponse:
+        serving = self._serving
+        engine = serving.ready()
+        stream = validation.stream(request.stream)
+        entries = request.entries
+        if entries and request.payloads:
+            raise invalid_argument("entries, payloads: set one of them, not both")
+        count = len(entries) or len(request.payloads)
+        if not count:
+            raise invalid_argument("entries: at least one entry is required")
+        limit = serving.settings.max_batch_entries
+        if count > limit:
+            # Refuse before building columns for a batch that cannot be taken.
+            raise limit_exceeded("max_batch_entries", limit, f"entries: the batch has {count} entries")
+        batch = streamwire.append_batch(request, stream)
+        options: dict[str, Any] = {}
+        if request.producer_id:
+            sequence = validation.non_negative("producer_sequence", request.producer_sequence)
+            options["producer"] = (request.producer_id, sequence)
+        if request.HasField("expected_next_offset"):
+            options["expected_end"] = validation.non_negative(
+                "expected_next_offset", request.expected_next_offset
+            )
+        result = await serving.may_block(engine, stream, engine.append, stream, batch, **options)
+        return pb.AppendResponse(
+            first_offset=result.first_offset,
+            last_offset=result.last_offset,
+            timestamp_ms=result.timestamp_ms,
+            duplicate=result.duplicate,
+        )
+
+    @translate_errors
+    async def Read(self, request: pb.ReadRequest, context: grpc.aio.ServicerContext) -> bytes:
+        serving = self._serving
+        engine = serving.ready()
+        settings = serving.settings
+        stream = validation.stream(request.stream)
+        offset = validation.non_negative("offset", request.offset)
+        count, max_bytes = serving.reply_limits(request, settings.default_read_entries)
+        block_ms = validation.at_most("block_ms", request.block_ms, "max_block_ms", settings.max_block_ms)
+        # Held from the read until the call ends: grpc.aio ends it once the reply is sent.
+        charge = serving.replies.charge(context)
+        if request.group:
+            return await self._groups.read_request(
+                engine, stream, request, (count, max_bytes), block_ms, context, charge
+            )
+        if has_group_fields(request) or request.ack_offsets or request.ack_ranges:
+            raise invalid_argument(
+                "group: consumer, retry_ms, expire_ms, noack, claim_idle_ms and acks need a group"
+            )
+        await charge.reserve(max_bytes)
+        if request.reverse:
+            result = engine.read(stream, offset, count, max_bytes=max_bytes, reverse=True)
+            return charge.hold(streamwire.records_reply(pb.ReadResponse, result, result.next_offset))
+        if not block_ms:
+            result = engine.read(stream, offset, count, max_bytes=max_bytes)
+            return charge.hold(streamwire.records_reply(pb.ReadResponse, result, result.next_offset))
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + serving.wait_limit_s(context, block_ms)
+        seen = False
+        while True:
+            await charge.reserve(max_bytes)
+            result = read_waiting(engine, stream, offset, count, max_bytes, seen)
+            if result is not None:
+                seen = True
+                if streamwire.has_news(result, offset):
+                    return charge.hold(streamwire.records_reply(pb.ReadResponse, result, result.next_offset))
+            # Nothing yet: wait, holding no room, with no await between the read above and this call.
+            charge.settle(0)
+            wake = await serving.waiters.wait(stream, offset, deadline - loop.time())
+            if wake is Wake.DELETED:
+                raise not_found(f"stream {stream!r} was deleted")
+            if wake is not Wake.APPENDED:
+                # Timed out, or the server is draining: an empty reply, like BLOCK's timeout.
+                return streamwire.records_reply(pb.ReadResponse, result, offset)
+
+    # ------------------------------------------------------------------ admin
+
+    @translate_errors
+    async def ListStreams(
+        self, request: pb.ListStreamsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListStreamsResponse:
+        engine = self._serving.ready()
+        settings = self._serving.settings
+        prefix = request.prefix
+        if len(prefix.encode()) > MAX_STREAM_NAME_BYTES:
+            raise invalid_argument(
+                f"prefix: longer than a stream name can be ({MAX_STREAM_NAME_BYTES} bytes)"
+            )
+        page_size = validation.bounded(
+            "page_size", request.page_size, settings.default_page_size, settings.max_page_size
+        )
+        # Sorted by code point, which is the byte order of the UTF-8 encoding.
+        names = engine.list_streams()
+        start = bisect.bisect_left(names, prefix)
+        if request.page_token:
+            start = max(start, bisect.bisect_right(names, streamwire.after_token(request.page_token)))
+        page: list[str] = []
+        for name in names[start : start + page_size + 1]:
+            if not name.startswith(prefix):
+                break
+            page.append(name)
+        more = len(page) > page_size
+        del page[page_size:]
+        next_token = streamwire.page_token(page[-1]) if more else ""
+        return pb.ListStreamsResponse(streams=page, next_page_token=next_token)
+
+    @translate_errors
+    async def GetStreamInfo(
+        self, request: pb.GetStreamInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetStreamInfoResponse:
+        engine = self._serving.ready()
+        stream = validation.stream(request.stream)
+        info = engine.info(stream)
+        groups: int | None = None
+        try:
+            groups = len(await self._serving.may_block(engine, stream, engine.list_groups, stream))
+        except CorruptionError as exc:
+            # Unreadable group state must not hide the stream's own description: leave `groups` unset.
+            log.warning("stream %r: consumer groups not counted: %s", stream, exc)
+        holder = engine.retention_holder(stream)
+        fsync = engine.fsync_policy(stream)
+        return pb.GetStreamInfoResponse(info=streamwire.info_to_proto(info, fsync, groups, holder))
+
+    @translate_errors
+    async def DeleteStream(
+        self, request: pb.DeleteStreamRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteStreamResponse:
+        engine = self._serving.ready()
+        stream = validation.stream(request.stream)
+        await self._serving.in_thread(engine.delete_stream, stream)
+        self._serving.waiters.on_delete(stream)
+        self._groups.waits.on_delete(stream)
+        return pb.DeleteStreamResponse()
+
+    @translate_errors
+    async def Trim(self, request: pb.TrimRequest, context: grpc.aio.ServicerContext) -> pb.TrimResponse:
+        engine = self._serving.ready()
+        stream = validation.stream(request.stream)
+        mode = request.WhichOneof("mode")
+        if mode is None:
+            raise invalid_argument(f"mode: set one of {', '.join(_TRIM_MODES)}")
+        value = validation.non_negative(mode, getattr(request, mode))
+        if mode == "trim_to_offset":
+            validation.not_past_end(engine, stream, mode, value)
+            first = await self._serving.in_thread(engine.trim, stream, value)
+        elif mode == "keep_last":
+            first = await self._serving.in_thread(engine.keep_last, stream, value)
+        else:
+            first = await self._serving.in_thread(engine.evict, stream, value)
+        return pb.TrimResponse(first_offset=first)
+
+    @translate_errors
+    async def SetStreamConfig(
+        self, request: pb.SetStreamConfigRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SetStreamConfigResponse:
+        engine = self._serving.ready()
+        stream = validation.stream(request.stream)
+        config = streamwire.config_from_proto(request.config)
+        await self._serving.in_thread(engine.set_stream_config, stream, config)
+        return pb.SetStreamConfigResponse(config=streamwire.config_to_proto(engine.stream_config(stream)))
+
+    @translate_errors
+    async def SeekTime(
+        self, request: pb.SeekTimeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SeekTimeResponse:
+        engine = self._serving.ready()
+        stream = validation.stream(request.stream)
+        timestamp_ms = validation.non_negative("timestamp_ms", request.timestamp_ms)
+        return pb.SeekTimeResponse(offset=engine.seek_time(stream, timestamp_ms))
+
+    @translate_errors
+    async def CountRange(
+        self, request: pb.CountRangeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CountRangeResponse:
+        engine = self._serving.ready()
+        stream = validation.stream(request.stream)
+        start, end = validation.offset_range(
+            "", request.start_offset, request.end_offset if request.HasField("end_offset") else None
+        )
+        return pb.CountRangeResponse(
+            count=engine.count(stream, start, _END_OF_STREAM if end is None else end)
+        )
