@@ -25,16 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from cluster.addresses import check_name, parse_endpoints, parse_host_port, parse_peer_addresses
-from storage import EngineConfig, InvalidArgumentError
+from storage import EngineConfig, FsyncPolicy, InvalidArgumentError
 from storage.config import min_segment_bytes
 
 ENV_PREFIX = "STREAMLOG_"
 ENV_CONFIG_FILE = "STREAMLOG_CONFIG"
-FSYNC_POLICIES = ("always", "everysec", "no")
+FSYNC_POLICIES = tuple(policy.value for policy in FsyncPolicy)  # "always", "everysec", "no"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
 ACK_LEVELS = ("leader", "quorum")
-MAX_STREAM_NAME_BYTES = 255
 
 # Room for everything in a response besides the entries themselves (offsets, gap,
 # field tags); checked against max_message_bytes so a full read always fits.

@@ -174,9 +174,7 @@ class ConsumeSession:
 
     async def _take(self, request: pb.ConsumeRequest) -> None:
         """Apply one request: its acknowledgements first, then its credit."""
-        if request.batches < 0:
-            raise invalid_argument("batches: must not be negative")
-        owed = self._owed + request.batches
+        owed = self._owed + validation.non_negative("batches", request.batches)
         if owed > self._calls.max_batches:
             limit = self._calls.max_batches
             raise limit_exceeded("max_consume_batches", limit, f"batches: {owed} would be owed")

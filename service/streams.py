@@ -18,12 +18,11 @@ import grpc
 from streamlog.v1 import streamlog_pb2 as pb
 
 from service import streamwire, validation
-from service.config import MAX_STREAM_NAME_BYTES
 from service.errors import invalid_argument, limit_exceeded, not_found, translate_errors
 from service.groupdelivery import GroupDelivery, has_group_fields
 from service.serving import Serving
 from service.waiters import Wake
-from storage import CorruptionError, Engine, ReadResult, StreamNotFoundError
+from storage import MAX_NAME_BYTES, CorruptionError, Engine, ReadResult, StreamNotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -142,9 +141,9 @@ class StreamCalls:
         engine = self._serving.ready()
         settings = self._serving.settings
         prefix = request.prefix
-        if len(prefix.encode()) > MAX_STREAM_NAME_BYTES:
+        if len(prefix.encode()) > MAX_NAME_BYTES:
             raise invalid_argument(
-                f"prefix: longer than a stream name can be ({MAX_STREAM_NAME_BYTES} bytes)"
+                f"prefix: longer than a stream name can be ({MAX_NAME_BYTES} bytes)"
             )
         page_size = validation.bounded(
             "page_size", request.page_size, settings.default_page_size, settings.max_page_size

@@ -62,8 +62,8 @@ def _optional_columns(entries: Sequence[pb.Entry]) -> dict[str, list | None]:
     headers = None
     if any(map(len, map(_headers, entries))):
         headers = [dict(h) if h else None for h in map(_headers, entries)]
-    if any(deliver_at) and min(deliver_at) < 0:
-        raise invalid_argument("entries.deliver_at_ms: must not be negative")
+    if any(deliver_at):
+        validation.non_negative("entries.deliver_at_ms", min(deliver_at))
     return {
         "tags": tags if any(tags) else None,
         "headers": headers,

@@ -13,20 +13,16 @@ from collections.abc import Sequence
 import grpc
 from streamlog.v1 import streamlog_pb2 as pb
 
-from service.config import MAX_STREAM_NAME_BYTES
 from service.errors import ServiceError, invalid_argument, limit_exceeded
-from storage import MAX_DURATION_MS, Engine
+from storage import MAX_DURATION_MS, Engine, InvalidNameError, validate_name
 
 
 def name(field: str, value: str) -> str:
-    """A stream or group name: 1..255 bytes of UTF-8, no NUL."""
-    if not value:
-        raise invalid_argument(f"{field}: must not be empty")
-    size = len(value.encode())
-    if size > MAX_STREAM_NAME_BYTES:
-        raise invalid_argument(f"{field}: {size} bytes long; the limit is {MAX_STREAM_NAME_BYTES} bytes")
-    if "\x00" in value:
-        raise invalid_argument(f"{field}: must not contain NUL")
+    """A stream, group or consumer name, by the engine's rule (1..255 bytes of UTF-8, no NUL)."""
+    try:
+        validate_name(value, field)
+    except InvalidNameError as exc:
+        raise invalid_argument(f"{field}: {exc.problem}") from None
     return value
 
 

@@ -30,12 +30,14 @@ from storage.groups import (
     PendingInfo,
     PendingRow,
 )
+from storage.names import MAX_NAME_BYTES, InvalidNameError, validate_name
 from storage.records import Entry
 from storage.results import AppendResult, Gap, ReadResult, StreamInfo
 from storage.types import AppendBatch, FsyncPolicy, GapReason, StreamBounds
 
 __all__ = [
     "MAX_DURATION_MS",
+    "MAX_NAME_BYTES",
     "AckResult",
     "AppendBatch",
     "AppendResult",
@@ -56,6 +58,7 @@ __all__ = [
     "GroupReadOptions",
     "GroupReadResult",
     "InvalidArgumentError",
+    "InvalidNameError",
     "LimitExceededError",
     "NackResult",
     "OffsetMismatchError",
@@ -68,4 +71,5 @@ __all__ = [
     "StreamConfig",
     "StreamInfo",
     "StreamNotFoundError",
+    "validate_name",
 ]

@@ -46,8 +46,6 @@ from storage.names import validate_name
 from storage.records import Entry, decode_records
 from storage.results import Gap
 
-MAX_LABEL_BYTES = 255
-
 # Op codes. An op is a tuple (code, group, *fields); storage.grouplog encodes each
 # code's fields. Codes are persisted: never renumber, only add.
 OP_CREATE = 1  # group, config, cursor, entries_read, now
@@ -89,19 +87,8 @@ DEAD_LETTER_RETRY_MS = 1000
 
 
 def validate_label(kind: str, name: str) -> None:
-    """Group and consumer names follow the stream-name rules: 1..255 bytes of UTF-8, no NUL."""
-    if not isinstance(name, str):
-        raise InvalidArgumentError(f"{kind} name must be a string")
-    try:
-        raw = name.encode()
-    except UnicodeEncodeError as exc:
-        raise InvalidArgumentError(f"{kind} name is not valid UTF-8") from exc
-    if not raw:
-        raise InvalidArgumentError(f"{kind} name must not be empty")
-    if len(raw) > MAX_LABEL_BYTES:
-        raise InvalidArgumentError(f"{kind} name is {len(raw)} bytes; the limit is {MAX_LABEL_BYTES}")
-    if b"\x00" in raw:
-        raise InvalidArgumentError(f"{kind} name must not contain NUL")
+    """Group and consumer names follow the stream-name rule (storage/names.py)."""
+    validate_name(name, kind)
 
 
 def check_non_negative(name: str, value: int | None, *, optional: bool = False) -> None:

@@ -1,4 +1,4 @@
-"""Stream names: validation, and the directory name each one is stored under.
+"""Names: the rule for stream, group and consumer names, and the directory a stream is stored under.
 
 A name never becomes a path as it is. Bytes outside [A-Za-z0-9_-] are
 percent-encoded, so `../x` and `a/b` are ordinary names; a name whose encoding
@@ -19,20 +19,30 @@ _MAX_DIRNAME = 200
 _SAFE = frozenset((string.ascii_letters + string.digits + "_-").encode())
 
 
-def validate_name(name: str) -> bytes:
-    """The name's UTF-8 bytes, or InvalidArgumentError saying what is wrong."""
+class InvalidNameError(InvalidArgumentError):
+    """A name that breaks the naming rule; `problem` says how (after the name's label)."""
+
+    def __init__(self, kind: str, problem: str) -> None:
+        super().__init__(f"{kind} name {problem}")
+        self.problem = problem
+
+
+def validate_name(name: str, kind: str = "stream") -> bytes:
+    """The UTF-8 bytes of a stream, group or consumer name (`kind`), which is 1..255 bytes of
+    UTF-8 with no NUL; InvalidNameError saying what is wrong otherwise. The one place of the rule:
+    the service checks the names of requests with it too."""
     if not isinstance(name, str):
-        raise InvalidArgumentError("stream name must be a string")
+        raise InvalidNameError(kind, "must be a string")
     try:
         raw = name.encode()
-    except UnicodeEncodeError as exc:
-        raise InvalidArgumentError("stream name is not valid UTF-8") from exc
+    except UnicodeEncodeError:
+        raise InvalidNameError(kind, "is not valid UTF-8") from None
     if not raw:
-        raise InvalidArgumentError("stream name must not be empty")
+        raise InvalidNameError(kind, "must not be empty")
     if len(raw) > MAX_NAME_BYTES:
-        raise InvalidArgumentError(f"stream name is {len(raw)} bytes; the limit is {MAX_NAME_BYTES}")
+        raise InvalidNameError(kind, f"is {len(raw)} bytes; the limit is {MAX_NAME_BYTES}")
     if b"\x00" in raw:
-        raise InvalidArgumentError("stream name must not contain NUL")
+        raise InvalidNameError(kind, "must not contain NUL")
     return raw
 
 

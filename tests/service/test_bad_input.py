@@ -17,7 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
-from storage import MAX_DURATION_MS
+from service import validation
+from service.errors import ServiceError
+from storage import MAX_DURATION_MS, InvalidNameError, validate_name
 from tests.service.helpers import ServerThread, small_settings
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -36,6 +38,18 @@ BAD_NAMES = [
     ("é" * 128, "256 bytes"),  # 128 characters, but 256 bytes of UTF-8
     ("a\x00b", "NUL"),
 ]
+
+
+@pytest.mark.parametrize(("name", "why"), BAD_NAMES)
+def test_the_service_refuses_a_name_for_the_reason_the_engine_gives(name: str, why: str) -> None:
+    # One rule for stream, group and consumer names (storage/names.py), worded for each layer.
+    with pytest.raises(InvalidNameError) as engine:
+        validate_name(name, "consumer")
+    with pytest.raises(ServiceError) as service:
+        validation.name("consumer", name)
+    assert str(engine.value) == f"consumer name {engine.value.problem}"
+    assert service.value.message == f"consumer: {engine.value.problem}"
+    assert why in service.value.message
 
 
 def _entries(*sizes: int, **fields: Any) -> list[pb.Entry]:
