@@ -45,7 +45,7 @@ _MAX_COUNT = 2**63 - 1
 
 @dataclass(frozen=True, slots=True)
 class SessionCalls:
-    """What a session asks of the servicer, bound to its stream, group and read options."""
+    """What a session asks of the group delivery, bound to its stream, group and read options."""
 
     # A group read of up to `batches` batches' worth of entries that waits wait_s seconds (None:
     # until entries come), and no longer than the event stays unset, while it finds nothing.

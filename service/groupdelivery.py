@@ -143,8 +143,8 @@ class GroupDelivery:
         acks: dict[str, int] = {}
         if offsets or ranges:
             # First, so that the room it makes in a bounded pending list serves this very read.
-            acked = await self.ack(engine, stream, group, offsets, ranges)
-            acks = {"acknowledged": acked.acknowledged, "ack_unknown": acked.unknown}
+            done = await self.ack(engine, stream, group, offsets, ranges)
+            acks = {"acknowledged": done.acknowledged, "ack_unknown": done.unknown}
         if block_ms:
             wait_s = self._serving.wait_limit_s(context, block_ms)
             waited = await self.read_or_wait(engine, stream, group, options, wait_s, charge)

@@ -3,7 +3,7 @@
 Replies that carry entries (group reads, claims) are built like Read's: the
 engine's stored records are already the wire encoding of `repeated Entry
 entries = 1`, so a reply is the records joined, followed by the other fields
-serialized on their own (see servicer.py).
+serialized on their own (see streamwire.py).
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def _mode(request: Any) -> str:
 
 
 def _size(reply: Any) -> int:
-    # Read and Subscribe replies are sent as serialized bytes (see service/servicer.py).
+    # Read and Subscribe replies are sent as serialized bytes (see service/streamwire.py).
     return len(reply) if isinstance(reply, bytes) else reply.ByteSize()
 
 
