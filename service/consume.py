@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,7 +86,7 @@ class ConsumeSession:
 
     async def run(
         self, opening: pb.ConsumeRequest, requests: AsyncIterator[pb.ConsumeRequest]
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """The session's replies, after `opening` (validated by the caller) and then `requests`."""
         await self._take(opening)
         reader = asyncio.get_running_loop().create_task(self._read_requests(requests))

@@ -15,7 +15,7 @@ give a call another handler, decided from its metadata before its request is rea
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -112,7 +112,7 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
 
 async def iterate(
     behavior: StreamBehavior, request: Any, context: grpc.aio.ServicerContext
-) -> AsyncIterator[Any]:
+) -> AsyncGenerator[Any, None]:
     """The replies of a streaming behavior, whichever of the two forms it has.
 
     A behavior that writes with `context.write` (a coroutine) has sent its replies

@@ -26,7 +26,7 @@ status at all.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -120,7 +120,7 @@ class OpenCalls:
         method: str,
         request: Any,
         context: grpc.aio.ServicerContext,
-        replies: AsyncIterator[Any],
+        replies: AsyncGenerator[Any, None],
         send: Send,
     ) -> None:
         """Send `replies` with `send` until they end or the call is ended."""

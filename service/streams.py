@@ -122,11 +122,11 @@ class StreamCalls:
         seen = False
         while True:
             await charge.reserve(max_bytes)
-            result = read_waiting(engine, stream, offset, count, max_bytes, seen)
-            if result is not None:
+            found = read_waiting(engine, stream, offset, count, max_bytes, seen)
+            if found is not None:
                 seen = True
-                if streamwire.has_news(result, offset):
-                    return charge.hold(streamwire.records_reply(pb.ReadResponse, result, result.next_offset))
+                if streamwire.has_news(found, offset):
+                    return charge.hold(streamwire.records_reply(pb.ReadResponse, found, found.next_offset))
             # Nothing yet: wait, holding no room, with no await between the read above and this call.
             charge.settle(0)
             wake = await serving.waiters.wait(stream, offset, deadline - loop.time())
@@ -134,7 +134,7 @@ class StreamCalls:
                 raise not_found(f"stream {stream!r} was deleted")
             if wake is not Wake.APPENDED:
                 # Timed out, or the server is draining: an empty reply, like BLOCK's timeout.
-                return streamwire.records_reply(pb.ReadResponse, result, offset)
+                return streamwire.records_reply(pb.ReadResponse, found, offset)
 
     # ------------------------------------------------------------------ admin
 

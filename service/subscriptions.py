@@ -11,7 +11,7 @@ it has (the open calls' registry sends them one at a time, service/opencalls.py)
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 from streamlog.v1 import streamlog_pb2 as pb
@@ -115,7 +115,7 @@ class Subscriptions:
         count: int,
         max_bytes: int,
         charge: ReplyCharge,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """Subscribe in group mode: batches of the entries the group hands this consumer, as they come."""
         serving = self._serving
         group = validation.name("group", request.group)
