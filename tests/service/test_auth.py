@@ -90,7 +90,11 @@ permissions = ["admin"]
 
 
 def write(path: Path, text: str) -> str:
-    path.write_text(text)
+    """Replace the file at once, as an operator's tools do (a server that watches the file must
+    never read it half-written: an empty rules file is a valid one that allows nothing)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.replace(path)
     return str(path)
 
 
