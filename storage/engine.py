@@ -8,7 +8,8 @@
 The engine opens, creates and deletes streams in a data directory (laid out as
 storage/layout.py says), hands each call to its stream, and runs the
 maintenance thread; the consumer-group calls come from GroupCalls
-(storage/groupsapi.py).
+(storage/groupsapi.py), the replication primitives from ReplicaCalls
+(storage/replicaapi.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from storage.config import EngineConfig, StreamConfig
 from storage.context import EngineContext
 from storage.errors import (
     CorruptionError,
+    InvalidArgumentError,
     OffsetMismatchError,
     PreconditionError,
     StorageError,
@@ -44,6 +46,7 @@ from storage.layout import (
     streams_root,
 )
 from storage.names import validate_name
+from storage.replicaapi import ReplicaCalls
 from storage.results import AppendResult, ReadResult, StreamInfo
 from storage.stream import Stream
 from storage.types import AppendBatch, FsyncPolicy, StreamBounds
@@ -58,7 +61,7 @@ def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-class Engine(GroupCalls):
+class Engine(GroupCalls, ReplicaCalls):
     def __init__(
         self,
         data_dir: str | os.PathLike,
@@ -165,9 +168,13 @@ class Engine(GroupCalls):
             raise StreamNotFoundError(f"stream {name!r} does not exist")
         return stream
 
-    def _stream_or_create(self, name: str) -> Stream:
+    def _stream_or_create(self, name: str, incarnation: int = 0) -> Stream:
         stream = self._streams.get(name)
         if stream is not None:
+            if incarnation and stream.epochs.incarnation != incarnation:
+                raise PreconditionError(
+                    f"stream {name!r} exists with incarnation {stream.epochs.incarnation}, not {incarnation}"
+                )
             return stream
         validate_name(name)
         with self._lock:
@@ -177,7 +184,7 @@ class Engine(GroupCalls):
                 if directory.name in self.unreadable:
                     # Its metadata is damaged: keep the evidence, refuse to write over it.
                     raise PreconditionError(f"stream {name!r} is damaged on disk; see the server log")
-                stream = Stream.create(self._ctx, name, directory, StreamConfig())
+                stream = Stream.create(self._ctx, name, directory, StreamConfig(), incarnation)
                 self._streams[name] = stream
         return stream
 
@@ -187,8 +194,13 @@ class Engine(GroupCalls):
     def list_streams(self) -> list[str]:
         return sorted(self._streams)
 
-    def create_stream(self, name: str, config: StreamConfig | None = None) -> None:
-        stream = self._stream_or_create(name)
+    def create_stream(self, name: str, config: StreamConfig | None = None, *, incarnation: int = 0) -> None:
+        """Create the stream if it does not exist, and set its config if one is given. A replicated
+        stream is created with its `incarnation` (a positive integer, kept with its epochs:
+        storage/epochs.py); PreconditionError if it exists with another."""
+        if not isinstance(incarnation, int) or incarnation < 0:
+            raise InvalidArgumentError("an incarnation must be a non-negative integer")
+        stream = self._stream_or_create(name, incarnation)
         if config is not None:
             stream.set_config(config)
 
@@ -229,7 +241,7 @@ class Engine(GroupCalls):
             raise OffsetMismatchError(expected_end, 0)  # nothing created
         stream = self._stream_or_create(name)
         result = stream.append(batch, producer, expected_end)
-        if not result.duplicate:
+        if not result.duplicate and stream.commit is None:  # else readers wake on commit (set_commit)
             for listener in self._listeners:
                 listener(name, result.last_offset + 1)
         return result

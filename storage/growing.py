@@ -85,8 +85,9 @@ class GrowingNode:
             and self.blob_start + h.blob_len + nbytes <= self.ref.segment.file.size
         )
 
-    def append(self, blob: bytes, positions: array, timestamp_ms: int, flags: int) -> None:
-        """Write a batch whose positions already start at this node's blob length."""
+    def append(self, blob: bytes, positions: array, first_ts: int, last_ts: int, flags: int) -> None:
+        """Write records whose positions already start at this node's blob length; `first_ts` and
+        `last_ts` are the timestamps of the first and last of them."""
         h = self.ref.header
         file = self.ref.segment.file
         file.write(self.blob_start + h.blob_len, blob)
@@ -102,8 +103,8 @@ class GrowingNode:
             stored_len=4 * h.slots + positions[-1],
             body_crc=crc32c(table, h.body_crc),
             blob_crc=crc32c(blob, h.blob_crc),
-            min_ts=timestamp_ms if h.count == 0 else h.min_ts,
-            max_ts=timestamp_ms,
+            min_ts=first_ts if h.count == 0 else h.min_ts,
+            max_ts=last_ts,
             flags=h.flags | flags,
         )
         file.write(self.ref.pos + NODE_HEADER_SIZE * (header.seq % 2), header.encode())

@@ -5,6 +5,8 @@
         stream.meta                          name, first offset, config (below)
         <20-digit base offset>.seg           segment files (storage/segment.py)
         producers.snap                       the idempotent-append table (storage/dedup.py)
+        epochs                               leader-epoch history and incarnation (storage/epochs.py)
+        TRUNCATING                           a truncation under way (storage/truncation.py)
         CLEAN                                written by a clean shutdown, removed at start-up
         *.tmp                                a file being replaced; a crash may leave one behind
         *.seg.damaged                        a segment with nothing readable, kept for the operator
@@ -36,6 +38,8 @@ DELETED_SUFFIX = ".deleted"
 META_FILE = "stream.meta"
 CLEAN_MARKER = "CLEAN"
 PRODUCERS_FILE = "producers.snap"
+EPOCHS_FILE = "epochs"
+TRUNCATE_MARKER = "TRUNCATING"
 SEGMENT_SUFFIX = ".seg"
 TMP_SUFFIX = ".tmp"
 DAMAGED_SUFFIX = ".damaged"

@@ -33,7 +33,7 @@ from storage.growing import GrowingNode
 from storage.index import NodeIndex
 from storage.layout import DAMAGED_SUFFIX, PRODUCERS_FILE, SEGMENT_SUFFIX, TMP_SUFFIX, segment_base
 from storage.packed import decompressor
-from storage.records import decode_record
+from storage.records import find_producers
 from storage.results import Gap
 from storage.segment import NodeRef, Segment
 from storage.types import GapReason
@@ -57,6 +57,13 @@ class LoadedLog:
 def new_producer_table(ctx: EngineContext) -> ProducerTable:
     cfg = ctx.config
     return ProducerTable(cfg.dedup_batches_per_producer, cfg.dedup_window_ms, cfg.dedup_max_producers)
+
+
+def record_producers(producers: ProducerTable, records: bytes | memoryview) -> None:
+    """Note in the table the idempotent batches that end among `records` (stored records)."""
+    for offset, timestamp_ms, producer, sequence in find_producers(records):
+        # Its first offset is not stored: a retry carries the same batch, whose length tells.
+        producers.record(producer, sequence, BatchRecord(-1, offset, timestamp_ms))
 
 
 class LogLoader:
@@ -210,13 +217,7 @@ class LogLoader:
                     if ref.mark_corrupt(self.name, exc):
                         damaged.append(ref.damage())
                     continue
-            pos = 0
-            for _ in range(body.count):
-                entry, pos = decode_record(body.blob, pos)
-                if entry.producer_id:
-                    # Its first offset is not stored: a retry carries the same batch, whose length tells.
-                    batch = BatchRecord(-1, entry.offset, entry.timestamp_ms)
-                    producers.record(entry.producer_id, entry.producer_sequence, batch)
+            record_producers(producers, body.blob)
         producers.scanned_to = end_offset
         return producers
 

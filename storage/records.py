@@ -283,6 +283,42 @@ def skim_records(chunks: Iterable[bytes]) -> list[tuple[int, int, int, bytes]]:
     return out
 
 
+def find_producers(chunk: bytes | memoryview) -> list[tuple[int, int, str, int]]:
+    """(offset, timestamp_ms, producer id, sequence) of each record in `chunk` (records back to
+    back) that ends an idempotent batch. Other fields are skipped by their wire type, unread."""
+    out = []
+    pos, end = 0, len(chunk)
+    while pos < end:
+        offset, timestamp = record_offset_and_timestamp(chunk, pos)
+        length, p = _read_varint(chunk, pos + 1, end)
+        stop = p + length
+        if stop > end:
+            raise CorruptionError("entry record runs past the end of its chunk")
+        producer, sequence = b"", -1
+        while p < stop:
+            key, p = _read_varint(chunk, p, stop)
+            if key == 0x72:
+                producer, p = _read_length_delimited(chunk, p, stop)
+            elif key == 0x78:
+                sequence, p = _read_varint(chunk, p, stop)
+            elif key & 7 == 0:
+                _, p = _read_varint(chunk, p, stop)
+            elif key & 7 == 2:
+                n, p = _read_varint(chunk, p, stop)
+                p += n
+            else:
+                raise CorruptionError(f"unexpected field key {key:#x} in entry record")
+        if p != stop:
+            raise CorruptionError("a field runs past the end of its entry record")
+        if producer:
+            try:
+                out.append((offset, timestamp, producer.decode(), max(sequence, 0)))
+            except UnicodeDecodeError as exc:
+                raise CorruptionError("entry producer id is not UTF-8") from exc
+        pos = stop
+    return out
+
+
 def record_offset_and_timestamp(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
     """The first two fields of a record, which the encoder always writes first."""
     end = len(buf)

@@ -16,6 +16,8 @@ import logging
 import threading
 from array import array
 from bisect import bisect_right
+from itertools import repeat
+from operator import add
 from pathlib import Path
 
 from storage.cleaner import Cleaner
@@ -23,6 +25,7 @@ from storage.config import StreamConfig
 from storage.context import EngineContext
 from storage.dedup import BatchRecord
 from storage.durability import SyncGate
+from storage.epochs import EpochHistory
 from storage.errors import (
     CorruptionError,
     DurabilityError,
@@ -30,17 +33,19 @@ from storage.errors import (
     LimitExceededError,
     OffsetMismatchError,
 )
-from storage.format import NODE_DELAYED, NODE_PREFIX_SIZE, NODE_PRODUCER, NODE_SPARSE
+from storage.format import NODE_DELAYED, NODE_PREFIX_SIZE, NODE_PRODUCER
 from storage.fs import SegmentFile
 from storage.growing import GrowingNode
 from storage.index import NodeIndex
-from storage.layout import CLEAN_MARKER, META_FILE, PRODUCERS_FILE, decode_meta, write_meta
+from storage.layout import CLEAN_MARKER, EPOCHS_FILE, META_FILE, PRODUCERS_FILE, decode_meta, write_meta
 from storage.loader import LogLoader, new_producer_table
 from storage.packed import compression_ratio, decompressor
+from storage.reader import count_entries, read_backward, seek_time
 from storage.records import attach_producer, encode_batch
 from storage.results import AppendResult, Gap, ReadResult, StreamInfo
 from storage.retention import Retention
 from storage.segment import NodeRef, NodeView, Segment
+from storage.truncation import Truncation
 from storage.types import AppendBatch, FsyncPolicy, GapReason, StreamBounds
 
 log = logging.getLogger("streamlog.storage")
@@ -60,7 +65,10 @@ class Stream:
         self.active: GrowingNode | None = None
         self.first_offset = 0
         self.end_offset = 0
-        self.visible_end = 0  # reads stop here: in "always" mode, only synced entries are visible
+        # The end this replica vouches for: in "always" mode only synced entries count, else all.
+        self.local_end = 0
+        self.commit: int | None = None  # a cap replication sets (set_commit); None: no cap
+        self.visible_end = 0  # reads stop here: local_end, capped at commit
         self.last_ts = 0
         self.write_seq = 0
         self.dirty: set[SegmentFile] = set()
@@ -68,16 +76,24 @@ class Stream:
         self.damaged: list[Gap] = []
         self.closed = False
         self.producers = new_producer_table(ctx)
+        self.epochs = EpochHistory()
         self.cleaner = Cleaner(self)
         self.retention = Retention(self)
+        self.truncation = Truncation(self)
 
     # ------------------------------------------------------------------ open / create
 
     @classmethod
-    def create(cls, ctx: EngineContext, name: str, directory: Path, config: StreamConfig) -> Stream:
+    def create(
+        cls, ctx: EngineContext, name: str, directory: Path, config: StreamConfig, incarnation: int = 0
+    ) -> Stream:
         ctx.fs.makedirs(directory)
+        stream = cls(ctx, name, directory, config)
+        if incarnation:
+            # Before the meta file: a crash in between leaves a directory start-up removes.
+            stream.save_epochs(EpochHistory(incarnation))
         write_meta(ctx.fs, directory, name, 0, config)
-        return cls(ctx, name, directory, config)
+        return stream
 
     @classmethod
     def open(cls, ctx: EngineContext, directory: Path) -> Stream:
@@ -88,11 +104,14 @@ class Stream:
         loaded = LogLoader(ctx, name, directory).load(first_offset, clean)
         stream.segments, stream.index, stream.active = loaded.segments, loaded.index, loaded.active
         stream.first_offset = loaded.first_offset
-        stream.end_offset = stream.visible_end = loaded.end_offset
+        stream.end_offset = stream.local_end = stream.visible_end = loaded.end_offset
         stream.damaged, stream.producers = loaded.damaged, loaded.producers
         stream.last_ts = stream.index.max_ts[-1] if len(stream.index) else 0
         if ctx.config.compression:
             stream.pack_queue = [s for s in stream.segments[:-1] if not s.packed]
+        if fs.exists(directory / EPOCHS_FILE):
+            stream.epochs = EpochHistory.decode(fs.read_file(directory / EPOCHS_FILE))
+        stream.truncation.finish_pending()
         if clean:
             fs.remove(directory / CLEAN_MARKER)  # from here on a crash must trigger the tail scan
         return stream
@@ -126,7 +145,7 @@ class Stream:
                     self.producers.record(*producer, BatchRecord(first, first + n - 1, ts))
                 seq = self.write_seq
                 if not always:
-                    self.visible_end = self.end_offset
+                    self.publish(self.end_offset)
         if always:
             self.gate.wait(seq, self._sync_now)
         if earlier is not None:
@@ -163,13 +182,29 @@ class Stream:
             if start:
                 positions = array("I", [p - start for p in positions])
             node = self._start_node(n, len(blob), ts)
-        node.append(blob, positions, ts, flags)
-        self.index.grew(ts)
-        self.end_offset = first + n
-        self.last_ts = ts
+        node.append(blob, positions, ts, ts, flags)
+        self._wrote(node, first + n, ts)
+        return first, ts
+
+    def write_records(self, blob: bytes, positions: array, first_ts: int, last_ts: int, flags: int) -> None:
+        """Write stored records as they are at end_offset (replication, storage/replica.py; call with
+        `lock` held). `positions`: their count+1 boundaries from 0; they fit one batch's limits."""
+        n = len(positions) - 1
+        node = self.active
+        if node is None or node.ref.segment is not self.segments[-1] or not node.room(n, len(blob)):
+            node = self._start_node(n, len(blob), self.ctx.clock())
+        start = node.positions[-1]
+        if start:
+            positions = array("I", map(add, positions, repeat(start, n + 1)))
+        node.append(blob, positions, first_ts, last_ts, flags)
+        self._wrote(node, self.end_offset + n, last_ts)
+
+    def _wrote(self, node: GrowingNode, end_offset: int, last_ts: int) -> None:
+        self.index.grew(last_ts)
+        self.end_offset = end_offset
+        self.last_ts = last_ts
         self.write_seq += 1
         self.dirty.add(node.ref.segment.file)
-        return first, ts
 
     def _start_node(self, entries: int, nbytes: int, ts: int) -> GrowingNode:
         slots = max(self.ctx.config.node_entries, entries)
@@ -213,13 +248,35 @@ class Stream:
         for file in files:
             file.sync()
         with self.lock:
-            self.visible_end = max(self.visible_end, upto)
+            self.publish(max(self.local_end, upto))
         return seq
 
     def sync(self) -> None:
         with self.lock:
             seq = self.write_seq
         self.gate.wait(seq, self._sync_now)
+
+    # ------------------------------------------------------------------ visibility
+
+    def publish(self, local_end: int) -> None:
+        """Entries up to `local_end` are written (and synced, under "always"); readers see them up
+        to the commit cap. Call with `lock` held."""
+        self.local_end = local_end
+        commit = self.commit
+        self.visible_end = local_end if commit is None or commit > local_end else commit
+
+    def set_commit(self, offset: int | None) -> bool:
+        """Cap what readers see at `offset` (None: no cap). True if they now see further."""
+        with self.lock:
+            before = self.visible_end
+            self.commit = offset
+            self.publish(self.local_end)
+            return self.visible_end > before
+
+    def save_epochs(self, epochs: EpochHistory) -> None:
+        """Replace the epoch history, durably and atomically (storage/epochs.py)."""
+        self.ctx.fs.write_file_atomic(self.directory / EPOCHS_FILE, epochs.encode())
+        self.epochs = epochs
 
     # ------------------------------------------------------------------ reading
 
@@ -239,7 +296,7 @@ class Stream:
         damaged = any(g.start_offset <= offset < g.end_offset for g in self.damaged)
         return GapReason.CORRUPT if damaged else GapReason.COMPACTED
 
-    def _corrupt(self, ref: NodeRef, exc: CorruptionError) -> Gap:
+    def corrupt(self, ref: NodeRef, exc: CorruptionError) -> Gap:
         if ref.mark_corrupt(self.name, exc):
             self.damaged.append(ref.damage())
             self.index.mark_holes()
@@ -254,7 +311,7 @@ class Stream:
             raise InvalidArgumentError("offset, count and max_bytes must not be negative")
         with self.lock:
             if reverse:
-                return self._read_backward(offset, count, max_bytes)
+                return read_backward(self, offset, count, max_bytes)
             return self._read_forward(offset, count, max_bytes)
 
     def _read_forward(self, offset: int, count: int, max_bytes: int) -> ReadResult:
@@ -278,7 +335,7 @@ class Stream:
             except CorruptionError as exc:
                 if taken:
                     break
-                gap = self._corrupt(ref, exc)
+                gap = self.corrupt(ref, exc)
                 start = ref.end_offset
                 continue
             lo, hi = view.index_of(start), view.index_of(end)
@@ -308,80 +365,11 @@ class Stream:
         resume = last + 1 if last is not None else offset if gap is None else max(offset, gap.end_offset)
         return ReadResult(records, taken, first, end, resume, gap, last)
 
-    def _read_backward(self, offset: int, count: int, max_bytes: int) -> ReadResult:
-        end, first = self.visible_end, self.first_offset
-        if offset < first:
-            return ReadResult([], 0, first, end, -1, Gap(offset, first, GapReason.EVICTED), None)
-        start = min(offset, end - 1)  # the highest offset wanted
-        records: list[bytes] = []
-        taken = size = 0
-        last = None
-        nodes = self.index.nodes
-        i = self.index.last_at_or_before(start)
-        while count > taken and i >= 0 and start >= first:
-            ref = nodes[i]
-            i -= 1
-            try:
-                view = self.view(ref)
-            except CorruptionError as exc:
-                if taken:
-                    break
-                self._corrupt(ref, exc)
-                continue
-            hi = view.index_of(start + 1)
-            lo = view.index_of(first)
-            positions = view.positions
-            for j in range(hi - 1, max(lo, hi - (count - taken)) - 1, -1):
-                length = positions[j + 1] - positions[j]
-                if max_bytes and taken and size + length > max_bytes:
-                    return ReadResult(records, taken, first, end, _before(last, first), None, last)
-                records.append(view.slice(j, j + 1))
-                taken += 1
-                size += length
-                last = view.offset_at(j)
-            if last is not None:
-                start = last - 1
-        return ReadResult(records, taken, first, end, _before(last, first), None, last)
-
     def seek_time(self, timestamp_ms: int) -> int:
-        with self.lock:
-            end = self.visible_end
-            nodes = self.index.nodes
-            i = self.index.first_reaching(timestamp_ms)
-            while i < len(nodes) and nodes[i].base_offset < end:
-                ref = nodes[i]
-                i += 1
-                try:
-                    view = self.view(ref)
-                except CorruptionError as exc:
-                    self._corrupt(ref, exc)
-                    continue
-                lo = view.first_at_or_after(timestamp_ms)
-                if lo < view.count:
-                    return min(max(view.offset_at(lo), self.first_offset), end)
-            return end
+        return seek_time(self, timestamp_ms)
 
     def count(self, start: int, end: int) -> int:
-        with self.lock:
-            start = max(start, self.first_offset)
-            end = min(end, self.visible_end)
-            if start >= end:
-                return 0
-            if not self.index.has_holes(self.first_offset, bool(self.damaged)):
-                return end - start
-            total = 0
-            nodes = self.index.nodes
-            for ref in nodes[self.index.holding(start) :]:
-                if ref.base_offset >= end:
-                    break
-                if ref.end_offset <= start or ref.corrupt:
-                    continue
-                if ref.header.flags & NODE_SPARSE:
-                    view = self.view(ref)
-                    total += view.index_of(end) - view.index_of(start)
-                else:
-                    total += min(end, ref.end_offset) - max(start, ref.base_offset)
-            return total
+        return count_entries(self, start, end)
 
     # ------------------------------------------------------------------ segments leaving
 
@@ -443,8 +431,3 @@ class Stream:
                     self.release(segment)
                 self.segments.clear()
                 self.index.clear()
-
-
-def _before(last: int | None, first: int) -> int:
-    """Where a reverse read continues: below its last entry, or -1 when nothing older remains."""
-    return -1 if last is None or last - 1 < first else last - 1

@@ -1,0 +1,82 @@
+"""The engine's replication primitives (no networking: cluster/ drives them). `Engine` takes them
+from `ReplicaCalls`, so the engine's own file stays about streams.
+
+- Leader side: `read_replica` hands out stored records from an offset, past the commit cap;
+  `set_commit` caps what readers see at the high watermark, and wakes them when it moves up.
+- Follower side: `append_replica` writes a chunk at the offsets it carries; `truncate` drops a
+  diverged suffix (KIP-101).
+- Both: the leader-epoch history (`epochs`, `begin_epoch`, `epoch_end`) and the stream's
+  `incarnation` (storage/epochs.py), and `log_end`, the end a replica vouches for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from storage.errors import InvalidArgumentError
+from storage.replica import ReplicaChunk, append_chunk, read_chunk
+from storage.stream import Stream
+
+
+class ReplicaCalls:
+    _listeners: list[Callable[[str, int], None]]  # set by the engine
+    _stream: Callable[[str], Stream]
+
+    def read_replica(self, name: str, offset: int, max_bytes: int) -> ReplicaChunk:
+        """Stored records from `offset` on, up to about `max_bytes` (at least one record if there
+        is any past `offset`), whatever the commit cap; see storage/replica.py."""
+        return read_chunk(self._stream(name), offset, max_bytes)
+
+    def append_replica(self, name: str, chunk: ReplicaChunk) -> int:
+        """Append a chunk read from the leader at the offsets it carries, timestamps as recorded;
+        its idempotent batches are noted for deduplication. OffsetMismatchError unless it starts at
+        the stream's end. Returns the new end once as durable as the stream's fsync policy promises.
+        Append listeners are not told: readers of a replica see what `set_commit` lets through."""
+        return append_chunk(self._stream(name), chunk)
+
+    def truncate(self, name: str, end_offset: int) -> None:
+        """Drop every entry at and after `end_offset` (from the first offset to the end, else
+        InvalidArgumentError), with the epochs that start there or later and the idempotent
+        batches that end there or later; durable and crash-safe (storage/truncation.py)."""
+        self._stream(name).truncation.truncate(end_offset)
+
+    def log_end(self, name: str) -> int:
+        """The end this replica vouches for, whatever the commit cap: entries written, and synced
+        under fsync "always" (a follower's acknowledgement, a leader's share of the watermark)."""
+        return self._stream(name).local_end
+
+    def set_commit(self, name: str, offset: int | None) -> None:
+        """Cap what readers see (reads, group reads, subscriptions, count, seeks, bounds) at
+        `offset`; None lifts the cap (the default: embedded mode). When readers can see further,
+        the append listeners are told, so blocked reads wake on commit, not on append."""
+        if offset is not None and (not isinstance(offset, int) or offset < 0):
+            raise InvalidArgumentError("a commit offset must be a non-negative integer or None")
+        stream = self._stream(name)
+        if stream.set_commit(offset):
+            for listener in self._listeners:
+                listener(name, stream.visible_end)
+
+    def epochs(self, name: str) -> list[tuple[int, int]]:
+        """The leader-epoch history: (epoch, start offset) pairs, both increasing."""
+        return list(self._stream(name).epochs.entries)
+
+    def begin_epoch(self, name: str, epoch: int) -> None:
+        """Record that `epoch` starts at the stream's end now, durably. The latest epoch again:
+        nothing changes; a lower one: PreconditionError."""
+        stream = self._stream(name)
+        with stream.maintenance_lock, stream.lock:
+            begun = stream.epochs.begun(epoch, stream.end_offset)
+            if begun is not None:
+                stream.save_epochs(begun)
+
+    def epoch_end(self, name: str, epoch: int) -> tuple[int, int]:
+        """KIP-279: (the largest recorded epoch <= `epoch`, where it ends: the next epoch's start,
+        or the stream's end). No epoch at or below it: (-1, the first recorded epoch's start), or
+        (-1, the first offset) when none is recorded."""
+        stream = self._stream(name)
+        with stream.lock:
+            return stream.epochs.end_of(epoch, stream.first_offset, stream.end_offset)
+
+    def incarnation(self, name: str) -> int:
+        """The incarnation the stream was created with (0: none, a stream not created replicated)."""
+        return self._stream(name).epochs.incarnation

@@ -1,0 +1,300 @@
+"""The engine's replication primitives: replica chunks out and in, truncation, epochs, the commit cap."""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from array import array
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from storage import (
+    AppendBatch,
+    Engine,
+    EngineConfig,
+    InvalidArgumentError,
+    OffsetMismatchError,
+    PreconditionError,
+    StreamConfig,
+)
+from storage.layout import EPOCHS_FILE, stream_directory
+from tests.storage.conftest import SMALL, FakeClock
+
+
+def replicate(leader: Engine, follower: Engine, name: str, sizes) -> None:
+    """Copy the leader's records the follower lacks, in chunks of the given byte budgets."""
+    if not follower.exists(name):
+        follower.create_stream(name)
+    sizes = iter(sizes)
+    while follower.log_end(name) < leader.log_end(name):
+        chunk = leader.read_replica(name, follower.log_end(name), next(sizes, 1 << 20))
+        assert chunk.count >= 1
+        assert follower.append_replica(name, chunk) == chunk.end_offset
+
+
+def everything(engine: Engine, name: str) -> tuple:
+    info = engine.info(name)
+    result = engine.read(name, info.first_offset, 1_000_000)
+    content = (info.first_offset, info.end_offset, info.entries, info.last_timestamp_ms)
+    return content, b"".join(result.records), result.entries()
+
+
+entry = st.tuples(
+    st.binary(min_size=0, max_size=300),  # payload
+    st.sampled_from(["", "", "k1", "k2"]),  # tag
+    st.sampled_from([0, 0, 0, 1_800_000_000_000]),  # deliver_at_ms
+    st.booleans(),  # headers
+)
+step = st.one_of(
+    st.tuples(
+        st.just("append"),
+        st.lists(entry, min_size=1, max_size=20),
+        st.one_of(st.none(), st.tuples(st.sampled_from(["p1", "p2"]), st.integers(0, 6))),
+    ),
+    st.tuples(st.just("replicate"), st.lists(st.integers(1, 3000), min_size=1, max_size=5), st.none()),
+    st.tuples(st.just("tick"), st.integers(0, 5000), st.none()),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(step, min_size=1, max_size=30), final=st.lists(st.integers(1, 5000), max_size=5))
+def test_a_follower_reads_back_byte_identical_to_its_leader(steps, final):
+    with tempfile.TemporaryDirectory() as tmp:
+        # The follower's clock is ahead (within the dedup window): nothing gets re-stamped by it.
+        leader_clock, follower_clock = FakeClock(), FakeClock(1_700_000_100_000)
+        leader = Engine(Path(tmp) / "a", EngineConfig(**SMALL), clock=leader_clock)
+        follower = Engine(Path(tmp) / "b", EngineConfig(**SMALL), clock=follower_clock)
+        leader.create_stream("s")
+        batches = {}
+        for kind, arg, producer in steps:
+            if kind == "append":
+                batch = AppendBatch(
+                    [e[0] for e in arg],
+                    tags=[e[1] for e in arg],
+                    headers=[{"h": b"v"} if e[3] else None for e in arg],
+                    deliver_at_ms=[e[2] for e in arg],
+                )
+                result = leader.append("s", batch, producer=producer)
+                if producer and not result.duplicate:
+                    batches[producer] = (batch, result.first_offset, result.last_offset)
+            elif kind == "replicate":
+                replicate(leader, follower, "s", arg)
+            else:
+                leader_clock.advance(arg)
+            if kind != "append" or not arg:
+                leader.maintain()  # packs full segments: chunks then come from packed nodes too
+        replicate(leader, follower, "s", final)
+        assert everything(follower, "s") == everything(leader, "s")
+        for (producer, sequence), (batch, first, last) in batches.items():
+            again = follower.append("s", batch, producer=(producer, sequence))
+            assert (again.duplicate, again.first_offset, again.last_offset) == (True, first, last)
+        follower.close()
+        follower = Engine(Path(tmp) / "b", EngineConfig(**SMALL), clock=follower_clock)
+        assert everything(follower, "s") == everything(leader, "s")
+        for (producer, sequence), (batch, first, _) in batches.items():
+            again = follower.append("s", batch, producer=(producer, sequence))
+            assert (again.duplicate, again.first_offset) == (True, first)
+        leader.close()
+        follower.close()
+
+
+def test_a_record_larger_than_the_byte_budget_still_moves(open_engine):
+    engine = open_engine()
+    engine.append("s", AppendBatch([b"x" * 2000, b"y" * 10]))
+    chunk = engine.read_replica("s", 0, 1)
+    assert (chunk.first_offset, chunk.count, chunk.log_end) == (0, 1, 2)
+    assert engine.read_replica("s", 2, 100).count == 0
+
+
+def test_a_replica_read_sees_past_the_commit_cap(open_engine):
+    engine = open_engine()
+    engine.append("s", AppendBatch([b"a", b"b", b"c"]))
+    engine.set_commit("s", 1)
+    assert engine.read("s", 0, 10).count == 1
+    assert engine.read_replica("s", 0, 1000).count == 3
+
+
+def test_a_chunk_that_does_not_start_at_the_end_changes_nothing(open_engine, tmp_path):
+    leader = open_engine()
+    leader.append("s", AppendBatch([b"a", b"b", b"c"]))
+    follower = Engine(tmp_path / "f", EngineConfig(**SMALL))
+    follower.create_stream("s")
+    with pytest.raises(OffsetMismatchError) as err:
+        follower.append_replica("s", leader.read_replica("s", 1, 1000))
+    assert err.value.end_offset == 0
+    assert follower.info("s").end_offset == 0
+    follower.close()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda c: dataclasses.replace(c, positions=array("I", [0, 5, 3, len(c.records)])),
+        lambda c: dataclasses.replace(c, positions=array("I", [0, len(c.records)])),
+        lambda c: dataclasses.replace(
+            c, runs=(dataclasses.replace(c.runs[0], first_ts=c.runs[0].first_ts + 1),)
+        ),
+        lambda c: dataclasses.replace(
+            c, first_offset=0, runs=(dataclasses.replace(c.runs[0], first_offset=1),)
+        ),
+        lambda c: dataclasses.replace(c, records=c.records[:-1] + b"\x00"),
+    ],
+    ids=["positions out of order", "runs miss records", "timestamp", "offsets", "last byte"],
+)
+def test_a_malformed_chunk_is_refused_and_writes_nothing(open_engine, tmp_path, damage):
+    leader = open_engine()
+    leader.append("s", AppendBatch([b"aaaa", b"bbbb", b"cccc"]))
+    chunk = leader.read_replica("s", 0, 1000)
+    follower = Engine(tmp_path / "f", EngineConfig(**SMALL))
+    follower.create_stream("s")
+    bad = damage(chunk)
+    if bad.records != chunk.records:  # the records' own bytes are trusted: a payload byte goes through
+        follower.append_replica("s", bad)
+        assert follower.read("s", 0, 10).entries()[-1].payload == b"ccc\x00"
+    else:
+        with pytest.raises(InvalidArgumentError):
+            follower.append_replica("s", bad)
+        assert follower.info("s").end_offset == 0
+    follower.close()
+
+
+# ---------------------------------------------------------------------- truncation
+
+
+def filled(open_engine, n: int, **config) -> tuple[Engine, list[bytes]]:
+    engine = open_engine(**config)
+    payloads = [b"entry-%04d" % i * 100 for i in range(n)]
+    for i in range(0, n, 5):
+        engine.append("s", AppendBatch(payloads[i : i + 5]))
+    return engine, payloads
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["growing", "packed"])
+@pytest.mark.parametrize("cut", [0, 3, 8, 37, 80, 199])
+def test_truncate_drops_the_suffix_and_appends_go_on_from_the_cut(open_engine, packed, cut):
+    engine, payloads = filled(open_engine, 200)
+    if packed:
+        engine.maintain()
+    assert engine.info("s").segments > 2
+    engine.truncate("s", cut)
+    assert [e.payload for e in engine.read("s", 0, 1000).entries()] == payloads[:cut]
+    assert engine.info("s").end_offset == cut
+    assert engine.append("s", AppendBatch([b"new"] * 7)).first_offset == cut
+    engine.close()
+    engine = open_engine()
+    got = engine.read("s", 0, 1000).entries()
+    assert [e.payload for e in got] == payloads[:cut] + [b"new"] * 7
+    assert [e.offset for e in got] == list(range(cut + 7))
+
+
+def test_truncate_refuses_a_cut_outside_the_stream(open_engine):
+    engine, _ = filled(open_engine, 20)
+    engine.trim("s", 5)
+    for cut in (4, 21, -1):
+        with pytest.raises(InvalidArgumentError):
+            engine.truncate("s", cut)
+    engine.truncate("s", 20)  # at the end: nothing to drop
+    engine.truncate("s", 5)
+    assert engine.info("s").end_offset == 5
+
+
+def test_truncate_forgets_epochs_and_producers_past_the_cut(open_engine):
+    engine = open_engine()
+    engine.create_stream("s", incarnation=7)
+    engine.begin_epoch("s", 1)
+    engine.append("s", AppendBatch([b"a"] * 4))
+    engine.begin_epoch("s", 2)
+    engine.append("s", AppendBatch([b"b"] * 4), producer=("p", 1))
+    engine.truncate("s", 4)
+    assert engine.epochs("s") == [(1, 0)]
+    again = engine.append("s", AppendBatch([b"c"] * 4), producer=("p", 1))
+    assert (again.duplicate, again.first_offset) == (False, 4)
+    engine.close()
+    engine = open_engine()
+    assert engine.epochs("s") == [(1, 0)] and engine.incarnation("s") == 7
+    assert engine.append("s", AppendBatch([b"c"] * 4), producer=("p", 1)).duplicate
+
+
+# ---------------------------------------------------------------------- epochs
+
+
+def test_the_epoch_history_answers_kip279_lookups(open_engine):
+    engine = open_engine()
+    engine.create_stream("s")
+    assert engine.epochs("s") == [] and engine.epoch_end("s", 3) == (-1, 0)
+    engine.begin_epoch("s", 2)
+    engine.append("s", AppendBatch([b"a"] * 5))
+    engine.begin_epoch("s", 2)  # the latest again: no change
+    engine.begin_epoch("s", 4)
+    engine.append("s", AppendBatch([b"b"] * 3))
+    engine.begin_epoch("s", 5)
+    engine.begin_epoch("s", 6)  # epoch 5 wrote nothing: it gives way
+    assert engine.epochs("s") == [(2, 0), (4, 5), (6, 8)]
+    assert engine.epoch_end("s", 1) == (-1, 0)
+    assert engine.epoch_end("s", 2) == (2, 5)
+    assert engine.epoch_end("s", 3) == (2, 5)
+    assert engine.epoch_end("s", 4) == (4, 8)
+    engine.append("s", AppendBatch([b"c"]))
+    assert engine.epoch_end("s", 9) == (6, 9)
+    with pytest.raises(PreconditionError):
+        engine.begin_epoch("s", 3)
+    engine.close()
+    assert open_engine().epochs("s") == [(2, 0), (4, 5), (6, 8)]
+
+
+def test_a_damaged_epoch_file_makes_the_stream_unreadable(open_engine, tmp_path):
+    engine = open_engine()
+    engine.create_stream("s", incarnation=3)
+    engine.begin_epoch("s", 1)
+    engine.close()
+    path = stream_directory(tmp_path / "data", "s") / EPOCHS_FILE
+    raw = bytearray(path.read_bytes())
+    raw[-2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    engine = open_engine()
+    assert not engine.exists("s") and engine.unreadable
+
+
+def test_a_stream_keeps_its_incarnation(open_engine):
+    engine = open_engine()
+    engine.create_stream("s", incarnation=42)
+    engine.create_stream("s", StreamConfig(), incarnation=42)
+    with pytest.raises(PreconditionError):
+        engine.create_stream("s", incarnation=43)
+    engine.create_stream("plain")
+    assert (engine.incarnation("s"), engine.incarnation("plain")) == (42, 0)
+
+
+# ---------------------------------------------------------------------- the commit cap
+
+
+def test_the_commit_cap_bounds_every_reader_and_wakes_them_when_it_moves(open_engine, clock):
+    engine = open_engine()
+    woken: list[tuple[str, int]] = []
+    engine.add_append_listener(lambda name, end: woken.append((name, end)))
+    engine.create_stream("s")
+    engine.create_group("s", "g")
+    engine.set_commit("s", 0)
+    engine.append("s", AppendBatch([b"a"] * 5))
+    clock.advance(1000)
+    engine.append("s", AppendBatch([b"b"] * 5))
+    assert woken == []  # an append alone wakes nobody while a cap is set
+    assert engine.read("s", 0, 100).count == 0
+    engine.set_commit("s", 7)
+    assert woken == [("s", 7)]
+    assert engine.read("s", 0, 100).count == 7
+    assert engine.read("s", 100, 100, reverse=True).count == 7
+    assert engine.bounds("s").end_offset == engine.info("s").end_offset == 7
+    assert engine.count("s", 0, 100) == 7
+    assert (engine.seek_time("s", clock.now_ms), engine.seek_time("s", clock.now_ms + 1)) == (5, 7)
+    from storage import GroupReadOptions
+
+    assert engine.read_group("s", "g", GroupReadOptions("c", 100)).offsets == list(range(7))
+    engine.set_commit("s", 3)  # down: nobody to wake
+    engine.set_commit("s", None)
+    assert woken == [("s", 7), ("s", 10)]
+    assert engine.read("s", 0, 100).count == 10
+    assert engine.log_end("s") == 10
