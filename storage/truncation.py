@@ -98,7 +98,8 @@ class Truncation:
             return
         end_offset = decode_marker(fs.read_file(path))
         with s.maintenance_lock, s.lock:
-            if s.first_offset <= end_offset < s.end_offset:
+            # Even when the log is cut already: the epochs and producers may not be yet.
+            if s.first_offset <= end_offset <= s.end_offset:
                 self._cut(end_offset)
         fs.remove(path)
 
