@@ -32,6 +32,7 @@ from storage.groups import (
 )
 from storage.names import MAX_NAME_BYTES, InvalidNameError, validate_name
 from storage.records import Entry
+from storage.replica import ProducerMark, ReplicaChunk, ReplicaRun
 from storage.results import AppendResult, Gap, ReadResult, StreamInfo
 from storage.types import AppendBatch, FsyncPolicy, GapReason, StreamBounds
 
@@ -65,7 +66,10 @@ __all__ = [
     "PendingInfo",
     "PendingRow",
     "PreconditionError",
+    "ProducerMark",
     "ReadResult",
+    "ReplicaChunk",
+    "ReplicaRun",
     "StorageError",
     "StreamBounds",
     "StreamConfig",

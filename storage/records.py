@@ -258,26 +258,7 @@ def skim_records(chunks: Iterable[bytes]) -> list[tuple[int, int, int, bytes]]:
     for chunk in chunks:
         pos, end = 0, len(chunk)
         while pos < end:
-            offset, timestamp = record_offset_and_timestamp(chunk, pos)
-            length, body = _read_varint(chunk, pos + 1, end)
-            stop = body + length
-            if stop > end:
-                raise CorruptionError("entry record runs past the end of its chunk")
-            p = body
-            due = 0
-            while p < stop:
-                key, p = _read_varint(chunk, p, stop)
-                if key == 0x30:
-                    due, p = _read_varint(chunk, p, stop)
-                elif key & 7 == 0:
-                    _, p = _read_varint(chunk, p, stop)
-                elif key & 7 == 2:
-                    n, p = _read_varint(chunk, p, stop)
-                    p += n
-                else:
-                    raise CorruptionError(f"unexpected field key {key:#x} in entry record")
-            if p != stop:
-                raise CorruptionError("a field runs past the end of its entry record")
+            offset, timestamp, stop, due, _, _ = _skim_record(chunk, pos, end)
             out.append((offset, timestamp, due, chunk[pos:stop]))
             pos = stop
     return out
@@ -285,38 +266,47 @@ def skim_records(chunks: Iterable[bytes]) -> list[tuple[int, int, int, bytes]]:
 
 def find_producers(chunk: bytes | memoryview) -> list[tuple[int, int, str, int]]:
     """(offset, timestamp_ms, producer id, sequence) of each record in `chunk` (records back to
-    back) that ends an idempotent batch. Other fields are skipped by their wire type, unread."""
+    back) that ends an idempotent batch, read as skim_records reads them."""
     out = []
     pos, end = 0, len(chunk)
     while pos < end:
-        offset, timestamp = record_offset_and_timestamp(chunk, pos)
-        length, p = _read_varint(chunk, pos + 1, end)
-        stop = p + length
-        if stop > end:
-            raise CorruptionError("entry record runs past the end of its chunk")
-        producer, sequence = b"", -1
-        while p < stop:
-            key, p = _read_varint(chunk, p, stop)
-            if key == 0x72:
-                producer, p = _read_length_delimited(chunk, p, stop)
-            elif key == 0x78:
-                sequence, p = _read_varint(chunk, p, stop)
-            elif key & 7 == 0:
-                _, p = _read_varint(chunk, p, stop)
-            elif key & 7 == 2:
-                n, p = _read_varint(chunk, p, stop)
-                p += n
-            else:
-                raise CorruptionError(f"unexpected field key {key:#x} in entry record")
-        if p != stop:
-            raise CorruptionError("a field runs past the end of its entry record")
+        offset, timestamp, pos, _, producer, sequence = _skim_record(chunk, pos, end)
         if producer:
             try:
-                out.append((offset, timestamp, producer.decode(), max(sequence, 0)))
+                out.append((offset, timestamp, producer.decode(), sequence))
             except UnicodeDecodeError as exc:
                 raise CorruptionError("entry producer id is not UTF-8") from exc
-        pos = stop
     return out
+
+
+def _skim_record(chunk: bytes | memoryview, pos: int, end: int) -> tuple[int, int, int, int, bytes, int]:
+    """(offset, timestamp, where it stops, deliver_at_ms, producer id, sequence) of the record at
+    `pos`; the other fields are skipped by their wire type."""
+    offset, timestamp = record_offset_and_timestamp(chunk, pos)
+    length, p = _read_varint(chunk, pos + 1, end)
+    stop = p + length
+    if stop > end:
+        raise CorruptionError("entry record runs past the end of its chunk")
+    due = sequence = 0
+    producer = b""
+    while p < stop:
+        key, p = _read_varint(chunk, p, stop)
+        if key == 0x30:
+            due, p = _read_varint(chunk, p, stop)
+        elif key == 0x72:
+            producer, p = _read_length_delimited(chunk, p, stop)
+        elif key & 7 == 0:
+            value, p = _read_varint(chunk, p, stop)
+            if key == 0x78:
+                sequence = value
+        elif key & 7 == 2:
+            n, p = _read_varint(chunk, p, stop)
+            p += n
+        else:
+            raise CorruptionError(f"unexpected field key {key:#x} in entry record")
+    if p != stop:
+        raise CorruptionError("a field runs past the end of its entry record")
+    return offset, timestamp, stop, due, producer, sequence
 
 
 def record_offset_and_timestamp(buf: bytes | memoryview, pos: int) -> tuple[int, int]:

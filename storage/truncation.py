@@ -114,11 +114,11 @@ class Truncation:
             s.release(doomed)
             fs.remove(doomed.path)
         if s.segments and s.segments[-1].end_offset() > cut:
-            tail = s.segments[-1]
-            if tail.packed:
-                s.segments[-1] = self._rewrite_packed(tail, cut)
+            holding = s.segments[-1]
+            if holding.packed:
+                s.segments[-1] = self._rewrite_packed(holding, cut)
             else:
-                self._cut_growing(tail, cut)
+                self._cut_growing(holding, cut)
         tail = s.segments[-1] if s.segments else None
         resumed = tail.nodes[-1] if tail is not None and not tail.packed and tail.nodes else None
         s.active = GrowingNode.resume(resumed) if resumed is not None else None
