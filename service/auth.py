@@ -45,9 +45,10 @@ permissions:
 A rule without `groups` covers its streams and all their groups; a rule with
 `groups` covers only calls on those groups (a worker may consume through group
 "billing" without being able to read the stream directly or touch other groups).
-ListStreams is open to every identified caller and lists only the streams some
-rule lets it touch; its page tokens are then opaque handles, so a page that ends
-on a hidden stream does not reveal that stream's name.
+ListStreams and DescribeCluster are open to every identified caller and list only
+the streams some rule lets it touch (DescribeCluster shows every node: clients
+need their addresses to reach stream leaders); their page tokens are then opaque
+handles, so a page that ends on a hidden stream does not reveal that stream's name.
 
 **Reloads** of the token and ACL files check the calls that outlive them again
 (Subscribe, Consume, blocking Reads: the server's open calls, service/opencalls.py),
@@ -77,7 +78,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from streamlog.v1 import streamlog_pb2 as pb
 
 from service.config import ConfigError, Settings
 from service.interceptors import StreamBehavior, UnaryBehavior, WrappingInterceptor, iterate
@@ -97,7 +97,7 @@ ANY_PRINCIPAL = "*"
 ROLE_PREFIX = "role:"
 # Shorter tokens are refused: a bearer token is a password that is never typed.
 MIN_TOKEN_CHARS = 16
-# ListStreams page handles kept per server; a client holding an older one lists again.
+# Page handles of ListStreams and DescribeCluster kept per server; older ones: list again.
 PAGE_HANDLES = 10_000
 _DECISION_CACHE = 65_536
 
@@ -122,7 +122,7 @@ class Access:
     named_group_permission: str | None = None
 
 
-# Every StreamLogService RPC except ListStreams (filtered instead). An RPC missing here is
+# Every StreamLogService RPC except the catalog's (filtered instead). An RPC missing here is
 # refused at start-up when authorization is on, so a new RPC is never open by accident.
 METHOD_ACCESS: dict[str, Access] = {
     "Append": Access(WRITE),
@@ -148,7 +148,10 @@ METHOD_ACCESS: dict[str, Access] = {
     "Trim": Access(ADMIN),
     "SetStreamConfig": Access(ADMIN),
 }
-LIST_METHOD = "ListStreams"
+# RPCs that list streams, open to every identified caller: their replies keep only the
+# streams the caller may see, and their page tokens become handles. Each lists `streams`,
+# as names or as messages with a `name`.
+CATALOG_METHODS = frozenset({"ListStreams", "DescribeCluster"})
 
 
 # ---------------------------------------------------------------------------- files
@@ -488,13 +491,13 @@ class AuthInterceptor(WrappingInterceptor):
         """`calls`: the server's open calls, checked again when the tokens and rules are reloaded;
         `certificates`: mutual TLS is on, so a client certificate identifies a caller too."""
         super().__init__(service.full_name)
-        missing = [m.name for m in service.methods if m.name not in METHOD_ACCESS and m.name != LIST_METHOD]
+        missing = [m.name for m in service.methods if m.name not in METHOD_ACCESS.keys() | CATALOG_METHODS]
         if missing:
             raise ConfigError(f"no access rule class for RPCs {', '.join(missing)} (service/auth.py)")
         self.state = state
         self._observer = observer
         self._certificates = certificates
-        # ListStreams page handle -> (principal name, the servicer's token); oldest dropped first.
+        # Catalog page handle -> (principal name, the servicer's token); oldest dropped first.
         self._pages: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
         self._calls = calls
         state.listeners.append(self._reloaded)
@@ -642,8 +645,8 @@ class AuthInterceptor(WrappingInterceptor):
     # -- wrappers
 
     def wrap_unary(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
-        if method == LIST_METHOD:
-            return self._wrap_list(behavior)
+        if method in CATALOG_METHODS:
+            return self._wrap_catalog(method, behavior)
 
         async def authorized(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
@@ -666,12 +669,12 @@ class AuthInterceptor(WrappingInterceptor):
 
         return authorized
 
-    def _wrap_list(self, behavior: UnaryBehavior) -> UnaryBehavior:
-        async def filtered(request: pb.ListStreamsRequest, context: grpc.aio.ServicerContext) -> Any:
+    def _wrap_catalog(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
+        async def filtered(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
                 principal = self.identify(context)
             except Denied as denied:
-                await self._refuse(context, LIST_METHOD, denied)
+                await self._refuse(context, method, denied)
             if request.page_token:
                 held = self._pages.get(request.page_token)
                 if held is None or held[0] != principal.name:
@@ -679,22 +682,29 @@ class AuthInterceptor(WrappingInterceptor):
                         grpc.StatusCode.INVALID_ARGUMENT,
                         "page_token: not a token this server issued to you, or too old; list again",
                     )
-                inner = pb.ListStreamsRequest()
+                inner = type(request)()
                 inner.CopyFrom(request)
                 inner.page_token = held[1]
                 request = inner
             reply = await behavior(request, context)
             acl = self.state.acl
-            visible = [name for name in reply.streams if acl.visible(principal, name)]
-            handle = ""
+            visible = [s for s in reply.streams if acl.visible(principal, _stream_name(s))]
+            del reply.streams[:]
+            reply.streams.extend(visible)
             if reply.next_page_token:
                 handle = base64.urlsafe_b64encode(secrets.token_bytes(18)).decode()
                 self._pages[handle] = (principal.name, reply.next_page_token)
                 while len(self._pages) > PAGE_HANDLES:
                     self._pages.popitem(last=False)
-            return pb.ListStreamsResponse(streams=visible, next_page_token=handle)
+                reply.next_page_token = handle
+            return reply
 
         return filtered
+
+
+def _stream_name(item: Any) -> str:
+    """A catalog reply lists streams as names (ListStreams) or as messages with one."""
+    return item if isinstance(item, str) else item.name
 
 
 _GROUP_CONFIG_METHODS = frozenset({"CreateGroup", "SetGroupConfig"})

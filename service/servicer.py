@@ -3,7 +3,8 @@
 Each part has one job and its own module:
 
 - service/streams.py: Append, Read, and the streams' administration (ListStreams,
-  GetStreamInfo, DeleteStream, Trim, SetStreamConfig, SeekTime, CountRange);
+  GetStreamInfo, DeleteStream, Trim, SetStreamConfig, SeekTime, CountRange) and a
+  single server's DescribeCluster;
 - service/subscriptions.py: Subscribe, plain and in group mode;
 - service/groupdelivery.py: group reads (a Read naming a group, and the reads of
   Subscribe and Consume in group mode), Ack, Nack, Claim, AutoClaim;
@@ -54,6 +55,7 @@ class StreamLogServicer:
         self.SetStreamConfig = streams.SetStreamConfig
         self.SeekTime = streams.SeekTime
         self.CountRange = streams.CountRange
+        self.DescribeCluster = streams.DescribeCluster
         self.Subscribe = Subscriptions(serving, delivery).Subscribe
         self.Consume = self._consume.Consume
         self.Ack = delivery.Ack

@@ -1,5 +1,5 @@
 """The stream RPCs: Append, Read, and the stream's administration (list, describe, delete, trim,
-configure, seek by time, count).
+configure, seek by time, count), and DescribeCluster as a single server answers it.
 
 Append and Read are the hot paths: batches in, batches out (service/streamwire.py).
 An append to a stream whose fsync policy blocks runs in the thread pool, else on
@@ -10,19 +10,18 @@ that names a group is a group read (service/groupdelivery.py).
 from __future__ import annotations
 
 import asyncio
-import bisect
 import logging
 from typing import Any
 
 import grpc
 from streamlog.v1 import streamlog_pb2 as pb
 
-from service import streamwire, validation
+from service import describe, paging, streamwire, validation
 from service.errors import invalid_argument, limit_exceeded, not_found, translate_errors
 from service.groupdelivery import GroupDelivery, has_group_fields
 from service.serving import Serving
 from service.waiters import Wake
-from storage import MAX_NAME_BYTES, CorruptionError, Engine, ReadResult, StreamNotFoundError
+from storage import CorruptionError, Engine, ReadResult, StreamNotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -142,30 +141,18 @@ class StreamCalls:
     async def ListStreams(
         self, request: pb.ListStreamsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListStreamsResponse:
+        # In a cluster, the routing layer lists the cluster's catalog instead (service/routing.py).
         engine = self._serving.ready()
-        settings = self._serving.settings
-        prefix = request.prefix
-        if len(prefix.encode()) > MAX_NAME_BYTES:
-            raise invalid_argument(
-                f"prefix: longer than a stream name can be ({MAX_NAME_BYTES} bytes)"
-            )
-        page_size = validation.bounded(
-            "page_size", request.page_size, settings.default_page_size, settings.max_page_size
-        )
-        # Sorted by code point, which is the byte order of the UTF-8 encoding.
-        names = engine.list_streams()
-        start = bisect.bisect_left(names, prefix)
-        if request.page_token:
-            start = max(start, bisect.bisect_right(names, streamwire.after_token(request.page_token)))
-        page: list[str] = []
-        for name in names[start : start + page_size + 1]:
-            if not name.startswith(prefix):
-                break
-            page.append(name)
-        more = len(page) > page_size
-        del page[page_size:]
-        next_token = streamwire.page_token(page[-1]) if more else ""
-        return pb.ListStreamsResponse(streams=page, next_page_token=next_token)
+        names, next_page_token = paging.page_of_names(request, engine.list_streams(), self._serving.settings)
+        return pb.ListStreamsResponse(streams=names, next_page_token=next_page_token)
+
+    @translate_errors
+    async def DescribeCluster(
+        self, request: pb.DescribeClusterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DescribeClusterResponse:
+        # A single server; in a cluster, the routing layer answers instead (service/routing.py).
+        self._serving.ready()
+        return describe.single_server(request, self._serving.settings)
 
     @translate_errors
     async def GetStreamInfo(

@@ -1,4 +1,4 @@
-"""Streams between protobuf and the engine: append batches, read replies, configs, infos, page tokens.
+"""Streams between protobuf and the engine: append batches, read replies, configs, infos.
 
 Hot paths move batches, not entries. An append takes `payloads` (a list of bytes)
 in one C call, or turns `entries` into the engine's columns with C-level `map`s
@@ -12,7 +12,6 @@ server sends with a pass-through serializer (see server.py).
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Sequence
 from operator import attrgetter
 from typing import Any
@@ -33,7 +32,6 @@ FSYNC_TO_PROTO = {
 }
 _FSYNC_FROM_PROTO = {value: key for key, value in FSYNC_TO_PROTO.items()}
 _RETENTION_LIMITS = ("max_entries", "max_age_ms", "max_bytes")
-_PAGE_TOKEN_PREFIX = b"streamlog.v1/streams\x00"
 
 _payload = attrgetter("payload")
 _tag = attrgetter("tag")
@@ -150,19 +148,3 @@ def info_to_proto(
         if retention_holder is None
         else pb.RetentionHolder(group=retention_holder[0], offset=retention_holder[1]),
     )
-
-
-def page_token(name: str) -> str:
-    """The token of the page that follows the one ending with stream `name`."""
-    return base64.urlsafe_b64encode(_PAGE_TOKEN_PREFIX + name.encode()).decode()
-
-
-def after_token(token: str) -> str:
-    """The last name of the previous page, from a token this server issued."""
-    try:
-        raw = base64.urlsafe_b64decode(token.encode())
-        if not raw.startswith(_PAGE_TOKEN_PREFIX):
-            raise ValueError(token)
-        return raw[len(_PAGE_TOKEN_PREFIX) :].decode()
-    except (ValueError, UnicodeError):
-        raise invalid_argument("page_token: not a token this server issued") from None
