@@ -53,8 +53,10 @@ class Membership:
         self._ttl_s = lease_ttl_s
         self.lease_id = 0
         self.lease_valid_until = 0.0
-        # Set when the node id was taken by another node while this one was cut off.
+        # Set when the node id was taken by another node while this one was cut off; `failed`
+        # wakes whoever must then stop the node (it no longer acts as a member).
         self.error: DuplicateNodeError | None = None
+        self.failed = asyncio.Event()
         self._listeners: list[Callable[[int], None]] = []
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -179,6 +181,7 @@ class Membership:
                 except DuplicateNodeError as exc:
                     log.error("node %s stops acting as a member: %s", self.node_id, exc)
                     self.error = exc
+                    self.failed.set()
                     return
         for listener in self._listeners:
             listener(self.lease_id)

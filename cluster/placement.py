@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from cluster.errors import ClusterError, PlacementError
@@ -138,14 +138,24 @@ class PlacementTable:
         self._view.add_listener(listener)
 
     async def create_if_absent(
-        self, name: str, *, replication_factor: int | None = None, config: Mapping[str, Any] | None = None
+        self,
+        name: str,
+        *,
+        replication_factor: int | None = None,
+        config: Mapping[str, Any] | None = None,
+        replicas: Sequence[str] | None = None,
+        followers_in_sync: bool = True,
     ) -> StreamPlacement:
         """The stream's record, created first if there is none.
 
         A new record gets `replication_factor` replicas (default: the defaults'), capped
-        by the live nodes: those holding the fewest streams, ties broken by id. The first
-        leads, at epoch 1, and all are in sync (empty logs agree). Of several nodes
-        creating one stream at once, one transaction wins and all return its record.
+        by the live nodes: those holding the fewest streams, ties broken by id; or the
+        `replicas` given (to place a stream beside another). The first leads, at epoch
+        1, and all are in sync (empty logs agree), unless `followers_in_sync` is False:
+        then only the leader is, until the followers are known to copy it (a node with
+        no replication layer creates streams so, so that no follower that never copied
+        a byte can be elected). Of several nodes creating one stream at once, one
+        transaction wins and all return its record.
         """
         existing = self._streams.get(name)
         if existing is not None:
@@ -156,10 +166,12 @@ class PlacementTable:
         factor = settings.get("replication_factor")
         if not isinstance(factor, int) or isinstance(factor, bool) or factor < 1:
             raise PlacementError(f"replication_factor must be a positive integer, got {factor!r}")
-        replicas = tuple(self.choose_replicas(factor))
-        if not replicas:
+        chosen = tuple(self.choose_replicas(factor) if replicas is None else replicas)
+        if not chosen:
             raise ClusterError("no live node to place a stream on")
-        record = StreamPlacement(name, 0, 0, replicas, replicas[0], 1, replicas, settings)
+        isr = chosen if followers_in_sync else chosen[:1]
+        record = StreamPlacement(name, 0, 0, chosen, chosen[0], 1, isr, settings)
+        record.check()
         key = self._keys.stream(name)
         result = await self._etcd.put_if(key, record.to_json(), [Condition(key, 0, "create")])
         if result.kv is None:  # deleted right after a competitor created it

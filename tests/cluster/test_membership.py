@@ -104,6 +104,31 @@ def test_a_second_node_with_a_live_nodes_id_is_refused(etcd: EtcdCluster) -> Non
     run(scenario())
 
 
+def test_a_node_whose_id_was_taken_while_it_was_cut_off_reports_that_it_failed(etcd: EtcdCluster) -> None:
+    async def scenario() -> None:
+        proxy = FaultProxy(etcd.endpoints[0])
+        await proxy.start()
+        async with nodes(etcd.endpoints, "observer") as (observer,), nodes([proxy.address], "a") as (a,):
+            gone = _on_removal(observer, "a", lambda: None)
+            proxy.block()
+            async with asyncio.timeout(TTL_S + 5):
+                await gone.wait()
+            # Another process takes the id while `a` cannot reach etcd.
+            async with nodes(etcd.endpoints, "a", advertise="127.0.0.1:9999"):
+                assert not a.membership.failed.is_set()
+                proxy.unblock()
+                # `a` finds its lease gone, waits a TTL for the holder to go, then gives up.
+                async with asyncio.timeout(2 * TTL_S + 10):
+                    await a.membership.failed.wait()
+                assert isinstance(a.membership.error, DuplicateNodeError)
+                assert not a.membership.lease_valid()
+                await settled([observer])
+                assert observer.nodes.live()["a"].address == "127.0.0.1:9999"
+        await proxy.stop()
+
+    run(scenario())
+
+
 def test_a_restarted_node_takes_its_id_back_once_its_dead_predecessors_lease_expires(
     etcd: EtcdCluster,
 ) -> None:

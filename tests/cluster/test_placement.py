@@ -44,6 +44,23 @@ def test_a_new_stream_is_placed_on_the_least_loaded_live_nodes(etcd: EtcdCluster
     run(scenario())
 
 
+def test_a_stream_placed_beside_another_or_with_its_followers_out_of_sync(etcd: EtcdCluster) -> None:
+    async def scenario() -> None:
+        async with nodes(etcd.endpoints, "a", "b", "c") as (a, _b, _c):
+            # Given replicas (e.g. those of the stream a dead-letter stream serves), in that order.
+            beside = await a.placement.create_if_absent("dlq", replicas=("c", "a"))
+            assert (beside.replicas, beside.leader, beside.isr) == (("c", "a"), "c", ("c", "a"))
+            # Followers not yet copying the leader are not in sync: only the leader can be elected.
+            alone = await a.placement.create_if_absent("s", replication_factor=3, followers_in_sync=False)
+            assert (alone.replicas, alone.leader, alone.isr) == (("b", "a", "c"), "b", ("b",))
+            assert alone.config["replication_factor"] == 3
+            with pytest.raises(PlacementError, match="a replica is listed twice"):
+                await a.placement.create_if_absent("twice", replicas=("a", "a"))
+            assert a.placement.locate("twice") is None
+
+    run(scenario())
+
+
 def test_nodes_creating_one_stream_at_once_all_get_the_one_record_that_won(etcd: EtcdCluster) -> None:
     async def scenario() -> None:
         async with nodes(etcd.endpoints, "a", "b", "c") as started:
