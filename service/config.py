@@ -166,6 +166,9 @@ class Settings:
     default_acks: str = "quorum"
     # ID=HOST:PORT,...: dial these peers here instead of at their advertised address.
     peer_addresses: str = ""
+    # With TLS on, the CA certificates (PEM) that signed the other nodes' certificates;
+    # empty: tls_client_ca_file, else the system's trust store.
+    peer_ca_file: str = ""
 
 
 # name -> (lowest, highest) for integer settings; None means no bound on that side.
@@ -225,7 +228,14 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "default_acks": ACK_LEVELS,
 }
 # Settings naming a file the server reads at start-up (and again when it changes).
-FILE_SETTINGS = ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "tokens_file", "acl_file")
+FILE_SETTINGS = (
+    "tls_cert_file",
+    "tls_key_file",
+    "tls_client_ca_file",
+    "tokens_file",
+    "acl_file",
+    "peer_ca_file",
+)
 # Parts of a setting's name that mark its value as secret: masked when settings are printed.
 _SECRET_MARKERS = ("password", "secret", "token")
 
@@ -487,7 +497,7 @@ def _validate_cluster(settings: Settings, where: Callable[[str], str]) -> None:
             f"{settings.lease_ttl_ms} (from {where('lease_ttl_ms')})"
         )
     if not settings.cluster.strip():
-        for name in ("node_id", "advertise", "peer_addresses"):
+        for name in ("node_id", "advertise", "peer_addresses", "peer_ca_file"):
             if getattr(settings, name):
                 raise ConfigError(
                     f"{name} is set (from {where(name)}) but cluster is not: set the etcd endpoints"

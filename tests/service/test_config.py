@@ -181,6 +181,8 @@ def test_a_single_server_needs_no_cluster_settings_and_a_clustered_node_parses_t
         ({**CLUSTER, "cluster_name": "a b"}, "cluster_name: the cluster name must be"),
         ({**CLUSTER, "peer_addresses": "n2"}, "peer_addresses: expected ID=HOST:PORT, got 'n2'"),
         ({**CLUSTER, "peer_addresses": "n2=h:1,n2=h:2"}, "peer_addresses: node 'n2' is listed twice"),
+        ({"peer_ca_file": __file__}, "peer_ca_file is set (from --set peer_ca_file) but cluster is not"),
+        ({**CLUSTER, "peer_ca_file": "/no/such/ca.pem"}, "peer_ca_file: /no/such/ca.pem is not a readable"),
         ({**CLUSTER, "lease_ttl_ms": "2500"}, "lease_ttl_ms: etcd leases count whole seconds"),
         ({**CLUSTER, "lease_ttl_ms": "0"}, "lease_ttl_ms: must be between 1000 and 300000"),
         ({**CLUSTER, "default_acks": "all"}, "default_acks: must be one of leader, quorum"),
