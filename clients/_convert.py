@@ -14,6 +14,7 @@ from streamlog.v1 import streamlog_pb2 as pb
 from clients.types import (
     AppendResult,
     ClaimResult,
+    ClusterNode,
     ConsumerInfo,
     Entry,
     Gap,
@@ -24,10 +25,12 @@ from clients.types import (
     PendingInfo,
     ReadResult,
     Record,
+    ReplicaProgress,
     RetentionHolder,
     Start,
     StreamConfig,
     StreamInfo,
+    StreamPlacement,
 )
 
 _BYTES = bytes | bytearray | memoryview
@@ -231,6 +234,31 @@ def stream_info(message: pb.StreamInfo) -> StreamInfo:
         retention_holder=holder,
         used_bytes=message.used_bytes,
         packed_segments=message.packed_segments,
+    )
+
+
+def cluster_node(message: pb.ClusterNode) -> ClusterNode:
+    return ClusterNode(
+        id=message.id,
+        address=message.address,
+        alive=message.alive,
+        controller=message.controller,
+        version=message.version,
+        started_ms=message.started_ms,
+    )
+
+
+def stream_placement(message: pb.StreamPlacement) -> StreamPlacement:
+    return StreamPlacement(
+        name=message.name,
+        leader=message.leader,
+        replicas=list(message.replicas),
+        in_sync_replicas=list(message.in_sync_replicas),
+        leader_epoch=message.leader_epoch,
+        replication_factor=message.replication_factor,
+        acks=message.acks,
+        high_watermark=_optional(message, "high_watermark"),
+        progress=[ReplicaProgress(p.node, p.log_end_offset, p.lag_ms) for p in message.progress],
     )
 
 

@@ -46,6 +46,7 @@ from clients.types import (
     AppendData,
     AppendResult,
     ClaimResult,
+    ClusterDescription,
     GroupConfig,
     GroupInfo,
     NackResult,
@@ -55,6 +56,7 @@ from clients.types import (
     Start,
     StreamConfig,
     StreamInfo,
+    StreamPlacement,
 )
 
 _SERVICE_NAME = pb.DESCRIPTOR.services_by_name["StreamLogService"].full_name
@@ -459,6 +461,22 @@ class AsyncClient:
             token = reply.next_page_token
             if not token:
                 return names
+
+    async def describe_cluster(
+        self, prefix: str = "", *, page_size: int = 0, timeout: float | None = None
+    ) -> ClusterDescription:
+        """The cluster's nodes and where its streams starting with `prefix` live (all pages), as
+        the server called sees it. A single server answers as one node, with no cluster name."""
+        streams: list[StreamPlacement] = []
+        token = ""
+        while True:
+            request = pb.DescribeClusterRequest(prefix=prefix, page_size=page_size, page_token=token)
+            reply = await self._unary(self._stub.DescribeCluster, request, timeout)
+            streams += map(convert.stream_placement, reply.streams)
+            token = reply.next_page_token
+            if not token:
+                nodes = list(map(convert.cluster_node, reply.nodes))
+                return ClusterDescription(reply.cluster_name, reply.node_id, nodes, streams)
 
     async def info(self, stream: str, *, timeout: float | None = None) -> StreamInfo:
         reply = await self._unary(self._stub.GetStreamInfo, pb.GetStreamInfoRequest(stream=stream), timeout)

@@ -4,6 +4,7 @@
     streamlog append orders '{"total": 42}'         streamlog tail -f orders
     streamlog read orders --from 0 --count 10       streamlog groups list orders
     streamlog export orders -o orders.jsonl         streamlog inspect ./data
+    streamlog cluster
 
 Tables for people by default (control characters in names, tags and header keys
 shown escaped), `--json` for scripts (one JSON document, or JSON Lines for
@@ -703,6 +704,54 @@ def _cmd_info(args: argparse.Namespace, out: IO[str]) -> int:
     return EXIT_OK
 
 
+def _cmd_cluster(args: argparse.Namespace, out: IO[str]) -> int:
+    with _client(args) as client:
+        cluster = client.describe_cluster(args.prefix)
+    if args.json:
+        _json(asdict(cluster), out)
+        return EXIT_OK
+    if not cluster.cluster_name:
+        out.write(f"a single server (no cluster), streamlog {cluster.nodes[0].version}\n")
+        return EXIT_OK
+    out.write(
+        f"cluster {_printable(cluster.cluster_name)}, as node {_printable(cluster.node_id)} sees it\n\n"
+    )
+    _table(
+        [
+            [
+                n.id,
+                n.address,
+                "alive" if n.alive else "down",
+                "yes" if n.controller else "",
+                n.version,
+                _time(n.started_ms),
+            ]
+            for n in cluster.nodes
+        ],
+        ["NODE", "ADDRESS", "STATE", "CONTROLLER", "VERSION", "STARTED"],
+        out,
+    )
+    if cluster.streams:
+        out.write("\n")
+        _table(
+            [
+                [
+                    s.name,
+                    s.leader or "(none)",
+                    s.leader_epoch,
+                    ",".join(s.replicas),
+                    ",".join(s.in_sync_replicas),
+                    s.replication_factor,
+                    s.acks,
+                ]
+                for s in cluster.streams
+            ],
+            ["STREAM", "LEADER", "EPOCH", "REPLICAS", "IN SYNC", "FACTOR", "ACKS"],
+            out,
+        )
+    return EXIT_OK
+
+
 def _cmd_trim(args: argparse.Namespace, out: IO[str]) -> int:
     with _client(args) as client:
         first = client.trim(
@@ -1107,6 +1156,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-i", "--input", type=Path, metavar="FILE", help="(default: stdin)")
     p.add_argument("--batch", type=int, default=500, help="entries per append (default: 500)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, help="(default: on a terminal)")
+
+    p = command(
+        "cluster", "the cluster's nodes and where each stream lives (its leader, replicas)", _cmd_cluster
+    )
+    p.add_argument("--prefix", default="", help="only streams whose name starts with this")
 
     p = command("inspect", "list the segments and nodes of a data directory, offline", _cmd_inspect)
     p.add_argument(

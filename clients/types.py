@@ -256,6 +256,53 @@ class ClaimResult:
     next_cursor: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class ClusterNode:
+    """A server of the cluster. `address`, `version` and `started_ms` are empty (0) when not alive."""
+
+    id: str
+    address: str
+    alive: bool
+    controller: bool = False
+    version: str = ""
+    started_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaProgress:
+    """How far one replica of a stream has come: its log end, and its lag behind the leader."""
+
+    node: str
+    log_end_offset: int
+    lag_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class StreamPlacement:
+    """Where a stream lives. `leader` is "" while it has none; `high_watermark` and `progress`
+    are None and empty until the servers report them (replication)."""
+
+    name: str
+    leader: str
+    replicas: list[str]
+    in_sync_replicas: list[str]
+    leader_epoch: int
+    replication_factor: int
+    acks: str
+    high_watermark: int | None = None
+    progress: list[ReplicaProgress] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterDescription:
+    """The cluster as one node sees it. A single server: one node, `cluster_name` "", no streams."""
+
+    cluster_name: str
+    node_id: str
+    nodes: list[ClusterNode]
+    streams: list[StreamPlacement]
+
+
 # What append() takes: one payload, Record or Entry, or an iterable of them (a batch).
 AppendData = bytes | Record | Entry | Iterable[bytes | Record | Entry]
 # Acknowledgement ranges: half-open (start, end) pairs or Python ranges.

@@ -336,3 +336,12 @@ def test_groups_consume_ends_in_order_on_ctrl_c(server: ServerThread) -> None:
         assert [r["offset"] for r in lines_json(out)] == [0, 1, 2]
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
         assert client.group_info("jobs", "workers").pending == 0
+
+
+def test_cluster_on_a_single_server(server: ServerThread) -> None:
+    code, out = run(server, "cluster")
+    assert code == 0 and out.startswith("a single server (no cluster), streamlog ")
+    code, out = run(server, "cluster", "--json")
+    described = json.loads(out)
+    assert code == 0 and described["cluster_name"] == "" and described["streams"] == []
+    assert [(n["id"], n["alive"]) for n in described["nodes"]] == [("", True)]
