@@ -63,7 +63,7 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
         elif handler.unary_stream is not None:
             wrapped = handler._replace(unary_stream=self.wrap_stream(method, handler.unary_stream))
         elif handler.stream_stream is not None:
-            wrapped = handler._replace(stream_stream=self._wrap_session(method, handler.stream_stream))
+            wrapped = handler._replace(stream_stream=self.wrap_session(method, handler.stream_stream))
         else:
             # StreamLogService has no client-streaming-only RPC; one added later passes
             # unwrapped here, and auth refuses to start when an RPC has no access rule. Auth's
@@ -79,11 +79,12 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
         is not read yet): the wrapped `handler`, or another one (a refusal)."""
         return handler
 
-    def _wrap_session(self, method: str, behavior: SessionBehavior) -> SessionBehavior:
+    def wrap_session(self, method: str, behavior: SessionBehavior) -> SessionBehavior:
         """A bidirectional call, wrapped as a server-streaming one whose request is its first message.
 
         That message names the stream and group for the whole call (the servicer refuses
         later messages that set them), so what wrap_stream checks on it holds throughout.
+        A layer that needs the later messages too (to relay them) overrides this.
         """
 
         async def session(
@@ -94,7 +95,7 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
                 return  # the client closed its side without a word
 
             def opened(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                return behavior(_prepended(request, requests), context)
+                return behavior(prepended(request, requests), context)
 
             async for reply in iterate(self.wrap_stream(method, opened), opening, context):
                 yield reply
@@ -126,7 +127,7 @@ async def iterate(
         await result  # type: ignore[misc]
 
 
-async def _prepended(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+async def prepended(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
     """`first`, then the messages of `rest`: a session's requests after a layer read the first."""
     yield first
     async for request in rest:

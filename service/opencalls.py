@@ -10,7 +10,9 @@ outermost interceptor, registers every such call: streaming calls are served by
 `OpenCalls.end_where`) interrupts its handler wherever it waits (reading, waiting
 for entries or credit, sending a reply), closes its replies at once (the
 subscription's reads, counts and waits end now), and answers the status given.
-The layers inside see the call end with that status, not as cancelled.
+The layers inside see the call end with that status, not as cancelled. Inner
+layers that decide to end the call they serve (the cluster's routing, when this
+node stops leading the call's stream) find its OpenCall with `current_call`.
 
 What ending cannot do: grpc.aio has no way for a server to reset one call (no
 RST_STREAM from Python). A reply already handed to gRPC stays in its buffers,
@@ -26,6 +28,8 @@ status at all.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -64,6 +68,26 @@ class OpenCall:
         self.ending = (code, message)
         # Set now, so that the layers inside (metrics) see the status, not a cancellation.
         self.context.set_code(code)
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """A block of the call's task that `end` may interrupt: the cancellation `end` caused
+        ends the block quietly (the caller then answers `ending`); any other propagates."""
+        try:
+            yield
+        except asyncio.CancelledError:
+            if self.ending is None:
+                raise  # the client went away, or the server is stopping
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+
+
+# The open call the current task serves, for the layers inside `OpenCalls.hold` and `serve`.
+_CURRENT: contextvars.ContextVar[OpenCall | None] = contextvars.ContextVar("open_call", default=None)
+
+
+def current_call() -> OpenCall | None:
+    """The OpenCall of the call this task serves; None outside `OpenCalls.hold` and `serve`."""
+    return _CURRENT.get()
 
 
 # How an open streaming call's replies are sent (the send timeout's, service/limits.py). It may
@@ -105,13 +129,12 @@ class OpenCalls:
     ) -> Any:
         """The reply of unary `behavior`, unless the call is ended first."""
         call = self._register(method, request, context)
+        token = _CURRENT.set(call)
         try:
-            return await behavior(request, context)
-        except asyncio.CancelledError:
-            if call.ending is None:
-                raise  # the client went away, or the server is stopping
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            with call.interruptible():
+                return await behavior(request, context)
         finally:
+            _CURRENT.reset(token)
             del self._open[call]
         await context.abort(*call.ending)  # type: ignore[misc]
 
@@ -125,19 +148,18 @@ class OpenCalls:
     ) -> None:
         """Send `replies` with `send` until they end or the call is ended."""
         call = self._register(method, request, context)
+        token = _CURRENT.set(call)
         try:
-            await context.send_initial_metadata(())
-            async for reply in replies:
-                try:
-                    await send(call, reply)
-                except ServiceError as exc:
-                    call._end_with(exc.code, exc.message)
-                    break
-        except asyncio.CancelledError:
-            if call.ending is None:
-                raise
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            with call.interruptible():
+                await context.send_initial_metadata(())
+                async for reply in replies:
+                    try:
+                        await send(call, reply)
+                    except ServiceError as exc:
+                        call._end_with(exc.code, exc.message)
+                        break
         finally:
+            _CURRENT.reset(token)
             del self._open[call]
             # Now rather than when collected: the subscription's cleanup (counts, waits) runs here.
             await replies.aclose()

@@ -5,9 +5,11 @@ in one C call, or turns `entries` into the engine's columns with C-level `map`s
 (a single one for payload-only batches: see wire.py). Read and Subscribe replies
 carry the engine's stored records as they are: a stored record is exactly the
 wire encoding of one `Entry` in field 1 of ReadResponse/SubscribeResponse, so a
-reply is the records joined, followed by the serialized scalar fields (protobuf
-allows fields in any order). Those replies are therefore `bytes`, which the
-server sends with a pass-through serializer (see server.py).
+reply is the serialized scalar fields followed by the records joined (protobuf
+allows fields in any order; scalars first, so that a Subscribe reply's next_offset
+is found without parsing the records: service/leadercalls.py). Those replies are
+therefore `bytes`, which the server sends with a pass-through serializer (see
+server.py).
 """
 
 from __future__ import annotations
@@ -82,17 +84,17 @@ def records_reply(
     result: ReadResult | None,
     next_offset: int,
 ) -> bytes:
-    """A serialized ReadResponse or SubscribeResponse: the stored records (field 1) plus the other
-    fields; `result` None means no stream yet."""
+    """A serialized ReadResponse or SubscribeResponse: the scalar fields, then the stored records
+    (field 1); `result` None means no stream yet."""
     if result is None:
         return reply_type(next_offset=next_offset).SerializeToString()
-    tail = reply_type(
+    head = reply_type(
         first_offset=result.first_offset,
         next_offset=next_offset,
         gap=gap_to_proto(result.gap),
         end_offset=result.end_offset,
     ).SerializeToString()
-    return b"".join(result.records) + tail if result.records else tail
+    return b"".join((head, *result.records)) if result.records else head
 
 
 def config_to_proto(config: StreamConfig) -> pb.StreamConfig:
