@@ -31,17 +31,16 @@ def single_server(request: pb.DescribeClusterRequest, settings: Settings) -> pb.
 
 
 def cluster_view(
-    request: pb.DescribeClusterRequest,
-    settings: Settings,
     *,
+    cluster_name: str,
     node_id: str,
     live: Mapping[str, NodeInfo],
     controller: str | None,
     streams: Mapping[str, StreamPlacement],
-    names: Sequence[str],
+    page: Sequence[str],
+    next_page_token: str,
 ) -> pb.DescribeClusterResponse:
-    """A cluster node's answer: `live` nodes and the placement `streams`, `names` their sorted keys."""
-    page, next_page_token = page_of_names(request, names, settings)
+    """A cluster node's answer: the `live` nodes, and the placement `streams` named in `page`."""
     nodes = [
         pb.ClusterNode(
             id=info.node_id,
@@ -58,7 +57,7 @@ def cluster_view(
     nodes += [pb.ClusterNode(id=node, alive=False) for node in absent]
     nodes.sort(key=lambda node: node.id)
     return pb.DescribeClusterResponse(
-        cluster_name=settings.cluster_name,
+        cluster_name=cluster_name,
         node_id=node_id,
         nodes=nodes,
         streams=[_placement(streams[name]) for name in page],

@@ -7,9 +7,11 @@ auth files (on SIGHUP and when they change), and the start-up log of settings.
 Interceptors run outermost first: the registry of open calls (it sends every
 Subscribe reply itself, under the subscriber send timeout), metrics (so refused
 calls are timed and counted too), auth (nothing unidentified reaches the limits'
-counters), then limits. A call without valid credentials is refused by auth
-before its request is read, with a handler the outer layers pass through: it is
-counted as a refusal, not timed.
+counters), in a cluster the routing (service/routing.py: a call forwarded to its
+stream's leader was authorized here, and meets the limits there), then limits. A
+call without valid credentials is refused by auth before its request is read,
+with a handler the outer layers pass through: it is counted as a refusal, not
+timed.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ class Operations:
         engine: Callable[[], Engine | None],
         subscriptions: Callable[[], int],
         replies: ReplyBudget | None = None,
+        routing: grpc.aio.ServerInterceptor | None = None,
     ) -> None:
         """`service`: the proto's service descriptor; `engine` is None until recovery ends;
-        `replies`: the servicer's reply budget, for the metrics."""
+        `replies`: the servicer's reply budget, for the metrics; `routing`: a cluster's."""
         self.settings = settings
         # Open Subscribe and Consume calls and waiting Reads, each of which can be ended from here
         # (service/opencalls.py): by the send timeout, and by auth when a reload revokes them.
@@ -63,6 +66,7 @@ class Operations:
             if replies is not None:
                 self.metrics.registry.register(metrics.ReplyBudgetCollector(replies))
         chain.append(self.security.interceptor(service, self.open_calls, observer))
+        chain.append(routing)
         chain.append(self.limits)
         self._interceptors = [i for i in chain if i is not None]
         self.metrics_server: metrics.MetricsServer | None = None

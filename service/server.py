@@ -9,6 +9,11 @@ Shutdown (SIGTERM, SIGINT or `stop()`): health NOT_SERVING, new calls refused wi
 UNAVAILABLE, blocked reads answered empty and subscriptions ended with
 UNAVAILABLE, in-flight calls given `shutdown_grace_ms` to finish, then the engine
 synced and closed.
+
+In a cluster (`--cluster`, service/clusternode.py), the node joins after its engine
+has recovered and before health turns SERVING, and leaves after the calls have
+drained, before the engine closes. A node that can no longer act as a member (its id
+taken while it was cut off from etcd) shuts down like this and exits with an error.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import signal
 import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -36,6 +41,9 @@ from service.servicer import StreamLogServicer
 from service.waiters import Waiters
 from storage import Engine
 from storage.fs import FileSystem
+
+if TYPE_CHECKING:
+    from service.clusternode import ClusterNode
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +139,7 @@ class StreamLogServer:
         self._stopped = False
         self.ops: Operations | None = None
         self.http: HttpGateway | None = None
+        self.cluster: ClusterNode | None = None
 
     @property
     def address(self) -> str:
@@ -155,10 +164,20 @@ class StreamLogServer:
         self._servicer = StreamLogServicer(settings, self._waiters, self._executor)
         self._health = health.aio.HealthServicer()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if settings.cluster:
+            # Imported here: a single server never loads the cluster layer or the etcd client.
+            from service.clusternode import ClusterNode
+
+            self.cluster = ClusterNode(settings, SERVICE, RAW_REPLY_METHODS)
         # TLS, auth, limits, metrics (service/ops.py); bad TLS, token or ACL files stop start-up here.
         servicer = self._servicer
         self.ops = ops = Operations(
-            settings, SERVICE, lambda: self.engine, lambda: servicer.subscriptions, servicer.replies
+            settings,
+            SERVICE,
+            lambda: self.engine,
+            lambda: servicer.subscriptions,
+            servicer.replies,
+            self.cluster.routing if self.cluster is not None else None,
         )
 
         server = grpc.aio.server(
@@ -202,6 +221,12 @@ class StreamLogServer:
         self.engine.add_append_listener(self._waiters.on_append)
         self._servicer.listen_to(self.engine)
         self._servicer.attach_engine(self.engine)
+        if self.cluster is not None:
+            try:
+                await self.cluster.start(self.engine, self._forget_stream)
+            except BaseException:
+                await self.stop()
+                raise
         if self.http is not None:
             await self.http.attach(self.engine)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -212,6 +237,12 @@ class StreamLogServer:
         for dirname in engine.unreadable:
             log.warning("stream directory %s failed its checks and is not served", dirname)
         return engine
+
+    def _forget_stream(self, name: str) -> None:
+        """A stream deleted by the cluster (not by a call here): its waiting readers end NOT_FOUND."""
+        assert self._waiters is not None and self._servicer is not None
+        self._waiters.on_delete(name)
+        self._servicer.group_waits.on_delete(name)
 
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -240,6 +271,8 @@ class StreamLogServer:
             await self._server.stop(self.settings.shutdown_grace_ms / 1000)
         if self.ops is not None:
             await self.ops.stop(self.settings.shutdown_grace_ms / 1000)
+        if self.cluster is not None:
+            await self.cluster.stop()
         if self._executor is not None:
             # Appends still in a thread finish before the engine closes under them.
             await asyncio.to_thread(self._executor.shutdown, wait=True)
@@ -274,12 +307,29 @@ async def serve(
     try:
         await server.start()
         _tune_for_latency()
-        await stop.wait()
-        log.info("shutdown requested")
+        await _stop_requested(stop, server.cluster)
     finally:
         await server.stop()
         for signum in signals:
             loop.remove_signal_handler(signum)
+    if server.cluster is not None and server.cluster.error is not None:
+        raise RuntimeError(f"left the cluster: {server.cluster.error}")
+
+
+async def _stop_requested(stop: asyncio.Event, cluster: ClusterNode | None) -> None:
+    """Until `stop` is set, or the cluster says this node can no longer act as a member."""
+    waits = [asyncio.ensure_future(stop.wait())]
+    if cluster is not None:
+        waits.append(asyncio.ensure_future(cluster.failed.wait()))
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+    if stop.is_set():
+        log.info("shutdown requested")
+    else:
+        log.error("shutting down: this node can no longer act as a cluster member")
 
 
 def _tune_for_latency() -> None:

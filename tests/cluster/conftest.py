@@ -1,4 +1,4 @@
-"""Fixtures for the cluster tests: real etcd processes, always stopped at teardown."""
+"""Fixtures for the cluster tests: real etcd processes and clustered servers, always stopped at teardown."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.etcd_server import EtcdCluster
+from tests.cluster.nodes import ClusterNodes
 
 
 @pytest.fixture
@@ -30,3 +31,26 @@ def etcd_cluster(tmp_path: Path) -> Iterator[Callable[..., EtcdCluster]]:
 def etcd(etcd_cluster: Callable[..., EtcdCluster]) -> EtcdCluster:
     """One etcd member."""
     return etcd_cluster()
+
+
+@pytest.fixture
+def cluster_nodes(etcd: EtcdCluster, tmp_path: Path) -> Iterator[ClusterNodes]:
+    """`streamlog serve --cluster` processes on `etcd` (none started yet); all stopped at teardown."""
+    nodes = ClusterNodes(etcd.endpoints, tmp_path / "nodes")
+    yield nodes
+    nodes.stop_all()
+
+
+@pytest.fixture(scope="module")
+def three_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterNodes]:
+    """etcd and nodes n1, n2, n3, shared by a module's tests (which must not kill them)."""
+    directory = tmp_path_factory.mktemp("cluster")
+    etcd = EtcdCluster(directory / "etcd")
+    etcd.start()
+    nodes = ClusterNodes(etcd.endpoints, directory / "nodes")
+    try:
+        nodes.start("n1", "n2", "n3")
+        yield nodes
+    finally:
+        nodes.stop_all()
+        etcd.stop()

@@ -626,6 +626,10 @@ CASES += [
     ("ListStreams", pb.ListStreamsRequest(page_token="not base64!"), INVALID, "page_token"),
     ("ListStreams", pb.ListStreamsRequest(page_token=_token(b"someone else's")), INVALID, "page_token"),
     ("ListStreams", pb.ListStreamsRequest(prefix="p" * 256), INVALID, "prefix"),
+    # DescribeCluster: pages like ListStreams.
+    ("DescribeCluster", pb.DescribeClusterRequest(page_size=-1), INVALID, "page_size"),
+    ("DescribeCluster", pb.DescribeClusterRequest(page_token="not base64!"), INVALID, "page_token"),
+    ("DescribeCluster", pb.DescribeClusterRequest(prefix="p" * 256), INVALID, "prefix"),
     # GetStreamInfo, DeleteStream.
     ("GetStreamInfo", pb.GetStreamInfoRequest(stream="missing"), NOT_FOUND, "'missing' does not exist"),
     ("DeleteStream", pb.DeleteStreamRequest(stream="missing"), NOT_FOUND, "'missing' does not exist"),

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import importlib.metadata
 
-import grpc
-import pytest
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
@@ -20,13 +18,3 @@ def test_a_single_server_describes_itself_as_one_node(stub: pb_grpc.StreamLogSer
     # No placement: a single server's streams are listed by ListStreams.
     assert list(reply.streams) == [] and reply.next_page_token == ""
 
-
-def test_describe_cluster_checks_its_request_like_list_streams(stub: pb_grpc.StreamLogServiceStub) -> None:
-    for request in (
-        pb.DescribeClusterRequest(page_size=-1),
-        pb.DescribeClusterRequest(page_token="not-a-token"),
-        pb.DescribeClusterRequest(prefix="p" * 256),
-    ):
-        with pytest.raises(grpc.RpcError) as info:
-            stub.DescribeCluster(request, timeout=5)
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, request

@@ -1,0 +1,119 @@
+"""What a server runs in a cluster, assembled: coordination, routing, peers, its copies.
+
+Loaded only when the server runs with `--cluster` (service/server.py imports it then):
+a single server never loads the cluster layer or the etcd client.
+
+Order. Built before the gRPC server (its routing interceptor goes into the chain);
+started after the engine has recovered: the node then registers in etcd, loads the
+cluster's records (creating the copies of the streams it leads that it lacks), takes
+part in the controller election, and only then routes calls (until then they get
+UNAVAILABLE, and health says NOT_SERVING). Stopped after the gRPC server has drained,
+so that calls in flight finish as leader: then the coordinator stops, revoking the
+lease last, so that the node's keys go at once and other nodes take over without
+waiting for a TTL; then the peer channels close.
+
+A node whose id another process took while it was cut off from etcd no longer acts as
+a member: `failed` is set, and the server shuts down (service/server.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from cluster.addresses import parse_endpoints
+from cluster.coordinator import ClusterConfig, Coordinator
+from cluster.errors import ClusterError
+from cluster.placement import StreamPlacement
+from service.config import Settings
+from service.forwarding import Forwarder
+from service.leadercalls import LeaderCalls
+from service.peers import PeerChannels
+from service.replicas import LocalReplicas, Role
+from service.routing import RoutingInterceptor
+from storage import Engine
+
+
+class ClusterStartError(RuntimeError):
+    """The node could not join its cluster (etcd unreachable, its id held by a live node, ...)."""
+
+
+class ClusterNode:
+    """One server's membership in a cluster and the routing of its calls."""
+
+    def __init__(self, settings: Settings, service: Any, raw_reply_methods: Iterable[str]) -> None:
+        self.settings = settings
+        self.node_id = settings.node_id
+        self.coordinator = Coordinator(
+            ClusterConfig(
+                endpoints=parse_endpoints(settings.cluster),
+                node_id=settings.node_id,
+                advertise=settings.advertise,
+                cluster_name=settings.cluster_name,
+                lease_ttl_ms=settings.lease_ttl_ms,
+                default_replication_factor=settings.default_replication_factor,
+                default_acks=settings.default_acks,
+            )
+        )
+        # Whether followers copy their leaders, so that new streams can start with all their
+        # replicas in sync. False until the replication layer attaches: followers then hold
+        # nothing, and only the leader is in sync (none without the data can be elected).
+        self.followers_copy_leaders = False
+        self.peers = PeerChannels(settings)
+        self.forwarder = Forwarder(self.node_id, self.peers, service, raw_reply_methods)
+        self.leader_calls = LeaderCalls()
+        self.replicas = LocalReplicas(self.node_id)
+        self.replicas.add_listener(self._on_role)
+        placement = self.coordinator.placement
+        # Listeners added now hear the records that exist when the coordinator starts.
+        placement.add_listener(self.replicas.on_placement)
+        placement.add_listener(self._on_catalog_change)
+        self.routing = RoutingInterceptor(service.full_name, self)
+        self.engine: Engine | None = None
+        self.started = False
+        self._names: list[str] | None = None  # the catalog's names, sorted; None: to sort again
+
+    @property
+    def failed(self) -> asyncio.Event:
+        """Set when the node can no longer act as a member (`error` says why)."""
+        return self.coordinator.membership.failed
+
+    @property
+    def error(self) -> Exception | None:
+        return self.coordinator.membership.error
+
+    async def start(self, engine: Engine, forget: Callable[[str], None]) -> None:
+        """Join the cluster, serving `engine`; `forget(name)` ends the waits on a deleted stream."""
+        self.engine = engine
+        self.replicas.attach(engine, forget)
+        try:
+            await self.coordinator.start()
+        except ClusterError as exc:
+            raise ClusterStartError(f"cannot join the cluster: {exc}") from exc
+        self.replicas.go_live(lambda name: self.coordinator.placement.locate(name) is not None)
+        self.started = True
+
+    async def stop(self) -> None:
+        self.started = False
+        await self.coordinator.stop()
+        await self.peers.close()
+
+    def stream_names(self) -> list[str]:
+        """Every stream of the cluster, sorted (code point order, as ListStreams lists)."""
+        if self._names is None:
+            self._names = sorted(self.coordinator.placement.streams())
+        return self._names
+
+    def _on_catalog_change(
+        self, _name: str, old: StreamPlacement | None, new: StreamPlacement | None
+    ) -> None:
+        if old is None or new is None:
+            self._names = None
+
+    def _on_role(self, name: str, _before: Role, after: Role, record: StreamPlacement | None) -> None:
+        # Calls served here on a stream this node does not lead (any more, or at all: a wait
+        # on a stream that did not exist yet) end, to be routed to the leader again. A
+        # deleted stream's calls end as on a single server (NOT_FOUND), by the deletion.
+        if record is not None and after is not Role.LEADER:
+            self.leader_calls.end(name)

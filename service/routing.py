@@ -1,0 +1,336 @@
+"""Routing in a cluster: every stream-scoped call is served by its stream's leader.
+
+An interceptor (service/interceptors.py), installed only on a clustered server, inside
+auth (a forwarded call is authorized at the node it entered, and again at the leader,
+which checks the caller's token from the forwarded metadata as it checks any call)
+and outside the limits (the leader applies them). For each call it reads the stream
+from the request and asks placement (cluster/placement.py, no call to etcd):
+
+- this node leads the stream: served here (while its etcd lease is valid);
+- another node leads it: the call is forwarded there and its answer relayed
+  (service/forwarding.py), unless the caller sent `streamlog-route: redirect`, which
+  gets UNAVAILABLE with trailers `streamlog-leader-id`, `streamlog-leader-address`
+  and `streamlog-leader-epoch` instead (so a client can call the leader directly).
+  A call identified by its client certificate (mutual TLS with access rules) gets
+  that answer too: the certificate cannot be passed on. A call that was already
+  forwarded (`streamlog-forwarded-by`) is never forwarded again: the nodes' views
+  differ for a moment, and it gets UNAVAILABLE;
+- nobody leads it (an election is under way, or no in-sync replica is alive):
+  UNAVAILABLE, without leader trailers;
+- the stream is not in placement: a call that creates streams (Append, CreateGroup
+  with create_stream) creates its placement record first, then is routed by it;
+  any other call is answered here (NOT_FOUND, or a blocking read that waits for the
+  stream; such a wait ends with "leader changed" if the stream is then created on
+  another node).
+
+DeleteStream deletes the placement record, then the leader's copy. CreateGroup and
+SetGroupConfig with a dead-letter stream place that stream beside the group's (the
+engine writes dead letters into its local copy), and refuse one led elsewhere.
+ListStreams lists placement (the cluster's catalog) and DescribeCluster describes the
+cluster, from this node's copy of etcd.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from streamlog.v1 import streamlog_pb2 as pb
+
+from cluster.errors import ClusterError
+from cluster.placement import StreamPlacement
+from service import describe, validation
+from service.errors import ServiceError
+from service.forwarding import FORWARDED_BY
+from service.interceptors import (
+    SessionBehavior,
+    StreamBehavior,
+    UnaryBehavior,
+    WrappingInterceptor,
+    iterate,
+    prepended,
+)
+from service.leadercalls import SubscribePosition
+from service.opencalls import OpenCall, current_call
+from service.paging import page_of_names
+
+if TYPE_CHECKING:
+    from service.clusternode import ClusterNode
+
+ROUTE = "streamlog-route"
+REDIRECT = "redirect"
+LEADER_ID = "streamlog-leader-id"
+LEADER_ADDRESS = "streamlog-leader-address"
+LEADER_EPOCH = "streamlog-leader-epoch"
+
+_DEAD_LETTER_METHODS = frozenset({"CreateGroup", "SetGroupConfig"})
+_GROUP_RESUME = "call again (the group keeps its position)"
+
+
+def _creates_stream(method: str, request: Any) -> bool:
+    return method == "Append" or (method == "CreateGroup" and request.create_stream)
+
+
+def _valid_name(stream: str) -> bool:
+    try:
+        validation.stream(stream)
+    except ServiceError:
+        return False
+    return True
+
+
+def _no_leader(stream: str) -> str:
+    return f"stream {stream!r} has no leader: an election is under way or its in-sync replicas are down"
+
+
+class RoutingInterceptor(WrappingInterceptor):
+    """Routes the calls of a clustered server (see the module docstring)."""
+
+    def __init__(self, service_name: str, node: ClusterNode) -> None:
+        super().__init__(service_name)
+        self._node = node
+        self._me = node.node_id
+        self._placement = node.coordinator.placement
+        settings = node.settings
+        # Under mutual TLS with access rules, a call without a token is identified by its
+        # client certificate, which a forwarded call cannot carry.
+        self._certificates_identify = bool(settings.acl_file and settings.tls_client_ca_file)
+
+    # -- wrappers
+
+    def wrap_unary(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
+        if method == "ListStreams":
+            return self._list_streams
+        if method == "DescribeCluster":
+            return self._describe_cluster
+        forwarder = self._node.forwarder
+
+        async def routed(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            leader = await self._route(method, request, context)
+            if leader is not None:
+                return await forwarder.unary(method, request, context, *leader)
+            return await self._serve_unary(method, request, context, behavior)
+
+        return routed
+
+    def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
+        forwarder = self._node.forwarder
+
+        async def routed(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            leader = await self._route(method, request, context)
+            if leader is not None:
+                replies = forwarder.stream(method, request, context, *leader)
+            else:
+                replies = self._served(method, request, iterate(behavior, request, context))
+            async with contextlib.aclosing(replies):
+                async for reply in replies:
+                    yield reply
+
+        return routed
+
+    def wrap_session(self, method: str, behavior: SessionBehavior) -> SessionBehavior:
+        # Routed on the opening message, which names the stream for the whole session; a
+        # forwarded session relays the later messages as they come.
+        forwarder = self._node.forwarder
+
+        async def routed(
+            requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Any]:
+            opening = await anext(requests, None)
+            if opening is None:
+                return  # the client closed its side without a word
+            leader = await self._route(method, opening, context)
+            if leader is not None:
+                replies = forwarder.session(method, opening, requests, context, *leader)
+            else:
+                replies = self._served(method, opening, behavior(prepended(opening, requests), context))
+            async with contextlib.aclosing(replies):
+                async for reply in replies:
+                    yield reply
+
+        return routed
+
+    # -- where a call goes
+
+    async def _route(
+        self, method: str, request: Any, context: grpc.aio.ServicerContext
+    ) -> tuple[str, str] | None:
+        """(leader id, its advertised address) to forward the call to; None to serve it here.
+        Refusals abort the call."""
+        node = self._node
+        if not node.started:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "server is starting: joining the cluster; retry shortly"
+            )
+        stream = request.stream
+        record = self._placement.locate(stream)
+        if record is None:
+            if not (_creates_stream(method, request) and _valid_name(stream)):
+                return None  # not in the cluster: answered here (NOT_FOUND, bad names, waits)
+            record = await self._create(stream, context)
+        leader = record.leader
+        if leader == self._me:
+            if not node.coordinator.membership.lease_valid():
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"stream {stream!r} is led by this node ({self._me}), which cannot confirm its cluster "
+                    "lease now (is etcd reachable?); retry shortly",
+                )
+            if node.replicas.is_deleting(stream):
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE, f"stream {stream!r} is being deleted; retry shortly"
+                )
+            return None
+        info = node.coordinator.nodes.live().get(leader) if leader else None
+        if info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _no_leader(stream))
+        forwarded_by, redirect = self._routing_metadata(context)
+        if forwarded_by is not None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"stream {stream!r} is led by node {leader!r}, not by this node ({self._me}), and the "
+                f"call was already forwarded here by node {forwarded_by!r}: calls are forwarded once; "
+                "retry (the nodes' views of the cluster differ for a moment)",
+            )
+        if redirect:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"stream {stream!r} is led by node {leader!r} at {info.address} (epoch {record.epoch}): "
+                "call it there",
+                ((LEADER_ID, leader), (LEADER_ADDRESS, info.address), (LEADER_EPOCH, str(record.epoch))),
+            )
+        return leader, info.address
+
+    def _routing_metadata(self, context: grpc.aio.ServicerContext) -> tuple[str | None, bool]:
+        """(the node that forwarded the call, if any; whether to answer with the leader's address)."""
+        forwarded_by, redirect, token = None, False, False
+        for key, value in context.invocation_metadata() or ():
+            if key == FORWARDED_BY:
+                forwarded_by = value
+            elif key == ROUTE:
+                redirect = value == REDIRECT
+            elif key == "authorization":
+                token = True
+        return forwarded_by, redirect or (self._certificates_identify and not token)
+
+    async def _create(self, stream: str, context: grpc.aio.ServicerContext, **where: Any) -> StreamPlacement:
+        try:
+            return await self._placement.create_if_absent(
+                stream, followers_in_sync=self._node.followers_copy_leaders, **where
+            )
+        except ClusterError as exc:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"stream {stream!r} cannot be created in the cluster now: {exc}"
+            )
+            raise  # not reached: abort raises
+
+    # -- serving here, as the leader
+
+    async def _serve_unary(
+        self, method: str, request: Any, context: grpc.aio.ServicerContext, behavior: UnaryBehavior
+    ) -> Any:
+        if method == "DeleteStream":
+            return await self._delete_stream(request, context, behavior)
+        if method in _DEAD_LETTER_METHODS and request.config.dead_letter_stream:
+            await self._place_dead_letters(request, context)
+        if method != "Read" or request.block_ms <= 0:
+            return await behavior(request, context)
+        # A blocking read waits here: it ends if this node stops leading the stream meanwhile.
+        resume = _GROUP_RESUME if request.group else f"read again from offset {request.offset}"
+        call = OpenCall(method, request, context)
+        with self._node.leader_calls.held(request.stream, call, lambda: resume), call.interruptible():
+            return await behavior(request, context)
+        await context.abort(*call.ending)  # type: ignore[misc]
+
+    async def _served(self, method: str, request: Any, replies: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """The replies of a streaming call served here, held among the leader's calls."""
+        call = current_call()
+        if call is None:  # not served through OpenCalls (another front door): nothing can end it
+            async with contextlib.aclosing(replies):
+                async for reply in replies:
+                    yield reply
+            return
+        position = None
+        if method == "Subscribe" and not request.group:
+            start = request.start in (pb.START_POSITION_UNSPECIFIED, pb.START_POSITION_OFFSET)
+            position = SubscribePosition(request.offset if start else None)
+        resume = position.resume if position is not None else lambda: _GROUP_RESUME
+        with self._node.leader_calls.held(request.stream, call, resume):
+            async with contextlib.aclosing(replies):
+                async for reply in replies:
+                    yield reply
+                    if position is not None:
+                        position.sent(reply)  # it was sent: resume after it
+
+    async def _delete_stream(
+        self, request: pb.DeleteStreamRequest, context: grpc.aio.ServicerContext, behavior: UnaryBehavior
+    ) -> Any:
+        stream = request.stream
+        record = self._placement.locate(stream)
+        if record is None:  # not in the cluster: only a stray local copy can be deleted
+            return await behavior(request, context)
+        with self._node.replicas.deleting(stream):
+            try:
+                await self._placement.delete(record)
+            except ClusterError as exc:
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"stream {stream!r} cannot be deleted from the cluster now: {exc}",
+                )
+            # The local copy goes as a single server deletes a stream (its readers told NOT_FOUND).
+            if self._node.engine.exists(stream):
+                return await behavior(request, context)
+        return pb.DeleteStreamResponse()
+
+    async def _place_dead_letters(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        """The engine writes a group's dead letters into its own copy of the dead-letter stream,
+        so this node must lead that stream too: placed beside the group's stream when new."""
+        target = request.config.dead_letter_stream
+        source = self._placement.locate(request.stream)
+        if source is None or not _valid_name(target):
+            return  # no such stream, or a bad name: the servicer answers
+        record = self._placement.locate(target) or await self._create(
+            target, context, replicas=source.replicas
+        )
+        if record.leader != self._me:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"config.dead_letter_stream: stream {target!r} is led by node {record.leader or '(none)'}, "
+                f"not by node {self._me}, which leads {request.stream!r}: in a cluster, a group's dead "
+                "letters go to a stream led by the same node (a new name is created beside the group's "
+                "stream)",
+            )
+
+    # -- the cluster's catalog
+
+    async def _list_streams(self, request: pb.ListStreamsRequest, context: grpc.aio.ServicerContext) -> Any:
+        names, next_page_token = await self._catalog(context, request)
+        return pb.ListStreamsResponse(streams=names, next_page_token=next_page_token)
+
+    async def _describe_cluster(
+        self, request: pb.DescribeClusterRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        page, next_page_token = await self._catalog(context, request)
+        coordinator = self._node.coordinator
+        return describe.cluster_view(
+            cluster_name=self._node.settings.cluster_name,
+            node_id=self._me,
+            live=coordinator.nodes.live(),
+            controller=coordinator.election.controller_id,
+            streams=self._placement.streams(),
+            page=page,
+            next_page_token=next_page_token,
+        )
+
+    async def _catalog(self, context: grpc.aio.ServicerContext, request: Any) -> tuple[list[str], str]:
+        if not self._node.started:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "server is starting: joining the cluster; retry shortly"
+            )
+        try:
+            return page_of_names(request, self._node.stream_names(), self._node.settings)
+        except ServiceError as exc:
+            await context.abort(exc.code, exc.message)
+            raise  # not reached: abort raises

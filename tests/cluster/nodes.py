@@ -1,0 +1,115 @@
+"""Clustered `streamlog serve` processes for tests: on 127.0.0.1, each advertising its real address.
+
+A node gets a free port picked here (a process that finds it taken meanwhile exits, and
+the node is started again on another), its own data directory, and the settings that
+keep tests short (2 s leases, one replica per stream unless told otherwise). `stop`
+ends every process the set started, however the test ended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+from pathlib import Path
+
+import grpc
+from streamlog.v1 import streamlog_pb2 as pb
+from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
+
+from tests.cluster.helpers import TEST_TTL_MS
+from tests.service.processes import ServerProcess
+
+_ATTEMPTS = 3
+SETTINGS = {
+    "lease_ttl_ms": str(TEST_TTL_MS),
+    "default_replication_factor": "1",
+    "shutdown_grace_ms": "1000",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ClusterNodes:
+    """Nodes of one cluster (etcd `endpoints`), by name (their id, unless given another)."""
+
+    def __init__(self, endpoints: list[tuple[str, int]], directory: Path, **settings: str) -> None:
+        self.endpoints = ",".join(f"{host}:{port}" for host, port in endpoints)
+        self.directory = directory
+        self.settings = {**SETTINGS, **settings}
+        self.processes: dict[str, ServerProcess] = {}
+        self.ports: dict[str, int] = {}
+        self._all: list[ServerProcess] = []
+
+    def start(self, *names: str, **settings: str) -> None:
+        """Start these nodes (at once) and wait until each serves; `settings` for them all."""
+        for name in names:
+            self.spawn(name, **settings)
+        for name in names:
+            for attempt in range(_ATTEMPTS):
+                outcome = self.processes[name].wait_for(r"serving \d+ streams|cannot run the server")
+                if outcome.group(0).startswith("serving"):
+                    break
+                code, log = self.processes[name].finish()
+                if "failed to bind" not in log.lower() or attempt == _ATTEMPTS - 1:
+                    raise AssertionError(f"node {name} did not start (exit {code}):\n{log}")
+                del self.ports[name]
+                self.spawn(name, **settings)
+
+    def spawn(self, name: str, node_id: str | None = None, **settings: str) -> ServerProcess:
+        """Start node `name` (its id: `node_id`, default the name) without waiting; it keeps its
+        port and data directory across restarts."""
+        port = self.ports.setdefault(name, free_port())
+        overrides = [f"--set={key}={value}" for key, value in {**self.settings, **settings}.items()]
+        process = ServerProcess(
+            f"--port={port}",
+            f"--data={self.directory / name}",
+            f"--cluster={self.endpoints}",
+            f"--node-id={node_id or name}",
+            f"--advertise=127.0.0.1:{port}",
+            *overrides,
+        )
+        process.port = port
+        self.processes[name] = process
+        self._all.append(process)
+        return process
+
+    def target(self, name: str) -> str:
+        return f"127.0.0.1:{self.ports[name]}"
+
+    def stub(self, name: str, channels: list[grpc.Channel]) -> pb_grpc.StreamLogServiceStub:
+        channel = grpc.insecure_channel(self.target(name))
+        channels.append(channel)
+        return pb_grpc.StreamLogServiceStub(channel)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL: no lease revoked, no shutdown; the data directory stays for a restart."""
+        self.processes[name].kill()
+
+    def signal(self, name: str, signum: signal.Signals) -> None:
+        self.processes[name].process.send_signal(signum)
+
+    def stop(self, name: str) -> tuple[int, str]:
+        self.signal(name, signal.SIGTERM)
+        return self.processes[name].finish()
+
+    def stop_all(self) -> None:
+        for process in self._all:
+            if process.process.poll() is None:
+                process.process.send_signal(signal.SIGCONT)  # a test may have paused it
+                process.process.send_signal(signal.SIGTERM)
+        for process in self._all:
+            with contextlib.suppress(Exception):
+                process.finish(timeout_s=10)
+            process.kill()
+
+
+def leader_of(stub: pb_grpc.StreamLogServiceStub, stream: str) -> pb.StreamPlacement:
+    reply = stub.DescribeCluster(pb.DescribeClusterRequest(prefix=stream), timeout=10)
+    found = [placement for placement in reply.streams if placement.name == stream]
+    assert found, f"stream {stream!r} is not in placement"
+    return found[0]

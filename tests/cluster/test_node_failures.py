@@ -1,0 +1,180 @@
+"""Clustered `streamlog serve` processes that die, pause, or find their id taken.
+
+Streams have one replica here (there is no replication yet): a stream whose leader
+dies has no replica to take over, so it has no leader (UNAVAILABLE, without leader
+trailers) until that node comes back, and then it serves its data again. A leader
+paused past its lease finds it was deposed when it resumes: the long calls it served
+end with "leader changed", and it is elected again (it is the only in-sync replica).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from streamlog.v1 import streamlog_pb2 as pb
+from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
+
+from tests.cluster.helpers import TEST_TTL_MS
+from tests.cluster.nodes import ClusterNodes, leader_of
+from tests.service.test_consume import Session
+
+NODES = ("n1", "n2", "n3")
+LEADER_TRAILERS = {"streamlog-leader-id", "streamlog-leader-address", "streamlog-leader-epoch"}
+# A dead or paused node's lease expires within its TTL, plus etcd's expiry check and the election.
+EXPIRY_S = TEST_TTL_MS / 1000 + 5
+
+
+def eventually(condition: Callable[[], object], timeout_s: float = EXPIRY_S) -> None:
+    """Wait (bounded) until `condition()` holds: the state moves in other processes, so poll."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the cluster did not get there in time"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def stubs(cluster_nodes: ClusterNodes) -> Iterator[Callable[[str], pb_grpc.StreamLogServiceStub]]:
+    channels: list[grpc.Channel] = []
+    yield lambda name: cluster_nodes.stub(name, channels)
+    for channel in channels:
+        channel.close()
+
+
+def test_a_killed_leaders_streams_have_no_leader_until_it_comes_back(
+    cluster_nodes: ClusterNodes, stubs
+) -> None:
+    cluster_nodes.start(*NODES)
+    stubs("n1").Append(pb.AppendRequest(stream="kept", payloads=[b"a", b"b", b"c"]), timeout=10)
+    leader = leader_of(stubs("n1"), "kept").leader
+    other, third = (stubs(node) for node in NODES if node != leader)
+
+    cluster_nodes.kill(leader)
+    eventually(lambda: leader_of(other, "kept").leader == "")
+    for call, request, metadata in [
+        (other.Append, pb.AppendRequest(stream="kept", payloads=[b"d"]), ()),
+        (third.Read, pb.ReadRequest(stream="kept"), ()),
+        (other.Read, pb.ReadRequest(stream="kept"), (("streamlog-route", "redirect"),)),
+    ]:
+        with pytest.raises(grpc.RpcError) as caught:
+            call(request, metadata=metadata, timeout=10)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert caught.value.details() == (
+            "stream 'kept' has no leader: an election is under way or its in-sync replicas are down"
+        )
+        assert not LEADER_TRAILERS & {key for key, _ in caught.value.trailing_metadata()}
+    described = other.DescribeCluster(pb.DescribeClusterRequest(), timeout=10)
+    assert [(n.id, n.alive, n.address) for n in described.nodes if n.id == leader] == [(leader, False, "")]
+    assert sum(n.alive for n in described.nodes) == 2
+    # New streams go to the live nodes.
+    other.Append(pb.AppendRequest(stream="fresh", payloads=[b"x"]), timeout=10)
+    assert leader_of(other, "fresh").leader != leader
+
+    cluster_nodes.start(leader)  # same port and data directory
+    eventually(lambda: leader_of(other, "kept").leader == leader)
+    assert leader_of(other, "kept").leader_epoch == 3  # deposed (2), then elected again (3)
+    read = third.Read(pb.ReadRequest(stream="kept"), timeout=10)
+    assert [e.payload for e in read.entries] == [b"a", b"b", b"c"]
+    assert other.Append(pb.AppendRequest(stream="kept", payloads=[b"d"]), timeout=10).first_offset == 3
+
+
+def test_a_leader_deposed_while_paused_ends_the_long_calls_it_served(
+    cluster_nodes: ClusterNodes, stubs
+) -> None:
+    cluster_nodes.start(*NODES)
+    entry = stubs("n1")
+    entry.CreateGroup(
+        pb.CreateGroupRequest(stream="paused", group="g", create_stream=True, start=pb.START_POSITION_OLDEST),
+        timeout=10,
+    )
+    entry.Append(pb.AppendRequest(stream="paused", payloads=[b"a", b"b", b"c"]), timeout=10)
+    leader_name = leader_of(entry, "paused").leader
+    leader = stubs(leader_name)
+    other = stubs(next(node for node in NODES if node != leader_name))
+
+    def caught_up(subscription) -> None:
+        for reply in subscription:
+            if reply.next_offset == 3:
+                return
+
+    direct = leader.Subscribe(pb.SubscribeRequest(stream="paused"), timeout=60)
+    caught_up(direct)
+    forwarded = other.Subscribe(pb.SubscribeRequest(stream="paused", offset=1), timeout=60)
+    caught_up(forwarded)
+    blocked = leader.Read.future(pb.ReadRequest(stream="paused", offset=3, block_ms=60_000), timeout=60)
+    session = Session(leader, timeout=60, stream="paused", group="g", consumer="c", count=10, batches=2)
+    assert len(session.next().entries) == 3  # the second batch waits for entries
+
+    cluster_nodes.signal(leader_name, signal.SIGSTOP)
+    try:
+        # Its lease expires; nobody else holds the stream, so it is left without a leader.
+        eventually(lambda: leader_of(other, "paused").leader == "")
+    finally:
+        cluster_nodes.signal(leader_name, signal.SIGCONT)
+    ended = []
+    for subscription in (direct, forwarded):
+        with pytest.raises(grpc.RpcError) as caught:
+            next(subscription)
+        ended.append((caught.value.code(), caught.value.details()))
+    with pytest.raises(grpc.RpcError) as caught:
+        blocked.result()
+    ended.append((caught.value.code(), caught.value.details()))
+    ended.append(session.fails(timeout_s=10))
+    assert ended == [
+        (grpc.StatusCode.UNAVAILABLE, "leader changed; resubscribe from offset 3"),
+        (grpc.StatusCode.UNAVAILABLE, "leader changed; resubscribe from offset 3"),
+        (grpc.StatusCode.UNAVAILABLE, "leader changed; read again from offset 3"),
+        (grpc.StatusCode.UNAVAILABLE, "leader changed; call again (the group keeps its position)"),
+    ]
+    # Back with a new lease, it is the only in-sync replica and leads again: resubscribe.
+    eventually(lambda: leader_of(other, "paused").leader == leader_name)
+    again = other.Subscribe(pb.SubscribeRequest(stream="paused", offset=3), timeout=30)
+    assert next(again).next_offset == 3
+    other.Append(pb.AppendRequest(stream="paused", payloads=[b"d"]), timeout=10)
+    assert [e.payload for e in next(again).entries] == [b"d"]
+    again.cancel()
+
+
+def test_a_node_whose_id_is_live_elsewhere_does_not_start_and_is_not_ready_meanwhile(
+    cluster_nodes: ClusterNodes,
+) -> None:
+    cluster_nodes.start("n1")
+    twin = cluster_nodes.spawn("twin", node_id="n1")
+    twin.wait_for("listening on")
+    # The port answers, but the node has not joined: not ready, and calls are refused.
+    with grpc.insecure_channel(cluster_nodes.target("twin")) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as caught:
+            pb_grpc.StreamLogServiceStub(channel).Read(pb.ReadRequest(stream="s"), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    code, log = twin.finish(timeout_s=EXPIRY_S + 10)
+    assert code == 1
+    assert "cannot run the server: cannot join the cluster: node id 'n1' is registered by a live node" in log
+
+
+def test_a_node_whose_id_was_taken_while_it_was_paused_shuts_down(cluster_nodes: ClusterNodes, stubs) -> None:
+    cluster_nodes.start("n1", "n2")
+    observer = stubs("n1")
+
+    def live() -> list[str]:
+        return [
+            n.id for n in observer.DescribeCluster(pb.DescribeClusterRequest(), timeout=10).nodes if n.alive
+        ]
+
+    cluster_nodes.signal("n2", signal.SIGSTOP)
+    try:
+        eventually(lambda: live() == ["n1"])
+        cluster_nodes.start("twin", node_id="n2")  # another process takes the id meanwhile
+    finally:
+        cluster_nodes.signal("n2", signal.SIGCONT)
+    code, log = cluster_nodes.processes["n2"].finish(timeout_s=EXPIRY_S + 10)
+    assert code == 1
+    assert "cannot run the server: left the cluster: node id 'n2' is registered by a live node" in log
+    assert "stopped" in log  # it drained and closed its engine before it exited
+    assert live() == ["n1", "n2"]
+    assert cluster_nodes.processes["twin"].process.poll() is None

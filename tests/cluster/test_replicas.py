@@ -1,0 +1,81 @@
+"""A node's copies of streams follow placement (service/replicas.py), against a real etcd and engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+
+from cluster.coordinator import Coordinator
+from service.replicas import LocalReplicas, Role
+from storage import Engine
+from tests.cluster.etcd_server import EtcdCluster
+from tests.cluster.helpers import config, nodes, run, settled, until
+
+
+def test_copies_are_created_wiped_and_deleted_as_placement_says(
+    etcd: EtcdCluster, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="service.replicas")
+    engine = Engine(tmp_path / "data")
+    engine.append("stray", [b"from before"])  # placement will never know it
+    engine.append("reused", [b"an older stream's entry"])  # its name will be taken again
+
+    async def scenario() -> None:
+        async with nodes(etcd.endpoints, "other") as (other,):
+            # Created while node a was away, led by it (as after a crash that lost its copy).
+            await other.placement.create_if_absent("lost", replicas=("a",))
+            a = Coordinator(config(etcd.endpoints, "a"))
+            replicas = LocalReplicas("a")
+            forgotten: list[str] = []
+            roles: list[tuple[str, Role, Role]] = []
+            changed = asyncio.Event()
+
+            def record_role(name: str, before: Role, after: Role, _record: object) -> None:
+                roles.append((name, before, after))
+                changed.set()
+
+            a.placement.add_listener(replicas.on_placement)
+            replicas.add_listener(record_role)
+            replicas.attach(engine, forgotten.append)
+            await a.start()
+            try:
+                replicas.go_live(lambda name: a.placement.locate(name) is not None)
+                # The controller had taken the leadership from a while it was away (no live in-sync
+                # replica: offline); a is elected again once it joins, and starts an empty copy.
+                await until(lambda: ("lost", Role.FOLLOWER, Role.LEADER) in roles, changed)
+                assert engine.exists("lost") and engine.info("lost").next_offset == 0
+                assert engine.read("stray", 0, 10).count == 1
+                warnings = [r.getMessage() for r in caplog.records]
+                assert any("'lost': this node leads it but holds no copy" in w for w in warnings)
+                assert any("not in the cluster's placement" in w and "'stray'" in w for w in warnings)
+
+                # A new stream of a name this node holds an old copy of: the copy is wiped first.
+                await other.placement.create_if_absent("reused", replicas=("a",))
+                await settled([a, other])
+                assert engine.info("reused").next_offset == 0
+                # A follower holds nothing yet (no replication): no copy is made.
+                await other.placement.create_if_absent("followed", replicas=("other", "a"))
+                await settled([a, other])
+                assert not engine.exists("followed")
+                # Deleted elsewhere: the copy goes, and its waiting readers are told.
+                assert await other.placement.delete(a.placement.locate("lost"))
+                await settled([a, other])
+                assert not engine.exists("lost")
+                assert forgotten == ["reused", "lost"]
+                assert roles == [
+                    ("lost", Role.NONE, Role.FOLLOWER),
+                    ("lost", Role.FOLLOWER, Role.LEADER),
+                    ("reused", Role.NONE, Role.LEADER),
+                    ("followed", Role.NONE, Role.FOLLOWER),
+                    ("lost", Role.LEADER, Role.NONE),
+                ]
+            finally:
+                await a.stop()
+
+    try:
+        run(scenario())
+    finally:
+        engine.close()
