@@ -39,13 +39,19 @@ PAYLOAD = 100
 
 
 @contextmanager
-def streamlog_server(fsync: str, data: Path | None = None, start_timeout_s: float = 30, **settings: Any):
-    """A `streamlog serve` subprocess on a free loopback port; yields its address. `data`: an
-    existing data directory (kept), else a temporary one, which start-up recovers within
-    `start_timeout_s`; `settings`: more `--set` values."""
+def streamlog_server(
+    fsync: str,
+    data: Path | None = None,
+    start_timeout_s: float = 30,
+    port: int | None = None,
+    **settings: Any,
+):
+    """A `streamlog serve` subprocess on a loopback port (free, unless given); yields its
+    address. `data`: an existing data directory (kept), else a temporary one, which start-up
+    recovers within `start_timeout_s`; `settings`: more `--set` values."""
     keep = data is not None
     data = data or Path(tempfile.mkdtemp(prefix="streamlog-bench-"))
-    port = free_port()
+    port = port or free_port()
     command = [
         sys.executable,
         "-m",
