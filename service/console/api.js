@@ -86,12 +86,12 @@ export async function follow(path, onEvent, signal) {
   }
 }
 
-// Whether the server has a cluster layer: its API then describes GET /v1/cluster.
+// Whether the server runs in a cluster: DescribeCluster then names it (a single server
+// answers as one node, with no cluster name).
 let clusterKnown;
 export async function hasCluster() {
   if (clusterKnown === undefined) {
-    const document = await get("/openapi.json");
-    clusterKnown = Boolean(document.paths["/v1/cluster"]);
+    clusterKnown = Boolean((await get("/v1/cluster")).cluster_name);
   }
   return clusterKnown;
 }

@@ -1,6 +1,6 @@
 // The cluster page: what DescribeCluster answers (nodes, leaders, replicas, in-sync sets,
 // replication lag), drawn from the reply itself: each list of records becomes a table, so the
-// page follows the RPC's fields as they are. A single server has no such RPC: it says so.
+// page follows the RPC's fields as they are. A single server (no cluster name) says so.
 
 import { get, hasCluster } from "./api.js";
 import { el, table } from "./view.js";

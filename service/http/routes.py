@@ -42,7 +42,7 @@ class Route:
 
 
 # GET routes for the reads the console makes. A route naming an RPC the service does not have
-# (DescribeCluster, until the cluster layer adds it) is left out, and answers 404.
+# is left out, and answers 404.
 REST_ROUTES = (
     Route("GET", "/v1/streams", "ListStreams"),
     Route("GET", "/v1/streams/{stream}", "GetStreamInfo"),

@@ -48,7 +48,7 @@ def test_every_rpc_but_the_session_has_a_post_route_and_rest_routes_name_real_rp
     for method in SERVICE.methods:
         assert (("POST", f"/v1/{method.name}") in found) == (not method.client_streaming), method.name
     assert found[("POST", "/v1/Subscribe")].streaming and not found[("POST", "/v1/Read")].streaming
-    # REST routes for RPCs the service lacks (DescribeCluster before the cluster layer) are left out.
+    # REST routes for RPCs the service lacks are left out.
     for route in REST_ROUTES:
         assert ((route.http_method, route.path) in found) == (route.rpc in SERVICE.methods_by_name)
 
