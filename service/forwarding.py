@@ -1,8 +1,8 @@
 """Forwarding a call to the node that leads its stream, and relaying its answer unchanged.
 
 The entry node calls the leader with the caller's request, metadata (its token
-included: the leader checks it as it checks any call) and remaining deadline, plus
-`streamlog-forwarded-by: <this node>`. Replies come back as the leader sent them:
+included: the leader checks it as it checks any call; not the transport's headers)
+and remaining deadline, plus `streamlog-forwarded-by: <this node>`. Replies come back as the leader sent them:
 messages (bytes, for the RPCs that send stored records as they are, see server.py),
 the final status with its message and trailers. Streams are relayed one message at a
 time in each direction, a reply taken from the leader only once the caller took the
@@ -16,6 +16,7 @@ unknown, exactly as for a caller whose own connection broke.
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -26,8 +27,26 @@ from service.interceptors import prepended
 from service.peers import PeerChannels
 
 FORWARDED_BY = "streamlog-forwarded-by"
-# Metadata gRPC sets on every call itself; the forwarded call gets its own.
-_TRANSPORT_KEYS = frozenset({"user-agent", "te", "content-type"})
+# Headers of the transport, not of the call: those gRPC sets on every call itself (the
+# forwarded call gets its own), and HTTP/1.1's, for calls that came in over the HTTP API.
+_TRANSPORT_KEYS = frozenset(
+    {
+        "user-agent",
+        "te",
+        "content-type",
+        "content-length",
+        "host",
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "transfer-encoding",
+        "upgrade",
+        "accept-encoding",
+    }
+)
+# What gRPC accepts as metadata (other HTTP headers cannot be sent, and mean nothing to it).
+_KEY = re.compile(r"[0-9a-z_.-]+")
+_TEXT_VALUE = re.compile(r"[\x20-\x7e]*")
 
 _KINDS = {(False, False): "unary_unary", (False, True): "unary_stream", (True, True): "stream_stream"}
 
@@ -65,9 +84,7 @@ class Forwarder:
 
     def _metadata(self, context: grpc.aio.ServicerContext) -> tuple[tuple[str, Any], ...]:
         passed = tuple(
-            (key, value)
-            for key, value in context.invocation_metadata() or ()
-            if key not in _TRANSPORT_KEYS and not key.startswith((":", "grpc-"))
+            (key, value) for key, value in context.invocation_metadata() or () if _passed(key, value)
         )
         return (*passed, (FORWARDED_BY, self._node_id))
 
@@ -109,6 +126,12 @@ class Forwarder:
         )
         async for reply in _relayed(call, context):
             yield reply
+
+
+def _passed(key: str, value: Any) -> bool:
+    if key in _TRANSPORT_KEYS or key.startswith("grpc-") or not _KEY.fullmatch(key):
+        return False
+    return key.endswith("-bin") or (isinstance(value, str) and _TEXT_VALUE.fullmatch(value) is not None)
 
 
 async def _relayed(call: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:

@@ -8,6 +8,7 @@ to "a", the second to "b".
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from tests.cluster.helpers import TEST_TTL_MS
 from tests.cluster.nodes import free_port
 from tests.service.certs import CertificateAuthority
 from tests.service.helpers import ServerThread, small_settings
+from tests.service.http_client import HttpApi
 
 ADMIN, WRITER, READER = "admin-token-0123456789", "writer-token-0123456789", "reader-token-0123456789"
 TOKENS = f"""
@@ -52,6 +54,10 @@ principals = ["reader"]
 streams = ["first"]
 permissions = ["read"]
 """
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
 
 
 def bearer(token: str) -> tuple[tuple[str, str]]:
@@ -229,3 +235,29 @@ def test_a_dead_letter_stream_is_placed_beside_its_groups_stream(start_nodes) ->
         stub.Read(pb.ReadRequest(stream="on-a", group="g", consumer="c"), timeout=10)  # past max_deliveries
         read = stub.Read(pb.ReadRequest(stream="dead", block_ms=5000), timeout=10)
         assert len(read.entries) == 1
+
+
+def test_http_calls_are_routed_like_grpc_calls(start_nodes) -> None:
+    nodes = start_nodes({"a": {"http_port": free_port()}, "b": {"http_port": free_port()}})
+    via_b = HttpApi.of(nodes["b"])
+    assert via_b.post("Append", {"stream": "s", "payloads": [b64(b"x")]}).status == 200
+    assert leaders(nodes["b"]) == {"s": "a"}
+    # Forwarded to a with the request's headers as metadata (but HTTP's own, and those gRPC
+    # cannot carry), answered through b.
+    headers = {"Connection": "keep-alive", "x-note": "caf\xe9", "x-trace": "t-1"}
+    reply = via_b.post("Append", {"stream": "s", "payloads": [b64(b"y")]}, headers=headers)
+    assert (reply.status, reply.json["first_offset"]) == (200, "1")
+    read = via_b.get("/v1/streams/s/entries")
+    assert [base64.b64decode(e["payload"]) for e in read.json["entries"]] == [b"x", b"y"]
+    events = via_b.events("/v1/streams/s/events")
+    try:
+        _kind, _id, first = next(iter(events))
+        assert [base64.b64decode(e["payload"]) for e in first["entries"]] == [b"x", b"y"]
+    finally:
+        events.close()
+    redirected = via_b.post("Read", {"stream": "s"}, headers={"streamlog-route": "redirect"})
+    assert redirected.status == 503
+    assert redirected.headers["streamlog-leader-address"] == nodes["a"].target
+    cluster = via_b.get("/v1/cluster").json
+    assert (cluster["cluster_name"], cluster["node_id"]) == ("routing", "b")
+    assert [s["leader"] for s in cluster["streams"]] == ["a"]
