@@ -7,10 +7,11 @@ Order. Built before the gRPC server (its routing interceptor goes into the chain
 started after the engine has recovered: the node then registers in etcd, loads the
 cluster's records (creating the copies of the streams it leads that it lacks), takes
 part in the controller election, and only then routes calls (until then they get
-UNAVAILABLE, and health says NOT_SERVING). Stopped after the gRPC server has drained,
-so that calls in flight finish as leader: then the coordinator stops, revoking the
-lease last, so that the node's keys go at once and other nodes take over without
-waiting for a TTL; then the peer channels close.
+UNAVAILABLE, and health says NOT_SERVING). When the server drains, it forwards no more
+calls and ends those it relays; it is stopped after the gRPC server has drained, so
+that calls in flight finish as leader: then the coordinator stops, revoking the lease
+last, so that the node's keys go at once and other nodes take over without waiting
+for a TTL; then the peer channels close.
 
 A node whose id another process took while it was cut off from etcd no longer acts as
 a member: `failed` is set, and the server shuts down (service/server.py).
@@ -28,7 +29,7 @@ from cluster.errors import ClusterError
 from cluster.placement import StreamPlacement
 from service.config import Settings
 from service.forwarding import Forwarder
-from service.leadercalls import LeaderCalls
+from service.longcalls import LongCalls
 from service.peers import PeerChannels
 from service.replicas import LocalReplicas, Role
 from service.routing import RoutingInterceptor
@@ -62,7 +63,9 @@ class ClusterNode:
         self.followers_copy_leaders = False
         self.peers = PeerChannels(settings)
         self.forwarder = Forwarder(self.node_id, self.peers, service, raw_reply_methods)
-        self.leader_calls = LeaderCalls()
+        # Long calls served here as their stream's leader, and those relayed to other leaders.
+        self.led = LongCalls()
+        self.relayed = LongCalls()
         self.replicas = LocalReplicas(self.node_id)
         self.replicas.add_listener(self._on_role)
         placement = self.coordinator.placement
@@ -72,6 +75,7 @@ class ClusterNode:
         self.routing = RoutingInterceptor(service.full_name, self)
         self.engine: Engine | None = None
         self.started = False
+        self.draining = False
         self._names: list[str] | None = None  # the catalog's names, sorted; None: to sort again
 
     @property
@@ -93,6 +97,12 @@ class ClusterNode:
             raise ClusterStartError(f"cannot join the cluster: {exc}") from exc
         self.replicas.go_live(lambda name: self.coordinator.placement.locate(name) is not None)
         self.started = True
+
+    def drain(self) -> None:
+        """The server is shutting down: forward no more calls, and end those relayed (the calls
+        served here end as on a single server)."""
+        self.draining = True
+        self.relayed.end_all("server is shutting down")
 
     async def stop(self) -> None:
         self.started = False
@@ -116,4 +126,4 @@ class ClusterNode:
         # on a stream that did not exist yet) end, to be routed to the leader again. A
         # deleted stream's calls end as on a single server (NOT_FOUND), by the deletion.
         if record is not None and after is not Role.LEADER:
-            self.leader_calls.end(name)
+            self.led.end(name, "leader changed")

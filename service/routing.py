@@ -23,7 +23,10 @@ from the request and asks placement (cluster/placement.py, no call to etcd):
   stream; such a wait ends with "leader changed" if the stream is then created on
   another node).
 
-DeleteStream deletes the placement record, then the leader's copy. CreateGroup and
+Subscribe, Consume and blocking Reads are held by stream (service/longcalls.py): those
+served here end when this node stops leading their stream, those relayed when it
+drains for shutdown (service/clusternode.py). DeleteStream deletes the placement
+record, then the leader's copy. CreateGroup and
 SetGroupConfig with a dead-letter stream place that stream beside the group's (the
 engine writes dead letters into its local copy), and refuse one led elsewhere.
 ListStreams lists placement (the cluster's catalog) and DescribeCluster describes the
@@ -33,7 +36,7 @@ cluster, from this node's copy of etcd.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -52,7 +55,7 @@ from service.interceptors import (
     iterate,
     prepended,
 )
-from service.leadercalls import SubscribePosition
+from service.longcalls import LongCalls, SubscribePosition
 from service.opencalls import OpenCall, current_call
 from service.paging import page_of_names
 
@@ -105,25 +108,29 @@ class RoutingInterceptor(WrappingInterceptor):
             return self._list_streams
         if method == "DescribeCluster":
             return self._describe_cluster
-        forwarder = self._node.forwarder
+        node = self._node
 
         async def routed(request: Any, context: grpc.aio.ServicerContext) -> Any:
             leader = await self._route(method, request, context)
-            if leader is not None:
-                return await forwarder.unary(method, request, context, *leader)
-            return await self._serve_unary(method, request, context, behavior)
+            if leader is None:
+                return await self._serve_unary(method, request, context, behavior)
+            forwarded = node.forwarder.unary(method, request, context, *leader)
+            if method == "Read" and request.block_ms > 0:
+                return await self._held_read(node.relayed, request, context, forwarded)
+            return await forwarded
 
         return routed
 
     def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
-        forwarder = self._node.forwarder
+        node = self._node
 
         async def routed(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             leader = await self._route(method, request, context)
             if leader is not None:
-                replies = forwarder.stream(method, request, context, *leader)
+                relayed = node.forwarder.stream(method, request, context, *leader)
+                replies = self._held(node.relayed, method, request, relayed)
             else:
-                replies = self._served(method, request, iterate(behavior, request, context))
+                replies = self._held(node.led, method, request, iterate(behavior, request, context))
             async with contextlib.aclosing(replies):
                 async for reply in replies:
                     yield reply
@@ -133,7 +140,7 @@ class RoutingInterceptor(WrappingInterceptor):
     def wrap_session(self, method: str, behavior: SessionBehavior) -> SessionBehavior:
         # Routed on the opening message, which names the stream for the whole session; a
         # forwarded session relays the later messages as they come.
-        forwarder = self._node.forwarder
+        node = self._node
 
         async def routed(
             requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
@@ -143,9 +150,11 @@ class RoutingInterceptor(WrappingInterceptor):
                 return  # the client closed its side without a word
             leader = await self._route(method, opening, context)
             if leader is not None:
-                replies = forwarder.session(method, opening, requests, context, *leader)
+                relayed = node.forwarder.session(method, opening, requests, context, *leader)
+                replies = self._held(node.relayed, method, opening, relayed)
             else:
-                replies = self._served(method, opening, behavior(prepended(opening, requests), context))
+                served = behavior(prepended(opening, requests), context)
+                replies = self._held(node.led, method, opening, served)
             async with contextlib.aclosing(replies):
                 async for reply in replies:
                     yield reply
@@ -163,6 +172,11 @@ class RoutingInterceptor(WrappingInterceptor):
         if not node.started:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, "server is starting: joining the cluster; retry shortly"
+            )
+        if node.draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "server is shutting down; retry on another server or after restart",
             )
         stream = request.stream
         record = self._placement.locate(stream)
@@ -238,14 +252,24 @@ class RoutingInterceptor(WrappingInterceptor):
         if method != "Read" or request.block_ms <= 0:
             return await behavior(request, context)
         # A blocking read waits here: it ends if this node stops leading the stream meanwhile.
+        return await self._held_read(self._node.led, request, context, behavior(request, context))
+
+    # -- long calls, served here or relayed
+
+    async def _held_read(
+        self, calls: LongCalls, request: Any, context: grpc.aio.ServicerContext, read: Awaitable[Any]
+    ) -> Any:
+        """The blocking Read `read` (not yet started), held in `calls` while it waits."""
         resume = _GROUP_RESUME if request.group else f"read again from offset {request.offset}"
-        call = OpenCall(method, request, context)
-        with self._node.leader_calls.held(request.stream, call, lambda: resume), call.interruptible():
-            return await behavior(request, context)
+        call = OpenCall("Read", request, context)
+        with calls.held(request.stream, call, lambda: resume), call.interruptible():
+            return await read
         await context.abort(*call.ending)  # type: ignore[misc]
 
-    async def _served(self, method: str, request: Any, replies: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        """The replies of a streaming call served here, held among the leader's calls."""
+    async def _held(
+        self, calls: LongCalls, method: str, request: Any, replies: AsyncIterator[Any]
+    ) -> AsyncIterator[Any]:
+        """The replies of a streaming call, served here or relayed, held in `calls` meanwhile."""
         call = current_call()
         if call is None:  # not served through OpenCalls (another front door): nothing can end it
             async with contextlib.aclosing(replies):
@@ -257,12 +281,14 @@ class RoutingInterceptor(WrappingInterceptor):
             start = request.start in (pb.START_POSITION_UNSPECIFIED, pb.START_POSITION_OFFSET)
             position = SubscribePosition(request.offset if start else None)
         resume = position.resume if position is not None else lambda: _GROUP_RESUME
-        with self._node.leader_calls.held(request.stream, call, resume):
+        with calls.held(request.stream, call, resume):
             async with contextlib.aclosing(replies):
                 async for reply in replies:
                     yield reply
                     if position is not None:
                         position.sent(reply)  # it was sent: resume after it
+
+    # -- deletions and dead letters, served here as the leader
 
     async def _delete_stream(
         self, request: pb.DeleteStreamRequest, context: grpc.aio.ServicerContext, behavior: UnaryBehavior

@@ -261,6 +261,8 @@ class StreamLogServer:
             await self._health.enter_graceful_shutdown()
         if self._servicer is not None:
             self._servicer.start_draining()
+        if self.cluster is not None:
+            self.cluster.drain()
         if self._waiters is not None:
             self._waiters.close()
         if self._servicer is not None:

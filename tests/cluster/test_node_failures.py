@@ -178,3 +178,38 @@ def test_a_node_whose_id_was_taken_while_it_was_paused_shuts_down(cluster_nodes:
     assert "stopped" in log  # it drained and closed its engine before it exited
     assert live() == ["n1", "n2"]
     assert cluster_nodes.processes["twin"].process.poll() is None
+
+
+def test_a_node_that_stops_ends_the_calls_it_relays_and_forwards_no_more(
+    cluster_nodes: ClusterNodes, stubs
+) -> None:
+    cluster_nodes.start("n1", "n2")
+    leader, entry = stubs("n1"), stubs("n2")
+    leader.CreateGroup(
+        pb.CreateGroupRequest(
+            stream="relayed", group="g", create_stream=True, start=pb.START_POSITION_OLDEST
+        ),
+        timeout=10,
+    )
+    leader.Append(pb.AppendRequest(stream="relayed", payloads=[b"a", b"b"]), timeout=10)
+    assert leader_of(leader, "relayed").leader == "n1"  # the first stream of a fresh cluster
+    subscription = entry.Subscribe(pb.SubscribeRequest(stream="relayed"), timeout=60)
+    assert next(subscription).next_offset == 2
+    session = Session(entry, timeout=60, stream="relayed", group="g", consumer="c", count=10, batches=2)
+    assert len(session.next().entries) == 2  # the second batch waits for entries
+
+    cluster_nodes.signal("n2", signal.SIGTERM)
+    with pytest.raises(grpc.RpcError) as caught:
+        next(subscription)
+    assert (caught.value.code(), caught.value.details()) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "server is shutting down; resubscribe from offset 2",
+    )
+    assert session.fails(timeout_s=10) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "server is shutting down; call again (the group keeps its position)",
+    )
+    code, log = cluster_nodes.processes["n2"].finish()
+    assert code == 0, log
+    # The leader served them to the end: nothing was left pending but the delivered batch.
+    assert leader.GetPending(pb.GetPendingRequest(stream="relayed", group="g"), timeout=10).count == 2

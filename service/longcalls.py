@@ -1,17 +1,19 @@
-"""The long calls a node serves as a stream's leader, ended when it stops leading the stream.
+"""Long calls by stream (Subscribe, Consume, blocking Reads), to end them all at once with a reason.
 
-Subscribe, Consume and blocking Reads can outlive a leadership: when placement says
-another node (or none) now leads the stream, this node's copy is no longer where the
-stream moves on, so those calls end with UNAVAILABLE "leader changed; ..." and say
-where to resume: a plain subscription from the next offset it would have sent (the
-`next_offset` of its last reply), a blocking read from the offset it asked for, a
-group call simply again (the group keeps its position). The client then calls again
-and is routed to the new leader.
+A clustered node holds two such sets. The calls it serves as a stream's leader end
+when placement says another node (or none) now leads the stream: its copy is no
+longer where the stream moves on, so they end with UNAVAILABLE "leader changed;
+...". The calls it relays to other nodes' leaders end when it drains for shutdown
+("server is shutting down; ..."), as the calls it serves itself do. Either way the
+status says where to resume: a plain subscription from the next offset it would have
+sent (the `next_offset` of its last reply), a blocking read from the offset it asked
+for, a group call simply again (the group keeps its position). The client then calls
+again, and is routed to the leader.
 
 A streaming call is ended through its OpenCall (service/opencalls.py), which
 interrupts it wherever its task waits, in the service or in an outer layer sending a
-reply. A blocking Read is a unary call that waits inside the service: its OpenCall is
-made here and interrupts that wait.
+reply. A blocking Read is a unary call that waits inside the handler: its OpenCall is
+made by the layer that holds it, and interrupts that wait.
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ class SubscribePosition:
         return "subscribe again" if offset is None else f"resubscribe from offset {offset}"
 
 
-class LeaderCalls:
-    """The calls served here as leader, by stream. Event loop only."""
+class LongCalls:
+    """Open long calls, by stream. Event loop only."""
 
     def __init__(self) -> None:
         # stream -> {call: its resume hint}
@@ -84,11 +86,14 @@ class LeaderCalls:
             if not calls and self._calls.get(stream) is calls:
                 del self._calls[stream]
 
-    def end(self, stream: str) -> int:
-        """End every call held on `stream` (this node no longer leads it); return how many."""
+    def end(self, stream: str, reason: str) -> int:
+        """End every call held on `stream` with UNAVAILABLE "<reason>; <where to resume>"."""
         calls = self._calls.get(stream)
         if not calls:
             return 0
         for call, resume in list(calls.items()):
-            call.end(grpc.StatusCode.UNAVAILABLE, f"leader changed; {resume()}")
+            call.end(grpc.StatusCode.UNAVAILABLE, f"{reason}; {resume()}")
         return len(calls)
+
+    def end_all(self, reason: str) -> int:
+        return sum(self.end(stream, reason) for stream in list(self._calls))
