@@ -9,8 +9,11 @@ end with "leader changed", and it is elected again (it is the only in-sync repli
 
 from __future__ import annotations
 
+import base64
+import json
 import signal
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -19,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
+from tests.cluster.etcd_server import EtcdCluster
 from tests.cluster.helpers import TEST_TTL_MS
 from tests.cluster.nodes import ClusterNodes, leader_of
 from tests.service.test_consume import Session
@@ -213,3 +217,21 @@ def test_a_node_that_stops_ends_the_calls_it_relays_and_forwards_no_more(
     assert code == 0, log
     # The leader served them to the end: nothing was left pending but the delivered batch.
     assert leader.GetPending(pb.GetPendingRequest(stream="relayed", group="g"), timeout=10).count == 2
+
+
+def test_a_node_that_stops_revokes_its_lease_so_its_streams_move_at_once(
+    cluster_nodes: ClusterNodes, etcd: EtcdCluster, stubs
+) -> None:
+    cluster_nodes.start("n1", "n2")
+    stubs("n1").Append(pb.AppendRequest(stream="left", payloads=[b"x"]), timeout=10)
+    assert leader_of(stubs("n2"), "left").leader == "n1"
+    code, log = cluster_nodes.stop("n1")
+    assert code == 0, log
+    # Gone as it exited, not a lease TTL later (its last keep-alive left it more than a second).
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{etcd.endpoints[0][1]}/v3/kv/range",
+        data=json.dumps({"key": base64.b64encode(b"/streamlog/nodes/n1").decode()}).encode(),
+    )
+    with urllib.request.urlopen(request, timeout=5) as reply:
+        assert "kvs" not in json.load(reply)
+    eventually(lambda: leader_of(stubs("n2"), "left").leader == "")
