@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import signal
 import socket
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -108,8 +110,22 @@ class ClusterNodes:
             process.kill()
 
 
-def leader_of(stub: pb_grpc.StreamLogServiceStub, stream: str) -> pb.StreamPlacement:
-    reply = stub.DescribeCluster(pb.DescribeClusterRequest(prefix=stream), timeout=10)
-    found = [placement for placement in reply.streams if placement.name == stream]
-    assert found, f"stream {stream!r} is not in placement"
-    return found[0]
+def eventually(condition: Callable[[], object], timeout_s: float = 10) -> None:
+    """Wait (bounded) until `condition()` holds: the state moves in other processes, so poll."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the cluster did not get there in time"
+        time.sleep(0.05)
+
+
+def leader_of(stub: pb_grpc.StreamLogServiceStub, stream: str, timeout_s: float = 10) -> pb.StreamPlacement:
+    """The stream's placement as the node `stub` calls sees it, once it sees the stream (a node
+    learns of a stream created elsewhere from its watch, a moment later: poll, bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reply = stub.DescribeCluster(pb.DescribeClusterRequest(prefix=stream), timeout=10)
+        found = [placement for placement in reply.streams if placement.name == stream]
+        if found:
+            return found[0]
+        assert time.monotonic() < deadline, f"stream {stream!r} is not in placement"
+        time.sleep(0.05)

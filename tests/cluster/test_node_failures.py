@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import json
 import signal
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 
@@ -24,21 +23,13 @@ from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
 from tests.cluster.etcd_server import EtcdCluster
 from tests.cluster.helpers import TEST_TTL_MS
-from tests.cluster.nodes import ClusterNodes, leader_of
+from tests.cluster.nodes import ClusterNodes, eventually, leader_of
 from tests.service.test_consume import Session
 
 NODES = ("n1", "n2", "n3")
 LEADER_TRAILERS = {"streamlog-leader-id", "streamlog-leader-address", "streamlog-leader-epoch"}
 # A dead or paused node's lease expires within its TTL, plus etcd's expiry check and the election.
 EXPIRY_S = TEST_TTL_MS / 1000 + 5
-
-
-def eventually(condition: Callable[[], object], timeout_s: float = EXPIRY_S) -> None:
-    """Wait (bounded) until `condition()` holds: the state moves in other processes, so poll."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "the cluster did not get there in time"
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -99,6 +90,7 @@ def test_a_leader_deposed_while_paused_ends_the_long_calls_it_served(
     leader_name = leader_of(entry, "paused").leader
     leader = stubs(leader_name)
     other = stubs(next(node for node in NODES if node != leader_name))
+    assert leader_of(other, "paused").leader == leader_name  # it knows where to forward
 
     def caught_up(subscription) -> None:
         for reply in subscription:
@@ -196,7 +188,7 @@ def test_a_node_that_stops_ends_the_calls_it_relays_and_forwards_no_more(
         timeout=10,
     )
     leader.Append(pb.AppendRequest(stream="relayed", payloads=[b"a", b"b"]), timeout=10)
-    assert leader_of(leader, "relayed").leader == "n1"  # the first stream of a fresh cluster
+    assert leader_of(entry, "relayed").leader == "n1"  # the first stream of a fresh cluster
     subscription = entry.Subscribe(pb.SubscribeRequest(stream="relayed"), timeout=60)
     assert next(subscription).next_offset == 2
     session = Session(entry, timeout=60, stream="relayed", group="g", consumer="c", count=10, batches=2)

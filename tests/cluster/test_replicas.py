@@ -10,7 +10,7 @@ import pytest
 
 from cluster.coordinator import Coordinator
 from service.replicas import LocalReplicas, Role
-from storage import Engine
+from storage import AppendBatch, Engine
 from tests.cluster.etcd_server import EtcdCluster
 from tests.cluster.helpers import config, nodes, run, settled, until
 
@@ -20,8 +20,8 @@ def test_copies_are_created_wiped_and_deleted_as_placement_says(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="service.replicas")
     engine = Engine(tmp_path / "data")
-    engine.append("stray", [b"from before"])  # placement will never know it
-    engine.append("reused", [b"an older stream's entry"])  # its name will be taken again
+    engine.append("stray", AppendBatch([b"from before"]))  # placement will never know it
+    engine.append("reused", AppendBatch([b"an older stream's entry"]))  # its name will be taken again
 
     async def scenario() -> None:
         async with nodes(etcd.endpoints, "other") as (other,):
@@ -46,7 +46,7 @@ def test_copies_are_created_wiped_and_deleted_as_placement_says(
                 # The controller had taken the leadership from a while it was away (no live in-sync
                 # replica: offline); a is elected again once it joins, and starts an empty copy.
                 await until(lambda: ("lost", Role.FOLLOWER, Role.LEADER) in roles, changed)
-                assert engine.exists("lost") and engine.info("lost").next_offset == 0
+                assert engine.exists("lost") and engine.info("lost").end_offset == 0
                 assert engine.read("stray", 0, 10).count == 1
                 warnings = [r.getMessage() for r in caplog.records]
                 assert any("'lost': this node leads it but holds no copy" in w for w in warnings)
@@ -55,7 +55,7 @@ def test_copies_are_created_wiped_and_deleted_as_placement_says(
                 # A new stream of a name this node holds an old copy of: the copy is wiped first.
                 await other.placement.create_if_absent("reused", replicas=("a",))
                 await settled([a, other])
-                assert engine.info("reused").next_offset == 0
+                assert engine.info("reused").end_offset == 0
                 # A follower holds nothing yet (no replication): no copy is made.
                 await other.placement.create_if_absent("followed", replicas=("other", "a"))
                 await settled([a, other])

@@ -9,6 +9,7 @@ to "a", the second to "b".
 from __future__ import annotations
 
 import base64
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -98,11 +99,22 @@ def start_nodes(etcd: EtcdCluster, tmp_path: Path) -> Iterator[Callable[..., dic
         server.stop()
 
 
-def leaders(server: ServerThread) -> dict[str, str]:
-    assert server.server.cluster is not None
-    return {
-        name: record.leader for name, record in server.server.cluster.coordinator.placement.streams().items()
-    }
+def leaders(server: ServerThread, *streams: str) -> dict[str, str]:
+    """Stream -> leader, as `server` sees placement once it sees all of `streams` (a node learns
+    of streams created through another from its watch, a moment later)."""
+    cluster = server.server.cluster
+    assert cluster is not None
+    placement = cluster.coordinator.placement
+
+    def seen() -> dict[str, str] | None:  # on the server's loop, which updates the records
+        records = placement.streams()
+        return {name: r.leader for name, r in records.items()} if set(streams) <= records.keys() else None
+
+    deadline = time.monotonic() + 10
+    while (found := server.call(seen)) is None:
+        assert time.monotonic() < deadline, f"{streams} not all in placement"
+        time.sleep(0.02)
+    return found
 
 
 def test_a_forwarded_call_is_authorized_where_it_enters_and_again_at_the_leader(
@@ -122,7 +134,7 @@ def test_a_forwarded_call_is_authorized_where_it_enters_and_again_at_the_leader(
         a, b = pb_grpc.StreamLogServiceStub(to_a), pb_grpc.StreamLogServiceStub(to_b)
         for name in ("first", "second"):
             a.Append(pb.AppendRequest(stream=name, payloads=[b"x"]), metadata=bearer(ADMIN), timeout=10)
-        assert leaders(nodes["a"]) == {"first": "a", "second": "b"}
+        assert leaders(nodes["a"], "first", "second") == {"first": "a", "second": "b"}
 
         # Through a (its rules allow it), to b, whose rules do not: b refuses with the caller's
         # identity, so the token was forwarded and checked again.
@@ -160,7 +172,7 @@ def test_peers_are_dialled_at_peer_addresses_and_a_call_is_forwarded_once(start_
     nodes = start_nodes({"a": {}, "b": {}, "c": {"peer_addresses": f"a=127.0.0.1:{ports['b']}"}}, ports)
     with grpc.insecure_channel(nodes["c"].target) as to_c, grpc.insecure_channel(nodes["b"].target) as to_b:
         pb_grpc.StreamLogServiceStub(to_b).Append(pb.AppendRequest(stream="s", payloads=[b"x"]), timeout=10)
-        assert leaders(nodes["c"]) == {"s": "a"}
+        assert leaders(nodes["c"], "s") == {"s": "a"}
         with pytest.raises(grpc.RpcError) as caught:
             pb_grpc.StreamLogServiceStub(to_c).Read(pb.ReadRequest(stream="s"), timeout=10)
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -195,7 +207,7 @@ def test_forwarding_over_mutual_tls_and_certificate_callers_get_the_leaders_addr
     with grpc.secure_channel(nodes["b"].target, credentials) as channel:
         stub = pb_grpc.StreamLogServiceStub(channel)
         stub.Append(pb.AppendRequest(stream="s", payloads=[b"x"]), metadata=bearer(ADMIN), timeout=10)
-        assert leaders(nodes["b"]) == {"s": "a"}
+        assert leaders(nodes["b"], "s") == {"s": "a"}
         # With a token: forwarded to a over TLS, where the token is checked again.
         reply = stub.Append(
             pb.AppendRequest(stream="s", payloads=[b"y"]), metadata=bearer(WRITER), timeout=10
@@ -221,7 +233,12 @@ def test_a_dead_letter_stream_is_placed_beside_its_groups_stream(start_nodes) ->
         stub.CreateGroup(pb.CreateGroupRequest(stream="on-a", group="g", config=config), timeout=10)
         # Created with the group's stream's replicas (not on b, the least loaded), so the same node
         # leads both.
-        assert leaders(nodes["b"]) == {"on-a": "a", "on-b": "b", "also-on-a": "a", "dead": "a"}
+        assert leaders(nodes["b"], "on-a", "on-b", "also-on-a", "dead") == {
+            "on-a": "a",
+            "on-b": "b",
+            "also-on-a": "a",
+            "dead": "a",
+        }
         with pytest.raises(grpc.RpcError) as caught:
             stub.CreateGroup(pb.CreateGroupRequest(stream="on-b", group="g", config=config), timeout=10)
         assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -241,7 +258,7 @@ def test_http_calls_are_routed_like_grpc_calls(start_nodes) -> None:
     nodes = start_nodes({"a": {"http_port": free_port()}, "b": {"http_port": free_port()}})
     via_b = HttpApi.of(nodes["b"])
     assert via_b.post("Append", {"stream": "s", "payloads": [b64(b"x")]}).status == 200
-    assert leaders(nodes["b"]) == {"s": "a"}
+    assert leaders(nodes["b"], "s") == {"s": "a"}
     # Forwarded to a with the request's headers as metadata (but HTTP's own, and those gRPC
     # cannot carry), answered through b.
     headers = {"Connection": "keep-alive", "x-note": "caf\xe9", "x-trace": "t-1"}

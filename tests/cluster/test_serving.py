@@ -20,7 +20,7 @@ from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
 from clients.cli import main as cli_main
 from service.errors import NEXT_OFFSET_TRAILER
-from tests.cluster.nodes import ClusterNodes, leader_of
+from tests.cluster.nodes import ClusterNodes, eventually, leader_of
 from tests.service.test_consume import Session
 
 NODES = ("n1", "n2", "n3")
@@ -36,11 +36,19 @@ def stubs(three_nodes: ClusterNodes) -> Iterator[Stubs]:
         channel.close()
 
 
+def placed(stubs: Stubs, stream: str) -> tuple[str, list[str]]:
+    """The stream's leader and the two other nodes, once every node knows the stream (a node
+    learns of one created through another from its watch, a moment later)."""
+    leaders = {leader_of(stubs[node], stream).leader for node in NODES}
+    assert len(leaders) == 1, leaders
+    leader = leaders.pop()
+    return leader, [node for node in NODES if node != leader]
+
+
 def create(stubs: Stubs, stream: str, *payloads: bytes) -> tuple[str, list[str]]:
     """Create `stream` (through n1) with `payloads`; return its leader and the two other nodes."""
     stubs["n1"].Append(pb.AppendRequest(stream=stream, payloads=payloads or [b"first"]), timeout=10)
-    leader = leader_of(stubs["n1"], stream).leader
-    return leader, [node for node in NODES if node != leader]
+    return placed(stubs, stream)
 
 
 def failure(call, *args, **kwargs) -> grpc.RpcError:
@@ -91,8 +99,7 @@ def test_groups_and_a_consume_session_through_nodes_that_do_not_lead(stubs: Stub
         ),
         timeout=10,
     )
-    leader = leader_of(stubs["n1"], "consumed").leader
-    first, second = [node for node in NODES if node != leader]
+    _leader, (first, second) = placed(stubs, "consumed")
     stubs[second].Append(pb.AppendRequest(stream="consumed", payloads=[b"a", b"b", b"c"]), timeout=10)
 
     session = Session(stubs[first], stream="consumed", group="g", consumer="c1", count=2, batches=1)
@@ -173,6 +180,8 @@ def test_describe_cluster_and_list_streams_show_the_whole_cluster(
     names = [f"catalog-{i}" for i in range(4)]
     for index, name in enumerate(names):
         stubs[NODES[index % 3]].Append(pb.AppendRequest(stream=name, payloads=[b"x"]), timeout=10)
+    for name in names:
+        placed(stubs, name)
     for node in NODES:
         described = stubs[node].DescribeCluster(pb.DescribeClusterRequest(prefix="catalog-"), timeout=10)
         assert (described.cluster_name, described.node_id) == ("streamlog", node)
@@ -203,12 +212,11 @@ def test_describe_cluster_and_list_streams_show_the_whole_cluster(
 def test_delete_stream_through_any_node_deletes_it_from_the_cluster(stubs: Stubs) -> None:
     _leader, (first, second) = create(stubs, "doomed", b"a", b"b")
     stubs[first].DeleteStream(pb.DeleteStreamRequest(stream="doomed"), timeout=10)
-    for node in NODES:
-        assert failure(stubs[node].Read, pb.ReadRequest(stream="doomed")).code() == grpc.StatusCode.NOT_FOUND
-        assert (
-            "doomed"
-            not in stubs[node].ListStreams(pb.ListStreamsRequest(prefix="doomed"), timeout=10).streams
-        )
+    listing = pb.ListStreamsRequest(prefix="doomed")
+    for stub in stubs.values():
+        # Whether the node has heard of the deletion yet or forwards to the leader, which has.
+        assert failure(stub.Read, pb.ReadRequest(stream="doomed")).code() == grpc.StatusCode.NOT_FOUND
+        eventually(lambda stub=stub: not stub.ListStreams(listing, timeout=10).streams)
     error = failure(stubs[second].DeleteStream, pb.DeleteStreamRequest(stream="doomed"))
     assert error.code() == grpc.StatusCode.NOT_FOUND
     # The name can be taken again: a new, empty stream.
