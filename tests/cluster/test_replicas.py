@@ -12,7 +12,7 @@ from cluster.coordinator import Coordinator
 from service.replicas import LocalReplicas, Role
 from storage import AppendBatch, Engine
 from tests.cluster.etcd_server import EtcdCluster
-from tests.cluster.helpers import config, nodes, run, settled, until
+from tests.cluster.helpers import PlacementLog, config, nodes, run, settled, until
 
 
 def test_copies_are_created_wiped_and_deleted_as_placement_says(
@@ -25,8 +25,11 @@ def test_copies_are_created_wiped_and_deleted_as_placement_says(
 
     async def scenario() -> None:
         async with nodes(etcd.endpoints, "other") as (other,):
-            # Created while node a was away, led by it (as after a crash that lost its copy).
+            # Created while node a was away, led by it (as after a crash that lost its copy): the
+            # controller takes the leadership away (no live in-sync replica: offline).
+            log = PlacementLog(other)
             await other.placement.create_if_absent("lost", replicas=("a",))
+            await until(lambda: other.placement.locate("lost").leader == "", log.event)
             a = Coordinator(config(etcd.endpoints, "a"))
             replicas = LocalReplicas("a")
             forgotten: list[str] = []
@@ -43,8 +46,7 @@ def test_copies_are_created_wiped_and_deleted_as_placement_says(
             await a.start()
             try:
                 replicas.go_live(lambda name: a.placement.locate(name) is not None)
-                # The controller had taken the leadership from a while it was away (no live in-sync
-                # replica: offline); a is elected again once it joins, and starts an empty copy.
+                # a is elected again once it joins, and starts an empty copy.
                 await until(lambda: ("lost", Role.FOLLOWER, Role.LEADER) in roles, changed)
                 assert engine.exists("lost") and engine.info("lost").end_offset == 0
                 assert engine.read("stray", 0, 10).count == 1
