@@ -181,9 +181,17 @@ class RoutingInterceptor(WrappingInterceptor):
         stream = request.stream
         record = self._placement.locate(stream)
         if record is None:
-            if not (_creates_stream(method, request) and _valid_name(stream)):
+            if _creates_stream(method, request) and _valid_name(stream):
+                record = await self._create(stream, context)
+            elif self._routing_metadata(context)[0] is not None:
+                # The node that forwarded it knows the stream: this node has not heard of it yet.
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"stream {stream!r}: this node ({self._me}) has not heard of it yet (the node that "
+                    "forwarded the call sees the cluster a moment ahead); retry",
+                )
+            else:
                 return None  # not in the cluster: answered here (NOT_FOUND, bad names, waits)
-            record = await self._create(stream, context)
         leader = record.leader
         if leader == self._me:
             if not node.coordinator.membership.lease_valid():

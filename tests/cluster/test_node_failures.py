@@ -49,7 +49,7 @@ def test_a_killed_leaders_streams_have_no_leader_until_it_comes_back(
     other, third = (stubs(node) for node in NODES if node != leader)
 
     cluster_nodes.kill(leader)
-    eventually(lambda: leader_of(other, "kept").leader == "")
+    eventually(lambda: leader_of(other, "kept").leader == leader_of(third, "kept").leader == "")
     for call, request, metadata in [
         (other.Append, pb.AppendRequest(stream="kept", payloads=[b"d"]), ()),
         (third.Read, pb.ReadRequest(stream="kept"), ()),
@@ -70,7 +70,8 @@ def test_a_killed_leaders_streams_have_no_leader_until_it_comes_back(
     assert leader_of(other, "fresh").leader != leader
 
     cluster_nodes.start(leader)  # same port and data directory
-    eventually(lambda: leader_of(other, "kept").leader == leader)
+    everyone = (other, third, stubs(leader))
+    eventually(lambda: all(leader_of(stub, "kept").leader == leader for stub in everyone))
     assert leader_of(other, "kept").leader_epoch == 3  # deposed (2), then elected again (3)
     read = third.Read(pb.ReadRequest(stream="kept"), timeout=10)
     assert [e.payload for e in read.entries] == [b"a", b"b", b"c"]
@@ -127,7 +128,7 @@ def test_a_leader_deposed_while_paused_ends_the_long_calls_it_served(
         (grpc.StatusCode.UNAVAILABLE, "leader changed; call again (the group keeps its position)"),
     ]
     # Back with a new lease, it is the only in-sync replica and leads again: resubscribe.
-    eventually(lambda: leader_of(other, "paused").leader == leader_name)
+    eventually(lambda: leader_of(other, "paused").leader == leader_of(leader, "paused").leader == leader_name)
     again = other.Subscribe(pb.SubscribeRequest(stream="paused", offset=3), timeout=30)
     assert next(again).next_offset == 3
     other.Append(pb.AppendRequest(stream="paused", payloads=[b"d"]), timeout=10)

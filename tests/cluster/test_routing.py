@@ -135,6 +135,7 @@ def test_a_forwarded_call_is_authorized_where_it_enters_and_again_at_the_leader(
         for name in ("first", "second"):
             a.Append(pb.AppendRequest(stream=name, payloads=[b"x"]), metadata=bearer(ADMIN), timeout=10)
         assert leaders(nodes["a"], "first", "second") == {"first": "a", "second": "b"}
+        assert leaders(nodes["b"], "first", "second") == {"first": "a", "second": "b"}
 
         # Through a (its rules allow it), to b, whose rules do not: b refuses with the caller's
         # identity, so the token was forwarded and checked again.

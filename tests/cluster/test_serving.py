@@ -172,6 +172,14 @@ def test_a_forwarded_call_is_never_forwarded_again(stubs: Stubs) -> None:
     assert error.code() == grpc.StatusCode.UNAVAILABLE
     assert f"led by node {leader!r}" in error.details() and "'elsewhere'" in error.details()
     assert "streamlog-leader-id" not in dict(error.trailing_metadata())
+    # Forwarded here for a stream this node has not heard of: its view is behind the forwarder's,
+    # so not NOT_FOUND (which would say the stream does not exist) but a retry.
+    error = failure(
+        stubs[first].Read,
+        pb.ReadRequest(stream="unheard-of"),
+        metadata=(("streamlog-forwarded-by", "elsewhere"),),
+    )
+    assert error.code() == grpc.StatusCode.UNAVAILABLE and "has not heard of it yet" in error.details()
 
 
 def test_describe_cluster_and_list_streams_show_the_whole_cluster(
@@ -224,6 +232,7 @@ def test_delete_stream_through_any_node_deletes_it_from_the_cluster(stubs: Stubs
         stubs[second].Append(pb.AppendRequest(stream="doomed", payloads=[b"new"]), timeout=10).first_offset
         == 0
     )
+    placed(stubs, "doomed")
     read = stubs[first].Read(pb.ReadRequest(stream="doomed"), timeout=10)
     assert [e.payload for e in read.entries] == [b"new"]
 
