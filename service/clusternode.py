@@ -29,9 +29,10 @@ from cluster.errors import ClusterError
 from cluster.placement import StreamPlacement
 from service.config import Settings
 from service.forwarding import Forwarder
-from service.longcalls import LongCalls
+from service.opencalls import OpenCalls
 from service.peers import PeerChannels
 from service.replicas import LocalReplicas, Role
+from service.resume import end_to_resume
 from service.routing import RoutingInterceptor
 from storage import Engine
 
@@ -63,9 +64,9 @@ class ClusterNode:
         self.followers_copy_leaders = False
         self.peers = PeerChannels(settings)
         self.forwarder = Forwarder(self.node_id, self.peers, service, raw_reply_methods)
-        # Long calls served here as their stream's leader, and those relayed to other leaders.
-        self.led = LongCalls()
-        self.relayed = LongCalls()
+        # The server's open calls: those served here as their stream's leader, and those relayed
+        # to other leaders (service/routing.py marks which). Set by `start`.
+        self._calls = OpenCalls()
         self.replicas = LocalReplicas(self.node_id)
         self.replicas.add_listener(self._on_role)
         placement = self.coordinator.placement
@@ -87,9 +88,11 @@ class ClusterNode:
     def error(self) -> Exception | None:
         return self.coordinator.membership.error
 
-    async def start(self, engine: Engine, forget: Callable[[str], None]) -> None:
-        """Join the cluster, serving `engine`; `forget(name)` ends the waits on a deleted stream."""
+    async def start(self, engine: Engine, forget: Callable[[str], None], calls: OpenCalls) -> None:
+        """Join the cluster, serving `engine`; `forget(name)` ends the waits on a deleted stream;
+        `calls`: the server's open calls (service/opencalls.py)."""
         self.engine = engine
+        self._calls = calls
         self.replicas.attach(engine, forget)
         try:
             await self.coordinator.start()
@@ -102,7 +105,9 @@ class ClusterNode:
         """The server is shutting down: forward no more calls, and end those relayed (the calls
         served here end as on a single server)."""
         self.draining = True
-        self.relayed.end_all("server is shutting down")
+        for call in self._calls:
+            if call.relayed:
+                end_to_resume(call, "server is shutting down")
 
     async def stop(self) -> None:
         self.started = False
@@ -126,4 +131,6 @@ class ClusterNode:
         # on a stream that did not exist yet) end, to be routed to the leader again. A
         # deleted stream's calls end as on a single server (NOT_FOUND), by the deletion.
         if record is not None and after is not Role.LEADER:
-            self.led.end(name, "leader changed")
+            for call in self._calls.on_stream(name):
+                if not call.relayed:
+                    end_to_resume(call, "leader changed")

@@ -10,9 +10,13 @@ outermost interceptor, registers every such call: streaming calls are served by
 `OpenCalls.end_where`) interrupts its handler wherever it waits (reading, waiting
 for entries or credit, sending a reply), closes its replies at once (the
 subscription's reads, counts and waits end now), and answers the status given.
-The layers inside see the call end with that status, not as cancelled. Inner
-layers that decide to end the call they serve (the cluster's routing, when this
-node stops leading the call's stream) find its OpenCall with `current_call`.
+The layers inside see the call end with that status, not as cancelled.
+
+In a cluster, the routing layer (service/routing.py) finds the OpenCall of the
+call it routes with `current_call`, and marks it: relayed to another node or
+served here, and where its client resumes (service/resume.py). The cluster node
+then ends by stream (`on_stream`) the calls served here on a stream it stops
+leading, and on shutdown the calls it relays.
 
 What ending cannot do: grpc.aio has no way for a server to reset one call (no
 RST_STREAM from Python). A reply already handed to gRPC stays in its buffers,
@@ -49,13 +53,17 @@ from service.interceptors import (
 class OpenCall:
     """One open call: what it asked for, and a way to end it."""
 
-    __slots__ = ("_task", "context", "ending", "method", "request")
+    __slots__ = ("_task", "context", "ending", "method", "relayed", "request", "resume")
 
     def __init__(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> None:
         self.method = method
         self.request = request  # its first request (for Consume, the one that opened it)
         self.context = context
         self.ending: tuple[grpc.StatusCode, str] | None = None
+        # Set by a cluster's routing: the call is relayed to the node that serves it, and where
+        # its client resumes if it is ended to be made again (service/resume.py).
+        self.relayed = False
+        self.resume: Callable[[], str] | None = None
         self._task = asyncio.current_task()
 
     def end(self, code: grpc.StatusCode, message: str) -> None:
@@ -100,6 +108,8 @@ class OpenCalls:
 
     def __init__(self) -> None:
         self._open: dict[OpenCall, None] = {}  # insertion-ordered, O(1) removal
+        # The same calls by stream (every call that stays open names one), for `on_stream`.
+        self._by_stream: dict[str, dict[OpenCall, None]] = {}
         # The loop the calls run on, for those who end calls from other threads (None until a
         # call has opened: until then there is nothing to end).
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -117,12 +127,25 @@ class OpenCalls:
             call.end(code, message)
         return len(chosen)
 
+    def on_stream(self, stream: str) -> list[OpenCall]:
+        """The open calls on `stream` (a copy: ending a call removes it)."""
+        return list(self._by_stream.get(stream, ()))
+
     def _register(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> OpenCall:
         call = OpenCall(method, request, context)
         self._open[call] = None
+        self._by_stream.setdefault(request.stream, {})[call] = None
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
         return call
+
+    def _unregister(self, call: OpenCall) -> None:
+        del self._open[call]
+        stream = call.request.stream
+        same = self._by_stream[stream]
+        del same[call]
+        if not same:
+            del self._by_stream[stream]
 
     async def hold(
         self, method: str, request: Any, context: grpc.aio.ServicerContext, behavior: UnaryBehavior
@@ -135,7 +158,7 @@ class OpenCalls:
                 return await behavior(request, context)
         finally:
             _CURRENT.reset(token)
-            del self._open[call]
+            self._unregister(call)
         await context.abort(*call.ending)  # type: ignore[misc]
 
     async def serve(
@@ -160,7 +183,7 @@ class OpenCalls:
                         break
         finally:
             _CURRENT.reset(token)
-            del self._open[call]
+            self._unregister(call)
             # Now rather than when collected: the subscription's cleanup (counts, waits) runs here.
             await replies.aclose()
         if call.ending is not None:

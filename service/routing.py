@@ -23,9 +23,10 @@ from the request and asks placement (cluster/placement.py, no call to etcd):
   stream; such a wait ends with "leader changed" if the stream is then created on
   another node).
 
-Subscribe, Consume and blocking Reads are held by stream (service/longcalls.py): those
-served here end when this node stops leading their stream, those relayed when it
-drains for shutdown (service/clusternode.py). DeleteStream deletes the placement
+Subscribe, Consume and blocking Reads are open calls (service/opencalls.py), marked
+here as relayed or served here, with where their client resumes (service/resume.py):
+those served here end when this node stops leading their stream, those relayed when
+it drains for shutdown (service/clusternode.py). DeleteStream deletes the placement
 record, then the leader's copy. CreateGroup and
 SetGroupConfig with a dead-letter stream place that stream beside the group's (the
 engine writes dead letters into its local copy), and refuse one led elsewhere.
@@ -36,7 +37,7 @@ cluster, from this node's copy of etcd.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -55,9 +56,9 @@ from service.interceptors import (
     iterate,
     prepended,
 )
-from service.longcalls import LongCalls, SubscribePosition
-from service.opencalls import OpenCall, current_call
+from service.opencalls import current_call
 from service.paging import page_of_names
+from service.resume import GROUP_RESUME, SubscribePosition
 
 if TYPE_CHECKING:
     from service.clusternode import ClusterNode
@@ -69,7 +70,6 @@ LEADER_ADDRESS = "streamlog-leader-address"
 LEADER_EPOCH = "streamlog-leader-epoch"
 
 _DEAD_LETTER_METHODS = frozenset({"CreateGroup", "SetGroupConfig"})
-_GROUP_RESUME = "call again (the group keeps its position)"
 
 
 def _creates_stream(method: str, request: Any) -> bool:
@@ -114,10 +114,9 @@ class RoutingInterceptor(WrappingInterceptor):
             leader = await self._route(method, request, context)
             if leader is None:
                 return await self._serve_unary(method, request, context, behavior)
-            forwarded = node.forwarder.unary(method, request, context, *leader)
             if method == "Read" and request.block_ms > 0:
-                return await self._held_read(node.relayed, request, context, forwarded)
-            return await forwarded
+                _mark_read(request, relayed=True)
+            return await node.forwarder.unary(method, request, context, *leader)
 
         return routed
 
@@ -128,9 +127,9 @@ class RoutingInterceptor(WrappingInterceptor):
             leader = await self._route(method, request, context)
             if leader is not None:
                 relayed = node.forwarder.stream(method, request, context, *leader)
-                replies = self._held(node.relayed, method, request, relayed)
+                replies = _marked(method, request, relayed, relayed=True)
             else:
-                replies = self._held(node.led, method, request, iterate(behavior, request, context))
+                replies = _marked(method, request, iterate(behavior, request, context), relayed=False)
             async with contextlib.aclosing(replies):
                 async for reply in replies:
                     yield reply
@@ -151,10 +150,10 @@ class RoutingInterceptor(WrappingInterceptor):
             leader = await self._route(method, opening, context)
             if leader is not None:
                 relayed = node.forwarder.session(method, opening, requests, context, *leader)
-                replies = self._held(node.relayed, method, opening, relayed)
+                replies = _marked(method, opening, relayed, relayed=True)
             else:
                 served = behavior(prepended(opening, requests), context)
-                replies = self._held(node.led, method, opening, served)
+                replies = _marked(method, opening, served, relayed=False)
             async with contextlib.aclosing(replies):
                 async for reply in replies:
                     yield reply
@@ -257,44 +256,10 @@ class RoutingInterceptor(WrappingInterceptor):
             return await self._delete_stream(request, context, behavior)
         if method in _DEAD_LETTER_METHODS and request.config.dead_letter_stream:
             await self._place_dead_letters(request, context)
-        if method != "Read" or request.block_ms <= 0:
-            return await behavior(request, context)
-        # A blocking read waits here: it ends if this node stops leading the stream meanwhile.
-        return await self._held_read(self._node.led, request, context, behavior(request, context))
-
-    # -- long calls, served here or relayed
-
-    async def _held_read(
-        self, calls: LongCalls, request: Any, context: grpc.aio.ServicerContext, read: Awaitable[Any]
-    ) -> Any:
-        """The blocking Read `read` (not yet started), held in `calls` while it waits."""
-        resume = _GROUP_RESUME if request.group else f"read again from offset {request.offset}"
-        call = OpenCall("Read", request, context)
-        with calls.held(request.stream, call, lambda: resume), call.interruptible():
-            return await read
-        await context.abort(*call.ending)  # type: ignore[misc]
-
-    async def _held(
-        self, calls: LongCalls, method: str, request: Any, replies: AsyncIterator[Any]
-    ) -> AsyncIterator[Any]:
-        """The replies of a streaming call, served here or relayed, held in `calls` meanwhile."""
-        call = current_call()
-        if call is None:  # not served through OpenCalls (another front door): nothing can end it
-            async with contextlib.aclosing(replies):
-                async for reply in replies:
-                    yield reply
-            return
-        position = None
-        if method == "Subscribe" and not request.group:
-            start = request.start in (pb.START_POSITION_UNSPECIFIED, pb.START_POSITION_OFFSET)
-            position = SubscribePosition(request.offset if start else None)
-        resume = position.resume if position is not None else lambda: _GROUP_RESUME
-        with calls.held(request.stream, call, resume):
-            async with contextlib.aclosing(replies):
-                async for reply in replies:
-                    yield reply
-                    if position is not None:
-                        position.sent(reply)  # it was sent: resume after it
+        if method == "Read" and request.block_ms > 0:
+            # A blocking read waits here: it ends if this node stops leading the stream meanwhile.
+            _mark_read(request, relayed=False)
+        return await behavior(request, context)
 
     # -- deletions and dead letters, served here as the leader
 
@@ -368,3 +333,37 @@ class RoutingInterceptor(WrappingInterceptor):
         except ServiceError as exc:
             await context.abort(exc.code, exc.message)
             raise  # not reached: abort raises
+
+
+# -- long calls, served here or relayed: marked on their open call (service/opencalls.py)
+
+
+def _mark_read(request: pb.ReadRequest, *, relayed: bool) -> None:
+    """Mark the blocking Read this task serves (held open by service/opencalls.py)."""
+    call = current_call()
+    if call is None:  # not held open (another front door): nothing can end it
+        return
+    resume = GROUP_RESUME if request.group else f"read again from offset {request.offset}"
+    call.relayed, call.resume = relayed, lambda: resume
+
+
+async def _marked(
+    method: str, request: Any, replies: AsyncIterator[Any], *, relayed: bool
+) -> AsyncIterator[Any]:
+    """The replies of the streaming call this task serves, served here or relayed, with its open
+    call marked so; a plain subscription's resume position follows the replies sent."""
+    call = current_call()
+    position = None
+    if call is not None:  # else not held open (another front door): nothing can end it
+        call.relayed = relayed
+        if method == "Subscribe" and not request.group:
+            start = request.start in (pb.START_POSITION_UNSPECIFIED, pb.START_POSITION_OFFSET)
+            position = SubscribePosition(request.offset if start else None)
+            call.resume = position.resume
+        else:
+            call.resume = lambda: GROUP_RESUME
+    async with contextlib.aclosing(replies):
+        async for reply in replies:
+            yield reply
+            if position is not None:
+                position.sent(reply)  # it was sent: resume after it

@@ -223,7 +223,7 @@ class StreamLogServer:
         self._servicer.attach_engine(self.engine)
         if self.cluster is not None:
             try:
-                await self.cluster.start(self.engine, self._forget_stream)
+                await self.cluster.start(self.engine, self._forget_stream, self.ops.open_calls)
             except BaseException:
                 await self.stop()
                 raise

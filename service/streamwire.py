@@ -7,7 +7,7 @@ carry the engine's stored records as they are: a stored record is exactly the
 wire encoding of one `Entry` in field 1 of ReadResponse/SubscribeResponse, so a
 reply is the serialized scalar fields followed by the records joined (protobuf
 allows fields in any order; scalars first, so that a Subscribe reply's next_offset
-is found without parsing the records: service/longcalls.py). Those replies are
+is found without parsing the records: service/resume.py). Those replies are
 therefore `bytes`, which the server sends with a pass-through serializer (see
 server.py).
 """

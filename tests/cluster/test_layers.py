@@ -54,7 +54,7 @@ async def main():
 
 asyncio.run(main())
 cluster_modules = ("service.clusternode", "service.routing", "service.forwarding", "service.peers",
-                   "service.replicas", "service.longcalls")
+                   "service.replicas", "service.resume")
 print(sorted(m for m in sys.modules if m.split(".")[0] in ("aetcd", "cluster") or m in cluster_modules))
 """
     result = subprocess.run(

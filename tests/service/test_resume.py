@@ -7,7 +7,7 @@ import pytest
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
-from service.longcalls import SUBSCRIBE_HEAD_BYTES, SubscribePosition, next_offset_in
+from service.resume import SUBSCRIBE_HEAD_BYTES, SubscribePosition, next_offset_in
 from tests.service.helpers import ServerThread, append
 
 
