@@ -24,12 +24,14 @@ run: $(GENERATED)
 
 test: $(GENERATED)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
 gen: $(GENERATED)
 
 lint: $(GENERATED)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	cd protos && ../$(BIN)/buf lint
 
 venv: $(INSTALLED)

@@ -6,7 +6,7 @@ the unit tests (grpcio-testing's fake channel) check this layer through Client.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
 from streamlog.v1 import streamlog_pb2 as pb
@@ -17,7 +17,9 @@ from clients.types import (
     ClusterNode,
     ConsumerInfo,
     Entry,
+    FsyncPolicy,
     Gap,
+    GapReason,
     GroupConfig,
     GroupCounters,
     GroupInfo,
@@ -36,12 +38,12 @@ from clients.types import (
 _BYTES = bytes | bytearray | memoryview
 # The requests that open a consumer's session with a group: a group-mode Subscribe, a Consume.
 GroupSessionRequest = TypeVar("GroupSessionRequest", pb.SubscribeRequest, pb.ConsumeRequest)
-_GAP_REASONS = {
+_GAP_REASONS: dict[pb.GapReason, GapReason] = {
     pb.GAP_REASON_EVICTED: "evicted",
     pb.GAP_REASON_COMPACTED: "compacted",
     pb.GAP_REASON_CORRUPT: "corrupt",
 }
-_FSYNC_TO_PB = {
+_FSYNC_TO_PB: dict[FsyncPolicy | None, pb.FsyncPolicy] = {
     None: pb.FSYNC_POLICY_UNSPECIFIED,
     "always": pb.FSYNC_POLICY_ALWAYS,
     "everysec": pb.FSYNC_POLICY_EVERYSEC,
@@ -152,16 +154,17 @@ def read_result(reply: pb.ReadResponse | pb.SubscribeResponse | pb.ConsumeRespon
     Read and Consume replies carry acknowledgement counts; a Consume batch has no
     next offset (0, as in a group Read's reply).
     """
-    consume = isinstance(reply, pb.ConsumeResponse)
-    acked = consume or isinstance(reply, pb.ReadResponse)
+    acknowledged = ack_unknown = 0
+    if isinstance(reply, pb.ReadResponse | pb.ConsumeResponse):
+        acknowledged, ack_unknown = reply.acknowledged, reply.ack_unknown
     return ReadResult(
         entries=entries(reply.entries, reply.delivery_counts),
         first_offset=reply.first_offset,
-        next_offset=0 if consume else reply.next_offset,
+        next_offset=0 if isinstance(reply, pb.ConsumeResponse) else reply.next_offset,
         end_offset=reply.end_offset,
         gap=gap(reply.gap) if reply.HasField("gap") else None,
-        acknowledged=reply.acknowledged if acked else 0,
-        ack_unknown=reply.ack_unknown if acked else 0,
+        acknowledged=acknowledged,
+        ack_unknown=ack_unknown,
         pending_full=reply.pending_full,
     )
 
@@ -354,7 +357,7 @@ def claim_result(reply: pb.ClaimResponse | pb.AutoClaimResponse) -> ClaimResult:
     )
 
 
-def optional_fields(**values: int | None) -> Mapping[str, int]:
+def optional_fields(**values: int | None) -> dict[str, Any]:
     """Keyword arguments for the optional int64 fields that are set (proto3 `optional`)."""
     return {name: value for name, value in values.items() if value is not None}
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Literal, TypeVar
 
 import aetcd
@@ -193,8 +193,8 @@ class EtcdClient:
         kv = _key_value(found[0][1]) if found else None
         if not succeeded:
             return TxnResult(False, kv, 0)
-        write = responses[0]
-        header = getattr(write, write.WhichOneof("response")).header
+        written = responses[0]
+        header = getattr(written, written.WhichOneof("response")).header
         return TxnResult(True, kv, header.revision)
 
     async def grant_lease(self, ttl_s: int) -> Lease:
@@ -214,7 +214,7 @@ class EtcdClient:
             if "lease not found" not in str(exc):
                 raise
 
-    async def watch_prefix(self, prefix: bytes, start_revision: int) -> AsyncIterator[WatchEvent]:
+    async def watch_prefix(self, prefix: bytes, start_revision: int) -> AsyncGenerator[WatchEvent, None]:
         """Every change under `prefix` from `start_revision` on, in revision order, forever.
 
         A broken connection is retried (on the next endpoint, if any) and the watch

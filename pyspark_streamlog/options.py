@@ -20,7 +20,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from pyspark_streamlog.errors import OptionError
 
@@ -206,6 +206,10 @@ def stream_name(name: str, option: str) -> str:
     return name
 
 
+@overload
+def _int(options: dict[str, str], name: str, default: int, low: int) -> int: ...
+@overload
+def _int(options: dict[str, str], name: str, default: None, low: int) -> int | None: ...
 def _int(options: dict[str, str], name: str, default: int | None, low: int) -> int | None:
     raw = options.get(name)
     if raw is None or raw.strip() == "":
@@ -300,13 +304,13 @@ def parse_read(raw: Mapping[str, str], streaming: bool) -> ReadOptions:
         streams=streams,
         starting=starting,
         ending=ending,
-        entries_per_partition=_int(options, "entriesperpartition", 250_000, 1),  # type: ignore[arg-type]
+        entries_per_partition=_int(options, "entriesperpartition", 250_000, 1),
         min_partitions=_int(options, "minpartitions", None, 1),
         fail_on_data_loss=_bool(options, "failondataloss", True),
         payload_as_string=payload_as == "string",
         include_headers=_bool(options, "includeheaders", True),
         max_entries_per_trigger=_int(options, "maxentriespertrigger", None, 1),
-        timeout_s=_int(options, "timeoutms", 30_000, 1) / 1000,  # type: ignore[operator]
+        timeout_s=_int(options, "timeoutms", 30_000, 1) / 1000,
     )
 
 
@@ -324,7 +328,7 @@ def parse_write(raw: Mapping[str, str]) -> WriteOptions:
         server=server(options),
         stream=stream_name(stream.strip(), "stream") if stream is not None else None,
         producer_id=producer_id,
-        entries_per_append=_int(options, "entriesperappend", 5_000, 1),  # type: ignore[arg-type]
-        bytes_per_append=_int(options, "bytesperappend", 4 << 20, 1),  # type: ignore[arg-type]
-        timeout_s=_int(options, "timeoutms", 30_000, 1) / 1000,  # type: ignore[operator]
+        entries_per_append=_int(options, "entriesperappend", 5_000, 1),
+        bytes_per_append=_int(options, "bytesperappend", 4 << 20, 1),
+        timeout_s=_int(options, "timeoutms", 30_000, 1) / 1000,
     )

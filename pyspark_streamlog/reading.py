@@ -83,7 +83,8 @@ def resolve(connection: Connection, stream: str, position: Position, first: int,
         return first
     if position.offset == LATEST:
         return following
-    return position.offset  # type: ignore[return-value]
+    assert position.offset is not None  # a position without a time has an offset (options.py)
+    return position.offset
 
 
 def split(
@@ -104,7 +105,7 @@ def split(
             _, a, b = key
             share = max(1, round(wanted * (b - a) / total))
             pieces[key] = min(b - a, max(pieces[key], share))
-    out = []
+    out: list[tuple[str, int, int]] = []
     for (stream, a, b), count in pieces.items():
         bounds = np.linspace(a, b, count + 1).round().astype(np.int64).tolist()
         out.extend((stream, lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo)

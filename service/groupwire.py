@@ -27,9 +27,7 @@ _OPTIONAL_MS = ("retry_ms", "expire_ms", "idle_release_ms")
 _COUNTERS = ("delivered", "redelivered", "acked", "ack_unknown", "expired", "dead_lettered", "evicted")
 
 
-def gap_to_proto(gap: Gap | None) -> pb.Gap | None:
-    if gap is None:
-        return None
+def gap_to_proto(gap: Gap) -> pb.Gap:
     return pb.Gap(start_offset=gap.start_offset, end_offset=gap.end_offset, reason=_GAP_REASONS[gap.reason])
 
 
@@ -134,7 +132,7 @@ def read_reply(
 
 
 def claim_reply(
-    reply_type: type[pb.ClaimResponse] | type[pb.AutoClaimResponse], result: GroupReadResult, **extra: int
+    reply_type: type[pb.ClaimResponse] | type[pb.AutoClaimResponse], result: GroupReadResult, **extra: Any
 ) -> bytes:
     """A serialized ClaimResponse or AutoClaimResponse: the claimed records plus the other fields."""
     tail = reply_type(

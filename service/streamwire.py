@@ -91,7 +91,7 @@ def records_reply(
     head = reply_type(
         first_offset=result.first_offset,
         next_offset=next_offset,
-        gap=gap_to_proto(result.gap),
+        gap=gap_to_proto(result.gap) if result.gap is not None else None,
         end_offset=result.end_offset,
     ).SerializeToString()
     return b"".join((head, *result.records)) if result.records else head

@@ -74,10 +74,10 @@ class Waiters:
             return Wake.TIMEOUT
         finally:
             # Gone already if a wake-up popped it; the stream's dict goes when empty.
-            waiting = self._waiting.get(stream)
-            if waiting is not None:
-                waiting.pop(future, None)
-                if not waiting:
+            left = self._waiting.get(stream)
+            if left is not None:
+                left.pop(future, None)
+                if not left:
                     del self._waiting[stream]
 
     def on_append(self, stream: str, end_offset: int) -> None:

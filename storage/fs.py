@@ -65,7 +65,7 @@ class SegmentFile:
         self._times = times
         self._fd = fd
         access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
-        self._map = mmap.mmap(fd, size, access=access) if size else None
+        self._map = mmap.mmap(fd, size, access=access)
 
     def read(self, pos: int, length: int) -> bytes:
         return self._map[pos : pos + length]
@@ -84,9 +84,7 @@ class SegmentFile:
             raise DurabilityError(f"fdatasync of {self.path} failed: {exc}") from exc
 
     def close(self) -> None:
-        if self._map is not None:
-            self._map.close()
-            self._map = None
+        self._map.close()  # closing twice is harmless
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -216,7 +214,7 @@ class FileSystem:
             os.close(fd)
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]

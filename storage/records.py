@@ -109,10 +109,10 @@ def encode_batch(
             b"\x0a" + table[len(h := b"\x08" + ov + key + table[len(p)]) + len(p)] + h
             for ov, p in zip(offsets, payloads, strict=True)
         ]
-        parts = [b""] * (2 * len(heads))
-        parts[0::2] = heads
-        parts[1::2] = payloads
-        return b"".join(parts), array("I", accumulate(map(len, parts), initial=start))[::2]
+        interleaved = [b""] * (2 * len(heads))
+        interleaved[0::2] = heads
+        interleaved[1::2] = payloads
+        return b"".join(interleaved), array("I", accumulate(map(len, interleaved), initial=start))[::2]
     # Everything else: an empty payload is left out, as protobuf leaves out default values.
     ts_field = b"\x10" + encode_varint(timestamp_ms)
     parts: list[bytes] = []

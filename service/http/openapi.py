@@ -28,7 +28,7 @@ _INT64 = {
     FieldDescriptor.TYPE_FIXED64,
     FieldDescriptor.TYPE_SFIXED64,
 }
-_SCALARS = {
+_SCALARS: dict[int, dict[str, Any]] = {
     FieldDescriptor.TYPE_INT32: {"type": "integer", "format": "int32"},
     FieldDescriptor.TYPE_SINT32: {"type": "integer", "format": "int32"},
     FieldDescriptor.TYPE_SFIXED32: {"type": "integer", "format": "int32"},

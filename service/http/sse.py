@@ -61,18 +61,15 @@ class EventStream:
 
     async def finish(self) -> web.StreamResponse:
         """The response, ended; started here if the call sent nothing."""
-        if self.response is None:
-            await self._start()
-        assert self.response is not None
-        return self.response
+        return self.response if self.response is not None else await self._start()
 
-    async def _start(self) -> None:
-        self.response = web.StreamResponse(headers=HEADERS)
-        await self.response.prepare(self._request)
+    async def _start(self) -> web.StreamResponse:
+        self.response = response = web.StreamResponse(headers=HEADERS)
+        await response.prepare(self._request)
+        return response
 
     async def _write(self, text: str) -> None:
-        if self.response is None:
-            await self._start()
+        response = self.response if self.response is not None else await self._start()
         # Waits while the client's TCP window is full: the server's send timeout
         # (subscriber_send_timeout_ms) cuts off a client that stops reading, as on gRPC.
-        await self.response.write(text.encode())  # type: ignore[union-attr]
+        await response.write(text.encode())
