@@ -79,6 +79,7 @@ from typing import Any
 
 import grpc
 
+from service.callcontext import CallContext
 from service.config import ConfigError, Settings
 from service.interceptors import StreamBehavior, UnaryBehavior, WrappingInterceptor, iterate
 from service.opencalls import OpenCalls
@@ -504,7 +505,7 @@ class AuthInterceptor(WrappingInterceptor):
 
     # -- identity and decisions
 
-    def identify(self, context: grpc.aio.ServicerContext, *, again: bool = False) -> Principal:
+    def identify(self, context: CallContext, *, again: bool = False) -> Principal:
         """The caller: from its token (checked by `admit` for this call, or here when
         `again`, as on a reload), else from its client certificate."""
         principal = _UNCHECKED if again else _CALLER.get()
@@ -515,7 +516,7 @@ class AuthInterceptor(WrappingInterceptor):
         names = (context.auth_context() or {}).get("x509_common_name")
         if not names:
             raise self._missing()
-        name = names[0].decode("utf-8", "replace")
+        name = next(iter(names)).decode("utf-8", "replace")
         if name.startswith(ROLE_PREFIX):
             # A CA-signed certificate named like a role: refused, never taken as that role.
             raise Denied(
@@ -581,11 +582,11 @@ class AuthInterceptor(WrappingInterceptor):
                 "denied",
             )
 
-    async def _refuse(self, context: grpc.aio.ServicerContext, method: str, denied: Denied) -> None:
+    async def _refuse(self, context: CallContext, method: str, denied: Denied) -> None:
         self._report(context, method, denied)
         await context.abort(denied.code, denied.message)
 
-    def _report(self, context: grpc.aio.ServicerContext, method: str, denied: Denied) -> None:
+    def _report(self, context: CallContext, method: str, denied: Denied) -> None:
         log.log(
             denied.level,
             "call refused: %s",
@@ -610,7 +611,7 @@ class AuthInterceptor(WrappingInterceptor):
         return handler
 
     def _refusal(self, method: str, denied: Denied) -> grpc.RpcMethodHandler:
-        async def refuse(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
+        async def refuse(requests: AsyncIterator[Any], context: CallContext) -> None:
             await self._refuse(context, method, denied)
 
         # A client-streaming handler: gRPC reads a request message only when the handler asks,
@@ -648,7 +649,7 @@ class AuthInterceptor(WrappingInterceptor):
         if method in CATALOG_METHODS:
             return self._wrap_catalog(method, behavior)
 
-        async def authorized(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def authorized(request: Any, context: CallContext) -> Any:
             try:
                 self.check(method, request, self.identify(context))
             except Denied as denied:
@@ -658,7 +659,7 @@ class AuthInterceptor(WrappingInterceptor):
         return authorized
 
     def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
-        async def authorized(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def authorized(request: Any, context: CallContext) -> AsyncIterator[Any]:
             try:
                 self.check(method, request, self.identify(context))
             except Denied as denied:
@@ -670,7 +671,7 @@ class AuthInterceptor(WrappingInterceptor):
         return authorized
 
     def _wrap_catalog(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
-        async def filtered(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def filtered(request: Any, context: CallContext) -> Any:
             try:
                 principal = self.identify(context)
             except Denied as denied:

@@ -24,10 +24,10 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 from streamlog.v1 import streamlog_pb2 as pb
 
 from service import groupwire, validation
+from service.callcontext import CallContext
 from service.errors import invalid_argument, limit_exceeded, not_found, translate_errors, unavailable
 from service.groupdelivery import GroupDelivery, group_options
 from service.groupwaits import WaitResult, has_news
@@ -205,7 +205,7 @@ class ConsumeCalls:
 
     @translate_errors
     async def Consume(
-        self, requests: AsyncIterator[pb.ConsumeRequest], context: grpc.aio.ServicerContext
+        self, requests: AsyncIterator[pb.ConsumeRequest], context: CallContext
     ) -> AsyncIterator[bytes]:
         serving, groups = self._serving, self._groups
         engine = serving.ready()

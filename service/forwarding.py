@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 from streamlog.v1 import streamlog_pb2 as pb
 
+from service.callcontext import CallContext
 from service.interceptors import prepended
 from service.peers import PeerChannels
 
@@ -82,14 +83,14 @@ class Forwarder:
         path, kind, serializers = self._methods[method]
         return self._peers.method(leader, address, path, kind, **serializers)
 
-    def _metadata(self, context: grpc.aio.ServicerContext) -> tuple[tuple[str, Any], ...]:
+    def _metadata(self, context: CallContext) -> tuple[tuple[str, Any], ...]:
         passed = tuple(
             (key, value) for key, value in context.invocation_metadata() or () if _passed(key, value)
         )
         return (*passed, (FORWARDED_BY, self._node_id))
 
     async def unary(
-        self, method: str, request: Any, context: grpc.aio.ServicerContext, leader: str, address: str
+        self, method: str, request: Any, context: CallContext, leader: str, address: str
     ) -> Any:
         call = self._call(method, leader, address)(
             request, metadata=self._metadata(context), timeout=context.time_remaining()
@@ -102,7 +103,7 @@ class Forwarder:
         return reply
 
     async def stream(
-        self, method: str, request: Any, context: grpc.aio.ServicerContext, leader: str, address: str
+        self, method: str, request: Any, context: CallContext, leader: str, address: str
     ) -> AsyncIterator[Any]:
         call = self._call(method, leader, address)(
             request, metadata=self._metadata(context), timeout=context.time_remaining()
@@ -115,7 +116,7 @@ class Forwarder:
         method: str,
         opening: Any,
         requests: AsyncIterator[Any],
-        context: grpc.aio.ServicerContext,
+        context: CallContext,
         leader: str,
         address: str,
     ) -> AsyncIterator[Any]:
@@ -134,7 +135,7 @@ def _passed(key: str, value: Any) -> bool:
     return key.endswith("-bin") or (isinstance(value, str) and _TEXT_VALUE.fullmatch(value) is not None)
 
 
-async def _relayed(call: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+async def _relayed(call: Any, context: CallContext) -> AsyncIterator[Any]:
     """The replies of a streaming call to a peer, then its status and trailers on `context`."""
     try:
         async for reply in call:
@@ -146,11 +147,11 @@ async def _relayed(call: Any, context: grpc.aio.ServicerContext) -> AsyncIterato
     await _relay_trailers(context, call)
 
 
-async def _relay_status(context: grpc.aio.ServicerContext, error: grpc.aio.AioRpcError) -> None:
+async def _relay_status(context: CallContext, error: grpc.aio.AioRpcError) -> None:
     await context.abort(error.code(), error.details() or "", tuple(error.trailing_metadata() or ()))
 
 
-async def _relay_trailers(context: grpc.aio.ServicerContext, call: Any) -> None:
+async def _relay_trailers(context: CallContext, call: Any) -> None:
     trailers = await call.trailing_metadata()
     if trailers:
         context.set_trailing_metadata(tuple(trailers))

@@ -16,6 +16,7 @@ import grpc
 from streamlog.v1 import streamlog_pb2 as pb
 
 from service import groupwire, validation
+from service.callcontext import CallContext
 from service.errors import ServiceError, invalid_argument, translate_errors
 from service.groupwaits import GroupWaits
 from service.serving import Serving
@@ -62,7 +63,7 @@ class GroupAdmin:
 
     @translate_errors
     async def CreateGroup(
-        self, request: pb.CreateGroupRequest, context: grpc.aio.ServicerContext
+        self, request: pb.CreateGroupRequest, context: CallContext
     ) -> pb.CreateGroupResponse:
         engine = self._serving.ready()
         stream = validation.stream(request.stream)
@@ -86,7 +87,7 @@ class GroupAdmin:
 
     @translate_errors
     async def DeleteGroup(
-        self, request: pb.DeleteGroupRequest, context: grpc.aio.ServicerContext
+        self, request: pb.DeleteGroupRequest, context: CallContext
     ) -> pb.DeleteGroupResponse:
         engine = self._serving.ready()
         stream = validation.stream(request.stream)
@@ -98,7 +99,7 @@ class GroupAdmin:
 
     @translate_errors
     async def ListGroups(
-        self, request: pb.ListGroupsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ListGroupsRequest, context: CallContext
     ) -> pb.ListGroupsResponse:
         engine = self._serving.ready()
         stream = validation.stream(request.stream)
@@ -107,7 +108,7 @@ class GroupAdmin:
 
     @translate_errors
     async def GetGroupInfo(
-        self, request: pb.GetGroupInfoRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetGroupInfoRequest, context: CallContext
     ) -> pb.GetGroupInfoResponse:
         engine = self._serving.ready()
         stream = validation.stream(request.stream)
@@ -117,7 +118,7 @@ class GroupAdmin:
 
     @translate_errors
     async def SetGroupOffset(
-        self, request: pb.SetGroupOffsetRequest, context: grpc.aio.ServicerContext
+        self, request: pb.SetGroupOffsetRequest, context: CallContext
     ) -> pb.SetGroupOffsetResponse:
         engine = self._serving.ready()
         stream = validation.stream(request.stream)
@@ -132,7 +133,7 @@ class GroupAdmin:
 
     @translate_errors
     async def SetGroupConfig(
-        self, request: pb.SetGroupConfigRequest, context: grpc.aio.ServicerContext
+        self, request: pb.SetGroupConfigRequest, context: CallContext
     ) -> pb.SetGroupConfigResponse:
         engine = self._serving.ready()
         stream = validation.stream(request.stream)
@@ -143,7 +144,7 @@ class GroupAdmin:
 
     @translate_errors
     async def DeleteConsumer(
-        self, request: pb.DeleteConsumerRequest, context: grpc.aio.ServicerContext
+        self, request: pb.DeleteConsumerRequest, context: CallContext
     ) -> pb.DeleteConsumerResponse:
         engine = self._serving.ready()
         stream = validation.stream(request.stream)
@@ -154,7 +155,7 @@ class GroupAdmin:
 
     @translate_errors
     async def GetPending(
-        self, request: pb.GetPendingRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetPendingRequest, context: CallContext
     ) -> pb.GetPendingResponse:
         engine = self._serving.ready()
         settings = self._serving.settings

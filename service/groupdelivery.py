@@ -11,11 +11,12 @@ group's queue: blocked group readers are served in arrival order
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
-import grpc
 from streamlog.v1 import streamlog_pb2 as pb
 
 from service import groupwire, validation
+from service.callcontext import CallContext
 from service.errors import invalid_argument, not_found, translate_errors
 from service.groupwaits import GroupWaits, WaitResult, has_news
 from service.replybudget import ReplyCharge
@@ -128,7 +129,7 @@ class GroupDelivery:
         request: pb.ReadRequest,
         limits: tuple[int, int],
         block_ms: int,
-        context: grpc.aio.ServicerContext,
+        context: CallContext,
         charge: ReplyCharge,
     ) -> bytes:
         """A Read in group mode: acknowledge what the request carries, then read (and wait) as a
@@ -159,7 +160,7 @@ class GroupDelivery:
     # ------------------------------------------------------------------ acknowledgements
 
     def ack_items(
-        self, offsets: list[int], ranges: list[pb.OffsetRange], names: tuple[str, str]
+        self, offsets: Sequence[int], ranges: Sequence[pb.OffsetRange], names: tuple[str, str]
     ) -> tuple[list[int], list[tuple[int, int]]]:
         """Offsets and ranges to acknowledge, checked (max_ack_offsets, signs)."""
         return validation.ack_items(offsets, ranges, names, self._serving.settings.max_ack_offsets)
@@ -170,7 +171,7 @@ class GroupDelivery:
         return await self._serving.may_block(engine, stream, engine.ack, stream, group, offsets, ranges)
 
     @translate_errors
-    async def Ack(self, request: pb.AckRequest, context: grpc.aio.ServicerContext) -> pb.AckResponse:
+    async def Ack(self, request: pb.AckRequest, context: CallContext) -> pb.AckResponse:
         engine = self._serving.ready()
         stream = validation.stream(request.stream)
         group = validation.name("group", request.group)
@@ -181,7 +182,7 @@ class GroupDelivery:
         return pb.AckResponse(acknowledged=result.acknowledged, unknown=result.unknown)
 
     @translate_errors
-    async def Nack(self, request: pb.NackRequest, context: grpc.aio.ServicerContext) -> pb.NackResponse:
+    async def Nack(self, request: pb.NackRequest, context: CallContext) -> pb.NackResponse:
         serving = self._serving
         engine = serving.ready()
         stream = validation.stream(request.stream)
@@ -194,7 +195,7 @@ class GroupDelivery:
     # ------------------------------------------------------------------ claims
 
     @translate_errors
-    async def Claim(self, request: pb.ClaimRequest, context: grpc.aio.ServicerContext) -> bytes:
+    async def Claim(self, request: pb.ClaimRequest, context: CallContext) -> bytes:
         serving = self._serving
         engine = serving.ready()
         stream = validation.stream(request.stream)
@@ -211,7 +212,7 @@ class GroupDelivery:
         return charge.hold(groupwire.claim_reply(pb.ClaimResponse, result))
 
     @translate_errors
-    async def AutoClaim(self, request: pb.AutoClaimRequest, context: grpc.aio.ServicerContext) -> bytes:
+    async def AutoClaim(self, request: pb.AutoClaimRequest, context: CallContext) -> bytes:
         serving = self._serving
         engine = serving.ready()
         settings = serving.settings

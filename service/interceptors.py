@@ -20,12 +20,7 @@ from typing import Any
 
 import grpc
 
-UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
-# A server-streaming behavior: an async generator function, or a coroutine function that
-# sends with `context.write` (grpc.aio accepts both).
-StreamBehavior = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any] | Awaitable[None]]
-# A bidirectional behavior: the requests in, the replies out.
-SessionBehavior = Callable[[AsyncIterator[Any], grpc.aio.ServicerContext], AsyncIterator[Any]]
+from service.callcontext import CallContext, SessionBehavior, StreamBehavior, UnaryBehavior
 
 # Unary RPCs whose calls may wait: a Read with block_ms.
 WAITING_UNARY = frozenset({"Read"})
@@ -47,9 +42,9 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
         path = handler_call_details.method
         if handler is None or not path.startswith(self._prefix):
@@ -88,13 +83,13 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
         """
 
         async def session(
-            requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+            requests: AsyncIterator[Any], context: CallContext
         ) -> AsyncIterator[Any]:
             opening = await anext(requests, None)
             if opening is None:
                 return  # the client closed its side without a word
 
-            def opened(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            def opened(request: Any, context: CallContext) -> AsyncIterator[Any]:
                 return behavior(prepended(request, requests), context)
 
             async for reply in iterate(self.wrap_stream(method, opened), opening, context):
@@ -112,7 +107,7 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
 
 
 async def iterate(
-    behavior: StreamBehavior, request: Any, context: grpc.aio.ServicerContext
+    behavior: StreamBehavior, request: Any, context: CallContext
 ) -> AsyncGenerator[Any, None]:
     """The replies of a streaming behavior, whichever of the two forms it has.
 
@@ -121,10 +116,10 @@ async def iterate(
     """
     result = behavior(request, context)
     if hasattr(result, "__aiter__"):
-        async for reply in result:  # type: ignore[union-attr]
+        async for reply in result:
             yield reply
     else:
-        await result  # type: ignore[misc]
+        await result
 
 
 async def prepended(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:

@@ -38,6 +38,7 @@ from typing import Any
 
 import grpc
 
+from service.callcontext import CallContext
 from service.config import Settings
 from service.errors import ServiceError, limit_exceeded
 from service.interceptors import StreamBehavior, UnaryBehavior, WrappingInterceptor, iterate, waits
@@ -194,7 +195,7 @@ class LimitsInterceptor(WrappingInterceptor):
                 await self._new_group(engine, request)
             self._new_stream(engine, request.config.dead_letter_stream, "config.dead_letter_stream")
             request = self._pending_bound(request)
-        elif method in _CONSUMER_METHODS or (method in _GROUP_READ_METHODS and getattr(request, "group", "")):
+        elif method in _CONSUMER_METHODS or (method in _GROUP_READ_METHODS and request.group):
             await self._new_consumer(engine, request.stream, request.group, request.consumer)
         elif method in _FORGET_METHODS:
             self._forget(request)
@@ -218,7 +219,7 @@ class LimitsInterceptor(WrappingInterceptor):
                 del self._consumers[key]
 
     async def _refuse(
-        self, context: grpc.aio.ServicerContext, method: str, request: Any, exc: LimitError
+        self, context: CallContext, method: str, request: Any, exc: LimitError
     ) -> None:
         log.info(
             "limit reached: %s",
@@ -240,7 +241,7 @@ class LimitsInterceptor(WrappingInterceptor):
     def wrap_unary(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
         settings = self._settings
 
-        async def limited(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def limited(request: Any, context: CallContext) -> Any:
             engine = self._engine()
             if engine is not None:
                 try:
@@ -272,7 +273,7 @@ class LimitsInterceptor(WrappingInterceptor):
     def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
         limit = self._settings.max_subscriptions_per_connection
 
-        async def limited(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def limited(request: Any, context: CallContext) -> AsyncIterator[Any]:
             engine = self._engine()
             if engine is not None:
                 try:

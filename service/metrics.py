@@ -46,6 +46,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from service.callcontext import CallContext
 from service.interceptors import StreamBehavior, UnaryBehavior, WrappingInterceptor, iterate
 from service.replybudget import ReplyBudget
 from storage import Engine
@@ -64,7 +65,7 @@ DURABLE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
 Exists = Callable[[str], bool]
 
 
-def _code_name(context: grpc.aio.ServicerContext, exc: BaseException | None) -> str:
+def _code_name(context: CallContext, exc: BaseException | None) -> str:
     code = context.code()
     if code is not None:
         return code.name if isinstance(code, grpc.StatusCode) else str(code)
@@ -241,7 +242,7 @@ class MetricsInterceptor(WrappingInterceptor):
         ok = histogram.labels(method, "OK")  # bound once: the common case costs no label lookup
         account = getattr(self, f"_account_{method}", None)
 
-        async def measured(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def measured(request: Any, context: CallContext) -> Any:
             start = time.perf_counter()
             try:
                 reply = await behavior(request, context)
@@ -263,7 +264,7 @@ class MetricsInterceptor(WrappingInterceptor):
     def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
         m = self._m
 
-        async def measured(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def measured(request: Any, context: CallContext) -> AsyncIterator[Any]:
             start = time.perf_counter()
             counters = None
             failure: BaseException | None = None
@@ -590,7 +591,7 @@ class MetricsServer:
         return prometheus_client.make_wsgi_app(registry)(environ, start_response)
 
     def start(self) -> None:
-        # The address family of the host (HTTPServer assumes IPv4).
+        # The address family of the host (HTTPServer assumes IPv4); its address is an IP string.
         family, _, _, _, address = socket.getaddrinfo(
             self._host, self._port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
@@ -599,7 +600,7 @@ class MetricsServer:
             address_family = family
 
         self._httpd = wsgiref.simple_server.make_server(
-            address[0], self._port, self._app, Server, handler_class=_QuietHandler
+            str(address[0]), self._port, self._app, Server, handler_class=_QuietHandler
         )
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics", daemon=True)
         self._thread.start()

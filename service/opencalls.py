@@ -39,6 +39,7 @@ from typing import Any
 
 import grpc
 
+from service.callcontext import CallContext
 from service.errors import ServiceError
 from service.interceptors import (
     WAITING_UNARY,
@@ -55,7 +56,7 @@ class OpenCall:
 
     __slots__ = ("_task", "context", "ending", "method", "relayed", "request", "resume")
 
-    def __init__(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, method: str, request: Any, context: CallContext) -> None:
         self.method = method
         self.request = request  # its first request (for Consume, the one that opened it)
         self.context = context
@@ -131,7 +132,7 @@ class OpenCalls:
         """The open calls on `stream` (a copy: ending a call removes it)."""
         return list(self._by_stream.get(stream, ()))
 
-    def _register(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> OpenCall:
+    def _register(self, method: str, request: Any, context: CallContext) -> OpenCall:
         call = OpenCall(method, request, context)
         self._open[call] = None
         self._by_stream.setdefault(request.stream, {})[call] = None
@@ -148,7 +149,7 @@ class OpenCalls:
             del self._by_stream[stream]
 
     async def hold(
-        self, method: str, request: Any, context: grpc.aio.ServicerContext, behavior: UnaryBehavior
+        self, method: str, request: Any, context: CallContext, behavior: UnaryBehavior
     ) -> Any:
         """The reply of unary `behavior`, unless the call is ended first."""
         call = self._register(method, request, context)
@@ -159,13 +160,13 @@ class OpenCalls:
         finally:
             _CURRENT.reset(token)
             self._unregister(call)
-        await context.abort(*call.ending)  # type: ignore[misc]
+        await context.abort(*call.ending)
 
     async def serve(
         self,
         method: str,
         request: Any,
-        context: grpc.aio.ServicerContext,
+        context: CallContext,
         replies: AsyncGenerator[Any, None],
         send: Send,
     ) -> None:
@@ -204,7 +205,7 @@ class OpenCallsInterceptor(WrappingInterceptor):
             return behavior
         calls = self._calls
 
-        async def held(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def held(request: Any, context: CallContext) -> Any:
             if not waits(method, request):
                 return await behavior(request, context)
             return await calls.hold(method, request, context, behavior)
@@ -214,7 +215,7 @@ class OpenCallsInterceptor(WrappingInterceptor):
     def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
         calls, send = self._calls, self._send
 
-        async def served(request: Any, context: grpc.aio.ServicerContext) -> None:
+        async def served(request: Any, context: CallContext) -> None:
             await calls.serve(method, request, context, iterate(behavior, request, context), send)
 
         return served

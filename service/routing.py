@@ -46,6 +46,7 @@ from streamlog.v1 import streamlog_pb2 as pb
 from cluster.errors import ClusterError
 from cluster.placement import StreamPlacement
 from service import describe, validation
+from service.callcontext import CallContext
 from service.errors import ServiceError
 from service.forwarding import FORWARDED_BY
 from service.interceptors import (
@@ -110,7 +111,7 @@ class RoutingInterceptor(WrappingInterceptor):
             return self._describe_cluster
         node = self._node
 
-        async def routed(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def routed(request: Any, context: CallContext) -> Any:
             leader = await self._route(method, request, context)
             if leader is None:
                 return await self._serve_unary(method, request, context, behavior)
@@ -123,7 +124,7 @@ class RoutingInterceptor(WrappingInterceptor):
     def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
         node = self._node
 
-        async def routed(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def routed(request: Any, context: CallContext) -> AsyncIterator[Any]:
             leader = await self._route(method, request, context)
             if leader is not None:
                 relayed = node.forwarder.stream(method, request, context, *leader)
@@ -142,7 +143,7 @@ class RoutingInterceptor(WrappingInterceptor):
         node = self._node
 
         async def routed(
-            requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+            requests: AsyncIterator[Any], context: CallContext
         ) -> AsyncIterator[Any]:
             opening = await anext(requests, None)
             if opening is None:
@@ -163,7 +164,7 @@ class RoutingInterceptor(WrappingInterceptor):
     # -- where a call goes
 
     async def _route(
-        self, method: str, request: Any, context: grpc.aio.ServicerContext
+        self, method: str, request: Any, context: CallContext
     ) -> tuple[str, str] | None:
         """(leader id, its advertised address) to forward the call to; None to serve it here.
         Refusals abort the call."""
@@ -224,7 +225,7 @@ class RoutingInterceptor(WrappingInterceptor):
             )
         return leader, info.address
 
-    def _routing_metadata(self, context: grpc.aio.ServicerContext) -> tuple[str | None, bool]:
+    def _routing_metadata(self, context: CallContext) -> tuple[str | None, bool]:
         """(the node that forwarded the call, if any; whether to answer with the leader's address)."""
         forwarded_by, redirect, token = None, False, False
         for key, value in context.invocation_metadata() or ():
@@ -236,7 +237,7 @@ class RoutingInterceptor(WrappingInterceptor):
                 token = True
         return forwarded_by, redirect or (self._certificates_identify and not token)
 
-    async def _create(self, stream: str, context: grpc.aio.ServicerContext, **where: Any) -> StreamPlacement:
+    async def _create(self, stream: str, context: CallContext, **where: Any) -> StreamPlacement:
         try:
             return await self._placement.create_if_absent(
                 stream, followers_in_sync=self._node.followers_copy_leaders, **where
@@ -250,7 +251,7 @@ class RoutingInterceptor(WrappingInterceptor):
     # -- serving here, as the leader
 
     async def _serve_unary(
-        self, method: str, request: Any, context: grpc.aio.ServicerContext, behavior: UnaryBehavior
+        self, method: str, request: Any, context: CallContext, behavior: UnaryBehavior
     ) -> Any:
         if method == "DeleteStream":
             return await self._delete_stream(request, context, behavior)
@@ -264,7 +265,7 @@ class RoutingInterceptor(WrappingInterceptor):
     # -- deletions and dead letters, served here as the leader
 
     async def _delete_stream(
-        self, request: pb.DeleteStreamRequest, context: grpc.aio.ServicerContext, behavior: UnaryBehavior
+        self, request: pb.DeleteStreamRequest, context: CallContext, behavior: UnaryBehavior
     ) -> Any:
         stream = request.stream
         record = self._placement.locate(stream)
@@ -283,7 +284,7 @@ class RoutingInterceptor(WrappingInterceptor):
                 return await behavior(request, context)
         return pb.DeleteStreamResponse()
 
-    async def _place_dead_letters(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+    async def _place_dead_letters(self, request: Any, context: CallContext) -> None:
         """The engine writes a group's dead letters into its own copy of the dead-letter stream,
         so this node must lead that stream too: placed beside the group's stream when new."""
         target = request.config.dead_letter_stream
@@ -304,12 +305,12 @@ class RoutingInterceptor(WrappingInterceptor):
 
     # -- the cluster's catalog
 
-    async def _list_streams(self, request: pb.ListStreamsRequest, context: grpc.aio.ServicerContext) -> Any:
+    async def _list_streams(self, request: pb.ListStreamsRequest, context: CallContext) -> Any:
         names, next_page_token = await self._catalog(context, request)
         return pb.ListStreamsResponse(streams=names, next_page_token=next_page_token)
 
     async def _describe_cluster(
-        self, request: pb.DescribeClusterRequest, context: grpc.aio.ServicerContext
+        self, request: pb.DescribeClusterRequest, context: CallContext
     ) -> Any:
         page, next_page_token = await self._catalog(context, request)
         coordinator = self._node.coordinator
@@ -323,7 +324,7 @@ class RoutingInterceptor(WrappingInterceptor):
             next_page_token=next_page_token,
         )
 
-    async def _catalog(self, context: grpc.aio.ServicerContext, request: Any) -> tuple[list[str], str]:
+    async def _catalog(self, context: CallContext, request: Any) -> tuple[list[str], str]:
         if not self._node.started:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, "server is starting: joining the cluster; retry shortly"

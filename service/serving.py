@@ -19,9 +19,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
-import grpc
-
 from service import validation
+from service.callcontext import CallContext
 from service.config import Settings
 from service.errors import limit_exceeded, unavailable
 from service.replybudget import ReplyBudget
@@ -84,7 +83,7 @@ class Serving:
         )
         return count, max_bytes
 
-    def wait_limit_s(self, context: grpc.aio.ServicerContext, block_ms: int) -> float:
+    def wait_limit_s(self, context: CallContext, block_ms: int) -> float:
         """How long a blocking call may wait: block_ms, or less if the deadline comes first."""
         wait_s = block_ms / 1000
         remaining = context.time_remaining()

@@ -13,10 +13,10 @@ import asyncio
 import logging
 from typing import Any
 
-import grpc
 from streamlog.v1 import streamlog_pb2 as pb
 
 from service import describe, paging, streamwire, validation
+from service.callcontext import CallContext
 from service.errors import invalid_argument, limit_exceeded, not_found, translate_errors
 from service.groupdelivery import GroupDelivery, has_group_fields
 from service.serving import Serving
@@ -54,7 +54,7 @@ class StreamCalls:
     # ------------------------------------------------------------------ data
 
     @translate_errors
-    async def Append(self, request: pb.AppendRequest, context: grpc.aio.ServicerContext) -> pb.AppendResponse:
+    async def Append(self, request: pb.AppendRequest, context: CallContext) -> pb.AppendResponse:
         serving = self._serving
         engine = serving.ready()
         stream = validation.stream(request.stream)
@@ -90,7 +90,7 @@ class StreamCalls:
         )
 
     @translate_errors
-    async def Read(self, request: pb.ReadRequest, context: grpc.aio.ServicerContext) -> bytes:
+    async def Read(self, request: pb.ReadRequest, context: CallContext) -> bytes:
         serving = self._serving
         engine = serving.ready()
         settings = serving.settings
@@ -139,7 +139,7 @@ class StreamCalls:
 
     @translate_errors
     async def ListStreams(
-        self, request: pb.ListStreamsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ListStreamsRequest, context: CallContext
     ) -> pb.ListStreamsResponse:
         # In a cluster, the routing layer lists the cluster's catalog instead (service/routing.py).
         engine = self._serving.ready()
@@ -148,7 +148,7 @@ class StreamCalls:
 
     @translate_errors
     async def DescribeCluster(
-        self, request: pb.DescribeClusterRequest, context: grpc.aio.ServicerContext
+        self, request: pb.DescribeClusterRequest, context: CallContext
     ) -> pb.DescribeClusterResponse:
         # A single server; in a cluster, the routing layer answers instead (service/routing.py).
         self._serving.ready()
@@ -156,7 +156,7 @@ class StreamCalls:
 
     @translate_errors
     async def GetStreamInfo(
-        self, request: pb.GetStreamInfoRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetStreamInfoRequest, context: CallContext
     ) -> pb.GetStreamInfoResponse:
         engine = self._serving.ready()
         stream = validation.stream(request.stream)
@@ -173,7 +173,7 @@ class StreamCalls:
 
     @translate_errors
     async def DeleteStream(
-        self, request: pb.DeleteStreamRequest, context: grpc.aio.ServicerContext
+        self, request: pb.DeleteStreamRequest, context: CallContext
     ) -> pb.DeleteStreamResponse:
         engine = self._serving.ready()
         stream = validation.stream(request.stream)
@@ -183,7 +183,7 @@ class StreamCalls:
         return pb.DeleteStreamResponse()
 
     @translate_errors
-    async def Trim(self, request: pb.TrimRequest, context: grpc.aio.ServicerContext) -> pb.TrimResponse:
+    async def Trim(self, request: pb.TrimRequest, context: CallContext) -> pb.TrimResponse:
         engine = self._serving.ready()
         stream = validation.stream(request.stream)
         mode = request.WhichOneof("mode")
@@ -201,7 +201,7 @@ class StreamCalls:
 
     @translate_errors
     async def SetStreamConfig(
-        self, request: pb.SetStreamConfigRequest, context: grpc.aio.ServicerContext
+        self, request: pb.SetStreamConfigRequest, context: CallContext
     ) -> pb.SetStreamConfigResponse:
         engine = self._serving.ready()
         stream = validation.stream(request.stream)
@@ -211,7 +211,7 @@ class StreamCalls:
 
     @translate_errors
     async def SeekTime(
-        self, request: pb.SeekTimeRequest, context: grpc.aio.ServicerContext
+        self, request: pb.SeekTimeRequest, context: CallContext
     ) -> pb.SeekTimeResponse:
         engine = self._serving.ready()
         stream = validation.stream(request.stream)
@@ -220,7 +220,7 @@ class StreamCalls:
 
     @translate_errors
     async def CountRange(
-        self, request: pb.CountRangeRequest, context: grpc.aio.ServicerContext
+        self, request: pb.CountRangeRequest, context: CallContext
     ) -> pb.CountRangeResponse:
         engine = self._serving.ready()
         stream = validation.stream(request.stream)

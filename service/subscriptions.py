@@ -13,10 +13,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
 
-import grpc
 from streamlog.v1 import streamlog_pb2 as pb
 
 from service import groupwire, streamwire, validation
+from service.callcontext import CallContext
 from service.errors import invalid_argument, not_found, translate_errors, unavailable
 from service.groupdelivery import GroupDelivery, group_options, has_group_fields
 from service.groupwaits import has_news
@@ -53,7 +53,7 @@ class Subscriptions:
 
     @translate_errors
     async def Subscribe(
-        self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext
+        self, request: pb.SubscribeRequest, context: CallContext
     ) -> AsyncIterator[bytes]:
         serving = self._serving
         engine = serving.ready()

@@ -13,21 +13,24 @@ from __future__ import annotations
 
 import functools
 from collections.abc import AsyncIterator, Iterable, Mapping
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import grpc
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 
+from service.callcontext import AioMethodHandler, aio_handler
 from service.http.context import CallAborted, HttpContext, Metadata
 from service.interceptors import iterate
 
 
-class CallDetails(NamedTuple):
+@dataclass(slots=True)
+class CallDetails:
     """What grpc.aio hands interceptors (grpc.HandlerCallDetails is only a protocol)."""
 
     method: str
-    invocation_metadata: Metadata
+    invocation_metadata: tuple[tuple[str, str | bytes], ...]
 
 
 class Dispatcher:
@@ -52,16 +55,19 @@ class Dispatcher:
     def response_class(self, method: str) -> type[Message]:
         return message_factory.GetMessageClass(self.service.methods_by_name[method].output_type)
 
-    async def _handler(self, method: str, metadata: Metadata) -> grpc.RpcMethodHandler:
+    async def _handler(self, method: str, metadata: Metadata) -> AioMethodHandler:
         base = self._handlers[method]
         interceptors = self._interceptors
 
-        async def through(index: int, details: CallDetails) -> grpc.RpcMethodHandler:
+        async def through(index: int, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
             if index == len(interceptors):
                 return base
             return await interceptors[index].intercept_service(functools.partial(through, index + 1), details)
 
-        return await through(0, CallDetails(self._prefix + method, metadata))
+        handler = await through(0, CallDetails(self._prefix + method, metadata))
+        if handler is None:  # an interceptor may decline a call (grpc.aio's contract; ours never do)
+            raise CallAborted(grpc.StatusCode.UNIMPLEMENTED, f"no handler for {method}")
+        return aio_handler(handler)
 
     async def unary(self, method: str, request: Message, context: HttpContext) -> Message:
         handler = await self._handler(method, context.invocation_metadata())
@@ -91,7 +97,7 @@ async def _nothing() -> AsyncIterator[Any]:
     yield
 
 
-async def _refused(handler: grpc.RpcMethodHandler, context: HttpContext) -> None:
+async def _refused(handler: AioMethodHandler, context: HttpContext) -> NoReturn:
     """Auth's answer to a call without valid credentials: a handler that aborts without reading
     the request (service/auth.py, `admit`)."""
     if handler.stream_unary is not None:

@@ -9,14 +9,14 @@ certificate's common name under mutual TLS), `abort` (every refusal), `code`
 `time_remaining` (blocking reads), `write` (each reply of a streaming call, sent
 by the outermost interceptor), `send_initial_metadata` (open calls),
 `add_done_callback` (the reply budget gives its bytes back when the call ends:
-the gateway calls `done`). Nothing else is implemented: a new use of the context
-shows up as an AttributeError in the HTTP tests.
+the gateway calls `done`). Nothing else is implemented: service/callcontext.py's
+CallContext lists what the service may use, and mypy checks this class against it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from aiohttp import web
@@ -66,7 +66,7 @@ Sink = Callable[[Any], Awaitable[None]]
 
 
 class HttpContext:
-    """One HTTP call's stand-in for grpc.aio.ServicerContext (see the module's docstring)."""
+    """One HTTP call's stand-in for CallContext (see the module's docstring)."""
 
     def __init__(self, request: web.Request, sink: Sink | None = None) -> None:
         """`sink` receives each reply a streaming call writes."""
@@ -87,7 +87,7 @@ class HttpContext:
 
     async def abort(
         self, code: grpc.StatusCode, details: str = "", trailing_metadata: Sequence[tuple[str, str]] = ()
-    ) -> None:
+    ) -> NoReturn:
         self._code = code
         raise CallAborted(code, details, tuple(trailing_metadata))
 
