@@ -39,7 +39,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from clients.client import Client
-    from clients.types import Entry, Gap, GroupInfo, Record, StreamConfig
+    from clients.types import Entry, Gap, GroupInfo, Record, Start, StreamConfig
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -145,7 +145,8 @@ def entry_to_json(entry: Entry) -> dict[str, Any]:
     is_text, payload = _encode_bytes(entry.payload)
     record["payload" if is_text else "payload_base64"] = payload
     if entry.headers:
-        text, binary = {}, {}
+        text: dict[str, str] = {}
+        binary: dict[str, str] = {}
         for key, value in entry.headers.items():
             is_text, shown = _encode_bytes(value)
             (text if is_text else binary)[key] = shown
@@ -265,9 +266,9 @@ def _offset(text: str) -> int:
     return value
 
 
-def _start(text: str) -> int | str:
+def _start(text: str) -> Start:
     if text in ("oldest", "latest"):
-        return text
+        return "oldest" if text == "oldest" else "latest"
     try:
         return _offset(text)
     except argparse.ArgumentTypeError:
@@ -398,7 +399,7 @@ def _cmd_tail(args: argparse.Namespace, out: IO[str]) -> int:
 
     with _client(args) as client:
         if args.start is not None:
-            start: int | str = args.start
+            start: Start = args.start
         else:
             try:
                 info = client.info(args.stream)
@@ -1207,6 +1208,8 @@ def _exit_code(error: Exception) -> int:
         return EXIT_UNAVAILABLE
     if isinstance(error, OffsetMismatchError):
         return EXIT_CONFLICT
+    if error.code is None:
+        return EXIT_FAILURE  # refused by the client library
     return {
         grpc.StatusCode.INVALID_ARGUMENT: EXIT_USAGE,
         grpc.StatusCode.NOT_FOUND: EXIT_NOT_FOUND,
