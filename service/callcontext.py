@@ -9,7 +9,7 @@ AttributeError at run time.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Never, Protocol, cast
 
 import grpc
@@ -25,7 +25,10 @@ class CallContext(Protocol):
     def auth_context(self) -> Mapping[str, Iterable[bytes]]: ...
 
     async def abort(
-        self, code: grpc.StatusCode, details: str = "", trailing_metadata: Sequence[tuple[str, str]] = ()
+        self,
+        code: grpc.StatusCode,
+        details: str = "",
+        trailing_metadata: Sequence[tuple[str, str | bytes]] = (),
     ) -> Never: ...
 
     def code(self) -> grpc.StatusCode | None: ...
@@ -36,6 +39,8 @@ class CallContext(Protocol):
 
     async def send_initial_metadata(self, metadata: Sequence[tuple[str, str]], /) -> None: ...
 
+    def set_trailing_metadata(self, metadata: Sequence[tuple[str, str | bytes]], /) -> None: ...
+
     async def write(self, message: Any, /) -> None: ...
 
 
@@ -44,7 +49,7 @@ UnaryBehavior = Callable[[Any, CallContext], Awaitable[Any]]
 # sends with `context.write` (grpc.aio accepts both).
 StreamBehavior = Callable[[Any, CallContext], AsyncIterator[Any] | Awaitable[None]]
 # A bidirectional behavior: the requests in, the replies out.
-SessionBehavior = Callable[[AsyncIterator[Any], CallContext], AsyncIterator[Any]]
+SessionBehavior = Callable[[AsyncIterator[Any], CallContext], AsyncGenerator[Any, None]]
 
 
 class AioMethodHandler(Protocol):
@@ -63,6 +68,10 @@ class AioMethodHandler(Protocol):
 
     @property
     def stream_stream(self) -> SessionBehavior | None: ...
+
+    def _replace(self, **behaviors: Any) -> grpc.RpcMethodHandler:
+        """The same handler with some behaviors replaced (the namedtuple's own method)."""
+        ...
 
 
 def aio_handler(handler: grpc.RpcMethodHandler) -> AioMethodHandler:

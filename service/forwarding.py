@@ -17,7 +17,7 @@ unknown, exactly as for a caller whose own connection broke.
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from typing import Any
 
 import grpc
@@ -104,7 +104,7 @@ class Forwarder:
 
     async def stream(
         self, method: str, request: Any, context: CallContext, leader: str, address: str
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncGenerator[Any, None]:
         call = self._call(method, leader, address)(
             request, metadata=self._metadata(context), timeout=context.time_remaining()
         )
@@ -119,7 +119,7 @@ class Forwarder:
         context: CallContext,
         leader: str,
         address: str,
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncGenerator[Any, None]:
         """A bidirectional call: the caller's messages (its first already read) to the leader,
         the leader's to the caller, as each comes."""
         call = self._call(method, leader, address)(
@@ -135,7 +135,7 @@ def _passed(key: str, value: Any) -> bool:
     return key.endswith("-bin") or (isinstance(value, str) and _TEXT_VALUE.fullmatch(value) is not None)
 
 
-async def _relayed(call: Any, context: CallContext) -> AsyncIterator[Any]:
+async def _relayed(call: Any, context: CallContext) -> AsyncGenerator[Any, None]:
     """The replies of a streaming call to a peer, then its status and trailers on `context`."""
     try:
         async for reply in call:

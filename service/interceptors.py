@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from service.callcontext import CallContext, SessionBehavior, StreamBehavior, UnaryBehavior
+from service.callcontext import CallContext, SessionBehavior, StreamBehavior, UnaryBehavior, aio_handler
 
 # Unary RPCs whose calls may wait: a Read with block_ms.
 WAITING_UNARY = frozenset({"Read"})
@@ -53,12 +53,14 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
         if cached is not None and cached[0] is handler:
             return self.admit(handler_call_details, cached[1])
         method = path[len(self._prefix) :]
-        if handler.unary_unary is not None:
-            wrapped = handler._replace(unary_unary=self.wrap_unary(method, handler.unary_unary))
-        elif handler.unary_stream is not None:
-            wrapped = handler._replace(unary_stream=self.wrap_stream(method, handler.unary_stream))
-        elif handler.stream_stream is not None:
-            wrapped = handler._replace(stream_stream=self.wrap_session(method, handler.stream_stream))
+        served = aio_handler(handler)
+        wrapped: grpc.RpcMethodHandler
+        if served.unary_unary is not None:
+            wrapped = served._replace(unary_unary=self.wrap_unary(method, served.unary_unary))
+        elif served.unary_stream is not None:
+            wrapped = served._replace(unary_stream=self.wrap_stream(method, served.unary_stream))
+        elif served.stream_stream is not None:
+            wrapped = served._replace(stream_stream=self.wrap_session(method, served.stream_stream))
         else:
             # StreamLogService has no client-streaming-only RPC; one added later passes
             # unwrapped here, and auth refuses to start when an RPC has no access rule. Auth's
@@ -84,7 +86,7 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
 
         async def session(
             requests: AsyncIterator[Any], context: CallContext
-        ) -> AsyncIterator[Any]:
+        ) -> AsyncGenerator[Any, None]:
             opening = await anext(requests, None)
             if opening is None:
                 return  # the client closed its side without a word

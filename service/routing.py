@@ -37,7 +37,7 @@ cluster, from this node's copy of etcd.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -144,7 +144,7 @@ class RoutingInterceptor(WrappingInterceptor):
 
         async def routed(
             requests: AsyncIterator[Any], context: CallContext
-        ) -> AsyncIterator[Any]:
+        ) -> AsyncGenerator[Any, None]:
             opening = await anext(requests, None)
             if opening is None:
                 return  # the client closed its side without a word
@@ -229,7 +229,7 @@ class RoutingInterceptor(WrappingInterceptor):
         """(the node that forwarded the call, if any; whether to answer with the leader's address)."""
         forwarded_by, redirect, token = None, False, False
         for key, value in context.invocation_metadata() or ():
-            if key == FORWARDED_BY:
+            if key == FORWARDED_BY and isinstance(value, str):
                 forwarded_by = value
             elif key == ROUTE:
                 redirect = value == REDIRECT
@@ -280,7 +280,7 @@ class RoutingInterceptor(WrappingInterceptor):
                     f"stream {stream!r} cannot be deleted from the cluster now: {exc}",
                 )
             # The local copy goes as a single server deletes a stream (its readers told NOT_FOUND).
-            if self._node.engine.exists(stream):
+            if self._node.engine is not None and self._node.engine.exists(stream):
                 return await behavior(request, context)
         return pb.DeleteStreamResponse()
 
@@ -349,8 +349,8 @@ def _mark_read(request: pb.ReadRequest, *, relayed: bool) -> None:
 
 
 async def _marked(
-    method: str, request: Any, replies: AsyncIterator[Any], *, relayed: bool
-) -> AsyncIterator[Any]:
+    method: str, request: Any, replies: AsyncGenerator[Any, None], *, relayed: bool
+) -> AsyncGenerator[Any, None]:
     """The replies of the streaming call this task serves, served here or relayed, with its open
     call marked so; a plain subscription's resume position follows the replies sent."""
     call = current_call()

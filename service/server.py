@@ -299,7 +299,7 @@ async def serve(
     """
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
-    signals = (signal.SIGTERM, signal.SIGINT)
+    signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
     for signum in signals:
         loop.add_signal_handler(signum, stop.set)
     server = StreamLogServer(settings, fs=fs)

@@ -31,8 +31,9 @@ import json
 import logging
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from crc32c import crc32c
 
@@ -196,7 +197,7 @@ def _enc_rows(out: bytearray, value: Sequence[tuple]) -> None:
         prev = offset
 
 
-_ENCODERS = {
+_ENCODERS: dict[str, Callable[[bytearray, Any], None]] = {
     "s": _enc_str,
     "S": _enc_opt_str,
     "u": _varint,

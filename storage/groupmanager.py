@@ -343,9 +343,9 @@ class GroupManager:
         journal = store.log
         if seq is not None and journal is not None and self._engine.fsync_policy(stream).blocks:
             store.gate.wait(seq, journal.sync)
-        for group in sorted(changed):
+        for changed_group in sorted(changed):
             for listener in self._listeners:
-                listener(stream, group)
+                listener(stream, changed_group)
 
     def _reserve(self, store: _Store) -> None:
         """Checkpoint before a call if the journal is nearly full, so the call's record fits.

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left, insort
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 
 from storage.errors import GroupNotFoundError, InvalidArgumentError
@@ -373,7 +373,7 @@ class Group:
         self._retry_heap: list[tuple[int, int]] = []  # (retry_due, offset)
         self._doom_heap: list[tuple[int, int]] = []  # (doom_at, offset)
         self._sched_heap: list[tuple[int, int]] = []  # (due, offset)
-        self._apply = {
+        self._apply: dict[int, Callable[..., None]] = {
             OP_SEEK: self._on_seek,
             OP_CONFIG: self._on_config,
             OP_SEEN: self._on_seen,

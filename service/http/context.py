@@ -22,13 +22,15 @@ import grpc
 from aiohttp import web
 
 Metadata = tuple[tuple[str, str], ...]
+# What a call answers besides its reply: binary (-bin) values are bytes, as in gRPC.
+Trailers = tuple[tuple[str, str | bytes], ...]
 
 
 class CallAborted(grpc.aio.AbortError):
     """`abort` on the HTTP side: ends the call's handlers as grpc.aio's AbortError does (the
     service's error translation lets it through), and carries the status to answer."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: Metadata = ()) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: Trailers = ()) -> None:
         super().__init__(details)
         self.code, self.details, self.trailing_metadata = code, details, trailing_metadata
 
@@ -75,6 +77,7 @@ class HttpContext:
         self._metadata = metadata_of(request)
         self._code: grpc.StatusCode | None = None
         self._done: list[Callable[[Any], None]] = []
+        self.trailing_metadata: Trailers = ()
 
     def invocation_metadata(self) -> Metadata:
         return self._metadata
@@ -86,7 +89,10 @@ class HttpContext:
         return auth_context_of(self._request)
 
     async def abort(
-        self, code: grpc.StatusCode, details: str = "", trailing_metadata: Sequence[tuple[str, str]] = ()
+        self,
+        code: grpc.StatusCode,
+        details: str = "",
+        trailing_metadata: Sequence[tuple[str, str | bytes]] = (),
     ) -> NoReturn:
         self._code = code
         raise CallAborted(code, details, tuple(trailing_metadata))
@@ -103,6 +109,10 @@ class HttpContext:
     async def send_initial_metadata(self, metadata: Sequence[tuple[str, str]]) -> None:
         """Nothing to do: an HTTP response's headers go with its first event (or its refusal).
         (On gRPC, early headers let a status queue behind a stuck reply; service/opencalls.py.)"""
+
+    def set_trailing_metadata(self, metadata: Sequence[tuple[str, str | bytes]]) -> None:
+        """Kept for the reply's headers (a unary call's; a stream's headers went with its first event)."""
+        self.trailing_metadata = tuple(metadata)
 
     def add_done_callback(self, callback: Callable[[Any], None]) -> None:
         self._done.append(callback)

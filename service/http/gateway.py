@@ -37,7 +37,7 @@ from service.http.calls import Dispatcher
 from service.http.context import CallAborted, HttpContext
 from service.http.history import History
 from service.http.routes import RequestError, Route, from_json, from_query, routes
-from service.http.status import error_response
+from service.http.status import add_headers, error_response
 from storage import Engine
 
 log = logging.getLogger(__name__)
@@ -180,7 +180,9 @@ class HttpGateway:
                 return error_response(aborted.code, aborted.details, aborted.trailing_metadata)
             finally:
                 context.done()
-            return web.Response(text=to_json(reply), content_type="application/json")
+            response = web.Response(text=to_json(reply), content_type="application/json")
+            add_headers(response, context.trailing_metadata)
+            return response
 
         return handle
 

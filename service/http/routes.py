@@ -106,7 +106,7 @@ def from_query(request_class: type[Message], path: dict[str, str], query: MultiM
                 f"{name}: a message field cannot be a query parameter; send the request as a JSON "
                 f"body to POST /v1/<Method>"
             )
-        values = [_query_value(field, value) for value in query.getall(name)]
+        values = [_query_value(name, field.type, value) for value in query.getall(name)]
         if field.is_repeated:
             document[name] = values
         elif len(values) > 1:
@@ -116,15 +116,15 @@ def from_query(request_class: type[Message], path: dict[str, str], query: MultiM
     return _parse(document, request_class())
 
 
-def _query_value(field: FieldDescriptor, text: str) -> Any:
-    if field.type != FieldDescriptor.TYPE_BOOL:
+def _query_value(name: str, field_type: int, text: str) -> Any:
+    if field_type != FieldDescriptor.TYPE_BOOL:
         return text  # the JSON mapping parses numbers and enum names from strings
     lowered = text.lower()
     if lowered in _TRUE or lowered == "":
         return True  # `?reverse` alone means true
     if lowered in _FALSE:
         return False
-    raise RequestError(f"{field.name}: expected true or false, got {text!r}")
+    raise RequestError(f"{name}: expected true or false, got {text!r}")
 
 
 def _check_base64(document: Any, descriptor: Any, where: str = "") -> None:

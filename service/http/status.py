@@ -44,7 +44,7 @@ def error_body(code: grpc.StatusCode, message: str) -> dict[str, object]:
 def error_response(
     code: grpc.StatusCode,
     message: str,
-    headers: Iterable[tuple[str, str]] = (),
+    headers: Iterable[tuple[str, str | bytes]] = (),
     http_status: int | None = None,
 ) -> web.Response:
     """An error answer; `http_status` overrides the mapped one where HTTP has a more precise
@@ -56,7 +56,12 @@ def error_response(
     )
     if code == grpc.StatusCode.UNAUTHENTICATED:
         response.headers["WWW-Authenticate"] = 'Bearer realm="streamlog"'
-    for key, value in headers:
-        if not key.endswith("-bin"):
-            response.headers[key] = value
+    add_headers(response, headers)
     return response
+
+
+def add_headers(response: web.StreamResponse, metadata: Iterable[tuple[str, str | bytes]]) -> None:
+    """A call's trailing metadata as headers; binary (-bin) values have no place in HTTP headers."""
+    for key, value in metadata:
+        if isinstance(value, str):
+            response.headers[key] = value
