@@ -120,6 +120,9 @@ class Settings:
     # as gRPC; it shows what a caller may read, so it listens on the loopback unless told otherwise.
     http_port: int = 0
     http_host: str = "127.0.0.1"
+    # The longest silence on a Server-Sent Events response before a comment line keeps it
+    # open through proxies that close idle connections (often after 60 s); 0: none.
+    http_keepalive_ms: int = 15_000
 
     # Limits on what clients can make the server hold (service/limits.py). Each refusal
     # is RESOURCE_EXHAUSTED naming the limit and its value.
@@ -200,6 +203,7 @@ _INT_RANGES: dict[str, tuple[int | None, int | None]] = {
     "health_port": (0, 65_535),
     "metrics_port": (0, 65_535),
     "http_port": (0, 65_535),
+    "http_keepalive_ms": (0, 3_600_000),
     "max_streams": (1, None),
     "max_groups_per_stream": (1, None),
     "max_consumers_per_group": (1, None),

@@ -198,7 +198,7 @@ class HttpGateway:
 
     async def _stream(self, request: web.Request, rpc: str, message: Message) -> web.StreamResponse:
         sse.resume(request, message)
-        events = sse.EventStream(request)
+        events = sse.EventStream(request, self.settings.http_keepalive_ms)
 
         async def send(reply: Any) -> None:
             await events.send(self.dispatcher.as_message(rpc, reply))
@@ -214,6 +214,7 @@ class HttpGateway:
             pass  # the client went away mid-write
         finally:
             context.done()
+            await events.close()
         return await events.finish()
 
     # -- the console's history (not RPCs: allowed to whoever the RPC looking at the same thing allows)

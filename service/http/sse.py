@@ -6,11 +6,14 @@ reconnects with `Last-Event-ID` (as EventSource does by itself) continues where
 it was, without loss or duplicates. The response starts with the first reply
 (Subscribe sends one at once): a call refused before it gets an ordinary HTTP
 error status and JSON body; one that ends later gets a last `error` event with
-the same JSON body, then the response ends.
+the same JSON body, then the response ends. While a subscription has nothing to
+send, a comment line goes out every `http_keepalive_ms`, so proxies and load
+balancers that close idle connections keep it open (EventSource ignores comments).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import grpc
@@ -42,9 +45,15 @@ def resume(request: web.Request, message: Message) -> None:
 class EventStream:
     """One SSE response; `send` each reply, `fail` to end with an error event."""
 
-    def __init__(self, request: web.Request) -> None:
+    def __init__(self, request: web.Request, keepalive_ms: int) -> None:
+        """`keepalive_ms`: the longest silence before a comment line goes out (0: none)."""
         self._request = request
+        self._keepalive_s = keepalive_ms / 1000
         self.response: web.StreamResponse | None = None
+        self._written = asyncio.Event()  # set by each event: the keep-alive's clock restarts
+        self._writing = asyncio.Lock()  # an event and a keep-alive never interleave
+        self._keepalive: asyncio.Task[None] | None = None
+        self._closed = False
 
     @property
     def started(self) -> bool:
@@ -61,15 +70,40 @@ class EventStream:
 
     async def finish(self) -> web.StreamResponse:
         """The response, ended; started here if the call sent nothing."""
-        return self.response if self.response is not None else await self._start()
+        response = self.response if self.response is not None else await self._start()
+        await self.close()
+        return response
+
+    async def close(self) -> None:
+        """No more keep-alives (the call ended, however it ended)."""
+        self._closed = True
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            await asyncio.wait({self._keepalive})  # its end, not its CancelledError
 
     async def _start(self) -> web.StreamResponse:
         self.response = response = web.StreamResponse(headers=HEADERS)
         await response.prepare(self._request)
+        if self._keepalive_s > 0 and not self._closed:
+            self._keepalive = asyncio.create_task(self._keep_alive(response))
         return response
+
+    async def _keep_alive(self, response: web.StreamResponse) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._written.wait(), self._keepalive_s)
+            except TimeoutError:
+                try:
+                    async with self._writing:
+                        await response.write(b": keep-alive\n\n")
+                except ConnectionError:
+                    return  # the client went away; the call ends by itself
+            self._written.clear()
 
     async def _write(self, text: str) -> None:
         response = self.response if self.response is not None else await self._start()
         # Waits while the client's TCP window is full: the server's send timeout
         # (subscriber_send_timeout_ms) cuts off a client that stops reading, as on gRPC.
-        await response.write(text.encode())
+        async with self._writing:
+            await response.write(text.encode())
+        self._written.set()

@@ -360,3 +360,24 @@ def wait_for(condition, timeout_s: float = 10) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.02)
+
+
+def test_a_quiet_subscription_gets_keep_alive_comments_and_then_its_next_event(start_server) -> None:
+    # Proxies close idle connections; a tail with nothing to send writes a comment line every
+    # http_keepalive_ms, which SSE parsers ignore.
+    api = HttpApi.of(start_server(http_port=free_port(), http_keepalive_ms=200))
+    api.post("Append", {"stream": "s", "payloads": [b64(b"0")]})
+    events = api.events("/v1/streams/s/events?start=START_POSITION_OLDEST")
+    try:
+        first = [events.response.readline() for _ in range(3)]  # id, data, blank
+        assert first[0].startswith(b"id: 1") and first[2] == b"\n"
+        started = time.monotonic()
+        assert events.response.readline() == b": keep-alive\n"
+        assert time.monotonic() - started >= 0.15  # after a silence, not at once
+        assert events.response.readline() == b"\n"
+        api.post("Append", {"stream": "s", "payloads": [b64(b"1")]})
+        kind, ident, body = next(iter(events))
+        assert (kind, ident, [e["offset"] for e in body["entries"]]) == ("message", "2", ["1"])
+    finally:
+        events.close()
+    assert Settings().http_keepalive_ms == 15_000
