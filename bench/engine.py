@@ -1,8 +1,14 @@
-"""Storage engine figures, in-process (no network): python -m bench.engine [--quick] [--dir DIR]
+"""Storage engine figures, in-process (no network): python -m bench.engine [--quick] [--dir DIR] [--only ...]
 
 Prints one JSON object per line. Workload: 100-byte payloads in batches of
 1000 on one stream, as DESIGN.md's performance section asks. `--quick`
-shrinks the sizes for a smoke run.
+shrinks the sizes for a smoke run; `--only` runs some of the figures.
+
+Group reads (`group_read`, entries/s through Engine.read_group and ack, fsync
+`no` so the figure is the CPU cost of the group code): `batch` reads 50 at a
+time and acknowledges each batch as one range, `one` reads and acknowledges
+one entry at a time, `redeliver` reads 50, nacks them and reads them again
+(the redelivery path) before acknowledging them.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import time
 from pathlib import Path
 
 from bench.common import Timer, emit, percentiles
-from storage import AppendBatch, Engine, EngineConfig
+from storage import AppendBatch, Engine, EngineConfig, GroupReadOptions
 from storage.inspect import inspect_segment
 
 BATCH = 1000
@@ -138,44 +144,80 @@ def bench_bytes_per_entry(root: Path, total: int) -> None:
             )
 
 
+def bench_group_reads(root: Path, total: int) -> None:
+    batch = _payloads(BATCH)
+    modes = (("batch", total, 50), ("one", total // 10, 1), ("redeliver", total, 50))
+    with Engine(root / "groups", EngineConfig(fsync="no", background=False)) as engine:
+        _fill(engine, "s", total, batch)
+        for mode, n, count in modes:
+            engine.create_group("s", mode)
+            options = GroupReadOptions("c", count)
+            taken = 0
+            with Timer() as t:
+                while taken < n:
+                    result = engine.read_group("s", mode, options)
+                    offsets = result.offsets
+                    if mode == "redeliver":
+                        engine.nack("s", mode, offsets)
+                        assert engine.read_group("s", mode, options).offsets == offsets
+                    engine.ack("s", mode, ranges=[(offsets[0], offsets[-1] + 1)])
+                    taken += len(offsets)
+            assert engine.group_info("s", mode).pending == 0
+            emit("group_read", taken / t.elapsed, "entries/s", mode=mode, count=count, entries=taken)
+
+
+def bench_seeks(root: Path, sizes: tuple[int, ...]) -> None:
+    """Seek reads on streams of growing size (their time must not grow with it), and startup."""
+    batch = _payloads(BATCH)
+    seek = {}
+    for size in sizes:
+        directory = root / f"seek-{size}"
+        with Engine(directory, EngineConfig(background=False)) as engine:
+            _fill(engine, "s", size, batch)
+            engine.maintain()  # pack full segments, as the server's maintenance thread does
+            if size == sizes[-1]:
+                bench_sequential_read(engine, "s", size, packed=True)
+            seek[size] = bench_seek(engine, "s", size, 2000, "packed")
+        if size == sizes[-1]:
+            with Timer() as t:
+                engine = Engine(directory, EngineConfig(background=False))
+            emit("startup", t.elapsed * 1000, "ms", entries=size, nodes=engine.info("s").nodes, clean=True)
+            engine.close()
+        shutil.rmtree(directory)
+    small, big = sizes[0], sizes[-1]
+    for cache in ("warm_cache", "cold_node"):
+        emit(
+            "seek_ratio",
+            seek[big][cache] / seek[small][cache],
+            "x",
+            cache=cache,
+            compared=f"{big} vs {small} entries",
+        )
+
+
+FIGURES = ("append", "size", "seek", "groups")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--dir", help="scratch directory (default: a temp dir, removed at the end)")
+    parser.add_argument(
+        "--only", nargs="+", choices=FIGURES, default=FIGURES, help="figures to run (default: all)"
+    )
     args = parser.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="streamlog-bench-"))
     sizes = (10_000, 100_000, 1_000_000) if args.quick else (10_000, 1_000_000, 10_000_000)
     append_total = 200_000 if args.quick else 2_000_000
     try:
-        bench_append(root, append_total)
-        bench_bytes_per_entry(root, 50_000 if args.quick else 200_000)
-        batch = _payloads(BATCH)
-        seek = {}
-        for size in sizes:
-            directory = root / f"seek-{size}"
-            with Engine(directory, EngineConfig(background=False)) as engine:
-                _fill(engine, "s", size, batch)
-                engine.maintain()  # pack full segments, as the server's maintenance thread does
-                if size == sizes[-1]:
-                    bench_sequential_read(engine, "s", size, packed=True)
-                seek[size] = bench_seek(engine, "s", size, 2000, "packed")
-            if size == sizes[-1]:
-                with Timer() as t:
-                    engine = Engine(directory, EngineConfig(background=False))
-                emit(
-                    "startup", t.elapsed * 1000, "ms", entries=size, nodes=engine.info("s").nodes, clean=True
-                )
-                engine.close()
-            shutil.rmtree(directory)
-        small, big = sizes[0], sizes[-1]
-        for cache in ("warm_cache", "cold_node"):
-            emit(
-                "seek_ratio",
-                seek[big][cache] / seek[small][cache],
-                "x",
-                cache=cache,
-                compared=f"{big} vs {small} entries",
-            )
+        if "append" in args.only:
+            bench_append(root, append_total)
+        if "size" in args.only:
+            bench_bytes_per_entry(root, 50_000 if args.quick else 200_000)
+        if "seek" in args.only:
+            bench_seeks(root, sizes)
+        if "groups" in args.only:
+            bench_group_reads(root, 100_000 if args.quick else 1_000_000)
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
