@@ -17,7 +17,7 @@ from storage.errors import (
     StorageError,
     StreamNotFoundError,
 )
-from storage.groups import (
+from storage.grouptypes import (
     MAX_DURATION_MS,
     AckResult,
     ConsumerInfo,

@@ -21,25 +21,22 @@ journal is a preallocated file written through `FileSystem.create_segment`,
 like segments: a full disk fails when it is created, and a fault-injecting
 file system sees every record write and sync.
 
-Op encoding: storage.groups defines the ops (tuples); `encode_ops` and
-`decode_ops` turn them into bytes with the field kinds in `_SCHEMA`.
+Records and the snapshot hold ops encoded by `storage.groupops.encode_ops`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from crc32c import crc32c
 
-from storage import groups as g
-from storage.errors import CorruptionError, InvalidArgumentError
+from storage.errors import CorruptionError
 from storage.fs import FileSystem, SegmentFile
+from storage.groupops import GroupOp, decode_ops, encode_ops
 
 log = logging.getLogger("streamlog.storage")
 
@@ -67,289 +64,16 @@ def journal_name(generation: int) -> str:
     return f"{JOURNAL_PREFIX}{generation:020d}{JOURNAL_SUFFIX}"
 
 
-# ---------------------------------------------------------------------- op codec
-
-# Field kinds: s str, S optional str, u unsigned int, o optional unsigned int, b bool,
-# c GroupConfig, L offsets (as runs), P (offset, due) pairs, R pending rows, U unsigned ints to the end.
-_SCHEMA: dict[int, str] = {
-    g.OP_CREATE: "scuuu",
-    g.OP_DROP: "s",
-    g.OP_SEEK: "suu",
-    g.OP_CONFIG: "sc",
-    g.OP_SEEN: "ssub",
-    g.OP_ACTIVE: "su",
-    g.OP_DELIVER: "ssuooL",
-    g.OP_NOACK: "sL",
-    g.OP_SCHEDULE: "sP",
-    g.OP_ADVANCE: "sub",
-    g.OP_REMOVE: "suL",
-    g.OP_ACK_UNKNOWN: "su",
-    g.OP_RELEASE: "suL",
-    g.OP_CLAIM: "ssuL",
-    g.OP_DEL_CONSUMER: "ss",
-    g.OP_RESTORE_GROUP: "su" + "u" * len(g.COUNTER_NAMES),
-    g.OP_RESTORE_CONSUMER: "ssuo",
-    g.OP_RESTORE_PENDING: "sR",
-}
-
-
-def _varint(out: bytearray, value: int) -> None:
-    if 0 <= value < 0x80:
-        out.append(value)
-        return
-    if value < 0:
-        raise ValueError(f"cannot encode negative value {value} as an unsigned varint")
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-
-
-def _zigzag(value: int) -> int:
-    return value << 1 if value >= 0 else ((-value) << 1) - 1
-
-
-def _unzigzag(value: int) -> int:
-    return value >> 1 if not value & 1 else -((value + 1) >> 1)
-
-
-def _runs(offsets: Sequence[int]) -> list[tuple[int, int]]:
-    if isinstance(offsets, range) and offsets.step == 1:
-        return [(offsets.start, len(offsets))] if len(offsets) else []
-    if (
-        offsets
-        and offsets[-1] - offsets[0] + 1 == len(offsets)
-        and list(offsets) == list(range(offsets[0], offsets[-1] + 1))
-    ):
-        return [(offsets[0], len(offsets))]  # the common case, checked at C speed
-    runs: list[tuple[int, int]] = []
-    for offset in offsets:
-        if runs and runs[-1][0] + runs[-1][1] == offset:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((offset, 1))
-    return runs
-
-
-def _enc_str(out: bytearray, value: str) -> None:
-    raw = value.encode()
-    _varint(out, len(raw))
-    out += raw
-
-
-def _enc_opt_str(out: bytearray, value: str | None) -> None:
-    if value is None:
-        out.append(0)
-    else:
-        raw = value.encode()
-        _varint(out, len(raw) + 1)
-        out += raw
-
-
-def _enc_opt(out: bytearray, value: int | None) -> None:
-    _varint(out, 0 if value is None else value + 1)
-
-
-def _enc_bool(out: bytearray, value: bool) -> None:
-    out.append(1 if value else 0)
-
-
-def _enc_config(out: bytearray, value: g.GroupConfig) -> None:
-    _enc_str(out, json.dumps(value.to_dict(), sort_keys=True))
-
-
-def _enc_offsets(out: bytearray, value: Sequence[int]) -> None:
-    runs = _runs(value)
-    _varint(out, len(runs))
-    prev = 0
-    for start, length in runs:  # offsets are mostly ascending runs: a read of 1000 entries is 3 bytes
-        _varint(out, _zigzag(start - prev))
-        _varint(out, length)
-        prev = start + length
-
-
-def _enc_pairs(out: bytearray, value: Sequence[tuple[int, int]]) -> None:
-    _varint(out, len(value))
-    prev = 0
-    for offset, due in value:
-        _varint(out, _zigzag(offset - prev))
-        _varint(out, due)
-        prev = offset
-
-
-def _enc_rows(out: bytearray, value: Sequence[tuple]) -> None:
-    names = sorted({row[1] for row in value if row[1] is not None})
-    index = {name: i + 1 for i, name in enumerate(names)}
-    _varint(out, len(names))
-    for name in names:
-        _enc_str(out, name)
-    _varint(out, len(value))
-    prev = 0
-    for offset, owner, count, delivered_ms, first_ms, retry_ms, retry_at, expire_at in value:
-        _varint(out, _zigzag(offset - prev))
-        _varint(out, 0 if owner is None else index[owner])
-        _varint(out, count)
-        _varint(out, delivered_ms)
-        _varint(out, first_ms)
-        _enc_opt(out, retry_ms)
-        _enc_opt(out, retry_at)
-        _enc_opt(out, expire_at)
-        prev = offset
-
-
-_ENCODERS: dict[str, Callable[[bytearray, Any], None]] = {
-    "s": _enc_str,
-    "S": _enc_opt_str,
-    "u": _varint,
-    "o": _enc_opt,
-    "b": _enc_bool,
-    "c": _enc_config,
-    "L": _enc_offsets,
-    "P": _enc_pairs,
-    "R": _enc_rows,
-}
-_OP_ENCODERS = {code: tuple(_ENCODERS[k] for k in kinds) for code, kinds in _SCHEMA.items()}
-
-
-def encode_ops(ops: Sequence[tuple]) -> bytes:
-    out = bytearray()
-    _varint(out, len(ops))
-    for op in ops:
-        code = op[0]
-        encoders = _OP_ENCODERS[code]
-        if len(op) != len(encoders) + 1:
-            raise ValueError(f"op {code} has {len(op) - 1} fields, its schema {len(encoders)}")
-        _varint(out, code)
-        for encode, value in zip(encoders, op[1:], strict=True):
-            encode(out, value)
-    return bytes(out)
-
-
-class _Reader:
-    __slots__ = ("buf", "pos")
-
-    def __init__(self, buf: bytes) -> None:
-        self.buf = buf
-        self.pos = 0
-
-    def varint(self) -> int:
-        result = shift = 0
-        buf = self.buf
-        while True:
-            if self.pos >= len(buf) or shift > 63:
-                raise CorruptionError("truncated or overlong varint in a group op")
-            byte = buf[self.pos]
-            self.pos += 1
-            result |= (byte & 0x7F) << shift
-            if byte < 0x80:
-                return result
-            shift += 7
-
-    def raw(self, n: int) -> bytes:
-        if self.pos + n > len(self.buf):
-            raise CorruptionError("a group op runs past the end of its record")
-        out = self.buf[self.pos : self.pos + n]
-        self.pos += n
-        return out
-
-    def text(self, n: int) -> str:
-        try:
-            return self.raw(n).decode()
-        except UnicodeDecodeError as exc:
-            raise CorruptionError("a name in a group op is not UTF-8") from exc
-
-    def optional(self) -> int | None:
-        value = self.varint()
-        return None if value == 0 else value - 1
-
-
-# More offsets than any pending list can hold in memory (about 250 bytes each): a length
-# field this large is damage, and expanding it would exhaust memory instead of failing.
-MAX_OFFSETS_PER_FIELD = 1 << 24
-
-
-def _decode_field(r: _Reader, kind: str):
-    if kind == "s":
-        return r.text(r.varint())
-    if kind == "S":
-        n = r.varint()
-        return None if n == 0 else r.text(n - 1)
-    if kind == "u":
-        return r.varint()
-    if kind == "o":
-        return r.optional()
-    if kind == "b":
-        return r.raw(1) != b"\x00"
-    if kind == "c":
-        text = r.text(r.varint())
-        try:
-            return g.GroupConfig.from_dict(json.loads(text))
-        except (ValueError, TypeError, AttributeError, InvalidArgumentError) as exc:
-            raise CorruptionError(f"group config in a group op is unreadable: {exc}") from exc
-    if kind == "L":
-        out: list[int] = []
-        prev = 0
-        for _ in range(r.varint()):
-            start = prev + _unzigzag(r.varint())
-            length = r.varint()
-            if start < 0:
-                raise CorruptionError("negative offset in a group op")
-            if len(out) + length > MAX_OFFSETS_PER_FIELD:
-                raise CorruptionError(f"a group op lists more than {MAX_OFFSETS_PER_FIELD} offsets")
-            out.extend(range(start, start + length))
-            prev = start + length
-        return tuple(out)
-    if kind == "P":
-        pairs = []
-        prev = 0
-        for _ in range(r.varint()):
-            offset = prev + _unzigzag(r.varint())
-            pairs.append((offset, r.varint()))
-            prev = offset
-        return tuple(pairs)
-    if kind == "R":
-        names = [r.text(r.varint()) for _ in range(r.varint())]
-        rows = []
-        prev = 0
-        for _ in range(r.varint()):
-            offset = prev + _unzigzag(r.varint())
-            owner_index = r.varint()
-            if owner_index > len(names):
-                raise CorruptionError("pending row names an unknown consumer")
-            owner = None if owner_index == 0 else names[owner_index - 1]
-            rows.append(
-                (offset, owner, r.varint(), r.varint(), r.varint(), r.optional(), r.optional(), r.optional())
-            )
-            prev = offset
-        return tuple(rows)
-    raise ValueError(f"unknown field kind {kind!r}")
-
-
-def decode_ops(body: bytes) -> list[tuple]:
-    """The ops of one record or snapshot body; CorruptionError on anything malformed."""
-    r = _Reader(body)
-    ops = []
-    for _ in range(r.varint()):
-        code = r.varint()
-        kinds = _SCHEMA.get(code)
-        if kinds is None:
-            raise CorruptionError(f"unknown group op code {code}")
-        ops.append((code, *(_decode_field(r, kind) for kind in kinds)))
-    if r.pos != len(body):
-        raise CorruptionError("trailing bytes after the group ops of a record")
-    return ops
-
-
 # ---------------------------------------------------------------------- files
 
 
-def encode_snapshot(generation: int, ops: Sequence[tuple]) -> bytes:
+def encode_snapshot(generation: int, ops: Sequence[GroupOp]) -> bytes:
     body = encode_ops(ops)
     head = _SNAPSHOT_HEADER.pack(_SNAPSHOT_MAGIC, FORMAT_VERSION, 0, generation, len(body), crc32c(body))
     return head + _U32.pack(crc32c(head)) + body
 
 
-def decode_snapshot(raw: bytes) -> tuple[int, list[tuple]]:
+def decode_snapshot(raw: bytes) -> tuple[int, list[GroupOp]]:
     if len(raw) < HEADER_SIZE:
         raise CorruptionError("group snapshot is shorter than its header")
     head = raw[: HEADER_SIZE - 4]
@@ -374,7 +98,7 @@ def encode_record(body: bytes) -> bytes:
     return length + _U32.pack(crc32c(length + body)) + body
 
 
-def scan_journal(raw: bytes, generation: int) -> tuple[list[tuple], int, int, str | None]:
+def scan_journal(raw: bytes, generation: int) -> tuple[list[GroupOp], int, int, str | None]:
     """Replay a journal image: (ops, records, end position, why it was cut or None).
 
     Records are trusted up to the first one that is incomplete or fails its CRC; the rest is
@@ -388,7 +112,7 @@ def scan_journal(raw: bytes, generation: int) -> tuple[list[tuple], int, int, st
         return [], 0, HEADER_SIZE, "journal header is damaged"
     if version != FORMAT_VERSION or gen != generation:
         return [], 0, HEADER_SIZE, f"journal header says version {version} generation {gen}"
-    ops: list[tuple] = []
+    ops: list[GroupOp] = []
     records = 0
     pos = HEADER_SIZE
     size = len(raw)
@@ -440,7 +164,7 @@ class GroupLog:
 
     # ------------------------------------------------------------------ load
 
-    def load(self) -> list[tuple]:
+    def load(self) -> list[GroupOp]:
         """Read the snapshot and the valid prefix of its journal; returns the ops to apply, in order.
 
         Raises CorruptionError if the snapshot itself is damaged (the files are then left alone).
@@ -494,7 +218,7 @@ class GroupLog:
     def dirty(self) -> bool:
         return self.synced_seq < self.seq
 
-    def append(self, ops: Sequence[tuple]) -> int:
+    def append(self, ops: Sequence[GroupOp]) -> int:
         """Write one record holding `ops` (not synced); returns its seq. JournalFullError if it cannot fit."""
         record = encode_record(encode_ops(ops))
         with self._lock:
@@ -507,7 +231,7 @@ class GroupLog:
             self.seq += 1
             return self.seq
 
-    def checkpoint(self, state_ops: Sequence[tuple]) -> None:
+    def checkpoint(self, state_ops: Sequence[GroupOp]) -> None:
         """Write `state_ops` as the snapshot of a new generation, with an empty journal (module doc)."""
         body = encode_snapshot(self.generation + 1, state_ops)
         with self._lock:

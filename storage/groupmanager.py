@@ -43,13 +43,14 @@ from storage.errors import (
 from storage.format import NODE_DELAYED
 from storage.fs import FileSystem
 from storage.grouplog import JOURNAL_PREFIX, JOURNAL_SUFFIX, GroupLog, JournalFullError
-from storage.groups import (
+from storage.groupops import DeleteConsumer, Release, Remove, RemoveReason, Seek, Seen, SetConfig
+from storage.groups import GroupSet
+from storage.grouptypes import (
     AckResult,
     GroupConfig,
     GroupInfo,
     GroupReadOptions,
     GroupReadResult,
-    GroupSet,
     NackResult,
     PendingInfo,
     check_duration,
@@ -67,9 +68,9 @@ log = logging.getLogger("streamlog.storage")
 GroupListener = Callable[[str, str], None]
 
 # Ops after which a reader waiting on the group may find something new (room, a release, a new cursor).
-_WAKING = frozenset({g.OP_REMOVE, g.OP_RELEASE, g.OP_SEEK, g.OP_CONFIG, g.OP_DEL_CONSUMER})
+_WAKING = frozenset({Remove, Release, Seek, SetConfig, DeleteConsumer})
 # Ops whose loss in a crash costs nothing but accuracy of a seen time: not worth a sync on their own.
-_SOFT = frozenset({g.OP_SEEN})
+_SOFT = frozenset({Seen})
 
 
 def _check_offsets(offsets: Iterable[int]) -> list[int]:
@@ -252,7 +253,7 @@ class GroupManager:
                 log.warning(
                     "stream %r group %r: %d entries past the end are gone", store.name, group.name, len(lost)
                 )
-                group.remove(sorted(lost), g.R_EVICTED)
+                group.remove(sorted(lost), RemoveReason.EVICTED)
                 changed = True
             if group.cursor > end:
                 group.seek(end, end if group.entries_read == group.cursor else group.entries_read)
@@ -361,7 +362,7 @@ class GroupManager:
         ops = store.state.drain()
         if not ops:
             return None, set()
-        changed = {op[1] for op in ops if op[0] in _WAKING}
+        changed = {op.group for op in ops if type(op) in _WAKING}
         if store.closed:
             return None, changed  # the stream was deleted during the call
         seq = None
@@ -393,7 +394,7 @@ class GroupManager:
             raise
         finally:
             self._refresh_holds(store)
-        if seq is not None and all(op[0] in _SOFT for op in ops):
+        if seq is not None and all(type(op) in _SOFT for op in ops):
             seq = None
         return seq, changed
 
@@ -500,11 +501,11 @@ class GroupManager:
         """Drop or dead-letter doomed entries; returns the offsets found gone from the stream."""
         records = self._fetch(stream, [d.offset for d in doomed])
         gone = [d.offset for d in doomed if d.offset not in records]
-        group.remove(gone, g.R_EVICTED)
+        group.remove(gone, RemoveReason.EVICTED)
         live = [d for d in doomed if d.offset in records]
         target = group.config.dead_letter_stream
         if target is None:
-            group.remove([d.offset for d in live], g.R_EXPIRED)
+            group.remove([d.offset for d in live], RemoveReason.EXPIRED)
             return gone
         for batch in self._dead_letter_batches(live, records):
             offsets = [d.offset for d, _ in batch]
@@ -533,7 +534,7 @@ class GroupManager:
                     target,
                     exc,
                 )
-                group.remove(offsets, g.R_EXPIRED)
+                group.remove(offsets, RemoveReason.EXPIRED)
             except StorageError as exc:
                 log.error(
                     "stream %r group %r: dead-lettering to %r failed (%s); retrying in %d ms",
@@ -545,7 +546,7 @@ class GroupManager:
                 )
                 group.defer_doom(offsets, now + g.DEAD_LETTER_RETRY_MS)
             else:
-                group.remove(offsets, g.R_DEAD)
+                group.remove(offsets, RemoveReason.DEAD_LETTERED)
         return gone
 
     def _dead_letter_batches(self, doomed: list[g.Doomed], records: dict[int, bytes]):
@@ -583,7 +584,7 @@ class GroupManager:
         """
         records = self._fetch(stream, offsets)
         gone = [o for o in offsets if o not in records]
-        group.remove(gone, g.R_EVICTED)
+        group.remove(gone, RemoveReason.EVICTED)
         start = len(out.offsets)
         left = out.take(offsets, records)
         taken = out.offsets[start:]
@@ -600,7 +601,7 @@ class GroupManager:
         if not offsets:
             return 0
         records = self._fetch(stream, offsets)
-        group.remove([o for o in offsets if o not in records], g.R_EVICTED)
+        group.remove([o for o in offsets if o not in records], RemoveReason.EVICTED)
         start = len(out.offsets)
         group.restore_scheduled(out.take(offsets, records))
         self._record_new(group, consumer, now, retry_ms, expire_ms, noack, start, out)
@@ -617,7 +618,7 @@ class GroupManager:
         evicted = group.scheduled_below(self._engine.bounds(stream).first_offset)
         if not evicted:
             return None
-        group.remove(evicted, g.R_EVICTED)
+        group.remove(evicted, RemoveReason.EVICTED)
         return Gap(evicted[0], evicted[-1] + 1, GapReason.EVICTED)
 
     def _record_new(self, group, consumer, now, retry_ms, expire_ms, noack, start, out) -> None:

@@ -1,8 +1,9 @@
 """Consumer groups: their configuration, the per-stream state machine, and what group calls return.
 
 Pure logic, in the style of h11: no I/O, no locks, no clock of its own. Every
-call that changes state takes `now_ms`, builds *ops* (small tuples, listed
-below), applies them with `apply` and queues them in `GroupSet.ops`.
+call that changes state takes `now_ms`, builds *ops* (storage.groupops: one
+typed record per kind of change), applies them with `apply` and queues them in
+`GroupSet.ops`.
 `storage.grouplog` writes the queued ops to the journal and recovery applies
 the same ops again, so a recovered state equals the live one by construction.
 Decisions that need the stream's content (does an entry still exist, when was
@@ -38,257 +39,51 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left, insort
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
 
-from storage.errors import GroupNotFoundError, InvalidArgumentError
-from storage.names import validate_name
-from storage.records import Entry, decode_records
-from storage.results import Gap
+from storage.errors import GroupNotFoundError
+from storage.groupops import (
+    AckUnknown,
+    Advance,
+    Claim,
+    CreateGroup,
+    DeleteConsumer,
+    Deliver,
+    DeliverUntracked,
+    DropGroup,
+    GroupOp,
+    PendingRecord,
+    Release,
+    Remove,
+    RemoveReason,
+    RestoreConsumer,
+    RestoreGroup,
+    RestorePending,
+    Schedule,
+    Seek,
+    Seen,
+    SetConfig,
+    Touch,
+)
+from storage.grouptypes import (
+    MAX_COUNT,
+    AckResult,
+    ConsumerInfo,
+    GroupConfig,
+    GroupCounters,
+    NackResult,
+    PendingInfo,
+    PendingRow,
+)
 
-# Op codes. An op is a tuple (code, group, *fields); storage.grouplog encodes each
-# code's fields. Codes are persisted: never renumber, only add.
-OP_CREATE = 1  # group, config, cursor, entries_read, now
-OP_DROP = 2  # group
-OP_SEEK = 3  # group, cursor, entries_read
-OP_CONFIG = 4  # group, config
-OP_SEEN = 5  # group, consumer, now, active: consumer seen (created if new); active = it got entries
-OP_ACTIVE = 6  # group, now: the group was used without a consumer (acks, nacks)
-OP_DELIVER = 7  # group, consumer, now, retry_ms, expire_ms, offsets: first delivery or redelivery
-OP_NOACK = 8  # group, offsets: delivered without tracking (NOACK reads)
-OP_SCHEDULE = 9  # group, ((offset, due_ms), ...): passed by the cursor before its deliver_at_ms
-OP_ADVANCE = 10  # group, cursor, caught_up: the cursor moved forward over what a read scanned
-OP_REMOVE = 11  # group, reason, offsets: leave the pending (or scheduled) list
-OP_ACK_UNKNOWN = 12  # group, count: acks of offsets that were not pending
-OP_RELEASE = 13  # group, due_ms, offsets: owner dropped, redelivered from due_ms on
-OP_CLAIM = 14  # group, consumer, now, offsets
-OP_DEL_CONSUMER = 15  # group, consumer
-OP_RESTORE_GROUP = 16  # group, active_ms, *counters (snapshots only)
-OP_RESTORE_CONSUMER = 17  # group, consumer, seen_ms, active_ms (snapshots only)
-OP_RESTORE_PENDING = 18  # group, rows (snapshots only; see Group.snapshot_ops)
-
-# Why an entry left the pending list (OP_REMOVE), and the counter each one feeds.
-R_ACK, R_EXPIRED, R_DEAD, R_EVICTED = 0, 1, 2, 3
-_REASON_COUNTER = {R_ACK: "acked", R_EXPIRED: "expired", R_DEAD: "dead_lettered", R_EVICTED: "evicted"}
-COUNTER_NAMES = ("delivered", "redelivered", "acked", "ack_unknown", "expired", "dead_lettered", "evicted")
-# Counts are int64 on the wire. An ack of huge ranges of offsets that are not pending names more
-# unknown offsets than that: such counts saturate here rather than fail every later reply.
-MAX_COUNT = 2**63 - 1
-
-# Durations are added to clock times (ms since the epoch), and the sums are due times that go out as
-# int64 (GetPending's due_ms) and arm timers: bounded far below int64, so that no sum can overflow.
-MAX_DURATION_MS = 10**15
+COUNTER_NAMES = tuple(f.name for f in fields(GroupCounters))
 
 # Verdicts of Group.admit on an entry the cursor reaches.
 ADMIT, SCHEDULE, STOP = "admit", "schedule", "stop"
 
 # A doomed entry whose dead-lettering failed for a passing reason is tried again after this long.
 DEAD_LETTER_RETRY_MS = 1000
-
-
-def validate_label(kind: str, name: str) -> None:
-    """Group and consumer names follow the stream-name rule (storage/names.py)."""
-    validate_name(name, kind)
-
-
-def check_non_negative(name: str, value: int | None, *, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidArgumentError(f"{name} must be a non-negative integer")
-
-
-def check_duration(name: str, value: int | None, *, optional: bool = True) -> None:
-    """A duration that is added to a clock time (a retry, an expiry, a delay): 0..MAX_DURATION_MS."""
-    check_non_negative(name, value, optional=optional)
-    if value is not None and value > MAX_DURATION_MS:
-        raise InvalidArgumentError(
-            f"{name} is {value} ms; the limit is {MAX_DURATION_MS} ms (about 31,700 years)"
-        )
-
-
-# ---------------------------------------------------------------------- configuration
-
-
-@dataclass(frozen=True, kw_only=True)
-class GroupConfig:
-    """Per-group policy. None means "no limit" or "not used"."""
-
-    # Redeliver an entry not acknowledged this long after its delivery (RCP RETRY retry-ms). A read may
-    # set its own. None: entries stay pending (as Redis XREADGROUP) and come back only by nack or claim.
-    retry_ms: int | None = None
-    # Take an entry out of the pending list this long after its first delivery (RCP RETRY expire-ms).
-    expire_ms: int | None = None
-    # An entry delivered this many times leaves the pending list when it would be redelivered.
-    max_deliveries: int | None = None
-    # Bounded pending (RCP): while this many entries are pending, reads get only redeliveries.
-    max_pending: int | None = None
-    # Expired and exhausted entries are appended here (with x-origin-* headers) instead of dropped.
-    dead_letter_stream: str | None = None
-    # An entry reaches the group only once its timestamp + delay_ms has passed.
-    delay_ms: int = 0
-    # Retention never evicts what this group still needs (its cursor, pending and scheduled entries)...
-    retention_hold: bool = False
-    # ...unless the group has been idle (no read, ack or claim) for longer than this.
-    idle_release_ms: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("retry_ms", "expire_ms", "idle_release_ms"):
-            check_duration(name, getattr(self, name))
-        check_duration("delay_ms", self.delay_ms, optional=False)
-        for name in ("max_deliveries", "max_pending"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise InvalidArgumentError(f"{name} must be a positive integer")
-        if not isinstance(self.retention_hold, bool):
-            raise InvalidArgumentError("retention_hold must be a bool")
-        if self.dead_letter_stream is not None:
-            validate_name(self.dead_letter_stream)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> GroupConfig:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
-
-
-# ---------------------------------------------------------------------- what a group read takes
-
-
-@dataclass(frozen=True, slots=True)
-class GroupReadOptions:
-    """One group read's parameters besides its stream and group (see GroupManager.read_group).
-
-    Checked when made (InvalidArgumentError), so a reader that repeats a read
-    (a waiting one, a Consume session) checks its options once.
-    """
-
-    consumer: str
-    count: int  # at most this many entries (the engine caps it at max_batch_entries)
-    max_bytes: int = 0  # bound on the records' size, at least one entry; 0: none
-    retry_ms: int | None = None  # overrides the group's for the entries this read delivers
-    expire_ms: int | None = None  # likewise (expiry counts from an entry's first delivery)
-    noack: bool = False  # take only new entries, and do not track them
-    claim_idle_ms: int | None = None  # also claim pending entries idle this long (claim-on-read)
-
-    def __post_init__(self) -> None:
-        validate_label("consumer", self.consumer)
-        check_non_negative("count", self.count)
-        check_non_negative("max_bytes", self.max_bytes)
-        for name in ("retry_ms", "expire_ms", "claim_idle_ms"):
-            check_duration(name, getattr(self, name))
-
-    @property
-    def kind(self) -> tuple[bool, int | None]:
-        """Reads of the same kind see the same entries: if one finds nothing, so do the others."""
-        return self.noack, self.claim_idle_ms
-
-
-# ---------------------------------------------------------------------- what calls return
-
-
-@dataclass(frozen=True, slots=True)
-class GroupCounters:
-    delivered: int = 0  # first deliveries
-    redelivered: int = 0  # retries, claims, and new deliveries of entries still pending
-    acked: int = 0
-    ack_unknown: int = 0  # acks of offsets that were not pending (unknown or acknowledged before)
-    expired: int = 0  # dropped by expire_ms or max_deliveries (no dead-letter stream)
-    dead_lettered: int = 0
-    evicted: int = 0  # pending or scheduled entries dropped because the stream no longer has them
-
-
-@dataclass(frozen=True, slots=True)
-class ConsumerInfo:
-    name: str
-    pending: int
-    seen_ms: int  # last read or claim, successful or not (Redis seen-time)
-    active_ms: int | None  # last read or claim that returned entries (Redis active-time); None: never
-
-
-@dataclass(frozen=True, slots=True)
-class GroupInfo:
-    stream: str
-    name: str
-    config: GroupConfig
-    cursor: int  # next offset new entries come from
-    entries_read: int
-    lag: int | None  # entries the group has still to receive (scheduled ones included); None if unknown
-    entries_added: int  # the stream's all-time count (= its next offset)
-    pending: int
-    scheduled: int
-    consumers: tuple[ConsumerInfo, ...]
-    counters: GroupCounters
-    created_ms: int
-    active_ms: int
-    hold_offset: int  # lowest offset the group still needs (what it holds if retention_hold is on)
-    holds_retention: bool  # this group is the one holding the stream's retention back
-
-
-@dataclass(frozen=True, slots=True)
-class PendingRow:
-    offset: int
-    consumer: str | None  # None: released, waiting for redelivery
-    idle_ms: int  # since its last delivery
-    delivery_count: int
-    due_ms: int | None  # when it is redelivered automatically; None: only by claim
-
-
-@dataclass(frozen=True, slots=True)
-class PendingInfo:
-    count: int  # the whole group's pending entries (not filtered)
-    lowest: int | None
-    highest: int | None
-    consumers: dict[str, int]  # pending entries per consumer (consumers with none are left out)
-    released: int  # pending entries without an owner
-    rows: tuple[PendingRow, ...]  # the filtered detail, in offset order
-
-
-@dataclass(frozen=True, slots=True)
-class AckResult:
-    acknowledged: int  # entries that were pending and are now acknowledged
-    unknown: int  # offsets named that were not pending (harmless; counted in ack_unknown)
-
-
-@dataclass(frozen=True, slots=True)
-class NackResult:
-    released: int  # pending entries released for redelivery
-    unknown: int  # offsets named that were not pending
-
-
-@dataclass(slots=True)
-class GroupReadResult:
-    """Entries handed to one consumer: records as `ReadResult.records` holds them, in delivery order.
-
-    `offsets` and `delivery_counts` have one item per entry (not per chunk of
-    `records`). `next_due_ms` is the earliest time a read with the same options
-    could get something that is not deliverable now (a retry, a delayed or
-    scheduled entry, an entry becoming idle enough to claim), or None; a
-    waiting reader arms one timer for it instead of polling. New appends and
-    acks that free room (`pending_full`) are signalled separately.
-    """
-
-    records: list[bytes] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
-    delivery_counts: list[int] = field(default_factory=list)
-    next_due_ms: int | None = None
-    pending_full: bool = False  # new entries were held back because max_pending entries are pending
-    # Evicted entries never delivered to this group: those the cursor jumped over, and delayed entries
-    # evicted before they fell due; one range spanning them all.
-    gap: Gap | None = None
-    gone: list[int] = field(default_factory=list)  # pending offsets dropped: the stream no longer has them
-
-    @property
-    def count(self) -> int:
-        return len(self.offsets)
-
-    def data(self) -> bytes:
-        return b"".join(self.records)
-
-    def entries(self) -> list[Entry]:
-        return decode_records(self.data())
 
 
 # ---------------------------------------------------------------------- state
@@ -373,36 +168,36 @@ class Group:
         self._retry_heap: list[tuple[int, int]] = []  # (retry_due, offset)
         self._doom_heap: list[tuple[int, int]] = []  # (doom_at, offset)
         self._sched_heap: list[tuple[int, int]] = []  # (due, offset)
-        self._apply: dict[int, Callable[..., None]] = {
-            OP_SEEK: self._on_seek,
-            OP_CONFIG: self._on_config,
-            OP_SEEN: self._on_seen,
-            OP_ACTIVE: self._on_active,
-            OP_DELIVER: self._on_deliver,
-            OP_NOACK: self._on_noack,
-            OP_SCHEDULE: self._on_schedule,
-            OP_ADVANCE: self._on_advance,
-            OP_REMOVE: self._on_remove,
-            OP_ACK_UNKNOWN: self._on_ack_unknown,
-            OP_RELEASE: self._on_release,
-            OP_CLAIM: self._on_claim,
-            OP_DEL_CONSUMER: self._on_del_consumer,
-            OP_RESTORE_GROUP: self._on_restore_group,
-            OP_RESTORE_CONSUMER: self._on_restore_consumer,
-            OP_RESTORE_PENDING: self._on_restore_pending,
+        self._apply = {
+            Seek: self._on_seek,
+            SetConfig: self._on_config,
+            Seen: self._on_seen,
+            Touch: self._on_touch,
+            Deliver: self._on_deliver,
+            DeliverUntracked: self._on_noack,
+            Schedule: self._on_schedule,
+            Advance: self._on_advance,
+            Remove: self._on_remove,
+            AckUnknown: self._on_ack_unknown,
+            Release: self._on_release,
+            Claim: self._on_claim,
+            DeleteConsumer: self._on_del_consumer,
+            RestoreGroup: self._on_restore_group,
+            RestoreConsumer: self._on_restore_consumer,
+            RestorePending: self._on_restore_pending,
         }
 
-    def apply(self, op: tuple) -> None:
-        self._apply[op[0]](*op[2:])
+    def apply(self, op: GroupOp) -> None:
+        self._apply[type(op)](op)
 
     # ------------------------------------------------------------------ applying ops
 
-    def _on_seek(self, cursor: int, entries_read: int) -> None:
-        self.cursor = cursor
-        self.entries_read = entries_read
+    def _on_seek(self, op: Seek) -> None:
+        self.cursor = op.cursor
+        self.entries_read = op.entries_read
 
-    def _on_config(self, config: GroupConfig) -> None:
-        self.config = config
+    def _on_config(self, op: SetConfig) -> None:
+        self.config = op.config
         self.rebuild_timers()  # max_deliveries decides which timer each entry sits in
 
     def _consumer(self, name: str, now: int) -> Consumer:
@@ -411,15 +206,16 @@ class Group:
             consumer = self.consumers[name] = Consumer(name, now)
         return consumer
 
-    def _on_seen(self, name: str, now: int, active: bool) -> None:
-        consumer = self._consumer(name, now)
+    def _on_seen(self, op: Seen) -> None:
+        now = op.now_ms
+        consumer = self._consumer(op.consumer, now)
         consumer.seen_ms = now
-        if active:
+        if op.active:
             consumer.active_ms = now
         self.active_ms = now
 
-    def _on_active(self, now: int) -> None:
-        self.active_ms = now
+    def _on_touch(self, op: Touch) -> None:
+        self.active_ms = op.now_ms
 
     def _disown(self, entry: Pending) -> None:
         if entry.consumer is not None:
@@ -441,10 +237,9 @@ class Group:
         order = self._order
         return (not order or min(offsets) > order[-1]) and self.scheduled.keys().isdisjoint(offsets)
 
-    def _on_deliver(
-        self, name: str, now: int, retry_ms: int | None, expire_ms: int | None, offsets: Sequence[int]
-    ) -> None:
-        consumer = self._consumer(name, now)
+    def _on_deliver(self, op: Deliver) -> None:
+        now, retry_ms, expire_ms, offsets = op.now_ms, op.retry_ms, op.expire_ms, op.offsets
+        consumer = self._consumer(op.consumer, now)
         if offsets and self.all_new(offsets):
             self._deliver_new(consumer, now, retry_ms, expire_ms, offsets)
             return
@@ -492,16 +287,16 @@ class Group:
         consumer.pending += len(entries)
         self.counters["delivered"] += len(entries)
 
-    def _on_noack(self, offsets: Iterable[int]) -> None:
+    def _on_noack(self, op: DeliverUntracked) -> None:
         n = 0
-        for offset in offsets:
+        for offset in op.offsets:
             n += 1
             if offset in self.scheduled:
                 self._unschedule(offset)
         self.counters["delivered"] += n
 
-    def _on_schedule(self, pairs: Iterable[tuple[int, int]]) -> None:
-        for offset, due in pairs:
+    def _on_schedule(self, op: Schedule) -> None:
+        for offset, due in op.due:
             if offset not in self.scheduled:
                 insort(self._sched_order, offset)
             self.scheduled[offset] = due
@@ -512,18 +307,19 @@ class Group:
         i = bisect_left(self._sched_order, offset)
         del self._sched_order[i]
 
-    def _on_advance(self, cursor: int, caught_up: bool) -> None:
+    def _on_advance(self, op: Advance) -> None:
+        cursor = op.cursor
         self.entries_read += cursor - self.cursor
         self.cursor = cursor
-        if caught_up:
+        if op.caught_up:
             self.entries_read = cursor
 
-    def _on_remove(self, reason: int, offsets: Iterable[int]) -> None:
+    def _on_remove(self, op: Remove) -> None:
         take, forget_idle = self.pending.pop, self._idle.pop
         removed: list[int] = []
         owners: dict[str | None, int] = {}  # consumer -> entries of its removed, counted once each
         unscheduled = 0
-        for offset in offsets:
+        for offset in op.offsets:
             entry = take(offset, None)
             if entry is not None:
                 owners[entry.consumer] = owners.get(entry.consumer, 0) + 1
@@ -537,7 +333,7 @@ class Group:
             owner = self.consumers.get(name) if name is not None else None
             if owner is not None:
                 owner.pending -= n
-        self.counters[_REASON_COUNTER[reason]] += len(removed) + unscheduled
+        self.counters[op.reason.counter] += len(removed) + unscheduled
         order = self._order
         if len(removed) > 16:
             removed.sort()
@@ -552,20 +348,21 @@ class Group:
                 del order[bisect_left(order, offset)]
         self._maybe_compact_heaps()
 
-    def _on_ack_unknown(self, count: int) -> None:
-        self.counters["ack_unknown"] = min(self.counters["ack_unknown"] + count, MAX_COUNT)
+    def _on_ack_unknown(self, op: AckUnknown) -> None:
+        self.counters["ack_unknown"] = min(self.counters["ack_unknown"] + op.count, MAX_COUNT)
 
-    def _on_release(self, due_ms: int, offsets: Iterable[int]) -> None:
-        for offset in offsets:
+    def _on_release(self, op: Release) -> None:
+        for offset in op.offsets:
             entry = self.pending.get(offset)
             if entry is not None:
                 self._disown(entry)
-                entry.retry_at = due_ms
+                entry.retry_at = op.due_ms
                 self._arm(entry)
 
-    def _on_claim(self, name: str, now: int, offsets: Iterable[int]) -> None:
-        consumer = self._consumer(name, now)
-        for offset in offsets:
+    def _on_claim(self, op: Claim) -> None:
+        now = op.now_ms
+        consumer = self._consumer(op.consumer, now)
+        for offset in op.offsets:
             entry = self.pending.get(offset)
             if entry is None:
                 continue
@@ -576,34 +373,36 @@ class Group:
             entry.retry_at = None if entry.retry_ms is None else now + entry.retry_ms
             self._arm(entry)
 
-    def _on_del_consumer(self, name: str) -> None:
+    def _on_del_consumer(self, op: DeleteConsumer) -> None:
+        name = op.consumer
         consumer = self.consumers.pop(name, None)
         if consumer is not None and consumer.pending:
             for entry in self.pending.values():  # only after a release that missed some: keep counts exact
                 if entry.consumer == name:
                     entry.consumer = None
 
-    def _on_restore_group(self, active_ms: int, *counters: int) -> None:
-        self.active_ms = active_ms
-        self.counters = dict(zip(COUNTER_NAMES, counters, strict=True))
+    def _on_restore_group(self, op: RestoreGroup) -> None:
+        self.active_ms = op.active_ms
+        self.counters = {name: getattr(op.counters, name) for name in COUNTER_NAMES}
 
-    def _on_restore_consumer(self, name: str, seen_ms: int, active_ms: int | None) -> None:
-        consumer = self._consumer(name, seen_ms)
-        consumer.seen_ms = seen_ms
-        consumer.active_ms = active_ms
+    def _on_restore_consumer(self, op: RestoreConsumer) -> None:
+        consumer = self._consumer(op.consumer, op.seen_ms)
+        consumer.seen_ms = op.seen_ms
+        consumer.active_ms = op.active_ms
 
-    def _on_restore_pending(self, rows: Sequence[tuple]) -> None:
-        for offset, owner, count, delivered_ms, first_ms, retry_ms, retry_at, expire_at in rows:
-            entry = Pending(offset, first_ms, expire_at)
-            entry.count = count
-            entry.retry_ms = retry_ms
-            entry.retry_at = retry_at
+    def _on_restore_pending(self, op: RestorePending) -> None:
+        for row in op.rows:
+            offset = row.offset
+            entry = Pending(offset, row.first_ms, row.expire_at)
+            entry.count = row.count
+            entry.retry_ms = row.retry_ms
+            entry.retry_at = row.retry_at
             self.pending[offset] = entry
-            if owner is None:
-                entry.delivered_ms = delivered_ms
+            if row.consumer is None:
+                entry.delivered_ms = row.delivered_ms
                 self._idle[offset] = None
             else:
-                self._own(entry, self._consumer(owner, delivered_ms), delivered_ms)
+                self._own(entry, self._consumer(row.consumer, row.delivered_ms), row.delivered_ms)
             self._arm(entry)
         self._order = sorted(self.pending)
 
@@ -880,38 +679,38 @@ class Group:
     # ------------------------------------------------------------------ commands (emit ops)
 
     def seek(self, cursor: int, entries_read: int) -> None:
-        self._emit((OP_SEEK, self.name, cursor, entries_read))
+        self._emit(Seek(self.name, cursor, entries_read))
 
     def set_config(self, config: GroupConfig) -> None:
-        self._emit((OP_CONFIG, self.name, config))
+        self._emit(SetConfig(self.name, config))
 
     def seen(self, consumer: str, now: int, active: bool) -> None:
-        self._emit((OP_SEEN, self.name, consumer, now, active))
+        self._emit(Seen(self.name, consumer, now, active))
 
     def touch(self, now: int) -> None:
-        self._emit((OP_ACTIVE, self.name, now))
+        self._emit(Touch(self.name, now))
 
     def deliver(
         self, consumer: str, now: int, retry_ms: int | None, expire_ms: int | None, offsets: Sequence[int]
     ) -> None:
         if offsets:
-            self._emit((OP_DELIVER, self.name, consumer, now, retry_ms, expire_ms, offsets))
+            self._emit(Deliver(self.name, consumer, now, retry_ms, expire_ms, offsets))
 
     def deliver_untracked(self, offsets: Sequence[int]) -> None:
         if offsets:
-            self._emit((OP_NOACK, self.name, offsets))
+            self._emit(DeliverUntracked(self.name, offsets))
 
     def schedule(self, pairs: Sequence[tuple[int, int]]) -> None:
         if pairs:
-            self._emit((OP_SCHEDULE, self.name, tuple(pairs)))
+            self._emit(Schedule(self.name, tuple(pairs)))
 
     def advance(self, cursor: int, caught_up: bool) -> None:
         if cursor > self.cursor or (caught_up and self.entries_read != cursor):
-            self._emit((OP_ADVANCE, self.name, max(cursor, self.cursor), caught_up))
+            self._emit(Advance(self.name, max(cursor, self.cursor), caught_up))
 
-    def remove(self, offsets: Sequence[int], reason: int) -> None:
+    def remove(self, offsets: Sequence[int], reason: RemoveReason) -> None:
         if offsets:
-            self._emit((OP_REMOVE, self.name, reason, tuple(offsets)))
+            self._emit(Remove(self.name, reason, tuple(offsets)))
 
     def ack(self, now: int, offsets: Iterable[int], ranges: Iterable[tuple[int, int]]) -> AckResult:
         """Acknowledge offsets and half-open ranges [start, end). Unknown offsets are counted, not errors."""
@@ -933,10 +732,10 @@ class Group:
             found.extend(hits)
             unknown += max(end - start, 0) - len(hits)
         self.touch(now)
-        self.remove(found, R_ACK)
+        self.remove(found, RemoveReason.ACK)
         unknown = min(unknown, MAX_COUNT)
         if unknown:
-            self._emit((OP_ACK_UNKNOWN, self.name, unknown))
+            self._emit(AckUnknown(self.name, unknown))
         return AckResult(len(found), unknown)
 
     def nack(self, now: int, offsets: Sequence[int], delay_ms: int) -> NackResult:
@@ -944,12 +743,12 @@ class Group:
         found = list(dict.fromkeys(o for o in offsets if o in self.pending))
         self.touch(now)
         if found:
-            self._emit((OP_RELEASE, self.name, now + delay_ms, tuple(found)))
+            self._emit(Release(self.name, now + delay_ms, tuple(found)))
         return NackResult(len(found), len(offsets) - len(found))
 
     def claim(self, consumer: str, now: int, offsets: Sequence[int]) -> None:
         if offsets:
-            self._emit((OP_CLAIM, self.name, consumer, now, tuple(offsets)))
+            self._emit(Claim(self.name, consumer, now, tuple(offsets)))
 
     def delete_consumer(self, consumer: str, now: int) -> int:
         """Forget a consumer; its pending entries go back to the group, due at once. Returns how many."""
@@ -958,8 +757,8 @@ class Group:
         owned = self.owned_by(consumer)
         self.touch(now)
         if owned:
-            self._emit((OP_RELEASE, self.name, now, tuple(owned)))
-        self._emit((OP_DEL_CONSUMER, self.name, consumer))
+            self._emit(Release(self.name, now, tuple(owned)))
+        self._emit(DeleteConsumer(self.name, consumer))
         return len(owned)
 
     # ------------------------------------------------------------------ queries
@@ -1008,34 +807,34 @@ class Group:
     def counter_values(self) -> GroupCounters:
         return GroupCounters(**self.counters)
 
-    def snapshot_ops(self) -> list[tuple]:
+    def snapshot_ops(self) -> list[GroupOp]:
         """Ops that rebuild this group from nothing (a snapshot is the journal compacted)."""
         name = self.name
-        ops: list[tuple] = [
-            (OP_CREATE, name, self.config, self.cursor, self.entries_read, self.created_ms),
-            (OP_RESTORE_GROUP, name, self.active_ms, *(self.counters[k] for k in COUNTER_NAMES)),
+        ops: list[GroupOp] = [
+            CreateGroup(name, self.config, self.cursor, self.entries_read, self.created_ms),
+            RestoreGroup(name, self.active_ms, GroupCounters(**self.counters)),
         ]
         for consumer in self.consumers.values():
-            ops.append((OP_RESTORE_CONSUMER, name, consumer.name, consumer.seen_ms, consumer.active_ms))
+            ops.append(RestoreConsumer(name, consumer.name, consumer.seen_ms, consumer.active_ms))
         if self.pending:
-            rows = []
-            for offset in self._idle:  # in delivery order, so claim-on-read order survives a restart
-                e = self.pending[offset]
-                rows.append(
-                    (
-                        offset,
-                        e.consumer,
-                        e.count,
-                        e.delivered_ms,
-                        e.first_ms,
-                        e.retry_ms,
-                        e.retry_at,
-                        e.expire_at,
-                    )
+            pending = self.pending
+            rows = [  # in delivery order, so claim-on-read order survives a restart
+                PendingRecord(
+                    offset,
+                    e.consumer,
+                    e.count,
+                    e.delivered_ms,
+                    e.first_ms,
+                    e.retry_ms,
+                    e.retry_at,
+                    e.expire_at,
                 )
-            ops.append((OP_RESTORE_PENDING, name, tuple(rows)))
+                for offset in self._idle
+                for e in (pending[offset],)
+            ]
+            ops.append(RestorePending(name, tuple(rows)))
         if self.scheduled:
-            ops.append((OP_SCHEDULE, name, tuple(sorted(self.scheduled.items()))))
+            ops.append(Schedule(name, tuple(sorted(self.scheduled.items()))))
         return ops
 
     def dump(self) -> dict:
@@ -1062,23 +861,23 @@ class GroupSet:
 
     def __init__(self) -> None:
         self.groups: dict[str, Group] = {}
-        self.ops: list[tuple] = []
+        self.ops: list[GroupOp] = []
 
-    def apply(self, op: tuple) -> None:
-        code, name = op[0], op[1]
-        if code == OP_CREATE:
-            _, _, config, cursor, entries_read, now = op
-            self.groups[name] = Group(name, config, cursor, entries_read, now, self._emit)
-        elif code == OP_DROP:
-            self.groups.pop(name, None)
+    def apply(self, op: GroupOp) -> None:
+        kind = type(op)
+        if kind is CreateGroup:
+            name = op.group
+            self.groups[name] = Group(name, op.config, op.cursor, op.entries_read, op.now_ms, self._emit)
+        elif kind is DropGroup:
+            self.groups.pop(op.group, None)
         else:
-            self.groups[name].apply(op)
+            self.groups[op.group].apply(op)
 
-    def _emit(self, op: tuple) -> None:
+    def _emit(self, op: GroupOp) -> None:
         self.apply(op)
         self.ops.append(op)
 
-    def drain(self) -> list[tuple]:
+    def drain(self) -> list[GroupOp]:
         ops, self.ops = self.ops, []
         return ops
 
@@ -1089,15 +888,15 @@ class GroupSet:
         return group
 
     def create(self, name: str, config: GroupConfig, cursor: int, entries_read: int, now: int) -> Group:
-        self._emit((OP_CREATE, name, config, cursor, entries_read, now))
+        self._emit(CreateGroup(name, config, cursor, entries_read, now))
         return self.groups[name]
 
     def drop(self, name: str) -> None:
         self.group(name)
-        self._emit((OP_DROP, name))
+        self._emit(DropGroup(name))
 
-    def snapshot_ops(self) -> list[tuple]:
-        ops: list[tuple] = []
+    def snapshot_ops(self) -> list[GroupOp]:
+        ops: list[GroupOp] = []
         for name in sorted(self.groups):
             ops.extend(self.groups[name].snapshot_ops())
         return ops

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from storage.groupmanager import GroupListener, GroupManager
-from storage.groups import (
+from storage.grouptypes import (
     AckResult,
     GroupConfig,
     GroupInfo,

@@ -28,6 +28,7 @@ from storage import (
     GroupReadOptions,
     StreamConfig,
     grouplog,
+    groupops,
 )
 from storage.dedup import BatchRecord, ProducerTable
 from storage.format import NodeBody, NodeHeader, SegmentHeader
@@ -170,7 +171,7 @@ def test_group_snapshot(raw):
 @FUZZ
 @given(st.one_of(st.binary(max_size=400), mutated(_OPS_BODY)))
 def test_group_journal_ops(raw):
-    _parses_or_corrupt(grouplog.decode_ops, raw)
+    _parses_or_corrupt(groupops.decode_ops, raw)
 
 
 @FUZZ
@@ -186,5 +187,5 @@ def test_fixtures_are_valid_before_mutation():
     assert [e.offset for e in decode_records(_BLOB)] == [1234, 1235, 1236]
     assert decode_meta(_META)[:2] == ("stream/é", 42)
     _load_producers(_PRODUCERS)
-    assert grouplog.decode_snapshot(_GROUP_SNAPSHOT) and grouplog.decode_ops(_OPS_BODY)
+    assert grouplog.decode_snapshot(_GROUP_SNAPSHOT) and groupops.decode_ops(_OPS_BODY)
     assert isinstance(_POSITIONS, array)

@@ -9,26 +9,34 @@ the call under way.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
 import pytest
 
 import storage.engine
-from storage import AppendBatch, CorruptionError, Engine, EngineConfig, GroupConfig, GroupReadOptions
-from storage import groups as g
+from storage import (
+    AppendBatch,
+    CorruptionError,
+    Engine,
+    EngineConfig,
+    GroupConfig,
+    GroupCounters,
+    GroupReadOptions,
+)
+from storage import groupops as o
 from storage.fs import FileSystem
 from storage.grouplog import (
     HEADER_SIZE,
     SNAPSHOT_FILE,
     GroupLog,
-    decode_ops,
     decode_snapshot,
-    encode_ops,
     encode_snapshot,
     journal_name,
     scan_journal,
 )
+from storage.groupops import decode_ops, encode_ops
 from storage.groups import GroupSet
 from tests.storage.faultfs import FaultFS
 
@@ -37,51 +45,92 @@ from .conftest import SMALL
 ROOT = Path("/faultfs/data")
 
 EVERY_OP = [
-    (
-        g.OP_CREATE,
+    o.CreateGroup(
         "grp",
         GroupConfig(retry_ms=5, dead_letter_stream="d", retention_hold=True),
         7,
         3,
         1_700_000_000_000,
     ),
-    (g.OP_DROP, "grp"),
-    (g.OP_SEEK, "grp", 0, 0),
-    (g.OP_CONFIG, "grp", GroupConfig()),
-    (g.OP_SEEN, "grp", "consumer é", 1_700_000_000_123, True),
-    (g.OP_ACTIVE, "grp", 5),
-    (g.OP_DELIVER, "grp", "c", 10, None, 30, (5, 6, 7, 100, 3, 2**40)),
-    (g.OP_DELIVER, "grp", "c", 10, 0, None, range(1000, 2000)),
-    (g.OP_NOACK, "grp", ()),
-    (g.OP_SCHEDULE, "grp", ((9, 100), (4, 2**50), (4, 0))),
-    (g.OP_ADVANCE, "grp", 2**62, False),
-    (g.OP_REMOVE, "grp", g.R_EVICTED, (3, 1)),
-    (g.OP_ACK_UNKNOWN, "grp", 2**63),
-    (g.OP_RELEASE, "grp", 77, (1,)),
-    (g.OP_CLAIM, "grp", "c", 0, (8, 9)),
-    (g.OP_DEL_CONSUMER, "grp", "c"),
-    (g.OP_RESTORE_GROUP, "grp", 12, 1, 2, 3, 4, 5, 6, 7),
-    (g.OP_RESTORE_CONSUMER, "grp", "c", 10, None),
-    (
-        g.OP_RESTORE_PENDING,
+    o.DropGroup("grp"),
+    o.Seek("grp", 0, 0),
+    o.SetConfig("grp", GroupConfig()),
+    o.Seen("grp", "consumer é", 1_700_000_000_123, True),
+    o.Touch("grp", 5),
+    o.Deliver("grp", "c", 10, None, 30, (5, 6, 7, 100, 3, 2**40)),
+    o.Deliver("grp", "c", 10, 0, None, range(1000, 2000)),
+    o.DeliverUntracked("grp", ()),
+    o.Schedule("grp", ((9, 100), (4, 2**50), (4, 0))),
+    o.Advance("grp", 2**62, False),
+    o.Remove("grp", o.RemoveReason.EVICTED, (3, 1)),
+    o.AckUnknown("grp", 2**63),
+    o.Release("grp", 77, (1,)),
+    o.Claim("grp", "c", 0, (8, 9)),
+    o.DeleteConsumer("grp", "c"),
+    o.RestoreGroup("grp", 12, GroupCounters(1, 2, 3, 4, 5, 6, 7)),
+    o.RestoreConsumer("grp", "c", 10, None),
+    o.RestorePending(
         "grp",
-        ((5, "a", 1, 2, 3, None, 4, None), (2, None, 9, 8, 7, 6, 5, 4), (9, "b", 1, 1, 1, 0, 0, 0)),
+        (
+            o.PendingRecord(5, "a", 1, 2, 3, None, 4, None),
+            o.PendingRecord(2, None, 9, 8, 7, 6, 5, 4),
+            o.PendingRecord(9, "b", 1, 1, 1, 0, 0, 0),
+        ),
     ),
 ]
 
+# The bytes of each op of EVERY_OP (after the body's count), as version 1 of the format wrote
+# them before ops were typed records: data directories and replicated batches depend on them.
+PINNED = [
+    "0103677270aa017b22646561645f6c65747465725f73747265616d223a202264222c202264656c61795f6d73223a"
+    "20302c20226578706972655f6d73223a206e756c6c2c202269646c655f72656c656173655f6d73223a206e756c6c"
+    "2c20226d61785f64656c69766572696573223a206e756c6c2c20226d61785f70656e64696e67223a206e756c6c2c"
+    "2022726574656e74696f6e5f686f6c64223a20747275652c202272657472795f6d73223a20357d070380d095ffbc31",
+    "0203677270",
+    "03036772700000",
+    "0403677270af017b22646561645f6c65747465725f73747265616d223a206e756c6c2c202264656c61795f6d73223a"
+    "20302c20226578706972655f6d73223a206e756c6c2c202269646c655f72656c656173655f6d73223a206e756c6c"
+    "2c20226d61785f64656c69766572696573223a206e756c6c2c20226d61785f70656e64696e67223a206e756c6c2c"
+    "2022726574656e74696f6e5f686f6c64223a2066616c73652c202272657472795f6d73223a206e756c6c7d",
+    "05036772700b636f6e73756d657220c3a9fbd095ffbc3101",
+    "060367727005",
+    "070367727001630a001f040a03b80101c30101f8ffffffff3f01",
+    "070367727001630a010001d00fe807",
+    "080367727000",
+    "09036772700312640980808080808080020000",
+    "0a0367727080808080808080804000",
+    "0b03677270030206010501",
+    "0c0367727080808080808080808001",
+    "0d036772704d010201",
+    "0e03677270016300011002",
+    "0f036772700163",
+    "10036772700c01020304050607",
+    "110367727001630a00",
+    "12036772700201610162030a0101020300050005000908070706050e02010101010101",
+]
 
-def normalise(op: tuple) -> tuple:
-    return tuple(tuple(v) if isinstance(v, range) else v for v in op)
+
+def normalise(op: o.GroupOp) -> o.GroupOp:
+    """The op as decoding gives it back: offsets as a tuple."""
+    offsets = getattr(op, "offsets", None)
+    return dataclasses.replace(op, offsets=tuple(offsets)) if isinstance(offsets, range) else op
 
 
 def test_every_op_round_trips():
-    assert set(g_code for g_code, *_ in EVERY_OP) == set(range(g.OP_CREATE, g.OP_RESTORE_PENDING + 1))
+    assert {type(op) for op in EVERY_OP} == set(o.OP_TYPES)
+    assert sorted(cls.CODE for cls in o.OP_TYPES) == list(range(1, len(o.OP_TYPES) + 1))
     decoded = decode_ops(encode_ops(EVERY_OP))
     assert decoded == [normalise(op) for op in EVERY_OP]
 
 
+def test_the_bytes_of_every_op_are_pinned():
+    for op, pinned in zip(EVERY_OP, PINNED, strict=True):
+        assert encode_ops([op]) == b"\x01" + bytes.fromhex(pinned), type(op).__name__
+        assert decode_ops(b"\x01" + bytes.fromhex(pinned)) == [normalise(op)]
+
+
 def test_a_contiguous_delivery_encodes_in_a_few_bytes():
-    small = encode_ops([(g.OP_DELIVER, "g", "c", 0, None, None, range(1_000_000, 1_001_000))])
+    small = encode_ops([o.Deliver("g", "c", 0, None, None, range(1_000_000, 1_001_000))])
     assert len(small) < 16
 
 
