@@ -33,7 +33,7 @@ from storage.grouptypes import (
 from storage.names import MAX_NAME_BYTES, InvalidNameError, validate_name
 from storage.records import Entry
 from storage.replica import ProducerMark, ReplicaChunk, ReplicaRun
-from storage.results import AppendResult, Gap, ReadResult, StreamInfo
+from storage.results import AppendResult, EntriesMeta, Gap, ReadResult, StreamInfo
 from storage.types import AppendBatch, FsyncPolicy, GapReason, StreamBounds
 
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "DurabilityError",
     "Engine",
     "EngineConfig",
+    "EntriesMeta",
     "Entry",
     "FsyncPolicy",
     "Gap",

@@ -47,7 +47,7 @@ from storage.layout import (
 )
 from storage.names import validate_name
 from storage.replicaapi import ReplicaCalls
-from storage.results import AppendResult, ReadResult, StreamInfo
+from storage.results import AppendResult, EntriesMeta, ReadResult, StreamInfo
 from storage.stream import Stream
 from storage.types import AppendBatch, FsyncPolicy, StreamBounds
 
@@ -256,6 +256,11 @@ class Engine(GroupCalls, ReplicaCalls):
 
     def count(self, name: str, start: int, end: int) -> int:
         return self._stream(name).count(start, end)
+
+    def entries_meta(self, name: str, start: int, stop: int) -> EntriesMeta:
+        """Whether entries start..stop-1 may carry deliver_at_ms and how new they are, from node
+        headers alone (no record is read): what a group read needs to pass a run through whole."""
+        return self._stream(name).entries_meta(start, stop)
 
     def info(self, name: str) -> StreamInfo:
         return self._stream(name).info()

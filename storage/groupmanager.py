@@ -40,7 +40,6 @@ from storage.errors import (
     StorageError,
     StreamNotFoundError,
 )
-from storage.format import NODE_DELAYED
 from storage.fs import FileSystem
 from storage.grouplog import JOURNAL_PREFIX, JOURNAL_SUFFIX, GroupLog, JournalFullError
 from storage.groupops import DeleteConsumer, Release, Remove, RemoveReason, Seek, Seen, SetConfig
@@ -455,26 +454,6 @@ class GroupManager:
 
     # ------------------------------------------------------------------ stream access
 
-    def _traits(self, stream: str, start: int, end: int) -> tuple[bool, int]:
-        """Whether any node overlapping [start, end) holds delayed entries, and their newest timestamp.
-
-        Reads node headers from the stream's index (under its lock) instead of parsing every record:
-        the hot path of a group read then passes the stream's chunks through untouched.
-        """
-        s = self._engine._stream(stream)
-        delayed, max_ts = False, 0
-        with s.lock:
-            nodes = s.index.nodes
-            i = s.index.holding(start)
-            while i < len(nodes):
-                header = nodes[i].header
-                if header.base_offset >= end:
-                    break
-                delayed = delayed or bool(header.flags & NODE_DELAYED)
-                max_ts = max(max_ts, header.max_ts)
-                i += 1
-        return delayed, max_ts
-
     def _fetch(self, stream: str, offsets: Iterable[int]) -> dict[int, bytes]:
         """The records of those offsets that still exist, one stream read per run of consecutive offsets."""
         want = sorted(set(offsets))
@@ -670,8 +649,12 @@ class GroupManager:
             run = range(cursor, result.last_offset + 1)
             fast = False
             if len(run) == result.count and not out.holds_any(run):
-                delayed, max_ts = self._traits(stream, run.start, run.stop)
-                fast = not delayed and max_ts + delay <= now and out.fits(sum(map(len, result.records)))
+                meta = self._engine.entries_meta(stream, run.start, run.stop)
+                fast = (
+                    not meta.delayed
+                    and meta.max_timestamp_ms + delay <= now
+                    and out.fits(sum(map(len, result.records)))
+                )
             if fast:
                 out.add_run(result.records, run)
                 room -= result.count

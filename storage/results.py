@@ -26,6 +26,19 @@ class Gap:
     reason: GapReason
 
 
+@dataclass(frozen=True, slots=True)
+class EntriesMeta:
+    """What the node headers say of a range of entries, without reading a record.
+
+    Both are over the whole nodes that overlap the range, so they bound it: no
+    entry in the range is newer than `max_timestamp_ms`, and none carries
+    `deliver_at_ms` unless `delayed`.
+    """
+
+    delayed: bool
+    max_timestamp_ms: int
+
+
 @dataclass(slots=True)
 class ReadResult:
     """Entries as encoded records (see storage.records), plus the stream's bounds.

@@ -42,7 +42,7 @@ from storage.loader import LogLoader, new_producer_table
 from storage.packed import compression_ratio, decompressor
 from storage.reader import count_entries, read_backward, seek_time
 from storage.records import attach_producer, encode_batch
-from storage.results import AppendResult, Gap, ReadResult, StreamInfo
+from storage.results import AppendResult, EntriesMeta, Gap, ReadResult, StreamInfo
 from storage.retention import Retention
 from storage.segment import NodeRef, NodeView, Segment
 from storage.truncation import Truncation
@@ -367,6 +367,21 @@ class Stream:
 
     def seek_time(self, timestamp_ms: int) -> int:
         return seek_time(self, timestamp_ms)
+
+    def entries_meta(self, start: int, stop: int) -> EntriesMeta:
+        """What the headers of the nodes holding offsets start..stop-1 say (see EntriesMeta)."""
+        delayed, max_ts = False, 0
+        with self.lock:
+            nodes = self.index.nodes
+            i = self.index.holding(start)
+            while i < len(nodes):
+                header = nodes[i].header
+                if header.base_offset >= stop:
+                    break
+                delayed = delayed or bool(header.flags & NODE_DELAYED)
+                max_ts = max(max_ts, header.max_ts)
+                i += 1
+        return EntriesMeta(delayed, max_ts)
 
     def count(self, start: int, end: int) -> int:
         return count_entries(self, start, end)

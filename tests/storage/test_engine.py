@@ -13,6 +13,7 @@ from storage import (
     DurabilityError,
     Engine,
     EngineConfig,
+    EntriesMeta,
     FsyncPolicy,
     InvalidArgumentError,
     LimitExceededError,
@@ -233,6 +234,25 @@ def test_count_is_exact(open_engine):
     assert engine.count("s", 95, 1000) == 5
     engine.trim("s", 50)
     assert engine.count("s", 0, 100) == 50
+
+
+def test_entries_meta_says_what_node_headers_know_of_a_range(open_engine, clock):
+    engine = open_engine()  # nodes of 8 entries
+    engine.append("s", AppendBatch([b"x"] * 8))  # node 0..7
+    first = clock.now_ms
+    clock.advance(10)
+    engine.append("s", AppendBatch([b"x"] * 8, deliver_at_ms=[0] * 7 + [first + 99]))  # node 8..15
+    clock.advance(10)
+    engine.append("s", AppendBatch([b"x"] * 4))  # 16..19, the growing node
+    assert engine.entries_meta("s", 0, 8) == EntriesMeta(delayed=False, max_timestamp_ms=first)
+    assert engine.entries_meta("s", 3, 5) == EntriesMeta(False, first)
+    assert engine.entries_meta("s", 7, 9) == EntriesMeta(True, first + 10)  # whole nodes: a bound
+    assert engine.entries_meta("s", 16, 20) == EntriesMeta(False, first + 20)
+    engine.maintain()  # packing keeps the flag
+    assert engine.entries_meta("s", 8, 16) == EntriesMeta(True, first + 10)
+    assert engine.entries_meta("s", 0, 20) == EntriesMeta(True, first + 20)
+    with pytest.raises(StreamNotFoundError):
+        engine.entries_meta("nope", 0, 1)
 
 
 def test_evicted_range_is_reported_as_a_gap(open_engine):
