@@ -28,8 +28,9 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, TypeVar
 
-from storage import groups as g
+from storage import groups
 from storage.durability import SyncGate
 from storage.errors import (
     CorruptionError,
@@ -43,7 +44,9 @@ from storage.errors import (
 from storage.fs import FileSystem
 from storage.grouplog import JOURNAL_PREFIX, JOURNAL_SUFFIX, GroupLog, JournalFullError
 from storage.groupops import DeleteConsumer, Release, Remove, RemoveReason, Seek, Seen, SetConfig
-from storage.groups import GroupSet
+from storage.grouppending import Doomed
+from storage.groups import DescribeRange, FetchRecords, ReadFrom, Retire, StreamStart
+from storage.groupstate import Group, GroupSet
 from storage.grouptypes import (
     AckResult,
     GroupConfig,
@@ -59,12 +62,16 @@ from storage.grouptypes import (
 from storage.layout import stream_directory
 from storage.names import validate_name
 from storage.records import decode_records, skim_records
-from storage.results import Gap
-from storage.types import AppendBatch, FsyncPolicy, GapReason
+from storage.results import EntriesMeta, ReadResult
+from storage.types import AppendBatch, FsyncPolicy
 
 log = logging.getLogger("streamlog.storage")
 
 GroupListener = Callable[[str, str], None]
+T = TypeVar("T")
+
+# A doomed entry whose dead-lettering failed for a passing reason is tried again after this long.
+DEAD_LETTER_RETRY_MS = 1000
 
 # Ops after which a reader waiting on the group may find something new (room, a release, a new cursor).
 _WAKING = frozenset({Remove, Release, Seek, SetConfig, DeleteConsumer})
@@ -78,95 +85,6 @@ def _check_offsets(offsets: Iterable[int]) -> list[int]:
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
             raise InvalidArgumentError("offsets must be non-negative integers")
     return out
-
-
-class _Out:
-    """A group read's reply as it is assembled: records in delivery order, a byte budget, and the
-    offsets it holds.
-
-    One reply draws on redeliveries, delayed entries now due and entries from the cursor. Once the
-    cursor is moved back over pending entries these can name the same entry, and a reply holds each
-    offset once: single offsets are kept in a set, the cursor's contiguous runs as ranges (no cost
-    per entry on the hot path).
-    """
-
-    __slots__ = ("bytes", "counts", "max_bytes", "offsets", "records", "runs", "singles")
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self.records: list[bytes] = []
-        self.offsets: list[int] = []
-        self.counts: list[int] = []
-        self.singles: set[int] = set()
-        self.runs: list[range] = []
-
-    def fits(self, nbytes: int) -> bool:
-        """Whether nbytes more stay within max_bytes; the first entry always fits, as in plain reads."""
-        return not self.max_bytes or not self.offsets or self.bytes + nbytes <= self.max_bytes
-
-    def budget(self) -> int | None:
-        """max_bytes for the next stream read: 0 = unbounded, None = no room left."""
-        if not self.max_bytes or not self.offsets:
-            return self.max_bytes
-        left = self.max_bytes - self.bytes
-        return left if left > 0 else None
-
-    def holds(self, offset: int) -> bool:
-        return offset in self.singles or any(offset in run for run in self.runs)
-
-    def holds_any(self, run: range) -> bool:
-        if not self.singles and not self.runs:
-            return False  # the common case: a reply of new entries only, so far
-        return any(o in run for o in self.singles) or any(
-            r.start < run.stop and run.start < r.stop for r in self.runs
-        )
-
-    def add(self, record: bytes, offset: int) -> None:
-        """One entry the caller found not held and fitting."""
-        self.records.append(record)
-        self.offsets.append(offset)
-        self.singles.add(offset)
-        self.bytes += len(record)
-
-    def add_run(self, records: list[bytes], run: range) -> None:
-        """The records of a run of offsets the caller found not held and fitting."""
-        self.records.extend(records)
-        self.offsets.extend(run)
-        self.runs.append(run)
-        self.bytes += sum(map(len, records))
-
-    def take(self, offsets: Iterable[int], records: dict[int, bytes]) -> list[int]:
-        """Add the records of `offsets` in their order; returns the offsets left out: held already,
-        or past the byte budget (and every one after it). Offsets with no record (gone) are skipped.
-        """
-        left: list[int] = []
-        full = False
-        for offset in offsets:
-            record = records.get(offset)
-            if record is None:
-                continue
-            if full or self.holds(offset):
-                left.append(offset)
-            elif self.fits(len(record)):
-                self.add(record, offset)
-            else:
-                full = True
-                left.append(offset)
-        return left
-
-    def count_from(self, start: int, delivery_count: Callable[[int], int]) -> None:
-        self.counts.extend(delivery_count(o) for o in self.offsets[start:])
-
-    def result(self, **extra) -> GroupReadResult:
-        return GroupReadResult(self.records, self.offsets, self.counts, **extra)
-
-
-def _spanning(a: Gap | None, b: Gap | None) -> Gap | None:
-    """One gap covering two eviction gaps of a reply (every offset between them is evicted too)."""
-    if a is None or b is None:
-        return a or b
-    return Gap(min(a.start_offset, b.start_offset), max(a.end_offset, b.end_offset), GapReason.EVICTED)
 
 
 class _Store:
@@ -196,6 +114,13 @@ class GroupManager:
         self._stores: dict[str, _Store] = {}
         self._lock = threading.Lock()
         self._listeners: list[GroupListener] = []
+        self._serve: dict[type, Callable[[str, Any], Any]] = {
+            ReadFrom: self._read_from,
+            DescribeRange: self._describe,
+            FetchRecords: self._fetch_records,
+            StreamStart: self._stream_start,
+            Retire: self._retire,
+        }
         for name in engine.list_streams():
             self._load(name)
 
@@ -471,12 +396,36 @@ class GroupManager:
             i = j + 1
         return found
 
-    def _settle(self, stream: str, group: g.Group, now: int) -> list[int]:
-        """Retire the entries whose time is up before anything else looks at the group."""
-        doomed = group.take_doomed(now)
-        return self._dispose(stream, group, doomed, now) if doomed else []
+    def _drive(self, stream: str, plan: groups.Plan[T]) -> T:
+        """Run a group plan (storage.groups), serving what it asks of the stream."""
+        serve = self._serve
+        try:
+            request = next(plan)
+            while True:
+                request = plan.send(serve[type(request)](stream, request))
+        except StopIteration as done:
+            return done.value
 
-    def _dispose(self, stream: str, group: g.Group, doomed: list[g.Doomed], now: int) -> list[int]:
+    def _read_from(self, stream: str, request: ReadFrom) -> ReadResult:
+        return self._engine.read(stream, request.start, request.count, max_bytes=request.max_bytes)
+
+    def _describe(self, stream: str, request: DescribeRange) -> EntriesMeta:
+        return self._engine.entries_meta(stream, request.start, request.stop)
+
+    def _fetch_records(self, stream: str, request: FetchRecords) -> dict[int, bytes]:
+        return self._fetch(stream, request.offsets)
+
+    def _stream_start(self, stream: str, request: StreamStart) -> int:
+        return self._engine.bounds(stream).first_offset
+
+    def _retire(self, stream: str, request: Retire) -> list[int]:
+        return self._dispose(stream, request.group, request.doomed, request.now)
+
+    def _settle(self, stream: str, group: Group, now: int) -> list[int]:
+        """Retire the entries whose time is up before anything else looks at the group."""
+        return self._drive(stream, groups.settle(group, now))
+
+    def _dispose(self, stream: str, group: Group, doomed: list[Doomed], now: int) -> list[int]:
         """Drop or dead-letter doomed entries; returns the offsets found gone from the stream."""
         records = self._fetch(stream, [d.offset for d in doomed])
         gone = [d.offset for d in doomed if d.offset not in records]
@@ -521,14 +470,14 @@ class GroupManager:
                     group.name,
                     target,
                     exc,
-                    g.DEAD_LETTER_RETRY_MS,
+                    DEAD_LETTER_RETRY_MS,
                 )
-                group.defer_doom(offsets, now + g.DEAD_LETTER_RETRY_MS)
+                group.pending.defer_doom(offsets, now + DEAD_LETTER_RETRY_MS)
             else:
                 group.remove(offsets, RemoveReason.DEAD_LETTERED)
         return gone
 
-    def _dead_letter_batches(self, doomed: list[g.Doomed], records: dict[int, bytes]):
+    def _dead_letter_batches(self, doomed: list[Doomed], records: dict[int, bytes]):
         """Doomed entries with their decoded entry, in batches within the engine's append limits."""
         cfg = self._engine.config
         batch: list = []
@@ -544,149 +493,6 @@ class GroupManager:
             size += len(entry.payload)
         if batch:
             yield batch
-
-    def _hand_over(
-        self,
-        stream: str,
-        group: g.Group,
-        consumer: str,
-        now: int,
-        offsets: list[int],
-        out: _Out,
-        *,
-        retry_ms: int | None,
-        claim: bool,
-    ) -> tuple[list[int], list[int]]:
-        """Redeliver pending entries to `consumer` (a retry, a claim-on-read, or a claim when `claim`).
-
-        Returns (offsets the stream no longer has, offsets left out by the byte budget).
-        """
-        records = self._fetch(stream, offsets)
-        gone = [o for o in offsets if o not in records]
-        group.remove(gone, RemoveReason.EVICTED)
-        start = len(out.offsets)
-        left = out.take(offsets, records)
-        taken = out.offsets[start:]
-        if claim:
-            group.claim(consumer, now, taken)
-        else:
-            group.deliver(consumer, now, retry_ms, None, taken)
-        out.count_from(start, group.delivery_count)
-        return gone, left
-
-    def _deliver_scheduled(self, stream, group, consumer, now, retry_ms, expire_ms, noack, room, out) -> int:
-        """Delayed entries now due go first among new entries (their offsets are the oldest)."""
-        offsets = group.take_due_scheduled(now, room)
-        if not offsets:
-            return 0
-        records = self._fetch(stream, offsets)
-        group.remove([o for o in offsets if o not in records], RemoveReason.EVICTED)
-        start = len(out.offsets)
-        group.restore_scheduled(out.take(offsets, records))
-        self._record_new(group, consumer, now, retry_ms, expire_ms, noack, start, out)
-        return len(out.offsets) - start
-
-    def _evict_scheduled(self, stream: str, group: g.Group) -> Gap | None:
-        """Drop the delayed entries the stream evicted before they fell due, as a gap for the reader.
-
-        The group never got them, so the read that finds them gone says so, as it does for entries
-        evicted ahead of the cursor (a trim to an offset goes past retention holds).
-        """
-        if not group.scheduled:
-            return None
-        evicted = group.scheduled_below(self._engine.bounds(stream).first_offset)
-        if not evicted:
-            return None
-        group.remove(evicted, RemoveReason.EVICTED)
-        return Gap(evicted[0], evicted[-1] + 1, GapReason.EVICTED)
-
-    def _record_new(self, group, consumer, now, retry_ms, expire_ms, noack, start, out) -> None:
-        """Record the first delivery of the entries added to `out` since `start`, and their counts."""
-        offsets = out.offsets[start:]
-        if not offsets:
-            return
-        first_delivery = group.all_new(offsets)
-        if noack:
-            group.deliver_untracked(offsets)
-        else:
-            group.deliver(consumer, now, retry_ms, expire_ms, offsets)
-        if first_delivery:
-            out.counts.extend([1] * len(offsets))
-        else:  # a cursor moved back over entries still pending: they count up (untracked: as they are)
-            out.count_from(start, group.delivery_count)
-
-    def _scan(
-        self, stream, group, consumer, now, retry_ms, expire_ms, noack, room, out
-    ) -> tuple[int | None, Gap | None]:
-        """New entries from the group's cursor. Returns (when the cursor's next entry is due, evicted gap).
-
-        Contiguous runs with no delayed entry, past the group's delay and not in the reply yet go
-        through as the stream returned them (one chunk per node). Otherwise each record is judged
-        by `Group.admit`: delivered, scheduled for its deliver_at_ms (and passed), or the scan stops
-        before it; an entry the reply holds already (a redelivery that a cursor moved back meets
-        again) is passed.
-        """
-        delay = group.config.delay_ms
-        cursor = group.cursor
-        start = len(out.offsets)
-        gap: Gap | None = None
-        stop_due: int | None = None
-        caught_up = False
-        scheduled: list[tuple[int, int]] = []
-        while room > 0:
-            budget = out.budget()
-            if budget is None:
-                break
-            result = self._engine.read(stream, cursor, room, max_bytes=budget)
-            if cursor < result.first_offset:
-                if gap is None:
-                    gap = Gap(cursor, result.first_offset, GapReason.EVICTED)
-                cursor = result.first_offset
-            if result.count == 0:
-                cursor = max(cursor, result.end_offset)  # what is left before the end is holes
-                caught_up = cursor == result.end_offset
-                break
-            run = range(cursor, result.last_offset + 1)
-            fast = False
-            if len(run) == result.count and not out.holds_any(run):
-                meta = self._engine.entries_meta(stream, run.start, run.stop)
-                fast = (
-                    not meta.delayed
-                    and meta.max_timestamp_ms + delay <= now
-                    and out.fits(sum(map(len, result.records)))
-                )
-            if fast:
-                out.add_run(result.records, run)
-                room -= result.count
-                cursor = run.stop
-            else:
-                stopped = False
-                for offset, timestamp, due, record in skim_records(result.records):
-                    verdict = group.admit(now, timestamp, due)
-                    if verdict == g.STOP:
-                        stop_due = timestamp + delay
-                        stopped = True
-                        break
-                    if verdict == g.SCHEDULE:
-                        scheduled.append((offset, due))
-                    elif out.holds(offset):
-                        pass
-                    elif out.fits(len(record)):
-                        out.add(record, offset)
-                        room -= 1
-                    else:
-                        stopped = True
-                        break
-                    cursor = offset + 1
-                if stopped:
-                    break
-            if cursor >= result.end_offset:
-                caught_up = cursor == result.end_offset
-                break
-        group.schedule(scheduled)
-        self._record_new(group, consumer, now, retry_ms, expire_ms, noack, start, out)
-        group.advance(cursor, caught_up)
-        return stop_due, gap
 
     # ------------------------------------------------------------------ group calls
 
@@ -780,7 +586,7 @@ class GroupManager:
             consumers = store.state.group(group).consumers
             return len(consumers), consumer in consumers
 
-    def _info(self, stream: str, store: _Store, group: g.Group) -> GroupInfo:
+    def _info(self, stream: str, store: _Store, group: Group) -> GroupInfo:
         end = self._engine.bounds(stream).end_offset
         lag = None
         if group.entries_read == group.cursor:
@@ -827,19 +633,8 @@ class GroupManager:
             return store.state.group(group).delete_consumer(consumer, self._now())
 
     def read_group(self, stream: str, group: str, options: GroupReadOptions) -> GroupReadResult:
-        """Up to `count` entries for `consumer` of `group`, each handed to no other consumer.
-
-        In this order: pending entries whose retry time has passed (earliest first; their
-        delivery count goes up and this consumer becomes their owner); with `claim_idle_ms`,
-        pending entries idle at least that long (claim-on-read, least recently delivered first);
-        then new entries: delayed entries that have become due, then entries from the group's
-        cursor. New entries stop while `max_pending` entries are pending (`pending_full`). A cursor
-        moved back over pending entries redelivers them as it passes them, and a reply holds each
-        offset once whatever the mix (`_Out`). Delayed entries evicted before they fell due, and
-        entries evicted ahead of the cursor, are reported in one `gap`.
-        `retry_ms` / `expire_ms` override the group's for the entries this read delivers
-        (expiry counts from an entry's first delivery). `noack` reads take only new entries
-        and do not track them. `max_bytes` bounds the records' size (at least one entry).
+        """Up to `options.count` entries for `options.consumer`, each handed to no other consumer:
+        storage.groups.read says which, in which order.
 
         The consumer is created if new. The call is cheap for count=1: the service serves
         waiting readers in arrival order by calling it once per reader, arming one timer for
@@ -847,57 +642,11 @@ class GroupManager:
         """
         if not isinstance(options, GroupReadOptions):
             raise InvalidArgumentError("options must be a GroupReadOptions")
-        consumer, noack, claim_idle_ms = options.consumer, options.noack, options.claim_idle_ms
-        retry_ms, expire_ms = options.retry_ms, options.expire_ms
         # Bounds the journal record of one read.
         count = min(options.count, self._engine.config.max_batch_entries)
         with self._writing(stream) as store:
             found = store.state.group(group)
-            now = self._now()
-            gone = self._settle(stream, found, now)
-            cfg = found.config
-            retry = retry_ms if retry_ms is not None else cfg.retry_ms
-            expire = expire_ms if expire_ms is not None else cfg.expire_ms
-            out = _Out(options.max_bytes)
-            if not noack and count:
-                due = found.take_due_retries(now, count)
-                claims: list[int] = []
-                if claim_idle_ms is not None and len(due) < count:
-                    claims, doomed = found.select_idle(now, claim_idle_ms, count - len(due), set(due))
-                    if doomed:
-                        gone += self._dispose(stream, found, doomed, now)
-                if due or claims:
-                    lost, left = self._hand_over(
-                        stream, found, consumer, now, due + claims, out, retry_ms=retry, claim=False
-                    )
-                    gone += lost
-                    due_set = set(due)
-                    found.restore_retries(o for o in left if o in due_set)
-            room = count - len(out.offsets)
-            full = False
-            if not noack:
-                free = found.room()
-                if free is not None and free < room:
-                    full, room = True, free
-            gap = self._evict_scheduled(stream, found)
-            cursor_due = None
-            if room > 0 and out.budget() is not None:
-                room -= self._deliver_scheduled(stream, found, consumer, now, retry, expire, noack, room, out)
-                if room > 0 and out.budget() is not None:
-                    cursor_due, cursor_gap = self._scan(
-                        stream, found, consumer, now, retry, expire, noack, room, out
-                    )
-                    gap = _spanning(gap, cursor_gap)
-            found.seen(consumer, now, active=bool(out.offsets))
-            free = found.room()
-            next_due = found.next_due_ms(
-                now,
-                retries=not noack,
-                new_entries=noack or free is None or free > 0,
-                claim_idle_ms=None if noack else claim_idle_ms,
-                cursor_due=cursor_due,
-            )
-            return out.result(next_due_ms=next_due, pending_full=full, gap=gap, gone=gone)
+            return self._drive(stream, groups.read(found, options, count, self._now()))
 
     def ack(
         self, stream: str, group: str, offsets: Iterable[int] = (), ranges: Iterable[tuple[int, int]] = ()
@@ -935,15 +684,8 @@ class GroupManager:
         offsets = _check_offsets(offsets)
         with self._writing(stream) as store:
             found = store.state.group(group)
-            now = self._now()
-            gone = self._settle(stream, found, now)
-            claims, doomed = found.select_claims(now, min_idle_ms, offsets)
-            if doomed:
-                gone += self._dispose(stream, found, doomed, now)
-            out = _Out(0)
-            lost, _ = self._hand_over(stream, found, consumer, now, claims, out, retry_ms=None, claim=True)
-            found.seen(consumer, now, active=bool(out.offsets))
-            return out.result(gone=gone + lost)
+            plan = groups.claim(found, consumer, self._now(), min_idle_ms, offsets)
+            return self._drive(stream, plan)
 
     def autoclaim(
         self, stream: str, group: str, consumer: str, min_idle_ms: int, cursor: int = 0, count: int = 100
@@ -959,15 +701,8 @@ class GroupManager:
         count = min(count, self._engine.config.max_batch_entries)
         with self._writing(stream) as store:
             found = store.state.group(group)
-            now = self._now()
-            gone = self._settle(stream, found, now)
-            next_cursor, claims, doomed = found.select_autoclaim(now, min_idle_ms, cursor, count)
-            if doomed:
-                gone += self._dispose(stream, found, doomed, now)
-            out = _Out(0)
-            lost, _ = self._hand_over(stream, found, consumer, now, claims, out, retry_ms=None, claim=True)
-            found.seen(consumer, now, active=bool(out.offsets))
-            return next_cursor, out.result(gone=gone + lost)
+            plan = groups.autoclaim(found, consumer, self._now(), min_idle_ms, cursor, count)
+            return self._drive(stream, plan)
 
     def pending(
         self,

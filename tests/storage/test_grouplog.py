@@ -37,7 +37,7 @@ from storage.grouplog import (
     scan_journal,
 )
 from storage.groupops import decode_ops, encode_ops
-from storage.groups import GroupSet
+from storage.groupstate import GroupSet
 from tests.storage.faultfs import FaultFS
 
 from .conftest import SMALL

@@ -28,7 +28,7 @@ from storage import (
     StreamConfig,
     StreamNotFoundError,
 )
-from storage.groups import GroupSet
+from storage.groupstate import GroupSet
 from storage.results import Gap
 from tests.storage.faultfs import FaultFS
 
@@ -981,14 +981,14 @@ def test_state_machine_timers_order_and_replay():
     group = state.create("g", GroupConfig(max_deliveries=2), 0, 0, clock())
     group.deliver("a", 1000, 30, None, [0, 1, 2])
     group.deliver("a", 1010, 10, None, [3])
-    assert group.take_due_retries(1019, 10) == []
-    assert group.take_due_retries(1020, 10) == [3]
-    group.restore_retries([3])
-    assert group.take_due_retries(1030, 2) == [3, 0]  # by due time, then by offset
-    group.restore_retries([3, 0])
+    assert group.pending.take_due_retries(1019, 10) == []
+    assert group.pending.take_due_retries(1020, 10) == [3]
+    group.pending.restore_retries([3])
+    assert group.pending.take_due_retries(1030, 2) == [3, 0]  # by due time, then by offset
+    group.pending.restore_retries([3, 0])
     group.deliver("b", 1030, 5, None, [0])  # second delivery: exhausted when due again
-    assert group.take_due_retries(1035, 10) == [3, 1, 2]
-    assert [d.offset for d in group.take_doomed(1035)] == [0]
+    assert group.pending.take_due_retries(1035, 10) == [3, 1, 2]
+    assert [d.offset for d in group.pending.take_doomed(1035)] == [0]
     replica = GroupSet()
     for op in state.drain():
         replica.apply(op)
