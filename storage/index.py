@@ -12,7 +12,8 @@ from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
 
-from storage.format import NODE_SPARSE
+from storage.format import NODE_DELAYED, NODE_SPARSE
+from storage.results import EntriesMeta
 from storage.segment import NodeRef, Segment
 
 
@@ -64,6 +65,20 @@ class NodeIndex:
     def holding(self, offset: int) -> int:
         """Index of the node a forward scan for `offset` starts at (0 when it precedes every node)."""
         return max(bisect_right(self.bases, offset) - 1, 0)
+
+    def describe(self, start: int, stop: int) -> EntriesMeta:
+        """What the headers of the nodes holding offsets start..stop-1 say (see EntriesMeta)."""
+        nodes = self.nodes
+        delayed, max_ts = False, 0
+        i = self.holding(start)
+        while i < len(nodes):
+            header = nodes[i].header
+            if header.base_offset >= stop:
+                break
+            delayed = delayed or bool(header.flags & NODE_DELAYED)
+            max_ts = max(max_ts, header.max_ts)
+            i += 1
+        return EntriesMeta(delayed, max_ts)
 
     def first_reaching(self, timestamp_ms: int) -> int:
         """Index of the first node whose newest entry is at or after `timestamp_ms`."""

@@ -369,19 +369,8 @@ class Stream:
         return seek_time(self, timestamp_ms)
 
     def entries_meta(self, start: int, stop: int) -> EntriesMeta:
-        """What the headers of the nodes holding offsets start..stop-1 say (see EntriesMeta)."""
-        delayed, max_ts = False, 0
         with self.lock:
-            nodes = self.index.nodes
-            i = self.index.holding(start)
-            while i < len(nodes):
-                header = nodes[i].header
-                if header.base_offset >= stop:
-                    break
-                delayed = delayed or bool(header.flags & NODE_DELAYED)
-                max_ts = max(max_ts, header.max_ts)
-                i += 1
-        return EntriesMeta(delayed, max_ts)
+            return self.index.describe(start, stop)
 
     def count(self, start: int, end: int) -> int:
         return count_entries(self, start, end)
