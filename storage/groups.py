@@ -4,7 +4,7 @@ A group read (and a claim) is a *plan*: a generator that yields requests for
 what it needs from the stream and, given what was fetched, finishes each step
 against the group's state (storage.groupstate): which entries go into the
 reply, in which order, and the ops that record it. The caller
-(storage.groupmanager) serves the requests and holds the group's lock
+(storage.groupdelivery) serves the requests and holds the group's lock
 throughout:
 
     plan = read(group, options, count, now)

@@ -1,6 +1,6 @@
-"""The engine's consumer-group calls: each one hands over to the GroupManager (storage/groupmanager.py),
-where it is documented. `Engine` takes them from `GroupCalls`, so the engine's own file stays
-about streams.
+"""The engine's consumer-group calls: each one hands over to the GroupManager (storage/groupmanager.py)
+or its delivery (storage/groupdelivery.py: reads, claims, acks), where it is documented. `Engine`
+takes them from `GroupCalls`, so the engine's own file stays about streams.
 """
 
 from __future__ import annotations
@@ -61,25 +61,25 @@ class GroupCalls:
         return self._groups.delete_consumer(stream, group, consumer)
 
     def read_group(self, stream: str, group: str, options: GroupReadOptions) -> GroupReadResult:
-        return self._groups.read_group(stream, group, options)
+        return self._groups.delivery.read_group(stream, group, options)
 
     def ack(
         self, stream: str, group: str, offsets: Sequence[int] = (), ranges: Sequence[tuple[int, int]] = ()
     ) -> AckResult:
-        return self._groups.ack(stream, group, offsets, ranges)
+        return self._groups.delivery.ack(stream, group, offsets, ranges)
 
     def nack(self, stream: str, group: str, offsets: Sequence[int], delay_ms: int = 0) -> NackResult:
-        return self._groups.nack(stream, group, offsets, delay_ms)
+        return self._groups.delivery.nack(stream, group, offsets, delay_ms)
 
     def claim(
         self, stream: str, group: str, consumer: str, min_idle_ms: int, offsets: Sequence[int]
     ) -> GroupReadResult:
-        return self._groups.claim(stream, group, consumer, min_idle_ms, offsets)
+        return self._groups.delivery.claim(stream, group, consumer, min_idle_ms, offsets)
 
     def autoclaim(
         self, stream: str, group: str, consumer: str, min_idle_ms: int, cursor: int = 0, count: int = 100
     ) -> tuple[int, GroupReadResult]:
-        return self._groups.autoclaim(stream, group, consumer, min_idle_ms, cursor, count)
+        return self._groups.delivery.autoclaim(stream, group, consumer, min_idle_ms, cursor, count)
 
     def pending(
         self,
@@ -92,7 +92,7 @@ class GroupCalls:
         end: int | None = None,
         count: int = 100,
     ) -> PendingInfo:
-        return self._groups.pending(
+        return self._groups.delivery.pending(
             stream, group, consumer=consumer, min_idle_ms=min_idle_ms, start=start, end=end, count=count
         )
 

@@ -490,6 +490,11 @@ class GroupSet:
         self.apply(op)
         self.ops.append(op)
 
+    def apply_ops(self, ops: Iterable[GroupOp]) -> None:
+        """Apply ops made elsewhere (another node's, or `snapshot_ops`), queued like the state's own."""
+        for op in ops:
+            self._emit(op)
+
     def drain(self) -> list[GroupOp]:
         ops, self.ops = self.ops, []
         return ops

@@ -96,7 +96,7 @@ class GroupConfig:
 
 @dataclass(frozen=True, slots=True)
 class GroupReadOptions:
-    """One group read's parameters besides its stream and group (see GroupManager.read_group).
+    """One group read's parameters besides its stream and group (see GroupDelivery.read_group).
 
     Checked when made (InvalidArgumentError), so a reader that repeats a read
     (a waiting one, a Consume session) checks its options once.

@@ -385,3 +385,39 @@ def test_a_journal_is_at_least_twice_the_snapshot_before_it(tmp_path):
     assert journal.capacity_bytes >= 2 * (snapshot_bytes - HEADER_SIZE)
     assert (tmp_path / journal_name(1)).stat().st_size == journal.capacity_bytes
     journal.close()
+
+
+def test_a_replica_rebuilds_group_state_from_a_snapshot_and_the_same_ops(tmp_path, clock, monkeypatch):
+    """What replication will rely on: another node's store, given the leader's snapshot ops and
+    then the ops of later calls, holds the same groups, durably (issue 15)."""
+    config = EngineConfig(**SMALL)
+    leader = Engine(tmp_path / "leader", config, clock=clock)
+    replica = Engine(tmp_path / "replica", config, clock=clock)
+    for engine in (leader, replica):
+        engine.append("s", AppendBatch([b"x"] * 20, deliver_at_ms=[0] * 19 + [clock() + 60_000]))
+    leader.create_group("s", "g", config=GroupConfig(retry_ms=50, max_deliveries=3))
+    leader.read_group("s", "g", GroupReadOptions("a", 8))
+    leader.ack("s", "g", ranges=[(0, 3)])
+    replica._groups.stores.apply_ops("s", leader._groups.stores.snapshot_ops("s"))
+    assert replica._groups.dump("s") == leader._groups.dump("s")
+    shipped: list[o.GroupOp] = []  # the ops of the leader's calls from here on, as its journal gets them
+    state = leader._groups.stores.get("s").state
+    drain = state.drain
+
+    def drain_and_ship() -> list[o.GroupOp]:
+        ops = drain()
+        shipped.extend(ops)
+        return ops
+
+    monkeypatch.setattr(state, "drain", drain_and_ship)
+    leader.nack("s", "g", [4], delay_ms=10)
+    leader.read_group("s", "g", GroupReadOptions("b", 30))
+    leader.delete_consumer("s", "g", "a")
+    leader.create_group("s", "h", start="newest")
+    assert {type(op) for op in shipped} >= {o.Release, o.Deliver, o.Schedule, o.DeleteConsumer, o.CreateGroup}
+    replica._groups.stores.apply_ops("s", shipped)
+    expected = leader._groups.dump("s")
+    assert replica._groups.dump("s") == expected
+    replica.close()
+    assert Engine(tmp_path / "replica", config, clock=clock)._groups.dump("s") == expected
+    leader.close()

@@ -27,9 +27,12 @@ from storage import (
     PreconditionError,
     StreamConfig,
     StreamNotFoundError,
+    groups,
 )
+from storage.groupops import Advance, Deliver, Seen
 from storage.groupstate import GroupSet
-from storage.results import Gap
+from storage.records import skim_records
+from storage.results import EntriesMeta, Gap
 from tests.storage.faultfs import FaultFS
 
 from .conftest import SMALL, FakeClock
@@ -1037,3 +1040,33 @@ def test_group_read_options_are_checked_when_made(open_engine):
     with pytest.raises(InvalidArgumentError, match="GroupReadOptions"):
         engine.read_group("s", "g", ("c", 1))  # type: ignore[arg-type]
     assert engine.read_group("s", "g", GroupReadOptions("c", 2)).offsets == [0, 1]
+
+
+def test_a_group_read_is_a_plan_that_asks_the_stream_and_decides_alone(open_engine, clock):
+    """storage.groups.read does no I/O: it yields what it needs of the stream and, given it,
+    decides what is delivered and which ops record it (here: a redelivery due, then new entries)."""
+    engine = open_engine()
+    fill(engine, 6)
+    records = {offset: record for offset, _, _, record in skim_records(engine.read("s", 0, 6).records)}
+    state = GroupSet()
+    group = state.create("g", GroupConfig(), 0, 0, clock())
+    group.deliver("a", clock(), 0, None, [0])  # pending, due again at once
+    group.advance(1, caught_up=False)
+    state.drain()
+    answers = {
+        groups.FetchRecords: lambda r: {o: records[o] for o in r.offsets},
+        groups.ReadFrom: lambda r: engine.read("s", r.start, r.count, max_bytes=r.max_bytes),
+        groups.DescribeRange: lambda r: EntriesMeta(False, clock()),
+    }
+    plan = groups.read(group, GroupReadOptions("b", 3), 3, clock())
+    asked = []
+    try:
+        request = next(plan)
+        while True:
+            asked.append(request)
+            request = plan.send(answers[type(request)](request))
+    except StopIteration as done:
+        result = done.value
+    assert asked == [groups.FetchRecords([0]), groups.ReadFrom(1, 2, 0), groups.DescribeRange(1, 3)]
+    assert result.offsets == [0, 1, 2] and result.delivery_counts == [2, 1, 1]
+    assert [type(op) for op in state.drain()] == [Deliver, Deliver, Advance, Seen]

@@ -1,0 +1,353 @@
+"""Where each stream's consumer groups are kept: their state, its journal, their lock.
+
+One `GroupStore` per stream holds its groups (storage.groupstate), the journal
+of their ops (storage.grouplog), the lock every group call takes, and the sync
+gate. `GroupStores` finds a stream's store and runs each group call inside
+`writing`, which journals the ops the call applied and applies the stream's
+fsync policy to them:
+
+- `always`: a call returns after its journal record was fdatasync'ed; calls
+  running at the same time share one sync (`SyncGate`, as appends do). A
+  read that delivered nothing (only seen times changed) does not wait.
+- `everysec`: `maintain_journal` syncs dirty journals; `no`: the OS writes back.
+
+In every mode a record is in the (page-cached) journal before the call
+returns, so group state survives kill -9; what a power loss takes back is
+redelivered (at-least-once), never lost.
+
+A store's state is rebuilt by applying ops, whoever made them: its own
+journal at start-up, or (for a replica) another node's ops through
+`apply_ops`, or a snapshot of them (`snapshot_ops`).
+
+Locking: a store's lock is taken before any stream lock (group calls read
+the stream). A stream asks for its retention floor while holding its own
+lock, so the floor is published as a precomputed tuple (`GroupStore.holds`)
+and read without the store lock: the two lock orders never meet.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from storage.durability import SyncGate
+from storage.errors import CorruptionError, DurabilityError, StorageError, StreamNotFoundError
+from storage.fs import FileSystem
+from storage.grouplog import JOURNAL_PREFIX, JOURNAL_SUFFIX, GroupLog, JournalFullError
+from storage.groupops import DeleteConsumer, GroupOp, Release, Remove, RemoveReason, Seek, Seen, SetConfig
+from storage.groupstate import GroupSet
+from storage.groupstreams import GroupStreams
+from storage.layout import stream_directory
+from storage.names import validate_name
+from storage.types import FsyncPolicy
+
+log = logging.getLogger("streamlog.storage")
+
+GroupListener = Callable[[str, str], None]
+
+# Ops after which a reader waiting on the group may find something new (room, a release, a new cursor).
+_WAKING = frozenset({Remove, Release, Seek, SetConfig, DeleteConsumer})
+# Ops whose loss in a crash costs nothing but accuracy of a seen time: not worth a sync on their own.
+_SOFT = frozenset({Seen})
+
+
+class GroupStore:
+    """One stream's groups: state, journal, lock, sync gate, and its published retention holds."""
+
+    def __init__(self, name: str, directory: Path, fs: FileSystem, journal_bytes: int) -> None:
+        self.name = name
+        self.directory = directory
+        self._fs = fs
+        self._journal_bytes = journal_bytes
+        self.lock = threading.RLock()
+        self.gate = SyncGate()
+        self.state = GroupSet()
+        self.log: GroupLog | None = None
+        # ((hold offset, active ms, idle_release_ms, group), ...) for groups with retention_hold.
+        self.holds: tuple[tuple[int, int, int | None, str], ...] = ()
+        self.closed = False
+        self.broken: StorageError | None = None  # set when state and disk can no longer be trusted to agree
+
+    # ------------------------------------------------------------------ recovery
+
+    def load(self, end_offset: int) -> None:
+        """Rebuild the state from the journal; `end_offset` is the stream's end (see `_clamp`)."""
+        journal = GroupLog(self._fs, self.directory, self._journal_bytes)
+        try:
+            for op in journal.load():
+                self.state.apply(op)
+        except (CorruptionError, KeyError, ValueError, TypeError) as exc:
+            log.error("stream %r: consumer group state is unreadable: %s", self.name, exc)
+            journal.close()
+            self.broken = CorruptionError(f"consumer groups of stream {self.name!r} are unreadable: {exc}")
+            return
+        self.log = journal
+        changed = self._clamp(end_offset)
+        self.state.drain()  # the checkpoint below holds these changes
+        if not self.state.groups:
+            journal.destroy()
+            self.log = None
+        elif journal.replayed or journal.cut is not None or changed:
+            # Appends must never land in front of stale bytes of a cut tail: start a fresh journal.
+            journal.checkpoint(self.state.snapshot_ops())
+        self.refresh_holds()
+
+    def _clamp(self, end: int) -> bool:
+        """Forget what refers past the stream's end: entries a power loss took from the stream.
+
+        Groups only see visible entries and a cursor is never set past the end, so this happens
+        only when the journal kept more than the stream did (e.g. everysec, both lost a second).
+        """
+        changed = False
+        for group in self.state.groups.values():
+            lost = [o for o in group.pending if o >= end] + [o for o in group.scheduled if o >= end]
+            if lost:
+                log.warning(
+                    "stream %r group %r: %d entries past the end are gone", self.name, group.name, len(lost)
+                )
+                group.remove(sorted(lost), RemoveReason.EVICTED)
+                changed = True
+            if group.cursor > end:
+                group.seek(end, end if group.entries_read == group.cursor else group.entries_read)
+                changed = True
+        return changed
+
+    # ------------------------------------------------------------------ changes
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise StreamNotFoundError(f"stream {self.name!r} does not exist")
+
+    def check_writable(self) -> None:
+        self.check_open()
+        if self.broken is not None:
+            raise type(self.broken)(str(self.broken))
+        if self.gate.error is not None:
+            raise DurabilityError(
+                f"consumer groups of stream {self.name!r} refuse changes: {self.gate.error}"
+            )
+
+    def reserve(self) -> None:
+        """Checkpoint before a call if the journal is nearly full, so the call's record fits.
+
+        Done before any change: if the checkpoint fails (a full disk), nothing has changed.
+        """
+        journal = self.log
+        if journal is not None and journal.free_bytes < journal.capacity_bytes // 4:
+            journal.checkpoint(self.state.snapshot_ops())
+
+    def persist(self) -> tuple[int | None, set[str]]:
+        """Journal the ops applied since the last call; returns the journal seq to wait for (None:
+        nothing to sync) and the groups a waiting reader may now find something new in."""
+        ops = self.state.drain()
+        if not ops:
+            return None, set()
+        changed = {op.group for op in ops if type(op) in _WAKING}
+        if self.closed:
+            return None, changed  # the stream was deleted during the call
+        seq = None
+        if self.log is None:  # the first group: snapshot and journal
+            journal = GroupLog(self._fs, self.directory, self._journal_bytes)
+            try:
+                journal.checkpoint(self.state.snapshot_ops())
+            except StorageError:
+                # Nothing was on disk before, nor in memory (no files means no groups): forget the call.
+                self.state = GroupSet()
+                self.refresh_holds()
+                raise
+            self.log = journal
+            return None, changed
+        try:
+            try:
+                seq = self.log.append(ops)
+            except JournalFullError:
+                self.log.checkpoint(self.state.snapshot_ops())
+            if not self.state.groups:
+                self.log.destroy()
+                self.log = None
+                seq = None
+        except BaseException as exc:
+            # Memory holds changes the disk does not: refuse further changes until a restart recovers.
+            self.broken = DurabilityError(
+                f"consumer group state of stream {self.name!r} could not be saved: {exc}"
+            )
+            raise
+        finally:
+            self.refresh_holds()
+        if seq is not None and all(type(op) in _SOFT for op in ops):
+            seq = None
+        return seq, changed
+
+    def apply_ops(self, ops: Sequence[GroupOp]) -> None:
+        """Apply ops made elsewhere (another node's, or a snapshot of them); the enclosing
+        `GroupStores.writing` journals them like the store's own."""
+        self.state.apply_ops(ops)
+
+    def snapshot_ops(self) -> list[GroupOp]:
+        """Ops that rebuild the stream's groups from nothing."""
+        return self.state.snapshot_ops()
+
+    # ------------------------------------------------------------------ journal upkeep
+
+    def sync(self) -> None:
+        journal = self.log
+        if journal is not None and journal.dirty and self.broken is None:
+            self.gate.wait(journal.seq, journal.sync)
+
+    def maintain_journal(self, fsync: FsyncPolicy) -> None:
+        """Sync an everysec journal; compact one that is more than half full."""
+        journal = self.log
+        if journal is None:
+            return
+        if fsync is FsyncPolicy.EVERYSEC and journal.dirty:
+            self.gate.wait(journal.seq, journal.sync)
+        with self.lock:
+            if self.log is not None and self.log.used_bytes > self.log.capacity_bytes // 2:
+                self.log.checkpoint(self.state.snapshot_ops())
+
+    def close(self, *, sync: bool) -> None:
+        with self.lock:
+            self.closed = True
+            self.holds = ()
+            if self.log is None:
+                return
+            try:
+                if sync and self.broken is None and self.gate.error is None and self.log.dirty:
+                    self.log.sync()
+            except DurabilityError as exc:
+                log.error("stream %r: consumer group journal did not sync at close: %s", self.name, exc)
+            self.log.close()
+            self.log = None
+
+    # ------------------------------------------------------------------ retention
+
+    def refresh_holds(self) -> None:
+        self.holds = tuple(
+            (group.hold_offset(), group.active_ms, group.config.idle_release_ms, group.name)
+            for group in self.state.groups.values()
+            if group.config.retention_hold
+        )
+
+    def retention_holder(self, now: int) -> tuple[str, int] | None:
+        """(group, offset) of the group holding the stream's retention back, or None. Lock-free."""
+        best: tuple[str, int] | None = None
+        for offset, active_ms, release_ms, name in self.holds:
+            if release_ms is not None and now - active_ms > release_ms:
+                continue  # idle too long: no longer holds retention
+            if best is None or offset < best[1] or (offset == best[1] and name < best[0]):
+                best = (name, offset)
+        return best
+
+
+class GroupStores:
+    """Every stream's group store: found by stream name, loaded at start-up, changed through `writing`."""
+
+    def __init__(self, streams: GroupStreams, fs: FileSystem, *, journal_bytes: int) -> None:
+        self._streams = streams
+        self._fs = fs
+        self._journal_bytes = journal_bytes
+        self._stores: dict[str, GroupStore] = {}
+        self._lock = threading.Lock()
+        self._listeners: list[GroupListener] = []
+        for name in streams.list_streams():
+            self._load(name)
+
+    def _new(self, stream: str) -> GroupStore:
+        return GroupStore(
+            stream, stream_directory(self._streams.data_dir, stream), self._fs, self._journal_bytes
+        )
+
+    def _load(self, name: str) -> None:
+        store = self._new(name)
+        fs, directory = self._fs, store.directory
+        if not GroupLog.exists(fs, directory):
+            for leftover in fs.listdir(directory):  # a first checkpoint that crashed before its snapshot
+                if leftover.startswith(JOURNAL_PREFIX) and leftover.endswith(JOURNAL_SUFFIX):
+                    fs.remove(directory / leftover)
+            return
+        store.load(self._streams.bounds(name).end_offset)
+        self._stores[name] = store
+
+    def get(self, stream: str) -> GroupStore:
+        """The stream's store (an empty one if it has no groups yet); StreamNotFoundError if no stream."""
+        validate_name(stream)
+        if not self._streams.exists(stream):
+            raise StreamNotFoundError(f"stream {stream!r} does not exist")
+        store = self._stores.get(stream)
+        if store is None:
+            with self._lock:
+                store = self._stores.setdefault(stream, self._new(stream))
+        return store
+
+    def peek(self, stream: str) -> GroupStore | None:
+        """The stream's store if it has one, without checks or locks (for the retention floor)."""
+        return self._stores.get(stream)
+
+    def all(self) -> list[GroupStore]:
+        with self._lock:
+            return list(self._stores.values())
+
+    def add_listener(self, listener: GroupListener) -> None:
+        """`listener(stream, group)` runs after a change that may let a waiting reader of the group proceed.
+
+        Acks and expiries that free room, nacks and released consumers, offset and config changes.
+        It runs on the calling thread after the change is durable. It must not block, nor call
+        group methods itself: hand the news to another thread or an event loop. (Dead letters are
+        appended while the source stream's groups are locked, so append listeners that call into
+        groups synchronously could deadlock two streams that dead-letter into each other.)
+        """
+        self._listeners.append(listener)
+
+    @contextmanager
+    def writing(self, stream: str) -> Iterator[GroupStore]:
+        """Run a group call under the stream's group lock; journal its ops and honour the fsync policy."""
+        store = self.get(stream)
+        seq: int | None = None
+        changed: set[str] = set()
+        with store.lock:
+            store.check_writable()
+            store.reserve()
+            try:
+                yield store
+            except Exception:
+                # A call that failed half-way may have taken timers it never used; what it did change
+                # is journaled like any other change.
+                for group in store.state.groups.values():
+                    group.rebuild_timers()
+                store.persist()
+                raise
+            except BaseException:
+                store.broken = DurabilityError(f"consumer groups of stream {stream!r} were interrupted")
+                raise
+            seq, changed = store.persist()
+        journal = store.log
+        if seq is not None and journal is not None and self._streams.fsync_policy(stream).blocks:
+            store.gate.wait(seq, journal.sync)
+        for changed_group in sorted(changed):
+            for listener in self._listeners:
+                listener(stream, changed_group)
+
+    def apply_ops(self, stream: str, ops: Sequence[GroupOp]) -> None:
+        """Apply another node's ops (or a snapshot of them) to the stream's groups, durably."""
+        with self.writing(stream) as store:
+            store.apply_ops(ops)
+
+    def snapshot_ops(self, stream: str) -> list[GroupOp]:
+        """Ops that rebuild the stream's groups from nothing (what a new replica starts from)."""
+        store = self.get(stream)
+        with store.lock:
+            return store.snapshot_ops()
+
+    def drop(self, stream: str) -> None:
+        """The stream is being deleted: forget its groups (its directory, files included, goes next)."""
+        with self._lock:
+            store = self._stores.pop(stream, None)
+        if store is not None:
+            store.close(sync=False)
+
+    def close(self) -> None:
+        for store in self.all():
+            store.close(sync=True)
