@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from storage import groups
 from storage.deadletters import DeadLetters
 from storage.errors import InvalidArgumentError
-from storage.groups import DescribeRange, FetchRecords, ReadFrom, Retire, StreamStart
+from storage.groups import FetchRecords, ReadFrom, Retire, StreamStart
 from storage.groupstate import Group
 from storage.groupstore import GroupStores
 from storage.groupstreams import GroupStreams, fetch_records
@@ -54,7 +54,6 @@ class GroupDelivery:
         self._now = now
         self._serve: dict[type, Callable[[str, Any], Any]] = {
             ReadFrom: self._read_from,
-            DescribeRange: self._describe,
             FetchRecords: self._fetch_records,
             StreamStart: self._stream_start,
             Retire: self._retire,
@@ -72,11 +71,13 @@ class GroupDelivery:
         except StopIteration as done:
             return done.value
 
-    def _read_from(self, stream: str, request: ReadFrom) -> ReadResult:
-        return self._streams.read(stream, request.start, request.count, max_bytes=request.max_bytes)
-
-    def _describe(self, stream: str, request: DescribeRange) -> EntriesMeta:
-        return self._streams.entries_meta(stream, request.start, request.stop)
+    def _read_from(self, stream: str, request: ReadFrom) -> tuple[ReadResult, EntriesMeta | None]:
+        streams = self._streams
+        result = streams.read(stream, request.start, request.count, max_bytes=request.max_bytes)
+        if not result.count:
+            return result, None
+        start = max(request.start, result.first_offset)
+        return result, streams.entries_meta(stream, start, result.last_offset + 1)
 
     def _fetch_records(self, stream: str, request: FetchRecords) -> dict[int, bytes]:
         return fetch_records(self._streams, stream, request.offsets)
@@ -89,8 +90,11 @@ class GroupDelivery:
 
     def settle(self, stream: str, group: Group, now: int) -> list[int]:
         """Retire the entries whose time is up before anything else looks at the group; returns the
-        offsets found gone from the stream. Call inside `GroupStores.writing`."""
-        return self._drive(stream, groups.settle(group, now))
+        offsets found gone from the stream. Call inside `GroupStores.writing`.
+
+        `storage.groups.settle` without the plan's machinery: this runs before every ack and nack."""
+        doomed = group.pending.take_doomed(now)
+        return self._dead_letters.retire(stream, group, doomed, now) if doomed else []
 
     # ------------------------------------------------------------------ calls
 

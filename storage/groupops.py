@@ -5,7 +5,8 @@ applies them, `storage.grouplog` journals them encoded by `encode_ops`, and
 recovery decodes and applies them again, so a recovered state equals the live
 one by construction. Replication ships the same records to followers: the
 leader's op batches and snapshots are `encode_ops` bytes, and a follower
-applies them through `GroupStore.apply_ops` / `GroupStore.install_snapshot`.
+applies them through `GroupStores.apply_ops` (a snapshot is ops too:
+`GroupStores.snapshot_ops`).
 An op is a fact, never a request: applying it needs only the state it applies
 to (no clock, no stream, no timer), so every replica that applies the same ops
 in the same order holds the same state.

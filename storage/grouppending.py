@@ -316,7 +316,8 @@ class PendingList:
 
     def take_doomed(self, now: int) -> list[Doomed]:
         """Entries that must leave the pending list by now (expired, or exhausted and due), earliest first."""
-        return [self._doomed(self.entries[o], now) for o in _take(self._doom_heap, self._valid_doom, now)]
+        offsets = _take(self._doom_heap, self._valid_doom, now)
+        return [self._doomed(self.entries[o], now) for o in offsets] if offsets else []
 
     def _doomed(self, entry: Pending, now: int) -> Doomed:
         expired = entry.expire_at is not None and entry.expire_at <= now
@@ -491,6 +492,8 @@ def _take(
     heap: list[tuple[int, int]], valid: Callable[[tuple[int, int]], bool], now: int, limit: int | None = None
 ) -> list[int]:
     """Pop the offsets of valid items due by `now`, earliest first, each once, at most `limit`."""
+    if not heap or heap[0][0] > now:
+        return []  # the common case, on every read: nothing due
     out: list[int] = []
     seen: set[int] = set()
     while heap and (limit is None or len(out) < limit) and heap[0][0] <= now:

@@ -29,7 +29,7 @@ A reply holds each offset once, whatever the mix (a cursor moved back over
 pending entries meets redeliveries again), and stays within max_bytes (at
 least one entry): `Reply`. Runs of entries from the cursor that need no
 judging (no delayed entry, past the delay, none in the reply yet, as the node
-headers tell: `DescribeRange`) pass through as the stream returned them, with
+headers tell: the EntriesMeta of a `ReadFrom`) pass through as the stream returned them, with
 no per-entry work.
 """
 
@@ -59,18 +59,12 @@ class FetchRecords(NamedTuple):
 
 
 class ReadFrom(NamedTuple):
-    """A stream read from `start`, up to `count` entries within `max_bytes` (0: any): a ReadResult."""
+    """A stream read from `start`, up to `count` entries within `max_bytes` (0: any): a ReadResult,
+    and what node headers say of the entries it returned (Engine.entries_meta; None: it returned none)."""
 
     start: int
     count: int
     max_bytes: int
-
-
-class DescribeRange(NamedTuple):
-    """What node headers say of offsets start..stop-1: an EntriesMeta (Engine.entries_meta)."""
-
-    start: int
-    stop: int
 
 
 class StreamStart(NamedTuple):
@@ -86,7 +80,7 @@ class Retire(NamedTuple):
     now: int
 
 
-Request = FetchRecords | ReadFrom | DescribeRange | StreamStart | Retire
+Request = FetchRecords | ReadFrom | StreamStart | Retire
 Plan = Generator[Request, Any, T]
 
 
@@ -221,12 +215,12 @@ def read(group: Group, options: GroupReadOptions, count: int, now: int) -> Plan[
         if free is not None and free < room:
             full, room = True, free
     gap = None
-    if group.scheduled:
+    if group.scheduled.due:  # (the dict: no Python-level __len__ on every read)
         gap = _evict_scheduled(group, (yield StreamStart()))
     cursor_due = None
     if room > 0 and reply.budget() is not None:
         new = _NewEntries(group, consumer, now, retry_ms, expire_ms, noack, reply)
-        if group.scheduled:
+        if group.scheduled.due:
             room -= yield from new.scheduled(room)
         if room > 0 and reply.budget() is not None:
             cursor_due, cursor_gap = yield from new.scan(room)
@@ -380,7 +374,7 @@ class _NewEntries:
             budget = reply.budget()
             if budget is None:
                 break
-            result = yield ReadFrom(cursor, room, budget)
+            result, meta = yield ReadFrom(cursor, room, budget)
             if cursor < result.first_offset:
                 if gap is None:
                     gap = Gap(cursor, result.first_offset, GapReason.EVICTED)
@@ -392,7 +386,6 @@ class _NewEntries:
             run = range(cursor, result.last_offset + 1)
             fast = False
             if len(run) == result.count and not reply.holds_any(run):
-                meta = yield DescribeRange(run.start, run.stop)
                 fast = (
                     not meta.delayed
                     and meta.max_timestamp_ms + delay <= now

@@ -313,7 +313,7 @@ class Group:
     def room(self) -> int | None:
         """How many more entries may become pending (bounded pending); None: no bound."""
         limit = self.config.max_pending
-        return None if limit is None else max(limit - len(self.pending), 0)
+        return None if limit is None else max(limit - len(self.pending.entries), 0)
 
     def delivery_count(self, offset: int) -> int:
         """An entry's delivery count once delivered: its pending count, or 1 when not tracked."""
@@ -478,10 +478,10 @@ class GroupSet:
         self.ops: list[GroupOp] = []
 
     def apply(self, op: GroupOp) -> None:
-        if isinstance(op, CreateGroup):
+        if type(op) is CreateGroup:  # type(), not isinstance: this runs for every op
             name = op.group
             self.groups[name] = Group(name, op.config, op.cursor, op.entries_read, op.now_ms, self._emit)
-        elif isinstance(op, DropGroup):
+        elif type(op) is DropGroup:
             self.groups.pop(op.group, None)
         else:
             self.groups[op.group].apply(op)

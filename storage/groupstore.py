@@ -122,7 +122,8 @@ class GroupStore:
             raise StreamNotFoundError(f"stream {self.name!r} does not exist")
 
     def check_writable(self) -> None:
-        self.check_open()
+        if self.closed:
+            raise StreamNotFoundError(f"stream {self.name!r} does not exist")
         if self.broken is not None:
             raise type(self.broken)(str(self.broken))
         if self.gate.error is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from storage.config import StreamConfig
 from storage.records import Entry, decode_records
@@ -26,8 +27,7 @@ class Gap:
     reason: GapReason
 
 
-@dataclass(frozen=True, slots=True)
-class EntriesMeta:
+class EntriesMeta(NamedTuple):  # a tuple: made on every group read
     """What the node headers say of a range of entries, without reading a record.
 
     Both are over the whole nodes that overlap the range, so they bound it: no
