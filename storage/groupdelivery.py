@@ -73,11 +73,11 @@ class GroupDelivery:
 
     def _read_from(self, stream: str, request: ReadFrom) -> tuple[ReadResult, EntriesMeta | None]:
         streams = self._streams
-        result = streams.read(stream, request.start, request.count, max_bytes=request.max_bytes)
-        if not result.count:
+        result = streams.read(stream, request.start, request.limit, max_bytes=request.max_bytes)
+        last = result.last_offset
+        if last is None:  # no entries
             return result, None
-        start = max(request.start, result.first_offset)
-        return result, streams.entries_meta(stream, start, result.last_offset + 1)
+        return result, streams.entries_meta(stream, max(request.start, result.first_offset), last + 1)
 
     def _fetch_records(self, stream: str, request: FetchRecords) -> dict[int, bytes]:
         return fetch_records(self._streams, stream, request.offsets)

@@ -59,11 +59,11 @@ class FetchRecords(NamedTuple):
 
 
 class ReadFrom(NamedTuple):
-    """A stream read from `start`, up to `count` entries within `max_bytes` (0: any): a ReadResult,
+    """A stream read from `start`, up to `limit` entries within `max_bytes` (0: any): a ReadResult,
     and what node headers say of the entries it returned (Engine.entries_meta; None: it returned none)."""
 
     start: int
-    count: int
+    limit: int  # (not `count`: a tuple's method)
     max_bytes: int
 
 

@@ -1056,7 +1056,7 @@ def test_a_group_read_is_a_plan_that_asks_the_stream_and_decides_alone(open_engi
     answers = {
         groups.FetchRecords: lambda r: {o: records[o] for o in r.offsets},
         groups.ReadFrom: lambda r: (
-            engine.read("s", r.start, r.count, max_bytes=r.max_bytes),
+            engine.read("s", r.start, r.limit, max_bytes=r.max_bytes),
             EntriesMeta(False, 0),
         ),
     }
