@@ -187,10 +187,9 @@ class PendingList:
             insort(order, offset)
         self.idle[offset] = None
 
-    def add_new(self, entries: list[Pending], *, timed: bool) -> None:
-        """Entries whose offsets are all past the highest pending one (see `all_after`), with no
+    def add_new(self, offsets: Sequence[int], entries: list[Pending], *, timed: bool) -> None:
+        """The entries of `offsets`, all past the highest pending one (see `all_after`), with no
         per-entry lookups; `timed`: they have a retry or expire time."""
-        offsets = [e.offset for e in entries]
         if timed:
             for entry in entries:
                 self.arm(entry)
@@ -205,21 +204,27 @@ class PendingList:
         idle.pop(entry.offset, None)
         idle[entry.offset] = None
 
-    def remove(self, offsets: Iterable[int]) -> tuple[list[Pending], list[int]]:
-        """Take the entries of `offsets` out; returns them, and the offsets that were not pending."""
+    def remove(self, offsets: Iterable[int]) -> tuple[dict[str, int], int, list[int]]:
+        """Take the entries of `offsets` out, in one pass (a range ack takes many). Returns how many
+        of them each consumer owned, how many were taken, and the offsets that were not pending."""
         take, forget_idle = self.entries.pop, self.idle.pop
-        removed: list[Pending] = []
+        owners: dict[str, int] = {}
+        gone: list[int] = []
         missing: list[int] = []
         for offset in offsets:
             entry = take(offset, None)
             if entry is None:
                 missing.append(offset)
-            else:
-                forget_idle(offset, None)
-                removed.append(entry)
+                continue
+            forget_idle(offset, None)
+            gone.append(offset)
+            owner = entry.consumer
+            if owner is not None:
+                owners[owner] = owners.get(owner, 0) + 1
+                entry.consumer = None
         order = self.order
-        if len(removed) > 16:
-            gone = sorted(e.offset for e in removed)
+        if len(gone) > 16:
+            gone.sort()
             first = bisect_left(order, gone[0])
             if order[first : first + len(gone)] == gone:
                 del order[first : first + len(gone)]  # a run of the list (a range ack): one cut
@@ -227,10 +232,10 @@ class PendingList:
                 drop = set(gone)
                 self.order = [o for o in order if o not in drop]
         else:
-            for entry in removed:
-                del order[bisect_left(order, entry.offset)]
+            for offset in gone:
+                del order[bisect_left(order, offset)]
         self._maybe_compact_heaps()
-        return removed, missing
+        return owners, len(gone), missing
 
     def restore(self, entry: Pending) -> None:
         """An entry of a snapshot, in delivery order (`order` is rebuilt by `restored`)."""

@@ -182,7 +182,7 @@ class Group:
         if offsets and self.all_new(offsets):  # the common case, with no per-entry lookups
             name = consumer.name
             entries = [Pending(offset, now, expire_at, name, retry_ms, retry_at) for offset in offsets]
-            self.pending.add_new(entries, timed=retry_at is not None or expire_at is not None)
+            self.pending.add_new(offsets, entries, timed=retry_at is not None or expire_at is not None)
             consumer.pending += len(entries)
             self.counters["delivered"] += len(entries)
             return
@@ -219,18 +219,13 @@ class Group:
             self.entries_read = cursor
 
     def _on_remove(self, op: Remove) -> None:
-        removed, missing = self.pending.remove(op.offsets)
-        owners: dict[str, int] = {}  # consumer -> entries of its removed, counted once each
-        for entry in removed:
-            if entry.consumer is not None:
-                owners[entry.consumer] = owners.get(entry.consumer, 0) + 1
-                entry.consumer = None
+        owners, removed, missing = self.pending.remove(op.offsets)
         for name, n in owners.items():
             owner = self.consumers.get(name)
             if owner is not None:
                 owner.pending -= n
-        unscheduled = sum(1 for offset in missing if self.scheduled.discard(offset))
-        self.counters[op.reason.counter] += len(removed) + unscheduled
+        unscheduled = sum(1 for offset in missing if self.scheduled.discard(offset)) if missing else 0
+        self.counters[op.reason.counter] += removed + unscheduled
 
     def _on_ack_unknown(self, op: AckUnknown) -> None:
         self.counters["ack_unknown"] = min(self.counters["ack_unknown"] + op.count, MAX_COUNT)
