@@ -1,4 +1,4 @@
-"""The layers of the design: imports point down only.
+"""The layers of docs/ARCHITECTURE.md: imports point down only.
 
     clients/ (and pyspark_streamlog/ beside it) -> service/ -> cluster/ -> storage/
 

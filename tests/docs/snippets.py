@@ -37,6 +37,7 @@ DOCUMENTS = [
     "docs/PERFORMANCE.md",
     "docs/RELIABILITY.md",
     "docs/CLUSTER.md",
+    "docs/ARCHITECTURE.md",
     "clients/node/README.md",
 ]
 # Every document of docs/ must be in the list above: a new one is not forgotten.
