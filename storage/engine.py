@@ -78,6 +78,7 @@ class Engine(GroupCalls, ReplicaCalls):
         self._lock_fd = self._take_lock() if fs is None else None
         self._lock = threading.Lock()
         self._listeners: list[AppendListener] = []
+        self._log_listeners: list[AppendListener] = []
         # Consumer groups install a floor here: retention never evicts at or above it.
         self.retention_floor: Callable[[str], int | None] = lambda name: None
         self._ctx = EngineContext(
@@ -241,9 +242,13 @@ class Engine(GroupCalls, ReplicaCalls):
             raise OffsetMismatchError(expected_end, 0)  # nothing created
         stream = self._stream_or_create(name)
         result = stream.append(batch, producer, expected_end)
-        if not result.duplicate and stream.commit is None:  # else readers wake on commit (set_commit)
-            for listener in self._listeners:
-                listener(name, result.last_offset + 1)
+        if not result.duplicate:
+            if stream.commit is None:
+                for listener in self._listeners:
+                    listener(name, result.last_offset + 1)
+            else:  # readers wake on commit (set_commit); replication learns of the new end
+                for listener in self._log_listeners:
+                    listener(name, stream.local_end)
         return result
 
     def read(
@@ -299,6 +304,12 @@ class Engine(GroupCalls, ReplicaCalls):
     def add_append_listener(self, listener: AppendListener) -> None:
         """`listener(stream, end_offset)` runs after every append, on the appending thread."""
         self._listeners.append(listener)
+
+    def add_log_listener(self, listener: AppendListener) -> None:
+        """`listener(stream, local_end)` runs after every append to a stream under a commit cap
+        (whose append listeners wait for the commit), on the appending thread: a leader's followers
+        have something new to fetch. `local_end` is `log_end`: synced under fsync "always"."""
+        self._log_listeners.append(listener)
 
     def sync(self) -> None:
         for stream in list(self._streams.values()):

@@ -80,16 +80,19 @@ class ReplicaChunk:
         return self.first_offset + self.count
 
 
-def read_chunk(stream: Stream, offset: int, max_bytes: int) -> ReplicaChunk:
-    """Records from `offset` up to about `max_bytes` (always one at least, if there is one)."""
+def read_chunk(stream: Stream, offset: int, max_bytes: int, stop: int | None = None) -> ReplicaChunk:
+    """Records from `offset` up to about `max_bytes` (always one at least, if there is one), and
+    not at or past `stop` if given (a leader stops a chunk where the next epoch starts)."""
     if offset < 0 or max_bytes < 1:
         raise InvalidArgumentError("offset must not be negative and max_bytes must be positive")
     with stream.lock:
-        end = stream.end_offset
+        log_end = end = stream.end_offset
         if offset < stream.first_offset or offset > end:
             raise PreconditionError(
                 f"offset {offset} is outside stream {stream.name!r} ({stream.first_offset}..{end})"
             )
+        if stop is not None:
+            end = max(offset, min(end, stop))
         parts: list[bytes] = []
         positions = array("I", [0])
         runs: list[ReplicaRun] = []
@@ -138,9 +141,8 @@ def read_chunk(stream: Stream, offset: int, max_bytes: int) -> ReplicaChunk:
             start += hi - lo
             if hi < view.count:
                 break  # stopped inside the node: by the byte budget, or before a hole
-        return ReplicaChunk(
-            offset if first is None else first, b"".join(parts), positions, tuple(runs), tuple(producers), end
-        )
+        start = offset if first is None else first
+        return ReplicaChunk(start, b"".join(parts), positions, tuple(runs), tuple(producers), log_end)
 
 
 def append_chunk(stream: Stream, chunk: ReplicaChunk) -> int:

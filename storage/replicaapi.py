@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from storage.errors import InvalidArgumentError
+from storage.errors import InvalidArgumentError, PreconditionError
+from storage.layout import write_meta
 from storage.replica import ReplicaChunk, append_chunk, read_chunk
 from storage.stream import Stream
 
@@ -22,10 +23,11 @@ class ReplicaCalls:
     _listeners: list[Callable[[str, int], None]]  # set by the engine
     _stream: Callable[[str], Stream]
 
-    def read_replica(self, name: str, offset: int, max_bytes: int) -> ReplicaChunk:
+    def read_replica(self, name: str, offset: int, max_bytes: int, stop: int | None = None) -> ReplicaChunk:
         """Stored records from `offset` on, up to about `max_bytes` (at least one record if there
-        is any past `offset`), whatever the commit cap; see storage/replica.py."""
-        return read_chunk(self._stream(name), offset, max_bytes)
+        is any past `offset`) and short of `stop` if given, whatever the commit cap; see
+        storage/replica.py."""
+        return read_chunk(self._stream(name), offset, max_bytes, stop)
 
     def append_replica(self, name: str, chunk: ReplicaChunk) -> int:
         """Append a chunk read from the leader at the offsets it carries, timestamps as recorded;
@@ -39,6 +41,20 @@ class ReplicaCalls:
         InvalidArgumentError), with the epochs that start there or later and the idempotent
         batches that end there or later; durable and crash-safe (storage/truncation.py)."""
         self._stream(name).truncation.truncate(end_offset)
+
+    def reset(self, name: str, first_offset: int) -> None:
+        """Make an empty copy (one that never held a record) start at `first_offset`: a follower
+        rebuilding from a leader whose retention moved past its end. Durable (the meta file);
+        PreconditionError if the copy holds records, InvalidArgumentError below its end."""
+        stream = self._stream(name)
+        with stream.maintenance_lock, stream.lock:
+            if stream.segments:
+                raise PreconditionError(f"stream {name!r} holds records: only an empty copy is reset")
+            if not isinstance(first_offset, int) or first_offset < stream.end_offset:
+                raise InvalidArgumentError(f"a reset offset must be an integer >= {stream.end_offset}")
+            write_meta(stream.ctx.fs, stream.directory, name, first_offset, stream.config)
+            stream.first_offset = stream.end_offset = first_offset
+            stream.publish(first_offset)
 
     def log_end(self, name: str) -> int:
         """The end this replica vouches for, whatever the commit cap: entries written, and synced

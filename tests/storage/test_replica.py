@@ -298,3 +298,58 @@ def test_the_commit_cap_bounds_every_reader_and_wakes_them_when_it_moves(open_en
     assert woken == [("s", 7), ("s", 10)]
     assert engine.read("s", 0, 100).count == 10
     assert engine.log_end("s") == 10
+
+
+# ---------------------------------------------------------------------- rebuilding, epochs' bounds
+
+
+def test_an_empty_copy_reset_to_the_leaders_first_offset_takes_its_records(open_engine, tmp_path):
+    leader, _ = filled(open_engine, 40)
+    leader.trim("s", 17)
+    follower = Engine(tmp_path / "f", EngineConfig(**SMALL))
+    follower.create_stream("s", incarnation=5)
+    with pytest.raises(PreconditionError):
+        leader.read_replica("s", follower.log_end("s"), 1000)  # the follower's end is evicted there
+    follower.reset("s", leader.info("s").first_offset)
+    assert (follower.info("s").first_offset, follower.log_end("s")) == (17, 17)
+    replicate(leader, follower, "s", [300, 5000])
+    assert everything(follower, "s") == everything(leader, "s")
+    follower.close()
+    follower = Engine(tmp_path / "f", EngineConfig(**SMALL))
+    assert everything(follower, "s") == everything(leader, "s")
+    assert follower.incarnation("s") == 5
+    with pytest.raises(PreconditionError):
+        follower.reset("s", 50)  # it holds records now
+    follower.close()
+
+
+def test_a_reset_never_moves_a_copy_back(open_engine):
+    engine = open_engine()
+    engine.create_stream("s")
+    engine.reset("s", 9)
+    for bad in (8, -1, "10"):
+        with pytest.raises(InvalidArgumentError):
+            engine.reset("s", bad)
+    engine.reset("s", 12)
+    engine.append("s", AppendBatch([b"a"]))
+    assert engine.read("s", 0, 10).entries()[0].offset == 12
+
+
+def test_a_replica_read_stops_short_of_the_bound_asked(open_engine):
+    engine, _ = filled(open_engine, 30)
+    chunk = engine.read_replica("s", 4, 1 << 20, stop=11)
+    assert (chunk.first_offset, chunk.end_offset, chunk.log_end) == (4, 11, 30)
+    assert engine.read_replica("s", 11, 1 << 20, stop=11).count == 0
+
+
+def test_appends_under_a_commit_cap_tell_the_log_listeners_not_the_readers(open_engine):
+    engine = open_engine()
+    readers: list[tuple[str, int]] = []
+    logs: list[tuple[str, int]] = []
+    engine.add_append_listener(lambda name, end: readers.append((name, end)))
+    engine.add_log_listener(lambda name, end: logs.append((name, end)))
+    engine.append("s", AppendBatch([b"a"] * 2))
+    assert (readers, logs) == ([("s", 2)], [])
+    engine.set_commit("s", 2)
+    engine.append("s", AppendBatch([b"b"] * 3))
+    assert (readers, logs) == ([("s", 2)], [("s", 5)])
