@@ -1,0 +1,185 @@
+"""A stream this node follows: the fetch loop against the leader placement names for its epoch.
+
+One `StreamFollower` per followed stream and epoch. It opens a Replicate call to the
+leader (never to anyone else: the manager starts a new follower when placement names
+another leader or epoch) and sends a request per round: its `log_end`, durable under
+its fsync policy, acknowledges what it holds. The leader's answers:
+
+- `diverging` (KIP-279): cut the log where the leader says this node's last epoch ends
+  (or where this node's own copy of the leader's epoch ends, if sooner), then ask
+  again; a cut below what this node knows to be committed is refused (it would mean
+  the leader lost committed entries) and logged.
+- `reset`: this node's end is before the leader's first offset (retention moved it):
+  the copy is rebuilt empty from the leader's first offset.
+- `data`: record the epoch that starts here, append the records at the offsets they
+  carry (storage's append_replica, in a thread: it may sync), and follow the HW with
+  the commit cap (what this node serves if it becomes leader).
+
+A broken call (leader gone, refused, malformed data) is retried with bounded
+exponential backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+from streamlog.internal.v1 import replication_pb2 as rpb
+
+from cluster.placement import StreamPlacement
+from cluster.replication.wire import from_data
+from storage import Engine
+
+log = logging.getLogger("streamlog.cluster.replication")
+
+_MIN_BACKOFF_S = 0.05
+_MAX_BACKOFF_S = 1.0
+
+
+class CommittedTruncationError(Exception):
+    """The leader asked this node to cut below what it knows to be committed."""
+
+
+# (leader node id) -> the Replicate stream-stream multicallable on a channel to it
+Connect = Callable[[str], Any]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FollowerContext:
+    node_id: str
+    engine: Engine
+    connect: Connect
+    metadata: Sequence[tuple[str, str]]  # sent with every call (the peer secret)
+    max_bytes: int
+    committed: Callable[[str, int], None]  # (stream, HW) as the leader last said it
+
+
+class StreamFollower:
+    """This node following one stream's leader at one epoch. Event loop only; its disk work
+    runs in threads under `apply_lock`, which whoever takes the stream over next must take."""
+
+    def __init__(
+        self, ctx: FollowerContext, record: StreamPlacement, hw: int, apply_lock: threading.Lock
+    ) -> None:
+        self._ctx = ctx
+        self.name = record.name
+        self.record = record
+        self.hw = hw
+        self._apply_lock = apply_lock
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"follow {record.name}")
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        await asyncio.wait([self._task])
+
+    async def _run(self) -> None:
+        backoff = _MIN_BACKOFF_S
+        while True:
+            try:
+                progressed = await self._session()
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as exc:
+                progressed = False
+                log.debug("stream %r: fetch from %s ended: %s", self.name, self.record.leader, exc.details())
+            except Exception as exc:
+                progressed = False
+                log.warning("stream %r: fetch from %s failed: %r", self.name, self.record.leader, exc)
+            backoff = _MIN_BACKOFF_S if progressed else min(backoff * 2, _MAX_BACKOFF_S)
+            await asyncio.sleep(backoff)
+
+    def _request(self) -> rpb.FetchRequest:
+        engine, name = self._ctx.engine, self.name
+        epochs = engine.epochs(name)
+        return rpb.FetchRequest(
+            stream=name,
+            incarnation=self.record.incarnation,
+            leader_epoch=self.record.epoch,
+            follower_id=self._ctx.node_id,
+            log_end=engine.log_end(name),
+            last_epoch=epochs[-1][0] if epochs else -1,
+            max_bytes=self._ctx.max_bytes,
+        )
+
+    async def _session(self) -> bool:
+        """One Replicate call; True if it moved anything (the next one starts without backoff)."""
+        call = self._ctx.connect(self.record.leader)(metadata=tuple(self._ctx.metadata))
+        progressed = False
+        try:
+            await call.write(self._request())
+            while True:
+                response = await call.read()
+                if response is grpc.aio.EOF:
+                    return progressed
+                body = response.WhichOneof("body")
+                if body == "data":
+                    await asyncio.to_thread(self._locked, self._apply, response.data)
+                elif body == "diverging":
+                    await asyncio.to_thread(self._locked, self._truncate, response.diverging)
+                elif body == "reset":
+                    await asyncio.to_thread(self._locked, self._rebuild, response.reset)
+                else:
+                    raise ValueError("an empty response from the leader")
+                progressed = True
+                await call.write(self._request())
+        finally:
+            call.cancel()
+
+    def _locked(self, work: Callable[[Any], None], message: Any) -> None:
+        with self._apply_lock:
+            work(message)
+
+    # -- in a thread, under the apply lock
+
+    def _apply(self, data: rpb.ReplicaData) -> None:
+        engine, name = self._ctx.engine, self.name
+        end = engine.log_end(name)
+        if data.HasField("epoch_start"):
+            start = data.epoch_start
+            epochs = engine.epochs(name)
+            if start.start_offset == end and (not epochs or start.epoch > epochs[-1][0]):
+                engine.begin_epoch(name, start.epoch)
+        if data.runs:
+            end = engine.append_replica(name, from_data(data))
+        hw = min(data.high_watermark, end)
+        if hw > self.hw:
+            self.hw = hw
+            engine.set_commit(name, hw)
+            self._ctx.committed(name, hw)
+
+    def _truncate(self, diverging: rpb.Diverging) -> None:
+        engine, name = self._ctx.engine, self.name
+        _, own_end = engine.epoch_end(name, diverging.epoch)
+        first = engine.bounds(name).first_offset
+        cut = max(first, min(diverging.end_offset, own_end, engine.log_end(name)))
+        if cut < self.hw:
+            raise CommittedTruncationError(
+                f"stream {name!r}: the leader ({self.record.leader}, epoch {self.record.epoch}) says this "
+                f"log diverges at {cut}, below the committed offset {self.hw}: not truncated"
+            )
+        log.info(
+            "stream %r: truncating at %d (diverged from the leader's epoch %d)", name, cut, diverging.epoch
+        )
+        engine.truncate(name, cut)
+
+    def _rebuild(self, reset: rpb.Reset) -> None:
+        engine, name = self._ctx.engine, self.name
+        if reset.log_start < engine.log_end(name):
+            raise ValueError(f"a reset to {reset.log_start} would move the copy back")
+        log.warning(
+            "stream %r: this copy ends before the leader's first offset %d: rebuilding it from there",
+            name,
+            reset.log_start,
+        )
+        engine.delete_stream(name)
+        engine.create_stream(name, incarnation=self.record.incarnation)
+        engine.set_commit(name, reset.log_start)
+        engine.reset(name, reset.log_start)
+        if reset.epoch >= 0:
+            engine.begin_epoch(name, reset.epoch)
+        self.hw = reset.log_start

@@ -1,0 +1,241 @@
+"""This node's replicas: its copy and its role (leader, follower, none) in each stream, from placement.
+
+The manager listens to the placement table (cluster/placement.py, in etcd's revision
+order) and reconciles each stream this node replicates with its latest record, one
+stream at a time and in order (a task per stream while it has changes to apply):
+
+- **Copies.** A stream this node replicates gets a local copy created with the
+  stream's incarnation; a copy of an older incarnation (the name was deleted and
+  taken again) is wiped first; a deleted stream's copy, or one this node no longer
+  replicates, goes.
+- **Leader** (the record names this node): the follower role stops first (its disk
+  work finished), then `begin_epoch`, the commit cap set to the last HW this node
+  knew (never serve past what was committed), and only then does `ready()` let the
+  service accept writes. A new record at the same epoch (the in-sync set, the config)
+  just updates the leader.
+- **Follower**: fetches from the leader the record names at its epoch; a new epoch or
+  leader restarts it. No leader (offline): no role, the copy stays.
+
+Every replicated copy carries a commit cap, so its readers never see past the HW.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+from cluster.placement import PlacementTable, StreamPlacement
+from cluster.replication.follower import Connect, FollowerContext, StreamFollower
+from cluster.replication.leader import LeaderContext, NotLeadingError, StreamLeader
+from storage import Engine
+
+log = logging.getLogger("streamlog.cluster.replication")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplicationConfig:
+    replica_lag_ms: int = 2000
+    max_fetch_bytes: int = 1 << 20
+
+
+class ReplicaManager:
+    """Applies placement to this node's engine and runs its replication roles. Event loop only."""
+
+    def __init__(
+        self,
+        node_id: str,
+        engine: Engine,
+        placement: PlacementTable,
+        *,
+        lease_valid_until: Callable[[], float],
+        connect: Connect,
+        metadata: Sequence[tuple[str, str]] = (),
+        config: ReplicationConfig = ReplicationConfig(),
+    ) -> None:
+        self.node_id = node_id
+        self._engine = engine
+        self._placement = placement
+        lag_s = config.replica_lag_ms / 1000
+        self._leader_ctx = LeaderContext(
+            node_id=node_id,
+            engine=engine,
+            placement=placement,
+            lease_valid_until=lease_valid_until,
+            replica_lag_s=lag_s,
+            heartbeat_s=min(0.5, lag_s / 4),
+        )
+        self._follower_ctx = FollowerContext(
+            node_id=node_id,
+            engine=engine,
+            connect=connect,
+            metadata=tuple(metadata),
+            max_bytes=config.max_fetch_bytes,
+            committed=self._committed,
+        )
+        self.leaders: dict[str, StreamLeader] = {}
+        self.followers: dict[str, StreamFollower] = {}
+        self._hw: dict[str, int] = {}  # the last HW this node knew, per stream
+        self._apply_locks: dict[str, threading.Lock] = {}
+        self._wanted: dict[str, StreamPlacement | None] = {}
+        self._reconciling: dict[str, asyncio.Task[None]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped = False
+        engine.add_log_listener(self._on_log)
+
+    # -- what the service asks
+
+    def leader(self, name: str) -> StreamLeader | None:
+        """The stream's leader role here, if this node leads it and is ready to accept writes."""
+        leader = self.leaders.get(name)
+        return leader if leader is not None and leader.leading else None
+
+    def ready(self, name: str) -> bool:
+        return self.leader(name) is not None
+
+    async def barrier(self, name: str, end: int, *, quorum: bool) -> None:
+        """Wait until `end` is committed (acks=quorum); see StreamLeader.barrier."""
+        leader = self.leader(name)
+        if leader is None:
+            raise NotLeadingError(f"stream {name!r}: this node does not lead it now; the outcome is unknown")
+        await leader.barrier(end, quorum=quorum)
+
+    # -- lifecycle
+
+    def start(self) -> None:
+        """Before the placement's records load (the listener hears them all)."""
+        self._loop = asyncio.get_running_loop()
+
+    async def stop(self) -> None:
+        self._stopped = True
+        tasks = list(self._reconciling.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for leader in self.leaders.values():
+            leader.stop("the server is stopping")
+        self.leaders.clear()
+        await asyncio.gather(*(follower.stop() for follower in self.followers.values()))
+        self.followers.clear()
+
+    def on_placement(self, name: str, _old: StreamPlacement | None, new: StreamPlacement | None) -> None:
+        """The placement listener."""
+        if self._stopped:
+            return
+        self._wanted[name] = new
+        leader = self.leaders.get(name)
+        if leader is not None and (new is None or new.epoch != leader.epoch or new.leader != self.node_id):
+            leader.stop("placement moved the stream on")  # at once: no more acknowledgements
+        if name not in self._reconciling:
+            task = asyncio.get_running_loop().create_task(self._reconcile(name), name=f"replicas {name}")
+            self._reconciling[name] = task
+
+    async def _reconcile(self, name: str) -> None:
+        try:
+            while True:
+                record = self._wanted[name]
+                try:
+                    await self._apply(name, record)
+                except Exception:
+                    log.exception("stream %r: could not apply its placement", name)
+                if self._wanted.get(name) is record:
+                    break
+        finally:
+            del self._reconciling[name]
+            if self._wanted.get(name) is None:
+                self._wanted.pop(name, None)
+
+    async def _apply(self, name: str, record: StreamPlacement | None) -> None:
+        mine = record is not None and self.node_id in record.replicas
+        leading = mine and record is not None and record.leader == self.node_id
+        leader = self.leaders.get(name)
+        if leader is not None and leading and record is not None and leader.epoch == record.epoch:
+            leader.update(record)
+            return
+        if leader is not None:
+            leader.stop("placement moved the stream on")
+            self._hw[name] = max(self._hw.get(name, 0), leader.hw)
+            del self.leaders[name]
+        follower = self.followers.get(name)
+        if follower is not None:
+            same = record is not None and (follower.record.epoch, follower.record.leader) == (
+                record.epoch,
+                record.leader,
+            )
+            if same and mine and not leading:
+                follower.record = record  # type: ignore[assignment]
+                return
+            await follower.stop()
+            del self.followers[name]
+        lock = self._apply_locks.setdefault(name, threading.Lock())
+        if not mine or record is None:
+            await asyncio.to_thread(self._locked, lock, self._drop_copy, name)
+            self._hw.pop(name, None)
+            return
+        await asyncio.to_thread(self._locked, lock, self._ensure_copy, record)
+        if self._wanted.get(name) is not record:
+            return  # a newer record came meanwhile: apply that one
+        hw = self._hw.setdefault(name, self._engine.bounds(name).first_offset)
+        if leading:
+            await asyncio.to_thread(self._locked, lock, self._begin_epoch, record, hw)
+            if self._wanted.get(name) is not record:
+                return
+            self.leaders[name] = StreamLeader(self._leader_ctx, record, hw)
+            log.info(
+                "stream %r: leading epoch %d from offset %d (committed %d)",
+                name,
+                record.epoch,
+                self._engine.log_end(name),
+                hw,
+            )
+        elif record.leader:
+            self.followers[name] = StreamFollower(self._follower_ctx, record, hw, lock)
+
+    @staticmethod
+    def _locked(lock: threading.Lock, work: Callable[..., None], *args: object) -> None:
+        with lock:
+            work(*args)
+
+    # -- in a thread, under the stream's apply lock
+
+    def _ensure_copy(self, record: StreamPlacement) -> None:
+        engine, name = self._engine, record.name
+        if engine.exists(name) and engine.incarnation(name) != record.incarnation:
+            log.warning(
+                "stream %r: wiping this node's copy of incarnation %d (placement holds %d)",
+                name,
+                engine.incarnation(name),
+                record.incarnation,
+            )
+            engine.delete_stream(name)
+        if not engine.exists(name):
+            engine.create_stream(name, incarnation=record.incarnation)
+            engine.set_commit(name, engine.bounds(name).first_offset)
+
+    def _drop_copy(self, name: str) -> None:
+        if self._engine.exists(name):
+            self._engine.delete_stream(name)
+
+    def _begin_epoch(self, record: StreamPlacement, hw: int) -> None:
+        engine, name = self._engine, record.name
+        engine.set_commit(name, hw)
+        engine.begin_epoch(name, record.epoch)
+
+    # -- engine and follower callbacks
+
+    def _on_log(self, name: str, _end: int) -> None:
+        # On the appending thread: hop to the loop.
+        loop = self._loop
+        if loop is not None and name in self.leaders:
+            loop.call_soon_threadsafe(self._logged, name)
+
+    def _logged(self, name: str) -> None:
+        leader = self.leaders.get(name)
+        if leader is not None:
+            leader.on_log()
+
+    def _committed(self, name: str, hw: int) -> None:
+        # From a follower's thread: a plain dict write of an int.
+        self._hw[name] = hw

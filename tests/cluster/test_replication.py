@@ -1,0 +1,316 @@
+"""Replication (cluster/replication/): in-process nodes, each an engine, a coordinator on a real etcd,
+a replica manager and a gRPC server with the ReplicaService; followers fetch over loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from streamlog.internal.v1 import replication_pb2 as rpb
+from streamlog.internal.v1 import replication_pb2_grpc as rpb_grpc
+
+from cluster.coordinator import Coordinator
+from cluster.placement import StreamPlacement
+from cluster.replication.leader import NotEnoughReplicasError, NotLeadingError
+from cluster.replication.manager import ReplicaManager, ReplicationConfig
+from cluster.replication.service import PEER_SECRET, ReplicaServicer, add_to_server
+from storage import AppendBatch, Engine, EngineConfig
+from tests.cluster.etcd_server import EtcdCluster
+from tests.cluster.helpers import config, run, settled, until
+
+SECRET = "s3cret"
+LAG_MS = 600
+
+
+@dataclasses.dataclass
+class Node:
+    """One in-process cluster node."""
+
+    node_id: str
+    data: Path
+    coordinator: Coordinator
+    engine: Engine
+    manager: ReplicaManager
+    server: grpc.aio.Server
+    port: int
+
+    @property
+    def placement(self):
+        return self.coordinator.placement
+
+    async def stop(self) -> None:
+        await self.manager.stop()
+        await self.server.stop(0)
+        await self.coordinator.stop()
+        self.engine.close()
+
+
+class Cluster:
+    def __init__(self, etcd: EtcdCluster, root: Path) -> None:
+        self._etcd = etcd
+        self._root = root
+        self.nodes: dict[str, Node] = {}
+        self.ports: dict[str, int] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _connect(self, node_id: str):
+        channel = self._channels.get(node_id)
+        if channel is None:
+            channel = self._channels[node_id] = grpc.aio.insecure_channel(f"127.0.0.1:{self.ports[node_id]}")
+        return channel.stream_stream(
+            "/streamlog.internal.v1.ReplicaService/Replicate",
+            request_serializer=rpb.FetchRequest.SerializeToString,
+            response_deserializer=rpb.FetchResponse.FromString,
+        )
+
+    async def start(self, node_id: str) -> Node:
+        data = self._root / node_id
+        engine = Engine(data, EngineConfig(background=False))
+        server = grpc.aio.server()
+        port = self.ports.get(node_id) or 0
+        port = server.add_insecure_port(f"127.0.0.1:{port}")
+        self.ports[node_id] = port
+        coordinator = Coordinator(config(self._etcd.endpoints, node_id, advertise=f"127.0.0.1:{port}"))
+        manager = ReplicaManager(
+            node_id,
+            engine,
+            coordinator.placement,
+            lease_valid_until=lambda: coordinator.membership.lease_valid_until,
+            connect=self._connect,
+            metadata=[(PEER_SECRET, SECRET)],
+            config=ReplicationConfig(replica_lag_ms=LAG_MS, max_fetch_bytes=4096),
+        )
+        add_to_server(ReplicaServicer(manager, SECRET.encode()), server)
+        await server.start()
+        manager.start()
+        coordinator.placement.add_listener(manager.on_placement)
+        await coordinator.start()
+        node = self.nodes[node_id] = Node(node_id, data, coordinator, engine, manager, server, port)
+        return node
+
+    async def stop(self, node_id: str) -> None:
+        await self.nodes.pop(node_id).stop()
+
+    async def close(self) -> None:
+        for node_id in list(self.nodes):
+            await self.stop(node_id)
+        for channel in self._channels.values():
+            await channel.close()
+
+
+@contextlib.asynccontextmanager
+async def cluster(etcd: EtcdCluster, root: Path, *node_ids: str) -> AsyncIterator[Cluster]:
+    nodes = Cluster(etcd, root)
+    try:
+        for node_id in node_ids:
+            await nodes.start(node_id)
+        await settled([n.coordinator for n in nodes.nodes.values()])
+        yield nodes
+    finally:
+        await nodes.close()
+
+
+async def created(nodes: Cluster, name: str = "s") -> StreamPlacement:
+    first = next(iter(nodes.nodes.values()))
+    record = await first.placement.create_if_absent(name)
+    await settled([n.coordinator for n in nodes.nodes.values()])
+    leader = nodes.nodes[record.leader]
+    await until(lambda: leader.manager.ready(name))
+    return record
+
+
+async def append(node: Node, payloads: list[bytes], name: str = "s") -> int:
+    result = node.engine.append(name, AppendBatch(payloads))
+    await node.manager.barrier(name, result.last_offset + 1, quorum=True)
+    return result.last_offset + 1
+
+
+def records(node: Node, name: str = "s") -> bytes:
+    end = node.engine.log_end(name)
+    chunk = node.engine.read_replica(name, node.engine.bounds(name).first_offset, 1 << 30) if end else None
+    return b"" if chunk is None else chunk.records
+
+
+def test_a_quorum_append_is_on_every_in_sync_replica_byte_for_byte(etcd: EtcdCluster, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with cluster(etcd, tmp_path, "a", "b", "c") as nodes:
+            record = await created(nodes)
+            assert set(record.isr) == {"a", "b", "c"}
+            leader = nodes.nodes[record.leader]
+            follower_nodes = [n for n in nodes.nodes.values() if n is not leader]
+            assert leader.engine.read("s", 0, 10).count == 0
+            end = 0
+            for i in range(30):
+                end = await append(leader, [b"entry-%d-%d" % (i, j) * 20 for j in range(7)])
+            assert leader.engine.bounds("s").end_offset == end == 210  # readers see the commit
+            assert leader.manager.leader("s").hw == end
+            for node in follower_nodes:
+                # Every acknowledged entry is on each in-sync follower (HW = min over the set).
+                assert node.engine.log_end("s") >= end
+            await until(lambda: all(records(n) == records(leader) for n in follower_nodes))
+            assert all(n.engine.epochs("s") == leader.engine.epochs("s") == [(1, 0)] for n in follower_nodes)
+            assert all(n.engine.incarnation("s") == record.incarnation for n in nodes.nodes.values())
+
+    run(scenario())
+
+
+def test_a_stopped_follower_leaves_the_in_sync_set_and_rejoins_once_caught_up(
+    etcd: EtcdCluster, tmp_path: Path
+) -> None:
+    async def scenario() -> None:
+        async with cluster(etcd, tmp_path, "a", "b", "c") as nodes:
+            record = await created(nodes)
+            leader = nodes.nodes[record.leader]
+            gone = next(n for n in record.replicas if n != record.leader)
+            await append(leader, [b"before"] * 10)
+            await nodes.stop(gone)
+            # A quorum append waits for the stopped follower until the leader drops it from the set.
+            end = await asyncio.wait_for(append(leader, [b"while away"] * 50), LAG_MS / 1000 * 10)
+            assert gone not in leader.placement.locate("s").isr
+            assert leader.manager.leader("s").hw == end
+            back = await nodes.start(gone)
+            await until(lambda: gone in leader.placement.locate("s").isr, timeout_s=20)
+            await until(lambda: records(back) == records(leader))
+            assert back.engine.epochs("s") == leader.engine.epochs("s")
+
+    run(scenario())
+
+
+def test_below_a_majority_in_sync_quorum_appends_are_refused_and_leader_appends_are_not(
+    etcd: EtcdCluster, tmp_path: Path
+) -> None:
+    async def scenario() -> None:
+        async with cluster(etcd, tmp_path, "a", "b", "c") as nodes:
+            record = await created(nodes)
+            leader = nodes.nodes[record.leader]
+            for node_id in record.replicas:
+                if node_id != record.leader:
+                    await nodes.stop(node_id)
+            leader.engine.append("s", AppendBatch([b"x"]))
+            await until(lambda: leader.placement.locate("s").isr == (record.leader,), timeout_s=20)
+            with pytest.raises(NotEnoughReplicasError):
+                await leader.manager.barrier("s", 1, quorum=True)
+            await leader.manager.barrier("s", 1, quorum=False)
+
+    run(scenario())
+
+
+def test_a_deposed_leaders_unreplicated_suffix_is_truncated_when_it_follows(
+    etcd: EtcdCluster, tmp_path: Path
+) -> None:
+    async def scenario() -> None:
+        async with cluster(etcd, tmp_path, "a", "b", "c") as nodes:
+            record = await created(nodes)
+            old = nodes.nodes[record.leader]
+            await append(old, [b"committed"] * 20)
+            # Cut the old leader off from its followers: they stop fetching (their managers are
+            # stopped and a new epoch is written as the controller would, electing `new`).
+            followers = [n for n in record.replicas if n != record.leader]
+            for node_id in followers:
+                await nodes.stop(node_id)
+            old.engine.append("s", AppendBatch([b"never acknowledged"] * 5))
+            assert old.engine.log_end("s") == 25
+            new_id = followers[0]
+            current = old.placement.locate("s")
+            elected = dataclasses.replace(
+                current, leader=new_id, epoch=current.epoch + 1, isr=tuple(followers)
+            )
+            assert (await old.placement.cas(current, elected)).applied
+            with pytest.raises(NotLeadingError):
+                await old.manager.barrier("s", 25, quorum=True)
+            for node_id in followers:
+                await nodes.start(node_id)
+            # The controller may elect again meanwhile (the new leader was not live yet): whoever
+            # leads now, it is one of the two that held every acknowledged entry.
+            await until(lambda: old.placement.locate("s").leader in followers, timeout_s=20)
+            now = old.placement.locate("s")
+            new = nodes.nodes[now.leader]
+            await until(lambda: new.manager.ready("s"), timeout_s=20)
+            assert new.engine.epochs("s") == [(1, 0), (now.epoch, 20)]
+            await append(new, [b"new epoch"] * 3)
+            # The old leader follows now: its 5 unreplicated entries are cut, the new ones fetched.
+            await until(lambda: records(old) == records(new), timeout_s=20)
+            await until(lambda: old.engine.bounds("s").end_offset == 23)  # its commit cap follows the HW
+            got = [e.payload for e in old.engine.read("s", 0, 100).entries()]
+            assert got == [b"committed"] * 20 + [b"new epoch"] * 3
+            assert old.engine.epochs("s") == new.engine.epochs("s")
+
+    run(scenario())
+
+
+def test_a_follower_behind_the_leaders_first_offset_rebuilds_from_it(
+    etcd: EtcdCluster, tmp_path: Path
+) -> None:
+    async def scenario() -> None:
+        async with cluster(etcd, tmp_path, "a", "b", "c") as nodes:
+            record = await created(nodes)
+            leader = nodes.nodes[record.leader]
+            gone = next(n for n in record.replicas if n != record.leader)
+            await nodes.stop(gone)
+            await append(leader, [b"old"] * 40)
+            leader.engine.trim("s", 30)
+            back = await nodes.start(gone)
+            await append(leader, [b"new"] * 5)
+            await until(lambda: back.engine.log_end("s") == 45, timeout_s=20)
+            assert back.engine.bounds("s").first_offset == 30
+            assert records(back) == records(leader)
+
+    run(scenario())
+
+
+def test_the_replica_service_refuses_what_it_cannot_serve(etcd: EtcdCluster, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with cluster(etcd, tmp_path, "a", "b") as nodes:
+            record = await created(nodes)
+            leader = nodes.nodes[record.leader]
+            follower = next(n for n in record.replicas if n != record.leader)
+            good = rpb.FetchRequest(
+                stream="s", incarnation=record.incarnation, leader_epoch=record.epoch, follower_id=follower
+            )
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{leader.port}") as channel:
+                stub = rpb_grpc.ReplicaServiceStub(channel)
+
+                async def status(request: rpb.FetchRequest, secret: str = SECRET) -> grpc.StatusCode:
+                    call = stub.Replicate(iter([request]), metadata=[(PEER_SECRET, secret)])
+                    try:
+                        async for _ in call:
+                            pass
+                    except grpc.aio.AioRpcError as exc:
+                        return exc.code()
+                    return grpc.StatusCode.OK
+
+                assert await status(good, "wrong") == grpc.StatusCode.UNAUTHENTICATED
+                bad = [
+                    dict(stream=""),
+                    dict(stream="a\0b"),
+                    dict(follower_id="../x"),
+                    dict(incarnation=0),
+                    dict(log_end=-5),
+                    dict(last_epoch=-7),
+                    dict(max_bytes=1 << 40),
+                ]
+                for fields in bad:
+                    request = rpb.FetchRequest()
+                    request.CopyFrom(good)
+                    for key, value in fields.items():
+                        setattr(request, key, value)
+                    assert await status(request) == grpc.StatusCode.INVALID_ARGUMENT, fields
+                stale = rpb.FetchRequest()
+                stale.CopyFrom(good)
+                stale.leader_epoch = record.epoch + 7
+                call = stub.Replicate(iter([stale]), metadata=[(PEER_SECRET, SECRET)])
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in call:
+                        pass
+                assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert ("streamlog-leader-epoch", str(record.epoch)) in tuple(err.value.trailing_metadata())
+                # The follower's own session goes on, undisturbed by all of this.
+                end = await append(leader, [b"after"] * 3)
+                assert end == 3
+
+    run(scenario())
