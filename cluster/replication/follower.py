@@ -127,6 +127,12 @@ class StreamFollower:
                     raise ValueError("an empty response from the leader")
                 progressed = True
                 await call.write(self._request())
+        except asyncio.InvalidStateError:
+            # The leader ended the call (refused, or stopped leading) as this node wrote: its status says why.
+            log.debug(
+                "stream %r: fetch from %s ended: %s", self.name, self.record.leader, await call.details()
+            )
+            return progressed
         finally:
             call.cancel()
 

@@ -319,6 +319,12 @@ class StreamLeader:
         progress = self._progress.get(follower)
         if progress is None:
             progress = self._progress[follower] = _Progress(log_end, self._started_at)
+        if log_end < progress.log_end or (follower in self.record.isr and log_end < self.hw):
+            # It lost entries it had acknowledged (a wiped disk, unsynced writes lost in a power
+            # cut): it may lack committed ones, so it leaves the in-sync set now, not after a lag.
+            log.warning("stream %r: follower %s went back to %d (HW %d)", self.name, follower, log_end, self.hw)
+            progress.caught_up_at = float("-inf")
+            self._change_isr()
         progress.log_end = log_end
         # Caught up: it has everything the leader had when it last answered (Kafka's rule), or
         # everything the leader has now.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -51,8 +52,9 @@ class Node:
 
 
 class Cluster:
-    def __init__(self, etcd: EtcdCluster, root: Path) -> None:
+    def __init__(self, etcd: EtcdCluster, root: Path, lag_ms: int) -> None:
         self._etcd = etcd
+        self._lag_ms = lag_ms
         self._root = root
         self.nodes: dict[str, Node] = {}
         self.ports: dict[str, int] = {}
@@ -83,7 +85,7 @@ class Cluster:
             lease_valid_until=lambda: coordinator.membership.lease_valid_until,
             connect=self._connect,
             metadata=[(PEER_SECRET, SECRET)],
-            config=ReplicationConfig(replica_lag_ms=LAG_MS, max_fetch_bytes=4096),
+            config=ReplicationConfig(replica_lag_ms=self._lag_ms, max_fetch_bytes=4096),
         )
         add_to_server(ReplicaServicer(manager, SECRET.encode()), server)
         await server.start()
@@ -104,8 +106,10 @@ class Cluster:
 
 
 @contextlib.asynccontextmanager
-async def cluster(etcd: EtcdCluster, root: Path, *node_ids: str) -> AsyncIterator[Cluster]:
-    nodes = Cluster(etcd, root)
+async def cluster(
+    etcd: EtcdCluster, root: Path, *node_ids: str, lag_ms: int = LAG_MS
+) -> AsyncIterator[Cluster]:
+    nodes = Cluster(etcd, root, lag_ms)
     try:
         for node_id in node_ids:
             await nodes.start(node_id)
@@ -256,7 +260,8 @@ def test_a_follower_behind_the_leaders_first_offset_rebuilds_from_it(
             leader.engine.trim("s", 30)
             back = await nodes.start(gone)
             await append(leader, [b"new"] * 5)
-            await until(lambda: back.engine.log_end("s") == 45, timeout_s=20)
+            # (The copy is deleted and created again as it rebuilds: look while it exists.)
+            await until(lambda: back.engine.exists("s") and back.engine.log_end("s") == 45, timeout_s=20)
             assert back.engine.bounds("s").first_offset == 30
             assert records(back) == records(leader)
 
@@ -312,5 +317,31 @@ def test_the_replica_service_refuses_what_it_cannot_serve(etcd: EtcdCluster, tmp
                 # The follower's own session goes on, undisturbed by all of this.
                 end = await append(leader, [b"after"] * 3)
                 assert end == 3
+
+    run(scenario())
+
+
+def test_a_follower_whose_copy_was_wiped_leaves_the_in_sync_set_and_rebuilds(
+    etcd: EtcdCluster, tmp_path: Path
+) -> None:
+    async def scenario() -> None:
+        # A lag far longer than the test: only the rule for lost entries can take it out of the set.
+        async with cluster(etcd, tmp_path, "a", "b", "c", lag_ms=60_000) as nodes:
+            record = await created(nodes)
+            leader = nodes.nodes[record.leader]
+            wiped = next(n for n in record.replicas if n != record.leader)
+            await append(leader, [b"acknowledged"] * 25)
+            isr_changes: list[tuple[str, ...]] = []
+            leader.placement.add_listener(lambda _n, _o, new: new and isr_changes.append(new.isr))
+            data = nodes.nodes[wiped].data
+            await nodes.stop(wiped)
+            shutil.rmtree(data)
+            back = await nodes.start(wiped)
+            # Out of the in-sync set at its first fetch (well before the lag), then back once caught up.
+            await until(
+                lambda: wiped in leader.placement.locate("s").isr and len(isr_changes) >= 2, timeout_s=20
+            )
+            assert wiped not in isr_changes[0]
+            assert records(back) == records(leader)
 
     run(scenario())
