@@ -12,9 +12,12 @@ from `ReplicaCalls`, so the engine's own file stays about streams.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from storage.errors import InvalidArgumentError, PreconditionError
-from storage.layout import write_meta
+from storage.fs import FileSystem
+from storage.layout import stream_directory, write_meta
+from storage.names import validate_name
 from storage.replica import ReplicaChunk, append_chunk, read_chunk
 from storage.stream import Stream
 
@@ -22,6 +25,9 @@ from storage.stream import Stream
 class ReplicaCalls:
     _listeners: list[Callable[[str, int], None]]  # set by the engine
     _stream: Callable[[str], Stream]
+    _fs: FileSystem
+    data_dir: Path
+    unreadable: list[str]
 
     def read_replica(self, name: str, offset: int, max_bytes: int, stop: int | None = None) -> ReplicaChunk:
         """Stored records from `offset` on, up to about `max_bytes` (at least one record if there
@@ -55,6 +61,18 @@ class ReplicaCalls:
             write_meta(stream.ctx.fs, stream.directory, name, first_offset, stream.config)
             stream.first_offset = stream.end_offset = first_offset
             stream.publish(first_offset)
+
+    def wipe_damaged(self, name: str) -> bool:
+        """Remove the stream's damaged copy (its directory failed its checks at start-up and is
+        kept, unserved, as evidence), so that a follower can rebuild it from its leader. False
+        when there is none."""
+        validate_name(name)
+        directory = stream_directory(self.data_dir, name)
+        if directory.name not in self.unreadable:
+            return False
+        self._fs.remove_tree(directory)
+        self.unreadable.remove(directory.name)
+        return True
 
     def log_end(self, name: str) -> int:
         """The end this replica vouches for, whatever the commit cap: entries written, and synced

@@ -322,7 +322,9 @@ class StreamLeader:
         if log_end < progress.log_end or (follower in self.record.isr and log_end < self.hw):
             # It lost entries it had acknowledged (a wiped disk, unsynced writes lost in a power
             # cut): it may lack committed ones, so it leaves the in-sync set now, not after a lag.
-            log.warning("stream %r: follower %s went back to %d (HW %d)", self.name, follower, log_end, self.hw)
+            log.warning(
+                "stream %r: follower %s went back to %d (HW %d)", self.name, follower, log_end, self.hw
+            )
             progress.caught_up_at = float("-inf")
             self._change_isr()
         progress.log_end = log_end

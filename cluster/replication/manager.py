@@ -6,8 +6,9 @@ stream at a time and in order (a task per stream while it has changes to apply):
 
 - **Copies.** A stream this node replicates gets a local copy created with the
   stream's incarnation; a copy of an older incarnation (the name was deleted and
-  taken again) is wiped first; a deleted stream's copy, or one this node no longer
-  replicates, goes.
+  taken again) is wiped first, and so is a damaged one (unreadable at start-up) on a
+  follower, which rebuilds it from the leader; a deleted stream's copy, or one this
+  node no longer replicates, goes.
 - **Leader** (the record names this node): the follower role stops first (its disk
   work finished), then `begin_epoch`, the commit cap set to the last HW this node
   knew (never serve past what was committed), and only then does `ready()` let the
@@ -211,6 +212,10 @@ class ReplicaManager:
             )
             engine.delete_stream(name)
         if not engine.exists(name):
+            if record.leader != self.node_id and engine.wipe_damaged(name):
+                # A follower rebuilds it from the leader; a leader keeps the evidence (and does
+                # not serve: the copy cannot be created over it).
+                log.warning("stream %r: this node's copy is damaged: rebuilding it from the leader", name)
             engine.create_stream(name, incarnation=record.incarnation)
             engine.set_commit(name, engine.bounds(name).first_offset)
 

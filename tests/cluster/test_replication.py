@@ -21,6 +21,7 @@ from cluster.replication.leader import NotEnoughReplicasError, NotLeadingError
 from cluster.replication.manager import ReplicaManager, ReplicationConfig
 from cluster.replication.service import PEER_SECRET, ReplicaServicer, add_to_server
 from storage import AppendBatch, Engine, EngineConfig
+from storage.layout import EPOCHS_FILE, stream_directory
 from tests.cluster.etcd_server import EtcdCluster
 from tests.cluster.helpers import config, run, settled, until
 
@@ -321,8 +322,9 @@ def test_the_replica_service_refuses_what_it_cannot_serve(etcd: EtcdCluster, tmp
     run(scenario())
 
 
+@pytest.mark.parametrize("damage", ["wiped", "damaged"])
 def test_a_follower_whose_copy_was_wiped_leaves_the_in_sync_set_and_rebuilds(
-    etcd: EtcdCluster, tmp_path: Path
+    etcd: EtcdCluster, tmp_path: Path, damage: str
 ) -> None:
     async def scenario() -> None:
         # A lag far longer than the test: only the rule for lost entries can take it out of the set.
@@ -335,7 +337,10 @@ def test_a_follower_whose_copy_was_wiped_leaves_the_in_sync_set_and_rebuilds(
             leader.placement.add_listener(lambda _n, _o, new: new and isr_changes.append(new.isr))
             data = nodes.nodes[wiped].data
             await nodes.stop(wiped)
-            shutil.rmtree(data)
+            if damage == "wiped":
+                shutil.rmtree(data)
+            else:  # its epochs file fails its checks: the stream is unreadable at start-up
+                (stream_directory(data, "s") / EPOCHS_FILE).write_bytes(b"garbage")
             back = await nodes.start(wiped)
             # Out of the in-sync set at its first fetch (well before the lag), then back once caught up.
             await until(

@@ -353,3 +353,21 @@ def test_appends_under_a_commit_cap_tell_the_log_listeners_not_the_readers(open_
     engine.set_commit("s", 2)
     engine.append("s", AppendBatch([b"b"] * 3))
     assert (readers, logs) == ([("s", 2)], [("s", 5)])
+
+
+def test_a_damaged_copy_is_wiped_for_a_rebuild(open_engine, tmp_path):
+    engine = open_engine()
+    engine.create_stream("s", incarnation=3)
+    engine.append("s", AppendBatch([b"a"] * 3))
+    engine.close()
+    path = stream_directory(tmp_path / "data", "s") / EPOCHS_FILE
+    path.write_bytes(b"garbage")
+    engine = open_engine()
+    assert not engine.wipe_damaged("other")
+    with pytest.raises(PreconditionError):
+        engine.create_stream("s", incarnation=3)  # never written over while damaged
+    assert engine.wipe_damaged("s") and not engine.unreadable
+    engine.create_stream("s", incarnation=3)
+    assert engine.log_end("s") == 0
+    engine.close()
+    assert open_engine().log_end("s") == 0
