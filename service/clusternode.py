@@ -21,12 +21,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
+
+import grpc
+from streamlog.internal.v1 import replication_pb2 as rpb
 
 from cluster.addresses import parse_endpoints
 from cluster.coordinator import ClusterConfig, Coordinator
 from cluster.errors import ClusterError
 from cluster.placement import StreamPlacement
+from cluster.replication.leader import StreamLeader
+from cluster.replication.manager import ReplicaManager, ReplicationConfig
+from cluster.replication.service import PEER_SECRET, REPLICATE, ReplicaServicer
+from cluster.replication.service import add_to_server as add_replica_service
 from service.config import Settings
 from service.forwarding import Forwarder
 from service.opencalls import OpenCalls
@@ -58,11 +66,17 @@ class ClusterNode:
                 default_acks=settings.default_acks,
             )
         )
-        # Whether followers copy their leaders, so that new streams can start with all their
-        # replicas in sync. False until the replication layer attaches: followers then hold
-        # nothing, and only the leader is in sync (none without the data can be elected).
-        self.followers_copy_leaders = False
+        # Followers copy their leaders (cluster/replication/), so new streams start with all
+        # their replicas in sync (empty logs agree).
+        self.followers_copy_leaders = True
         self.peers = PeerChannels(settings)
+        secret = (
+            Path(settings.cluster_secret_file).read_bytes().strip() if settings.cluster_secret_file else None
+        )
+        self._peer_metadata = ((PEER_SECRET, secret.decode()),) if secret else ()
+        # Set by `start` (it needs the engine); until then the replica service serves nothing.
+        self.replication: ReplicaManager | None = None
+        self.replica_service = ReplicaServicer(self.node_id, self._leader_role, secret)
         self.forwarder = Forwarder(self.node_id, self.peers, service, raw_reply_methods)
         # The server's open calls: those served here as their stream's leader, and those relayed
         # to other leaders (service/routing.py marks which). Set by `start`.
@@ -88,12 +102,32 @@ class ClusterNode:
     def error(self) -> Exception | None:
         return self.coordinator.membership.error
 
+    def add_services(self, server: grpc.aio.Server) -> None:
+        """The internal services peers call (replication), on the server's port."""
+        add_replica_service(self.replica_service, server)
+
     async def start(self, engine: Engine, forget: Callable[[str], None], calls: OpenCalls) -> None:
         """Join the cluster, serving `engine`; `forget(name)` ends the waits on a deleted stream;
         `calls`: the server's open calls (service/opencalls.py)."""
         self.engine = engine
         self._calls = calls
         self.replicas.attach(engine, forget)
+        settings, membership = self.settings, self.coordinator.membership
+        self.replication = ReplicaManager(
+            self.node_id,
+            engine,
+            self.coordinator.placement,
+            lease_valid_until=lambda: membership.lease_valid_until,
+            connect=self._replicate_on,
+            metadata=self._peer_metadata,
+            forget=forget,
+            config=ReplicationConfig(
+                replica_lag_ms=settings.replica_lag_ms, max_fetch_bytes=settings.replica_fetch_bytes
+            ),
+        )
+        self.replication.start()
+        # Added before the coordinator starts: it hears every record that exists then.
+        self.coordinator.placement.add_listener(self.replication.on_placement)
         try:
             await self.coordinator.start()
         except ClusterError as exc:
@@ -111,8 +145,25 @@ class ClusterNode:
 
     async def stop(self) -> None:
         self.started = False
+        if self.replication is not None:
+            await self.replication.stop()
         await self.coordinator.stop()
         await self.peers.close()
+
+    def _leader_role(self, name: str) -> StreamLeader | None:
+        return self.replication.leader(name) if self.replication is not None else None
+
+    def _replicate_on(self, node_id: str) -> Any:
+        """The Replicate multicallable on the channel to `node_id` (placement's leader)."""
+        info = self.coordinator.nodes.live().get(node_id)
+        return self.peers.method(
+            node_id,
+            info.address if info is not None else "",
+            REPLICATE,
+            "stream_stream",
+            request_serializer=rpb.FetchRequest.SerializeToString,
+            response_deserializer=rpb.FetchResponse.FromString,
+        )
 
     def stream_names(self) -> list[str]:
         """Every stream of the cluster, sorted (code point order, as ListStreams lists)."""

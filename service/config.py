@@ -172,6 +172,12 @@ class Settings:
     # With TLS on, the CA certificates (PEM) that signed the other nodes' certificates;
     # empty: tls_client_ca_file, else the system's trust store.
     peer_ca_file: str = ""
+    # A file holding the cluster's shared secret: nodes send it with every internal
+    # (replication) call and refuse internal calls without it. Empty: internal calls are not
+    # authenticated (keep the nodes' port private, or use mutual TLS).
+    cluster_secret_file: str = ""
+    # About how many record bytes a follower fetches in one round.
+    replica_fetch_bytes: int = 1 << 20
 
 
 # name -> (lowest, highest) for integer settings; None means no bound on that side.
@@ -222,6 +228,7 @@ _INT_RANGES: dict[str, tuple[int | None, int | None]] = {
     "max_connection_idle_ms": (0, 2**31 - 1),
     "lease_ttl_ms": (1_000, 300_000),
     "replica_lag_ms": (100, 600_000),
+    "replica_fetch_bytes": (1 << 10, 4 << 20),
     "default_replication_factor": (1, 64),
 }
 
@@ -239,6 +246,7 @@ FILE_SETTINGS = (
     "tokens_file",
     "acl_file",
     "peer_ca_file",
+    "cluster_secret_file",
 )
 # Parts of a setting's name that mark its value as secret: masked when settings are printed.
 _SECRET_MARKERS = ("password", "secret", "token")
@@ -501,7 +509,7 @@ def _validate_cluster(settings: Settings, where: Callable[[str], str]) -> None:
             f"{settings.lease_ttl_ms} (from {where('lease_ttl_ms')})"
         )
     if not settings.cluster.strip():
-        for name in ("node_id", "advertise", "peer_addresses", "peer_ca_file"):
+        for name in ("node_id", "advertise", "peer_addresses", "peer_ca_file", "cluster_secret_file"):
             if getattr(settings, name):
                 raise ConfigError(
                     f"{name} is set (from {where(name)}) but cluster is not: set the etcd endpoints"

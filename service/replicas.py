@@ -1,30 +1,20 @@
-"""This node's copies of streams, kept in line with the placement table, and its role in each.
+"""This node's role in each stream (leader, follower, none), from the placement table, and deletions.
 
 Every placement change (cluster/placement.py, heard in etcd's revision order) gives
-this node a role in the stream: leader, follower, or none. Here:
+this node a role in the stream. The copies themselves (created with the stream's
+incarnation, an older incarnation's wiped, followers fetching from their leader, a
+leader's epoch begun before it accepts writes) are the replication layer's
+(cluster/replication/manager.py). Here:
 
-- **Leader**: the node holds the stream's copy, created empty when the stream is new.
-  A stream created anew (a new incarnation) while a copy of that name is here finds
-  an old copy (the stream was deleted and its name taken again while this node kept
-  one): it is wiped first, so no entry of the old stream is ever served as the new.
 - **Deleted**: the copy goes, with its waiting readers told (NOT_FOUND), unless a
-  DeleteStream served here is deleting it itself (`deleting`).
-- **Follower**: nothing yet. Until replication lands, a node holds data only for the
-  streams it leads, and streams are created with their followers out of the in-sync
-  set (service/routing.py), so none is elected without the data. The replication
-  layer attaches as a role listener: `add_listener` tells it of every change with
-  this node's role before and after, so it learns where it starts or stops following
-  (and leading), as the routing layer learns where it stopped leading.
+  DeleteStream served here is deleting it itself (`deleting`). The work runs in the
+  listener, on the event loop, so that a call routed here after the change finds no
+  copy.
+- **Roles**: `add_listener` tells of every change with this node's role before and
+  after, so the routing layer learns where it stopped leading.
 
-The work runs in the listener, on the event loop, so that a call routed here after
-the change finds the copy as placement says. It is small (creating a stream's empty
-directory) except in the rare cases above (wiping an old copy, a deletion made
-elsewhere), which delete files on the loop.
-
-At start, a stream this node leads but holds no copy of is created empty (with a
-warning: its data was lost, or it was never written); a local stream placement does
-not know (deleted while this node was down, or from before it joined a cluster) is
-left on disk, not served, and reported.
+At start, a local stream placement does not know (deleted while this node was down,
+or from before it joined a cluster) is left on disk, not served, and reported.
 """
 
 from __future__ import annotations
@@ -57,7 +47,6 @@ class LocalReplicas:
         self._node_id = node_id
         self._engine: Engine | None = None
         self._forget: Callable[[str], None] = lambda _name: None
-        self._live = False  # False while the cluster's records load at start
         self._deleting: set[str] = set()
         self._listeners: list[RoleListener] = []
 
@@ -76,7 +65,6 @@ class LocalReplicas:
 
     def go_live(self, placed: Callable[[str], bool]) -> None:
         """The records have loaded: report the local streams placement does not know."""
-        self._live = True
         assert self._engine is not None
         unknown = [name for name in self._engine.list_streams() if not placed(name)]
         if unknown:
@@ -107,24 +95,10 @@ class LocalReplicas:
             self.on_placement(name, old, None)
             old = None
         before, after = self.role(old), self.role(new)
-        if new is None:
-            if old is not None:
-                self._delete_copy(name)
-        elif after is Role.LEADER and before is not Role.LEADER:
-            self._lead(name, created=old is None)
+        if new is None and old is not None:
+            self._delete_copy(name)
         for listener in self._listeners:
             listener(name, before, after, new)
-
-    def _lead(self, name: str, *, created: bool) -> None:
-        engine = self._engine
-        assert engine is not None, "placement heard before the engine was attached"
-        if created and self._live and engine.exists(name):
-            log.warning("stream %r: wiping this node's copy of an older stream of that name", name)
-            self._delete_copy(name)
-        if not engine.exists(name):
-            if not (created and self._live):
-                log.warning("stream %r: this node leads it but holds no copy of it; it starts empty", name)
-            engine.create_stream(name)
 
     def _delete_copy(self, name: str) -> None:
         engine = self._engine

@@ -45,6 +45,7 @@ from streamlog.v1 import streamlog_pb2 as pb
 
 from cluster.errors import ClusterError
 from cluster.placement import StreamPlacement
+from cluster.replication.leader import NotEnoughReplicasError, NotLeadingError
 from service import describe, validation
 from service.callcontext import CallContext
 from service.errors import ServiceError
@@ -71,6 +72,8 @@ LEADER_ADDRESS = "streamlog-leader-address"
 LEADER_EPOCH = "streamlog-leader-epoch"
 
 _DEAD_LETTER_METHODS = frozenset({"CreateGroup", "SetGroupConfig"})
+# How long a call waits for this node to take over a stream placement says it now leads.
+_READY_WAIT_S = 2.0
 
 
 def _creates_stream(method: str, request: Any) -> bool:
@@ -204,6 +207,12 @@ class RoutingInterceptor(WrappingInterceptor):
                 await context.abort(
                     grpc.StatusCode.UNAVAILABLE, f"stream {stream!r} is being deleted; retry shortly"
                 )
+            if not await node.replication.wait_ready(stream, _READY_WAIT_S):
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"stream {stream!r} is led by this node ({self._me}), which is not ready to serve it "
+                    "yet (taking over its copy); retry shortly",
+                )
             return None
         info = node.coordinator.nodes.live().get(leader) if leader else None
         if info is None:
@@ -260,7 +269,35 @@ class RoutingInterceptor(WrappingInterceptor):
         if method == "Read" and request.block_ms > 0:
             # A blocking read waits here: it ends if this node stops leading the stream meanwhile.
             _mark_read(request, relayed=False)
+        if method == "Append" and self._placement.locate(request.stream) is not None:
+            return await self._append(request, context, behavior)
         return await behavior(request, context)
+
+    async def _append(self, request: Any, context: grpc.aio.ServicerContext, behavior: UnaryBehavior) -> Any:
+        """An Append served here: refused before it writes when too few replicas are in sync for
+        its acks level; its reply once its entries are committed (acks=quorum: every in-sync
+        replica holds them) or at once (acks=leader). UNAVAILABLE, the outcome unknown, when this
+        node stops leading or its lease lapses meanwhile."""
+        node, stream = self._node, request.stream
+        replication = node.replication
+        assert replication is not None and node.engine is not None  # set once the node started
+        record = self._placement.locate(stream)
+        assert record is not None
+        quorum = record.config.get("acks", node.settings.default_acks) != "leader"
+        try:
+            replication.check_quorum(stream, quorum=quorum)
+        except (NotEnoughReplicasError, NotLeadingError) as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; nothing was written: retry")
+        reply = await behavior(request, context)
+        try:
+            await replication.barrier(stream, node.engine.log_end(stream), quorum=quorum)
+        except (NotEnoughReplicasError, NotLeadingError) as exc:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{exc}; the entries were written on this node but may not be replicated: retry (an "
+                "idempotent producer's retry is not written twice)",
+            )
+        return reply
 
     # -- deletions and dead letters, served here as the leader
 

@@ -113,6 +113,7 @@ class StreamLeader:
         self._count = itertools.count()
         self._isr_task: asyncio.Task[None] | None = None
         self._lag_task = asyncio.get_running_loop().create_task(self._watch_lag())
+        self.advance()  # alone in the in-sync set, everything it holds is committed at once
 
     @property
     def epoch(self) -> int:
@@ -172,7 +173,7 @@ class StreamLeader:
         """Return once the HW covers `end` (acks=quorum) while the lease is valid; NotLeadingError
         when this node stops leading or its lease lapses first, NotEnoughReplicasError at once when
         the in-sync set is below a majority of the replicas."""
-        self._check_quorum(quorum)
+        self.check_quorum(quorum)
         if quorum:
             self.advance()
             if self.hw < end:
@@ -189,7 +190,7 @@ class StreamLeader:
                         )
                     await asyncio.wait([future], timeout=remaining)
                 future.result()
-            self._check_quorum(quorum)  # the in-sync set may have shrunk while it waited
+            self.check_quorum(quorum)  # the in-sync set may have shrunk while it waited
         if not self.leading:
             raise NotLeadingError(f"stream {self.name!r}: this node stopped leading; the outcome is unknown")
         if time.monotonic() >= self._ctx.lease_valid_until() - LEASE_MARGIN_S:
@@ -198,7 +199,7 @@ class StreamLeader:
                 self.epoch,
             )
 
-    def _check_quorum(self, quorum: bool) -> None:
+    def check_quorum(self, quorum: bool) -> None:
         if not self.leading:
             raise NotLeadingError(f"stream {self.name!r}: this node does not lead it now", self.epoch)
         if quorum and len(self.record.isr) < majority(len(self.record.replicas)):

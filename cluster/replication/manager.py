@@ -7,8 +7,9 @@ stream at a time and in order (a task per stream while it has changes to apply):
 - **Copies.** A stream this node replicates gets a local copy created with the
   stream's incarnation; a copy of an older incarnation (the name was deleted and
   taken again) is wiped first, and so is a damaged one (unreadable at start-up) on a
-  follower, which rebuilds it from the leader; a deleted stream's copy, or one this
-  node no longer replicates, goes.
+  follower, which rebuilds it from the leader; the copy of a stream this node no
+  longer replicates goes (a deleted stream's copy is the service's to delete, as it
+  ends the calls waiting on it).
 - **Leader** (the record names this node): the follower role stops first (its disk
   work finished), then `begin_epoch`, the commit cap set to the last HW this node
   knew (never serve past what was committed), and only then does `ready()` let the
@@ -55,8 +56,11 @@ class ReplicaManager:
         connect: Connect,
         metadata: Sequence[tuple[str, str]] = (),
         config: ReplicationConfig = ReplicationConfig(),
+        forget: Callable[[str], None] = lambda _name: None,
     ) -> None:
+        """`forget(name)` (on the loop) ends the waits on a copy wiped here (an older incarnation)."""
         self.node_id = node_id
+        self._forget = forget
         self._engine = engine
         self._placement = placement
         lag_s = config.replica_lag_ms / 1000
@@ -82,6 +86,7 @@ class ReplicaManager:
         self._apply_locks: dict[str, threading.Lock] = {}
         self._wanted: dict[str, StreamPlacement | None] = {}
         self._reconciling: dict[str, asyncio.Task[None]] = {}
+        self._ready_waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
         engine.add_log_listener(self._on_log)
@@ -95,6 +100,30 @@ class ReplicaManager:
 
     def ready(self, name: str) -> bool:
         return self.leader(name) is not None
+
+    async def wait_ready(self, name: str, timeout_s: float) -> bool:
+        """Wait (bounded) until this node leads the stream and accepts writes: a stream just
+        created or elected here is ready once its copy and epoch are (a few milliseconds)."""
+        if self.ready(name):
+            return True
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._ready_waiters.setdefault(name, []).append(future)
+        try:
+            await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            return False
+        finally:
+            waiters = self._ready_waiters.get(name)
+            if waiters is not None and future in waiters:
+                waiters.remove(future)
+        return self.ready(name)
+
+    def check_quorum(self, name: str, *, quorum: bool) -> None:
+        """Raise unless this node leads the stream with enough in-sync replicas for the level."""
+        leader = self.leader(name)
+        if leader is None:
+            raise NotLeadingError(f"stream {name!r}: this node does not lead it now")
+        leader.check_quorum(quorum)
 
     async def barrier(self, name: str, end: int, *, quorum: bool) -> None:
         """Wait until `end` is committed (acks=quorum); see StreamLeader.barrier."""
@@ -171,7 +200,11 @@ class ReplicaManager:
             await follower.stop()
             del self.followers[name]
         lock = self._apply_locks.setdefault(name, threading.Lock())
-        if not mine or record is None:
+        if record is None:  # deleted: the service deletes the copy (and ends its waiting readers)
+            self._hw.pop(name, None)
+            self._apply_locks.pop(name, None)
+            return
+        if not mine:
             await asyncio.to_thread(self._locked, lock, self._drop_copy, name)
             self._hw.pop(name, None)
             return
@@ -184,6 +217,9 @@ class ReplicaManager:
             if self._wanted.get(name) is not record:
                 return
             self.leaders[name] = StreamLeader(self._leader_ctx, record, hw)
+            for future in self._ready_waiters.pop(name, ()):
+                if not future.done():
+                    future.set_result(None)
             log.info(
                 "stream %r: leading epoch %d from offset %d (committed %d)",
                 name,
@@ -211,11 +247,19 @@ class ReplicaManager:
                 record.incarnation,
             )
             engine.delete_stream(name)
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._forget, name)
         if not engine.exists(name):
             if record.leader != self.node_id and engine.wipe_damaged(name):
                 # A follower rebuilds it from the leader; a leader keeps the evidence (and does
                 # not serve: the copy cannot be created over it).
                 log.warning("stream %r: this node's copy is damaged: rebuilding it from the leader", name)
+            if record.epoch > 1:  # not a new stream: its data here was lost, or it never got any
+                log.warning(
+                    "stream %r: this node holds no copy of it; it starts empty%s",
+                    name,
+                    "" if record.leader == self.node_id else " and fetches from the leader",
+                )
             engine.create_stream(name, incarnation=record.incarnation)
             engine.set_commit(name, engine.bounds(name).first_offset)
 

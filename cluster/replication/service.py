@@ -11,18 +11,18 @@ without it gets UNAUTHENTICATED.
 from __future__ import annotations
 
 import hmac
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from streamlog.internal.v1 import replication_pb2 as rpb
 from streamlog.internal.v1 import replication_pb2_grpc as rpb_grpc
 
 from cluster.addresses import check_name
-from cluster.replication.leader import FetchRefusedError
-from cluster.replication.manager import ReplicaManager
+from cluster.replication.leader import FetchRefusedError, StreamLeader
 from storage import InvalidNameError, StorageError, validate_name
 
 PEER_SECRET = "streamlog-peer-secret"
+REPLICATE = "/streamlog.internal.v1.ReplicaService/Replicate"
 LEADER_EPOCH = "streamlog-leader-epoch"
 MAX_FETCH_BYTES = 4 << 20
 DEFAULT_FETCH_BYTES = 1 << 20
@@ -48,8 +48,14 @@ def problem(request: rpb.FetchRequest) -> str | None:
 
 
 class ReplicaServicer(rpb_grpc.ReplicaServiceServicer):
-    def __init__(self, manager: ReplicaManager, secret: bytes | None = None) -> None:
-        self._manager = manager
+    """`leader(stream)`: this node's leader role for the stream, if it leads it and is ready
+    (ReplicaManager.leader; None before replication starts)."""
+
+    def __init__(
+        self, node_id: str, leader: Callable[[str], StreamLeader | None], secret: bytes | None = None
+    ) -> None:
+        self._node_id = node_id
+        self._leader = leader
         self._secret = secret
 
     async def Replicate(
@@ -68,11 +74,11 @@ class ReplicaServicer(rpb_grpc.ReplicaServiceServicer):
         wrong = problem(first)
         if wrong is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, wrong)
-        leader = self._manager.leader(first.stream)
+        leader = self._leader(first.stream)
         if leader is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"this node ({self._manager.node_id}) does not lead stream {first.stream!r} now",
+                f"this node ({self._node_id}) does not lead stream {first.stream!r} now",
             )
             return
         try:

@@ -88,7 +88,7 @@ class Cluster:
             metadata=[(PEER_SECRET, SECRET)],
             config=ReplicationConfig(replica_lag_ms=self._lag_ms, max_fetch_bytes=4096),
         )
-        add_to_server(ReplicaServicer(manager, SECRET.encode()), server)
+        add_to_server(ReplicaServicer(node_id, manager.leader, SECRET.encode()), server)
         await server.start()
         manager.start()
         coordinator.placement.add_listener(manager.on_placement)
