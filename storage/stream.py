@@ -71,6 +71,7 @@ class Stream:
         self.visible_end = 0  # reads stop here: local_end, capped at commit
         self.last_ts = 0
         self.write_seq = 0
+        self.cuts = 0  # truncations so far: a sync that began before one does not publish its end
         self.dirty: set[SegmentFile] = set()
         self.pack_queue: list[Segment] = []  # full segments waiting to be packed
         self.damaged: list[Gap] = []
@@ -245,10 +246,12 @@ class Stream:
             self.dirty.clear()
             seq = self.write_seq
             upto = self.end_offset
+            cuts = self.cuts
         for file in files:
             file.sync()
         with self.lock:
-            self.publish(max(self.local_end, upto))
+            if self.cuts == cuts:  # else a truncation cut what `upto` counted: it is not ours to vouch for
+                self.publish(max(self.local_end, upto))
         return seq
 
     def sync(self) -> None:

@@ -127,6 +127,7 @@ class Truncation:
         )
         s.pack_queue = [seg for seg in s.pack_queue if seg in s.segments[:-1]]
         s.end_offset = cut
+        s.cuts += 1
         if s.commit is not None:
             s.commit = min(s.commit, cut)
         s.publish(min(s.local_end, cut))

@@ -371,3 +371,32 @@ def test_a_damaged_copy_is_wiped_for_a_rebuild(open_engine, tmp_path):
     assert engine.log_end("s") == 0
     engine.close()
     assert open_engine().log_end("s") == 0
+
+
+def test_a_sync_under_way_when_a_truncation_cuts_does_not_vouch_for_the_cut_entries(
+    open_engine, monkeypatch
+):
+    import threading
+
+    from storage.fs import SegmentFile
+
+    engine = open_engine(fsync="everysec")
+    engine.append("s", AppendBatch([b"a"] * 15))
+    syncing, release = threading.Event(), threading.Event()
+    plain_sync = SegmentFile.sync
+
+    def slow_sync(self):
+        syncing.set()
+        assert release.wait(10)
+        plain_sync(self)
+
+    monkeypatch.setattr(SegmentFile, "sync", slow_sync)
+    syncer = threading.Thread(target=engine.sync)
+    syncer.start()
+    assert syncing.wait(10)  # it counted the 15 entries and syncs their file now
+    monkeypatch.setattr(SegmentFile, "sync", plain_sync)
+    engine.truncate("s", 10)
+    release.set()
+    syncer.join(10)
+    assert engine.log_end("s") == 10  # not the 15 the sync had counted
+    assert engine.append("s", AppendBatch([b"b"])).first_offset == 10
