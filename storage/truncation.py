@@ -78,7 +78,10 @@ class Truncation:
                     f"cannot truncate stream {s.name!r} to {end_offset}: the cut must lie between its "
                     f"first offset {s.first_offset} and its end {s.end_offset}"
                 )
-            if end_offset == s.end_offset:
+            if end_offset == s.end_offset:  # no entry to drop; an epoch begun here that wrote none goes
+                epochs = s.epochs.truncated(end_offset)
+                if epochs is not None:
+                    s.save_epochs(epochs)
                 return
             # What stays must be durable before the intent is: recovery redoes the cut from there.
             for file in list(s.dirty):

@@ -93,16 +93,18 @@ class StreamFollower:
             backoff = _MIN_BACKOFF_S if progressed else min(backoff * 2, _MAX_BACKOFF_S)
             await asyncio.sleep(backoff)
 
+    def _last_epoch(self) -> int:
+        epochs = self._ctx.engine.epochs(self.name)
+        return epochs[-1][0] if epochs else -1
+
     def _request(self) -> rpb.FetchRequest:
-        engine, name = self._ctx.engine, self.name
-        epochs = engine.epochs(name)
         return rpb.FetchRequest(
-            stream=name,
+            stream=self.name,
             incarnation=self.record.incarnation,
             leader_epoch=self.record.epoch,
             follower_id=self._ctx.node_id,
-            log_end=engine.log_end(name),
-            last_epoch=epochs[-1][0] if epochs else -1,
+            log_end=self._ctx.engine.log_end(self.name),
+            last_epoch=self._last_epoch(),
             max_bytes=self._ctx.max_bytes,
         )
 
@@ -145,7 +147,7 @@ class StreamFollower:
     def _apply(self, data: rpb.ReplicaData) -> None:
         engine, name = self._ctx.engine, self.name
         end = engine.log_end(name)
-        if data.HasField("epoch_start"):
+        if data.HasField("epoch_start") and data.runs:  # an epoch is recorded with its first entry
             start = data.epoch_start
             epochs = engine.epochs(name)
             if start.start_offset == end and (not epochs or start.epoch > epochs[-1][0]):
@@ -162,7 +164,11 @@ class StreamFollower:
         engine, name = self._ctx.engine, self.name
         _, own_end = engine.epoch_end(name, diverging.epoch)
         first = engine.bounds(name).first_offset
-        cut = max(first, min(diverging.end_offset, own_end, engine.log_end(name)))
+        log_end = engine.log_end(name)
+        cut = max(first, min(diverging.end_offset, own_end, log_end))
+        if cut >= log_end and diverging.epoch == self._last_epoch():
+            # Nothing to cut, yet the leader still says it diverges: asking again at once would spin.
+            raise ValueError(f"stream {name!r}: the leader says this log diverges at {cut}, where it ends")
         if cut < self.hw:
             raise CommittedTruncationError(
                 f"stream {name!r}: the leader ({self.record.leader}, epoch {self.record.epoch}) says this "

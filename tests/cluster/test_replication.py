@@ -350,3 +350,32 @@ def test_a_follower_whose_copy_was_wiped_leaves_the_in_sync_set_and_rebuilds(
             assert records(back) == records(leader)
 
     run(scenario())
+
+
+def test_a_leader_deposed_before_it_wrote_in_its_epoch_follows_the_next_one(
+    etcd: EtcdCluster, tmp_path: Path
+) -> None:
+    async def scenario() -> None:
+        async with cluster(etcd, tmp_path, "a", "b", "c") as nodes:
+            record = await created(nodes)
+            first = nodes.nodes[record.leader]
+            await append(first, [b"epoch one"] * 10)
+            # Elected again (epoch 2): it records the epoch, then loses it before writing anything.
+            current = first.placement.locate("s")
+            outcome = await first.placement.cas(
+                current, dataclasses.replace(current, epoch=current.epoch + 1)
+            )
+            assert outcome.applied and outcome.record is not None
+            again = outcome.record
+            await until(lambda: first.engine.epochs("s") == [(1, 0), (again.epoch, 10)])
+            other = next(n for n in record.replicas if n != record.leader)
+            moved = dataclasses.replace(again, leader=other, epoch=again.epoch + 1)
+            assert (await first.placement.cas(again, moved)).applied
+            new = nodes.nodes[other]
+            await until(lambda: new.manager.ready("s"))
+            await append(new, [b"epoch three"] * 2)
+            await until(lambda: records(first) == records(new))
+            # Its empty epoch 2 is gone: its history is the new leader's.
+            assert first.engine.epochs("s") == new.engine.epochs("s") == [(1, 0), (moved.epoch, 10)]
+
+    run(scenario())

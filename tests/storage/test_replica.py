@@ -400,3 +400,13 @@ def test_a_sync_under_way_when_a_truncation_cuts_does_not_vouch_for_the_cut_entr
     syncer.join(10)
     assert engine.log_end("s") == 10  # not the 15 the sync had counted
     assert engine.append("s", AppendBatch([b"b"])).first_offset == 10
+
+
+def test_a_truncation_at_the_end_forgets_an_epoch_begun_there(open_engine):
+    engine = open_engine()
+    engine.create_stream("s", incarnation=1)
+    engine.begin_epoch("s", 1)
+    engine.append("s", AppendBatch([b"a"] * 4))
+    engine.begin_epoch("s", 3)  # led at epoch 3, deposed before it wrote anything
+    engine.truncate("s", 4)
+    assert engine.epochs("s") == [(1, 0)] and engine.log_end("s") == 4
