@@ -150,6 +150,11 @@ class ClusterNode:
         await self.coordinator.stop()
         await self.peers.close()
 
+    def replication_progress(self, name: str) -> tuple[int, list[tuple[str, int, int]]] | None:
+        """A stream this node leads: its HW and each replica's (node, log end, lag ms)."""
+        leader = self._leader_role(name)
+        return None if leader is None else leader.progress()
+
     def _leader_role(self, name: str) -> StreamLeader | None:
         return self.replication.leader(name) if self.replication is not None else None
 

@@ -9,7 +9,7 @@ call to etcd; a single server never loads the cluster layer (types only, below).
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from streamlog.v1 import streamlog_pb2 as pb
@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from cluster.placement import StreamPlacement
 
 VERSION = importlib.metadata.version("streamlog")
+# A led stream's high watermark and its replicas' (node, log end, lag in ms).
+Progress = tuple[int, list[tuple[str, int, int]]]
 
 
 def single_server(request: pb.DescribeClusterRequest, settings: Settings) -> pb.DescribeClusterResponse:
@@ -39,8 +41,10 @@ def cluster_view(
     streams: Mapping[str, StreamPlacement],
     page: Sequence[str],
     next_page_token: str,
+    progress: Callable[[str], Progress | None] = lambda _name: None,
 ) -> pb.DescribeClusterResponse:
-    """A cluster node's answer: the `live` nodes, and the placement `streams` named in `page`."""
+    """A cluster node's answer: the `live` nodes, and the placement `streams` named in `page`, with
+    the high watermark and replicas' progress of those this node leads (`progress`)."""
     nodes = [
         pb.ClusterNode(
             id=info.node_id,
@@ -60,14 +64,22 @@ def cluster_view(
         cluster_name=cluster_name,
         node_id=node_id,
         nodes=nodes,
-        streams=[_placement(streams[name]) for name in page],
+        streams=[_placement(streams[name], progress(name)) for name in page],
         next_page_token=next_page_token,
     )
 
 
-def _placement(record: StreamPlacement) -> pb.StreamPlacement:
+def _placement(record: StreamPlacement, progress: Progress | None) -> pb.StreamPlacement:
     config = record.config
+    known = {}
+    if progress is not None:
+        hw, replicas = progress
+        known = {
+            "high_watermark": hw,
+            "progress": [pb.ReplicaProgress(node=n, log_end_offset=e, lag_ms=lag) for n, e, lag in replicas],
+        }
     return pb.StreamPlacement(
+        **known,
         name=record.name,
         leader=record.leader,
         replicas=record.replicas,

@@ -359,6 +359,7 @@ class RoutingInterceptor(WrappingInterceptor):
             streams=self._placement.streams(),
             page=page,
             next_page_token=next_page_token,
+            progress=self._node.replication_progress,
         )
 
     async def _catalog(self, context: CallContext, request: Any) -> tuple[list[str], str]:

@@ -212,6 +212,17 @@ class StreamLeader:
         wake, self._wake = self._wake, asyncio.get_running_loop().create_future()
         wake.set_result(None)
 
+    def progress(self) -> tuple[int, list[tuple[str, int, int]]]:
+        """(the HW, each replica's (node, log end, ms since it was last caught up)), for operators."""
+        now, me = time.monotonic(), self._ctx.node_id
+        replicas = [(me, self._engine.log_end(self.name), 0)]
+        for node in self.record.replicas:
+            known = self._progress.get(node)
+            if node != me and known is not None:
+                lag = 0 if known.log_end >= self._engine.log_end(self.name) else now - known.caught_up_at
+                replicas.append((node, known.log_end, int(min(lag, 1e12) * 1000)))
+        return self.hw, replicas
+
     # -- serving a follower's fetch session
 
     def check(self, request: rpb.FetchRequest) -> None:

@@ -1,0 +1,186 @@
+"""Replicated streams on real `streamlog serve --cluster` processes: a leader killed, paused past its
+lease, a follower restarted. What each test checks is what clients were told and the replicas' logs,
+read offline afterwards (bench/replicalogs.py) as each node would serve them after a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import pytest
+from streamlog.v1 import streamlog_pb2 as pb
+from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
+
+from bench.replicalogs import read_replica
+from tests.cluster.helpers import TEST_TTL_MS
+from tests.cluster.nodes import ClusterNodes, eventually, free_port, leader_of
+from tests.cluster.proxy import FaultProxy
+
+NODES = ("n1", "n2", "n3")
+REPLICATED = {"default_replication_factor": "3", "replica_lag_ms": "1000"}
+# A dead or paused node's lease expires within its TTL, plus etcd's expiry check and the election.
+EXPIRY_S = TEST_TTL_MS / 1000 + 5
+
+Stubs = Callable[[str], pb_grpc.StreamLogServiceStub]
+
+
+@pytest.fixture
+def stubs(cluster_nodes: ClusterNodes) -> Iterator[Stubs]:
+    channels: list[grpc.Channel] = []
+    yield lambda name: cluster_nodes.stub(name, channels)
+    for channel in channels:
+        channel.close()
+
+
+def payloads(batch: int, size: int = 10) -> list[bytes]:
+    return [b"batch-%03d-entry-%02d" % (batch, i) for i in range(size)]
+
+
+def append_until_acknowledged(stubs: Stubs, names: tuple[str, ...], request: pb.AppendRequest) -> int:
+    """Append through any live node until one acknowledges it (the producer id makes retries safe);
+    the acknowledged last offset."""
+    deadline = time.monotonic() + EXPIRY_S + 10
+    while True:
+        for name in names:
+            try:
+                return stubs(name).Append(request, timeout=5).last_offset
+            except grpc.RpcError as exc:
+                assert exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), exc
+        assert time.monotonic() < deadline, "no node acknowledged the append"
+        time.sleep(0.1)
+
+
+def isr(stubs: Stubs, via: str, stream: str) -> set[str]:
+    return set(leader_of(stubs(via), stream).in_sync_replicas)
+
+
+def logs(cluster_nodes: ClusterNodes, stream: str) -> dict[str, list[tuple[int, int, str, bytes]]]:
+    """Each stopped node's log of the stream, read offline: (offset, timestamp, tag, payload)."""
+    found = {}
+    for name in NODES:
+        replica, problems = read_replica(cluster_nodes.directory / name, name)
+        assert problems == [], problems
+        found[name] = [(e.offset, e.timestamp_ms, e.tag, e.payload) for e in replica[stream].entries]
+    return found
+
+
+def test_a_killed_leaders_acknowledged_entries_are_all_on_the_new_leader(
+    cluster_nodes: ClusterNodes, stubs: Stubs
+) -> None:
+    cluster_nodes.start(*NODES, **REPLICATED)
+    acknowledged: dict[int, bytes] = {}
+    for batch in range(20):
+        request = pb.AppendRequest(
+            stream="s", payloads=payloads(batch), producer_id="p", producer_sequence=batch
+        )
+        last = stubs("n1").Append(request, timeout=10).last_offset
+        acknowledged.update(zip(range(last - 9, last + 1), request.payloads, strict=True))
+    old = leader_of(stubs("n1"), "s").leader
+    placement = leader_of(stubs(old), "s")  # the leader reports the high watermark
+    assert set(placement.in_sync_replicas) == set(NODES) and placement.high_watermark == 200
+    cluster_nodes.kill(old)  # kill -9: no lease revoked
+    others = tuple(n for n in NODES if n != old)
+    for batch in range(20, 30):  # through the failover: retried until a new leader acknowledges
+        request = pb.AppendRequest(
+            stream="s", payloads=payloads(batch), producer_id="p", producer_sequence=batch
+        )
+        last = append_until_acknowledged(stubs, others, request)
+        acknowledged.update(zip(range(last - 9, last + 1), request.payloads, strict=True))
+    new = leader_of(stubs(others[0]), "s")
+    assert new.leader in others and new.leader_epoch > placement.leader_epoch
+    read = stubs(new.leader).Read(pb.ReadRequest(stream="s", count=10_000), timeout=10)
+    assert {e.offset: e.payload for e in read.entries} == acknowledged  # none lost, none twice
+    # The killed node comes back as a follower, catches up and rejoins the in-sync set.
+    cluster_nodes.start(old, **REPLICATED)
+    eventually(lambda: isr(stubs, others[0], "s") == set(NODES), timeout_s=20)
+    for name in NODES:
+        cluster_nodes.stop(name)
+    replicas = logs(cluster_nodes, "s")
+    assert replicas[old] == replicas[others[0]] == replicas[others[1]]  # byte for byte, stamps too
+    assert {offset: payload for offset, _, _, payload in replicas[old]} == acknowledged
+
+
+class Links:
+    """A fault proxy in front of each node, on an event loop of its own (a thread): the nodes dial
+    one another through them (`peer_addresses`), so a test can cut a node off from its peers."""
+
+    def __init__(self, ports: dict[str, int]) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self.proxies = {name: self._run(self._proxy(port)) for name, port in ports.items()}
+
+    @staticmethod
+    async def _proxy(port: int) -> FaultProxy:
+        proxy = FaultProxy(("127.0.0.1", port))
+        await proxy.start()
+        return proxy
+
+    def _run(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=10)
+
+    async def _do(self, action: Callable[[], None]) -> None:
+        action()
+
+    def peer_addresses(self) -> str:
+        return ",".join(f"{name}=127.0.0.1:{proxy.address[1]}" for name, proxy in self.proxies.items())
+
+    def cut(self, name: str) -> None:
+        """Nothing the peers send `name` arrives, nothing it answers them leaves."""
+        self._run(self._do(self.proxies[name].block))
+
+    def heal(self, name: str) -> None:
+        """The cut connections are reset (what they held is never delivered) and new ones pass."""
+        proxy = self.proxies[name]
+        self._run(self._do(lambda: (proxy.reset(), proxy.unblock())))
+
+    def close(self) -> None:
+        for proxy in self.proxies.values():
+            self._run(proxy.stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+
+@pytest.fixture
+def links(cluster_nodes: ClusterNodes) -> Iterator[Links]:
+    for name in NODES:
+        cluster_nodes.ports[name] = free_port()
+    links = Links({name: cluster_nodes.ports[name] for name in NODES})
+    yield links
+    links.close()
+
+
+def test_a_leader_paused_past_its_lease_is_deposed_and_its_unreplicated_suffix_truncated(
+    cluster_nodes: ClusterNodes, stubs: Stubs, links: Links
+) -> None:
+    # acks=leader lets the leader acknowledge what its followers have not copied (Kafka's acks=1).
+    settings = {**REPLICATED, "replica_lag_ms": "5000", "default_acks": "leader"}
+    cluster_nodes.start(*NODES, **settings, peer_addresses=links.peer_addresses())
+    stubs("n1").Append(pb.AppendRequest(stream="s", payloads=payloads(0)), timeout=10)
+    old = leader_of(stubs("n1"), "s").leader
+    followers = tuple(n for n in NODES if n != old)
+    eventually(lambda: leader_of(stubs(old), "s").high_watermark == 10)
+    # Cut off from its followers (they stay in sync: well within the lag), the leader writes a
+    # suffix only it holds, then pauses past its lease.
+    links.cut(old)
+    stubs(old).Append(pb.AppendRequest(stream="s", payloads=[b"only on the old leader"] * 5), timeout=10)
+    cluster_nodes.signal(old, signal.SIGSTOP)
+    # Its lease expires; a follower is elected and takes appends.
+    eventually(lambda: leader_of(stubs(followers[0]), "s").leader in followers, timeout_s=EXPIRY_S + 5)
+    new = leader_of(stubs(followers[0]), "s").leader
+    links.heal(old)
+    reply = append_until_acknowledged(stubs, followers, pb.AppendRequest(stream="s", payloads=payloads(1)))
+    assert reply == 19  # offsets 10..19: the old leader's suffix is not in the new leader's log
+    cluster_nodes.signal(old, signal.SIGCONT)
+    # Back, it finds itself deposed, follows, truncates its suffix and catches up.
+    eventually(lambda: isr(stubs, new, "s") == set(NODES), timeout_s=EXPIRY_S + 10)
+    for name in NODES:
+        cluster_nodes.stop(name)
+    replicas = logs(cluster_nodes, "s")
+    assert replicas[old] == replicas[new] == replicas[next(n for n in followers if n != new)]
+    assert [payload for _, _, _, payload in replicas[old]] == payloads(0) + payloads(1)
