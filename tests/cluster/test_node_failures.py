@@ -1,8 +1,9 @@
 """Clustered `streamlog serve` processes that die, pause, or find their id taken.
 
-Streams have one replica here (there is no replication yet): a stream whose leader
-dies has no replica to take over, so it has no leader (UNAVAILABLE, without leader
-trailers) until that node comes back, and then it serves its data again. A leader
+Streams have one replica here (default_replication_factor 1; tests/cluster/test_failover.py
+has replicated ones): a stream whose leader dies has no replica to take over, so it has
+no leader (UNAVAILABLE, without leader trailers) until that node comes back, and then
+it serves its data again. A leader
 paused past its lease finds it was deposed when it resumes: the long calls it served
 end with "leader changed", and it is elected again (it is the only in-sync replica).
 """

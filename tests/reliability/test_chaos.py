@@ -8,9 +8,10 @@ runs prove the harness and the configurations it runs today:
   no offset holds two entries, the group's acks stick and it gets everything;
 - the same bench with fsync=no and power losses must fail, and says why: the
   checker is not a rubber stamp;
-- a cluster of three nodes (etcd, routing, forwarding; one replica per stream
-  until replication lands) under the cluster's faults too: partitions between
-  nodes and from etcd, etcd members killed, power loss of every node at once.
+- a cluster of three nodes (etcd, routing, forwarding, every stream on three
+  replicas) under the cluster's faults too: partitions between nodes and from
+  etcd, etcd members killed, power loss of one node and of every node at once,
+  a node's data directory wiped.
 """
 
 from __future__ import annotations
@@ -59,13 +60,19 @@ def test_the_bench_fails_and_says_why_when_acknowledged_entries_are_lost(tmp_pat
 
 @pytest.mark.timeout(400)
 def test_a_three_node_cluster_under_every_fault_it_survives_loses_nothing_acknowledged(tmp_path):
-    """Streams on one replica each (replication factor 1): until replication lands, a follower holds
-    no copy, so a stream whose node is down has no leader (no unclean election) and waits for it;
-    its data survives every fault but a wiped disk, which kinds_for leaves out below 3 replicas.
-    Calls go through any node: routed to the stream's leader or forwarded there."""
-    kinds = kinds_for(nodes=3, replication_factor=1, fsync="always")
-    assert {"partition", "partition-one-way", "partition-etcd", "etcd-leader-kill", "power-all"} <= set(kinds)
-    result = run_chaos(tmp_path, 75, nodes=3, seed=15, interval_s=(0.5, 1.5))
+    """Streams on three replicas (acks=quorum): a stream whose leader is killed, paused, cut off or
+    wiped gets a new leader from its in-sync replicas, and nothing acknowledged is lost. Calls go
+    through any node: routed to the stream's leader or forwarded there."""
+    kinds = kinds_for(nodes=3, replication_factor=3, fsync="always")
+    assert {
+        "partition",
+        "partition-one-way",
+        "partition-etcd",
+        "etcd-leader-kill",
+        "power-all",
+        "wipe",
+    } <= set(kinds)
+    result = run_chaos(tmp_path, 75, nodes=3, seed=15, interval_s=(0.5, 1.5), replication_factor=3)
     assert result.ok, result.summary()
     assert sum(result.faults.values()) >= 12
     assert result.report.stats["entries_acked"] > 1000
