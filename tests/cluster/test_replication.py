@@ -120,13 +120,14 @@ async def cluster(
         await nodes.close()
 
 
-async def created(nodes: Cluster, name: str = "s") -> StreamPlacement:
+async def created(nodes: Cluster, name: str = "s") -> tuple[StreamPlacement, Node, list[str]]:
+    """A new stream: its record, its leader (ready), and its followers' ids."""
     first = next(iter(nodes.nodes.values()))
     record = await first.placement.create_if_absent(name)
     await settled([n.coordinator for n in nodes.nodes.values()])
     leader = nodes.nodes[record.leader]
     await until(lambda: leader.manager.ready(name))
-    return record
+    return record, leader, [n for n in record.replicas if n != record.leader]
 
 
 async def append(node: Node, payloads: list[bytes], name: str = "s") -> int:
@@ -144,9 +145,8 @@ def records(node: Node, name: str = "s") -> bytes:
 def test_a_quorum_append_is_on_every_in_sync_replica_byte_for_byte(etcd: EtcdCluster, tmp_path: Path) -> None:
     async def scenario() -> None:
         async with cluster(etcd, tmp_path, "a", "b", "c") as nodes:
-            record = await created(nodes)
+            record, leader, _ = await created(nodes)
             assert set(record.isr) == {"a", "b", "c"}
-            leader = nodes.nodes[record.leader]
             follower_nodes = [n for n in nodes.nodes.values() if n is not leader]
             assert leader.engine.read("s", 0, 10).count == 0
             end = 0
@@ -169,9 +169,7 @@ def test_a_stopped_follower_leaves_the_in_sync_set_and_rejoins_once_caught_up(
 ) -> None:
     async def scenario() -> None:
         async with cluster(etcd, tmp_path, "a", "b", "c") as nodes:
-            record = await created(nodes)
-            leader = nodes.nodes[record.leader]
-            gone = next(n for n in record.replicas if n != record.leader)
+            _, leader, (gone, *_) = await created(nodes)
             await append(leader, [b"before"] * 10)
             await nodes.stop(gone)
             # A quorum append waits for the stopped follower until the leader drops it from the set.
@@ -191,11 +189,9 @@ def test_below_a_majority_in_sync_quorum_appends_are_refused_and_leader_appends_
 ) -> None:
     async def scenario() -> None:
         async with cluster(etcd, tmp_path, "a", "b", "c") as nodes:
-            record = await created(nodes)
-            leader = nodes.nodes[record.leader]
-            for node_id in record.replicas:
-                if node_id != record.leader:
-                    await nodes.stop(node_id)
+            record, leader, followers = await created(nodes)
+            for node_id in followers:
+                await nodes.stop(node_id)
             leader.engine.append("s", AppendBatch([b"x"]))
             await until(lambda: leader.placement.locate("s").isr == (record.leader,), timeout_s=20)
             with pytest.raises(NotEnoughReplicasError):
@@ -210,12 +206,10 @@ def test_a_deposed_leaders_unreplicated_suffix_is_truncated_when_it_follows(
 ) -> None:
     async def scenario() -> None:
         async with cluster(etcd, tmp_path, "a", "b", "c") as nodes:
-            record = await created(nodes)
-            old = nodes.nodes[record.leader]
+            _, old, followers = await created(nodes)
             await append(old, [b"committed"] * 20)
             # Cut the old leader off from its followers: they stop fetching (their managers are
             # stopped and a new epoch is written as the controller would, electing `new`).
-            followers = [n for n in record.replicas if n != record.leader]
             for node_id in followers:
                 await nodes.stop(node_id)
             old.engine.append("s", AppendBatch([b"never acknowledged"] * 5))
@@ -253,9 +247,7 @@ def test_a_follower_behind_the_leaders_first_offset_rebuilds_from_it(
 ) -> None:
     async def scenario() -> None:
         async with cluster(etcd, tmp_path, "a", "b", "c") as nodes:
-            record = await created(nodes)
-            leader = nodes.nodes[record.leader]
-            gone = next(n for n in record.replicas if n != record.leader)
+            _, leader, (gone, *_) = await created(nodes)
             await nodes.stop(gone)
             await append(leader, [b"old"] * 40)
             leader.engine.trim("s", 30)
@@ -272,9 +264,7 @@ def test_a_follower_behind_the_leaders_first_offset_rebuilds_from_it(
 def test_the_replica_service_refuses_what_it_cannot_serve(etcd: EtcdCluster, tmp_path: Path) -> None:
     async def scenario() -> None:
         async with cluster(etcd, tmp_path, "a", "b") as nodes:
-            record = await created(nodes)
-            leader = nodes.nodes[record.leader]
-            follower = next(n for n in record.replicas if n != record.leader)
+            record, leader, (follower,) = await created(nodes)
             good = rpb.FetchRequest(
                 stream="s", incarnation=record.incarnation, leader_epoch=record.epoch, follower_id=follower
             )
@@ -329,9 +319,7 @@ def test_a_follower_whose_copy_was_wiped_leaves_the_in_sync_set_and_rebuilds(
     async def scenario() -> None:
         # A lag far longer than the test: only the rule for lost entries can take it out of the set.
         async with cluster(etcd, tmp_path, "a", "b", "c", lag_ms=60_000) as nodes:
-            record = await created(nodes)
-            leader = nodes.nodes[record.leader]
-            wiped = next(n for n in record.replicas if n != record.leader)
+            _, leader, (wiped, *_) = await created(nodes)
             await append(leader, [b"acknowledged"] * 25)
             isr_changes: list[tuple[str, ...]] = []
             leader.placement.add_listener(lambda _n, _o, new: new and isr_changes.append(new.isr))
@@ -357,8 +345,7 @@ def test_a_leader_deposed_before_it_wrote_in_its_epoch_follows_the_next_one(
 ) -> None:
     async def scenario() -> None:
         async with cluster(etcd, tmp_path, "a", "b", "c") as nodes:
-            record = await created(nodes)
-            first = nodes.nodes[record.leader]
+            _, first, (other, *_) = await created(nodes)
             await append(first, [b"epoch one"] * 10)
             # Elected again (epoch 2): it records the epoch, then loses it before writing anything.
             current = first.placement.locate("s")
@@ -368,7 +355,6 @@ def test_a_leader_deposed_before_it_wrote_in_its_epoch_follows_the_next_one(
             assert outcome.applied and outcome.record is not None
             again = outcome.record
             await until(lambda: first.engine.epochs("s") == [(1, 0), (again.epoch, 10)])
-            other = next(n for n in record.replicas if n != record.leader)
             moved = dataclasses.replace(again, leader=other, epoch=again.epoch + 1)
             assert (await first.placement.cas(again, moved)).applied
             new = nodes.nodes[other]
