@@ -75,7 +75,7 @@ class ClusterNode:
         )
         self._peer_metadata = ((PEER_SECRET, secret.decode()),) if secret else ()
         # Set by `start` (it needs the engine); until then the replica service serves nothing.
-        self.replication: ReplicaManager | None = None
+        self._replication: ReplicaManager | None = None
         self.replica_service = ReplicaServicer(self.node_id, self._leader_role, secret)
         self.forwarder = Forwarder(self.node_id, self.peers, service, raw_reply_methods)
         # The server's open calls: those served here as their stream's leader, and those relayed
@@ -113,7 +113,7 @@ class ClusterNode:
         self._calls = calls
         self.replicas.attach(engine, forget)
         settings, membership = self.settings, self.coordinator.membership
-        self.replication = ReplicaManager(
+        self._replication = replication = ReplicaManager(
             self.node_id,
             engine,
             self.coordinator.placement,
@@ -125,9 +125,9 @@ class ClusterNode:
                 replica_lag_ms=settings.replica_lag_ms, max_fetch_bytes=settings.replica_fetch_bytes
             ),
         )
-        self.replication.start()
+        replication.start()
         # Added before the coordinator starts: it hears every record that exists then.
-        self.coordinator.placement.add_listener(self.replication.on_placement)
+        self.coordinator.placement.add_listener(replication.on_placement)
         try:
             await self.coordinator.start()
         except ClusterError as exc:
@@ -145,10 +145,16 @@ class ClusterNode:
 
     async def stop(self) -> None:
         self.started = False
-        if self.replication is not None:
-            await self.replication.stop()
+        if self._replication is not None:
+            await self._replication.stop()
         await self.coordinator.stop()
         await self.peers.close()
+
+    @property
+    def replication(self) -> ReplicaManager:
+        """This node's replicas and roles (cluster/replication/manager.py); set once it started."""
+        assert self._replication is not None, "the cluster node has not started"
+        return self._replication
 
     def replication_progress(self, name: str) -> tuple[int, list[tuple[str, int, int]]] | None:
         """A stream this node leads: its HW and each replica's (node, log end, lag ms)."""
@@ -156,7 +162,7 @@ class ClusterNode:
         return None if leader is None else leader.progress()
 
     def _leader_role(self, name: str) -> StreamLeader | None:
-        return self.replication.leader(name) if self.replication is not None else None
+        return self._replication.leader(name) if self._replication is not None else None
 
     def _replicate_on(self, node_id: str) -> Any:
         """The Replicate multicallable on the channel to `node_id` (placement's leader)."""

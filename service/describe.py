@@ -71,15 +71,7 @@ def cluster_view(
 
 def _placement(record: StreamPlacement, progress: Progress | None) -> pb.StreamPlacement:
     config = record.config
-    known = {}
-    if progress is not None:
-        hw, replicas = progress
-        known = {
-            "high_watermark": hw,
-            "progress": [pb.ReplicaProgress(node=n, log_end_offset=e, lag_ms=lag) for n, e, lag in replicas],
-        }
-    return pb.StreamPlacement(
-        **known,
+    placement = pb.StreamPlacement(
         name=record.name,
         leader=record.leader,
         replicas=record.replicas,
@@ -88,3 +80,10 @@ def _placement(record: StreamPlacement, progress: Progress | None) -> pb.StreamP
         replication_factor=int(config.get("replication_factor", len(record.replicas))),
         acks=str(config.get("acks", "")),
     )
+    if progress is not None:
+        hw, replicas = progress
+        placement.high_watermark = hw
+        placement.progress.extend(
+            pb.ReplicaProgress(node=node, log_end_offset=end, lag_ms=lag) for node, end, lag in replicas
+        )
+    return placement

@@ -89,9 +89,7 @@ class Forwarder:
         )
         return (*passed, (FORWARDED_BY, self._node_id))
 
-    async def unary(
-        self, method: str, request: Any, context: CallContext, leader: str, address: str
-    ) -> Any:
+    async def unary(self, method: str, request: Any, context: CallContext, leader: str, address: str) -> Any:
         call = self._call(method, leader, address)(
             request, metadata=self._metadata(context), timeout=context.time_remaining()
         )

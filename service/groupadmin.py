@@ -98,9 +98,7 @@ class GroupAdmin:
         return pb.DeleteGroupResponse()
 
     @translate_errors
-    async def ListGroups(
-        self, request: pb.ListGroupsRequest, context: CallContext
-    ) -> pb.ListGroupsResponse:
+    async def ListGroups(self, request: pb.ListGroupsRequest, context: CallContext) -> pb.ListGroupsResponse:
         engine = self._serving.ready()
         stream = validation.stream(request.stream)
         infos = await self._serving.may_block(engine, stream, engine.list_groups, stream)
@@ -154,9 +152,7 @@ class GroupAdmin:
         return pb.DeleteConsumerResponse(released=released)
 
     @translate_errors
-    async def GetPending(
-        self, request: pb.GetPendingRequest, context: CallContext
-    ) -> pb.GetPendingResponse:
+    async def GetPending(self, request: pb.GetPendingRequest, context: CallContext) -> pb.GetPendingResponse:
         engine = self._serving.ready()
         settings = self._serving.settings
         stream = validation.stream(request.stream)

@@ -84,9 +84,7 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
         A layer that needs the later messages too (to relay them) overrides this.
         """
 
-        async def session(
-            requests: AsyncIterator[Any], context: CallContext
-        ) -> AsyncGenerator[Any, None]:
+        async def session(requests: AsyncIterator[Any], context: CallContext) -> AsyncGenerator[Any, None]:
             opening = await anext(requests, None)
             if opening is None:
                 return  # the client closed its side without a word
@@ -108,9 +106,7 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
         """The handler of server-streaming `method`, wrapped (or `behavior` itself)."""
 
 
-async def iterate(
-    behavior: StreamBehavior, request: Any, context: CallContext
-) -> AsyncGenerator[Any, None]:
+async def iterate(behavior: StreamBehavior, request: Any, context: CallContext) -> AsyncGenerator[Any, None]:
     """The replies of a streaming behavior, whichever of the two forms it has.
 
     A behavior that writes with `context.write` (a coroutine) has sent its replies

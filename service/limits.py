@@ -218,9 +218,7 @@ class LimitsInterceptor(WrappingInterceptor):
             for key in [k for k in self._consumers if k[0] == request.stream]:
                 del self._consumers[key]
 
-    async def _refuse(
-        self, context: CallContext, method: str, request: Any, exc: LimitError
-    ) -> None:
+    async def _refuse(self, context: CallContext, method: str, request: Any, exc: LimitError) -> None:
         log.info(
             "limit reached: %s",
             exc,

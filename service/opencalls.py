@@ -148,9 +148,7 @@ class OpenCalls:
         if not same:
             del self._by_stream[stream]
 
-    async def hold(
-        self, method: str, request: Any, context: CallContext, behavior: UnaryBehavior
-    ) -> Any:
+    async def hold(self, method: str, request: Any, context: CallContext, behavior: UnaryBehavior) -> Any:
         """The reply of unary `behavior`, unless the call is ended first."""
         call = self._register(method, request, context)
         token = _CURRENT.set(call)

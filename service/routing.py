@@ -145,9 +145,7 @@ class RoutingInterceptor(WrappingInterceptor):
         # forwarded session relays the later messages as they come.
         node = self._node
 
-        async def routed(
-            requests: AsyncIterator[Any], context: CallContext
-        ) -> AsyncGenerator[Any, None]:
+        async def routed(requests: AsyncIterator[Any], context: CallContext) -> AsyncGenerator[Any, None]:
             opening = await anext(requests, None)
             if opening is None:
                 return  # the client closed its side without a word
@@ -166,9 +164,7 @@ class RoutingInterceptor(WrappingInterceptor):
 
     # -- where a call goes
 
-    async def _route(
-        self, method: str, request: Any, context: CallContext
-    ) -> tuple[str, str] | None:
+    async def _route(self, method: str, request: Any, context: CallContext) -> tuple[str, str] | None:
         """(leader id, its advertised address) to forward the call to; None to serve it here.
         Refusals abort the call."""
         node = self._node
@@ -273,14 +269,14 @@ class RoutingInterceptor(WrappingInterceptor):
             return await self._append(request, context, behavior)
         return await behavior(request, context)
 
-    async def _append(self, request: Any, context: grpc.aio.ServicerContext, behavior: UnaryBehavior) -> Any:
+    async def _append(self, request: Any, context: CallContext, behavior: UnaryBehavior) -> Any:
         """An Append served here: refused before it writes when too few replicas are in sync for
         its acks level; its reply once its entries are committed (acks=quorum: every in-sync
         replica holds them) or at once (acks=leader). UNAVAILABLE, the outcome unknown, when this
         node stops leading or its lease lapses meanwhile."""
         node, stream = self._node, request.stream
         replication = node.replication
-        assert replication is not None and node.engine is not None  # set once the node started
+        assert node.engine is not None  # set once the node started
         record = self._placement.locate(stream)
         assert record is not None
         quorum = record.config.get("acks", node.settings.default_acks) != "leader"
@@ -346,9 +342,7 @@ class RoutingInterceptor(WrappingInterceptor):
         names, next_page_token = await self._catalog(context, request)
         return pb.ListStreamsResponse(streams=names, next_page_token=next_page_token)
 
-    async def _describe_cluster(
-        self, request: pb.DescribeClusterRequest, context: CallContext
-    ) -> Any:
+    async def _describe_cluster(self, request: pb.DescribeClusterRequest, context: CallContext) -> Any:
         page, next_page_token = await self._catalog(context, request)
         coordinator = self._node.coordinator
         return describe.cluster_view(

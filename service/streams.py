@@ -210,18 +210,14 @@ class StreamCalls:
         return pb.SetStreamConfigResponse(config=streamwire.config_to_proto(engine.stream_config(stream)))
 
     @translate_errors
-    async def SeekTime(
-        self, request: pb.SeekTimeRequest, context: CallContext
-    ) -> pb.SeekTimeResponse:
+    async def SeekTime(self, request: pb.SeekTimeRequest, context: CallContext) -> pb.SeekTimeResponse:
         engine = self._serving.ready()
         stream = validation.stream(request.stream)
         timestamp_ms = validation.non_negative("timestamp_ms", request.timestamp_ms)
         return pb.SeekTimeResponse(offset=engine.seek_time(stream, timestamp_ms))
 
     @translate_errors
-    async def CountRange(
-        self, request: pb.CountRangeRequest, context: CallContext
-    ) -> pb.CountRangeResponse:
+    async def CountRange(self, request: pb.CountRangeRequest, context: CallContext) -> pb.CountRangeResponse:
         engine = self._serving.ready()
         stream = validation.stream(request.stream)
         start, end = validation.offset_range(

@@ -52,9 +52,7 @@ class Subscriptions:
         self._groups = groups
 
     @translate_errors
-    async def Subscribe(
-        self, request: pb.SubscribeRequest, context: CallContext
-    ) -> AsyncIterator[bytes]:
+    async def Subscribe(self, request: pb.SubscribeRequest, context: CallContext) -> AsyncIterator[bytes]:
         serving = self._serving
         engine = serving.ready()
         stream = validation.stream(request.stream)

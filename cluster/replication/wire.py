@@ -30,8 +30,8 @@ def _le(positions: array) -> bytes:
     return positions.tobytes()
 
 
-def to_data(chunk: ReplicaChunk, **bounds: int) -> rpb.ReplicaData:
-    """The chunk as ReplicaData; `bounds`: high_watermark, log_start (and epoch_start fields)."""
+def to_data(chunk: ReplicaChunk, *, high_watermark: int, log_start: int) -> rpb.ReplicaData:
+    """The chunk as ReplicaData, with the leader's high watermark and first offset."""
     data = rpb.ReplicaData(
         first_offset=chunk.first_offset,
         records=chunk.records,
@@ -56,7 +56,8 @@ def to_data(chunk: ReplicaChunk, **bounds: int) -> rpb.ReplicaData:
             for p in chunk.producers
         ],
         log_end=chunk.log_end,
-        **bounds,
+        high_watermark=high_watermark,
+        log_start=log_start,
     )
     return data
 

@@ -201,7 +201,13 @@ def test_describe_cluster_and_list_streams_show_the_whole_cluster(
         for placement in described.streams:
             assert placement.leader in NODES and list(placement.replicas) == [placement.leader]
             assert list(placement.in_sync_replicas) == [placement.leader] and placement.leader_epoch == 1
-            assert placement.replication_factor == 1 and not placement.HasField("high_watermark")
+            assert placement.replication_factor == 1
+            # The high watermark and progress come from the leader only (1 entry, committed).
+            if placement.leader == node:
+                assert placement.high_watermark == 1
+                assert [(p.node, p.log_end_offset) for p in placement.progress] == [(node, 1)]
+            else:
+                assert not placement.HasField("high_watermark") and not placement.progress
         # New streams go to the least loaded nodes: four streams are not all on one.
         assert len({s.leader for s in described.streams}) > 1
         # ListStreams pages through the cluster's catalog on any node.
