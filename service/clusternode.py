@@ -33,7 +33,7 @@ from cluster.errors import ClusterError
 from cluster.placement import StreamPlacement
 from cluster.replication.leader import StreamLeader
 from cluster.replication.manager import ReplicaManager, ReplicationConfig
-from cluster.replication.service import PEER_SECRET, REPLICATE, ReplicaServicer
+from cluster.replication.service import PEER_SECRET, REPLICA_STATE, REPLICATE, ReplicaServicer
 from cluster.replication.service import add_to_server as add_replica_service
 from service.config import Settings
 from service.forwarding import Forwarder
@@ -43,6 +43,9 @@ from service.replicas import LocalReplicas, Role
 from service.resume import end_to_resume
 from service.routing import RoutingInterceptor
 from storage import Engine
+
+# How long a node that lost a copy waits for a peer to say how much of the stream it holds.
+_STATE_TIMEOUT_S = 2.0
 
 
 class ClusterStartError(RuntimeError):
@@ -76,7 +79,7 @@ class ClusterNode:
         self._peer_metadata = ((PEER_SECRET, secret.decode()),) if secret else ()
         # Set by `start` (it needs the engine); until then the replica service serves nothing.
         self._replication: ReplicaManager | None = None
-        self.replica_service = ReplicaServicer(self.node_id, self._leader_role, secret)
+        self.replica_service = ReplicaServicer(self.node_id, self._leader_role, self._copy_state, secret)
         self.forwarder = Forwarder(self.node_id, self.peers, service, raw_reply_methods)
         # The server's open calls: those served here as their stream's leader, and those relayed
         # to other leaders (service/routing.py marks which). Set by `start`.
@@ -121,6 +124,8 @@ class ClusterNode:
             connect=self._replicate_on,
             metadata=self._peer_metadata,
             forget=forget,
+            live=lambda: self.coordinator.nodes.live().keys(),
+            ask_state=self._ask_state,
             config=ReplicationConfig(
                 replica_lag_ms=settings.replica_lag_ms, max_fetch_bytes=settings.replica_fetch_bytes
             ),
@@ -133,6 +138,7 @@ class ClusterNode:
         except ClusterError as exc:
             raise ClusterStartError(f"cannot join the cluster: {exc}") from exc
         self.replicas.go_live(lambda name: self.coordinator.placement.locate(name) is not None)
+        replication.go_live()
         self.started = True
 
     def drain(self) -> None:
@@ -163,6 +169,29 @@ class ClusterNode:
 
     def _leader_role(self, name: str) -> StreamLeader | None:
         return self._replication.leader(name) if self._replication is not None else None
+
+    def _copy_state(self, name: str, incarnation: int) -> tuple[int, int] | None:
+        return self._replication.state(name, incarnation) if self._replication is not None else None
+
+    async def _ask_state(self, node_id: str, name: str, incarnation: int) -> tuple[int, int] | None:
+        """A peer's ReplicaState for the stream: (last epoch, log end); None if it gives none."""
+        info = self.coordinator.nodes.live().get(node_id)
+        if info is None:
+            return None
+        call = self.peers.method(
+            node_id,
+            info.address,
+            REPLICA_STATE,
+            "unary_unary",
+            request_serializer=rpb.ReplicaStateRequest.SerializeToString,
+            response_deserializer=rpb.ReplicaStateResponse.FromString,
+        )
+        request = rpb.ReplicaStateRequest(stream=name, incarnation=incarnation)
+        try:
+            reply = await call(request, metadata=self._peer_metadata, timeout=_STATE_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return None
+        return reply.last_epoch, reply.log_end
 
     def _replicate_on(self, node_id: str) -> Any:
         """The Replicate multicallable on the channel to `node_id` (placement's leader)."""

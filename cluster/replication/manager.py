@@ -6,8 +6,10 @@ stream at a time and in order (a task per stream while it has changes to apply):
 
 - **Copies.** A stream this node replicates gets a local copy created with the
   stream's incarnation; a copy of an older incarnation (the name was deleted and
-  taken again) is wiped first, and so is a damaged one (unreadable at start-up) on a
-  follower, which rebuilds it from the leader; the copy of a stream this node no
+  taken again) is wiped first. A copy missing or damaged (unreadable at start-up)
+  for a stream this node did not see created was lost: the node first leaves the
+  in-sync set (cluster/replication/handover.py), then rebuilds it from the leader.
+  The copy of a stream this node no
   longer replicates goes (a deleted stream's copy is the service's to delete, as it
   ends the calls waiting on it).
 - **Leader** (the record names this node): the follower role stops first (its disk
@@ -27,10 +29,11 @@ import asyncio
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from cluster.placement import PlacementTable, StreamPlacement
 from cluster.replication.follower import Connect, FollowerContext, StreamFollower
+from cluster.replication.handover import AskState, hand_over
 from cluster.replication.leader import LeaderContext, NotLeadingError, StreamLeader
 from storage import Engine
 
@@ -57,10 +60,15 @@ class ReplicaManager:
         metadata: Sequence[tuple[str, str]] = (),
         config: ReplicationConfig = ReplicationConfig(),
         forget: Callable[[str], None] = lambda _name: None,
+        live: Callable[[], Iterable[str]] = lambda: (),
+        ask_state: AskState | None = None,
     ) -> None:
-        """`forget(name)` (on the loop) ends the waits on a copy wiped here (an older incarnation)."""
+        """`forget(name)` (on the loop) ends the waits on a copy wiped here (an older incarnation);
+        `live()`: the live nodes; `ask_state`: a peer's ReplicaState (cluster/replication/handover.py)."""
         self.node_id = node_id
         self._forget = forget
+        self._live_nodes = live
+        self._ask_state = ask_state
         self._engine = engine
         self._placement = placement
         lag_s = config.replica_lag_ms / 1000
@@ -87,6 +95,9 @@ class ReplicaManager:
         self._wanted: dict[str, StreamPlacement | None] = {}
         self._reconciling: dict[str, asyncio.Task[None]] = {}
         self._ready_waiters: dict[str, list[asyncio.Future[None]]] = {}
+        self._live = False  # False while the records that exist at start load
+        self._born: set[str] = set()  # streams seen created since then: a missing copy is just new
+        self._lost: set[str] = set()  # copies lost here, until this node is out of the ISR
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
         engine.add_log_listener(self._on_log)
@@ -150,10 +161,27 @@ class ReplicaManager:
         await asyncio.gather(*(follower.stop() for follower in self.followers.values()))
         self.followers.clear()
 
-    def on_placement(self, name: str, _old: StreamPlacement | None, new: StreamPlacement | None) -> None:
+    def go_live(self) -> None:
+        """The records that existed at start have loaded: a copy missing from now on for a stream
+        created meanwhile is a new stream's, not a lost one."""
+        self._live = True
+
+    def state(self, name: str, incarnation: int) -> tuple[int, int] | None:
+        """(last epoch, log end) of this node's copy of that incarnation, unless it has none or lost it."""
+        engine = self._engine
+        if name in self._lost or not engine.exists(name) or engine.incarnation(name) != incarnation:
+            return None
+        epochs = engine.epochs(name)
+        return (epochs[-1][0] if epochs else -1), engine.log_end(name)
+
+    def on_placement(self, name: str, old: StreamPlacement | None, new: StreamPlacement | None) -> None:
         """The placement listener."""
         if self._stopped:
             return
+        if new is None:
+            self._born.discard(name)
+        elif old is None and self._live:
+            self._born.add(name)
         self._wanted[name] = new
         leader = self.leaders.get(name)
         if leader is not None and (new is None or new.epoch != leader.epoch or new.leader != self.node_id):
@@ -209,6 +237,14 @@ class ReplicaManager:
             self._hw.pop(name, None)
             return
         await asyncio.to_thread(self._locked, lock, self._ensure_copy, record)
+        if name in self._lost:
+            if self._ask_state is None:
+                self._lost.discard(name)
+            else:
+                await hand_over(self._placement, self.node_id, name, self._live_nodes, self._ask_state)
+                self._lost.discard(name)
+                if self._placement.locate(name) is not record:
+                    return  # the record it changed comes next: its role is that one's
         if self._wanted.get(name) is not record:
             return  # a newer record came meanwhile: apply that one
         hw = self._hw.setdefault(name, self._engine.bounds(name).first_offset)
@@ -250,11 +286,10 @@ class ReplicaManager:
             if self._loop is not None:
                 self._loop.call_soon_threadsafe(self._forget, name)
         if not engine.exists(name):
-            if record.leader != self.node_id and engine.wipe_damaged(name):
-                # A follower rebuilds it from the leader; a leader keeps the evidence (and does
-                # not serve: the copy cannot be created over it).
+            if engine.wipe_damaged(name):  # lost like a missing one: rebuilt from the leader
                 log.warning("stream %r: this node's copy is damaged: rebuilding it from the leader", name)
-            if record.epoch > 1:  # not a new stream: its data here was lost, or it never got any
+            if name not in self._born:  # not a new stream: its data here was lost, or it never got any
+                self._lost.add(name)
                 log.warning(
                     "stream %r: this node holds no copy of it; it starts empty%s",
                     name,

@@ -23,6 +23,7 @@ from storage import InvalidNameError, StorageError, validate_name
 
 PEER_SECRET = "streamlog-peer-secret"
 REPLICATE = "/streamlog.internal.v1.ReplicaService/Replicate"
+REPLICA_STATE = "/streamlog.internal.v1.ReplicaService/ReplicaState"
 LEADER_EPOCH = "streamlog-leader-epoch"
 MAX_FETCH_BYTES = 4 << 20
 DEFAULT_FETCH_BYTES = 1 << 20
@@ -52,21 +53,49 @@ class ReplicaServicer(rpb_grpc.ReplicaServiceServicer):
     (ReplicaManager.leader; None before replication starts)."""
 
     def __init__(
-        self, node_id: str, leader: Callable[[str], StreamLeader | None], secret: bytes | None = None
+        self,
+        node_id: str,
+        leader: Callable[[str], StreamLeader | None],
+        state: Callable[[str, int], tuple[int, int] | None],
+        secret: bytes | None = None,
     ) -> None:
         self._node_id = node_id
         self._leader = leader
+        self._state = state
         self._secret = secret
 
-    async def Replicate(
-        self, request_iterator: AsyncIterator[rpb.FetchRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[rpb.FetchResponse]:
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
         if self._secret is not None:
             sent = dict(context.invocation_metadata() or ()).get(PEER_SECRET, "")
             if not hmac.compare_digest(str(sent).encode(), self._secret):
                 await context.abort(
                     grpc.StatusCode.UNAUTHENTICATED, "internal calls need the cluster's peer secret"
                 )
+
+    async def ReplicaState(
+        self, request: rpb.ReplicaStateRequest, context: grpc.aio.ServicerContext
+    ) -> rpb.ReplicaStateResponse:
+        await self._authenticate(context)
+        try:
+            validate_name(request.stream)
+        except InvalidNameError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stream: {exc}")
+        if request.incarnation < 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "incarnation must be positive")
+        state = self._state(request.stream, request.incarnation)
+        if state is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this node ({self._node_id}) holds no copy of that incarnation of stream {request.stream!r}",
+            )
+            raise AssertionError("not reached: abort raises")
+        last_epoch, log_end = state
+        return rpb.ReplicaStateResponse(last_epoch=last_epoch, log_end=log_end)
+
+    async def Replicate(
+        self, request_iterator: AsyncIterator[rpb.FetchRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[rpb.FetchResponse]:
+        await self._authenticate(context)
         requests = aiter(request_iterator)
         first = await anext(requests, None)
         if first is None:

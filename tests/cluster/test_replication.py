@@ -71,6 +71,17 @@ class Cluster:
             response_deserializer=rpb.FetchResponse.FromString,
         )
 
+    async def _ask_state(self, node_id: str, name: str, incarnation: int) -> tuple[int, int] | None:
+        channel = self._channels.get(node_id) or grpc.aio.insecure_channel(f"127.0.0.1:{self.ports[node_id]}")
+        self._channels[node_id] = channel
+        stub = rpb_grpc.ReplicaServiceStub(channel)
+        request = rpb.ReplicaStateRequest(stream=name, incarnation=incarnation)
+        try:
+            reply = await stub.ReplicaState(request, metadata=[(PEER_SECRET, SECRET)], timeout=2)
+        except grpc.aio.AioRpcError:
+            return None
+        return reply.last_epoch, reply.log_end
+
     async def start(self, node_id: str) -> Node:
         data = self._root / node_id
         engine = Engine(data, EngineConfig(background=False))
@@ -87,12 +98,15 @@ class Cluster:
             connect=self._connect,
             metadata=[(PEER_SECRET, SECRET)],
             config=ReplicationConfig(replica_lag_ms=self._lag_ms, max_fetch_bytes=4096),
+            live=lambda: coordinator.nodes.live().keys(),
+            ask_state=self._ask_state,
         )
-        add_to_server(ReplicaServicer(node_id, manager.leader, SECRET.encode()), server)
+        add_to_server(ReplicaServicer(node_id, manager.leader, manager.state, SECRET.encode()), server)
         await server.start()
         manager.start()
         coordinator.placement.add_listener(manager.on_placement)
         await coordinator.start()
+        manager.go_live()
         node = self.nodes[node_id] = Node(node_id, data, coordinator, engine, manager, server, port)
         return node
 
@@ -363,5 +377,39 @@ def test_a_leader_deposed_before_it_wrote_in_its_epoch_follows_the_next_one(
             await until(lambda: records(first) == records(new))
             # Its empty epoch 2 is gone: its history is the new leader's.
             assert first.engine.epochs("s") == new.engine.epochs("s") == [(1, 0), (moved.epoch, 10)]
+
+    run(scenario())
+
+
+def test_the_only_in_sync_replica_that_lost_its_copy_hands_the_stream_to_the_fullest_other(
+    etcd: EtcdCluster, tmp_path: Path
+) -> None:
+    async def scenario() -> None:
+        async with cluster(etcd, tmp_path, "a", "b", "c") as nodes:
+            record, leader, followers = await created(nodes)
+            acknowledged = await append(leader, [b"acknowledged"] * 20)
+            # The followers stop: the leader, alone, takes them out of the in-sync set.
+            for node_id in followers:
+                await nodes.stop(node_id)
+            leader.engine.append("s", AppendBatch([b"x"]))
+            await until(lambda: leader.placement.locate("s").isr == (record.leader,), timeout_s=20)
+            # Then it dies and its disk is wiped; the others come back (offline: none is in sync).
+            data = leader.data
+            await nodes.stop(record.leader)
+            shutil.rmtree(data)
+            for node_id in followers:
+                await nodes.start(node_id)
+            back = await nodes.start(record.leader)
+            # Back with nothing, it hands the stream to a replica that holds the acknowledged entries.
+            await until(lambda: back.placement.locate("s").leader in followers, timeout_s=20)
+            now = back.placement.locate("s")
+            assert now.epoch > record.epoch and record.leader not in now.isr[:1]
+            new = nodes.nodes[now.leader]
+            await until(lambda: new.manager.ready("s"), timeout_s=20)
+            got = new.engine.read("s", 0, 100).entries()
+            assert [e.payload for e in got] == [b"acknowledged"] * acknowledged
+            # It rebuilds from the new leader and is taken back in once caught up.
+            await until(lambda: record.leader in back.placement.locate("s").isr, timeout_s=20)
+            assert records(back)[: len(records(new))] == records(new)
 
     run(scenario())
