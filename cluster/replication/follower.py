@@ -120,7 +120,10 @@ class StreamFollower:
                     return progressed
                 body = response.WhichOneof("body")
                 if body == "data":
-                    await asyncio.to_thread(self._locked, self._apply, response.data)
+                    if self._ctx.engine.fsync_policy(self.name).blocks:
+                        await asyncio.to_thread(self._locked, self._apply, response.data)
+                    else:  # no sync to wait for: a thread hop would cost more than the append
+                        self._locked(self._apply, response.data)
                 elif body == "diverging":
                     await asyncio.to_thread(self._locked, self._truncate, response.diverging)
                 elif body == "reset":
