@@ -413,3 +413,27 @@ def test_the_only_in_sync_replica_that_lost_its_copy_hands_the_stream_to_the_ful
             assert records(back)[: len(records(new))] == records(new)
 
     run(scenario())
+
+
+def test_readers_on_the_leader_see_committed_entries_only_and_wake_on_commit(
+    etcd: EtcdCluster, tmp_path: Path
+) -> None:
+    async def scenario() -> None:
+        # A lag far longer than the test: the stopped followers stay in the in-sync set.
+        async with cluster(etcd, tmp_path, "a", "b", "c", lag_ms=60_000) as nodes:
+            _, leader, followers = await created(nodes)
+            await append(leader, [b"committed"] * 2)
+            woken: list[int] = []
+            leader.engine.add_append_listener(lambda name, end: woken.append(end))
+            for node_id in followers:
+                await nodes.stop(node_id)
+            leader.engine.append("s", AppendBatch([b"not yet"] * 3))
+            assert leader.engine.log_end("s") == 5
+            assert [e.payload for e in leader.engine.read("s", 0, 10).entries()] == [b"committed"] * 2
+            assert leader.engine.bounds("s").end_offset == 2 and woken == []
+            for node_id in followers:
+                await nodes.start(node_id)
+            await until(lambda: woken == [5])  # readers woke once, when both followers held them
+            assert leader.engine.read("s", 0, 10).count == 5
+
+    run(scenario())

@@ -183,6 +183,15 @@ def test_a_single_server_needs_no_cluster_settings_and_a_clustered_node_parses_t
         ({**CLUSTER, "peer_addresses": "n2=h:1,n2=h:2"}, "peer_addresses: node 'n2' is listed twice"),
         ({"peer_ca_file": __file__}, "peer_ca_file is set (from --set peer_ca_file) but cluster is not"),
         ({**CLUSTER, "peer_ca_file": "/no/such/ca.pem"}, "peer_ca_file: /no/such/ca.pem is not a readable"),
+        (
+            {"cluster_secret_file": __file__},
+            "cluster_secret_file is set (from --set cluster_secret_file) but",
+        ),
+        (
+            {**CLUSTER, "cluster_secret_file": "/no/secret"},
+            "cluster_secret_file: /no/secret is not a readable",
+        ),
+        ({**CLUSTER, "replica_fetch_bytes": "10"}, "replica_fetch_bytes: must be between 1024 and 4194304"),
         ({**CLUSTER, "lease_ttl_ms": "2500"}, "lease_ttl_ms: etcd leases count whole seconds"),
         ({**CLUSTER, "lease_ttl_ms": "0"}, "lease_ttl_ms: must be between 1000 and 300000"),
         ({**CLUSTER, "default_acks": "all"}, "default_acks: must be one of leader, quorum"),
