@@ -319,6 +319,23 @@ def test_the_replica_service_refuses_what_it_cannot_serve(etcd: EtcdCluster, tmp
                         pass
                 assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
                 assert ("streamlog-leader-epoch", str(record.epoch)) in tuple(err.value.trailing_metadata())
+
+                # ReplicaState: checked too.
+                async def state_status(
+                    stream: str, incarnation: int, secret: str = SECRET
+                ) -> grpc.StatusCode:
+                    request = rpb.ReplicaStateRequest(stream=stream, incarnation=incarnation)
+                    try:
+                        await stub.ReplicaState(request, metadata=[(PEER_SECRET, secret)], timeout=5)
+                    except grpc.aio.AioRpcError as exc:
+                        return exc.code()
+                    return grpc.StatusCode.OK
+
+                assert await state_status("s", record.incarnation) == grpc.StatusCode.OK
+                assert await state_status("s", record.incarnation, "wrong") == grpc.StatusCode.UNAUTHENTICATED
+                assert await state_status("", record.incarnation) == grpc.StatusCode.INVALID_ARGUMENT
+                assert await state_status("s", 0) == grpc.StatusCode.INVALID_ARGUMENT
+                assert await state_status("s", record.incarnation + 1) == grpc.StatusCode.FAILED_PRECONDITION
                 # The follower's own session goes on, undisturbed by all of this.
                 end = await append(leader, [b"after"] * 3)
                 assert end == 3
