@@ -1,17 +1,18 @@
-"""What a server runs in a cluster, assembled: coordination, routing, peers, its copies.
+"""What a server runs in a cluster, assembled: coordination, routing, peers, replication.
 
 Loaded only when the server runs with `--cluster` (service/server.py imports it then):
 a single server never loads the cluster layer or the etcd client.
 
-Order. Built before the gRPC server (its routing interceptor goes into the chain);
-started after the engine has recovered: the node then registers in etcd, loads the
-cluster's records (creating the copies of the streams it leads that it lacks), takes
-part in the controller election, and only then routes calls (until then they get
-UNAVAILABLE, and health says NOT_SERVING). When the server drains, it forwards no more
-calls and ends those it relays; it is stopped after the gRPC server has drained, so
-that calls in flight finish as leader: then the coordinator stops, revoking the lease
-last, so that the node's keys go at once and other nodes take over without waiting
-for a TTL; then the peer channels close.
+Order. Built before the gRPC server (its routing interceptor goes into the chain, its
+ReplicaService onto the server); started after the engine has recovered: the node then
+starts its replica manager (cluster/replication/manager.py: copies and roles), registers
+in etcd, loads the cluster's records (the manager creates the copies it lacks and takes
+its role in each stream), takes part in the controller election, and only then routes
+calls (until then they get UNAVAILABLE, and health says NOT_SERVING). When the server
+drains, it forwards no more calls and ends those it relays; it is stopped after the gRPC
+server has drained, so that calls in flight finish as leader: then replication stops,
+then the coordinator, revoking the lease last, so that the node's keys go at once and
+other nodes take over without waiting for a TTL; then the peer channels close.
 
 A node whose id another process took while it was cut off from etcd no longer acts as
 a member: `failed` is set, and the server shuts down (service/server.py).
