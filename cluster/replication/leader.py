@@ -301,15 +301,16 @@ class StreamLeader:
         return response
 
     def _data(self, offset: int, max_bytes: int) -> rpb.FetchResponse:
-        """The records from `offset`, up to where the next epoch starts, with the bounds."""
+        """The records from `offset`, up to where the next epoch starts and no further than this log
+        vouches for (synced, under fsync "always"), with the bounds."""
         engine, name = self._engine, self.name
         epoch_start = None
-        stop = None
+        stop = engine.log_end(name)
         for epoch, start in engine.epochs(name):
             if start == offset:
                 epoch_start = rpb.EpochStart(epoch=epoch, start_offset=start)
             elif start > offset:
-                stop = start
+                stop = min(stop, start)
                 break
         chunk = engine.read_replica(name, offset, max_bytes, stop)
         if chunk.count and chunk.first_offset != offset:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import shutil
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -20,7 +21,8 @@ from cluster.placement import StreamPlacement
 from cluster.replication.leader import NotEnoughReplicasError, NotLeadingError
 from cluster.replication.manager import ReplicaManager, ReplicationConfig
 from cluster.replication.service import PEER_SECRET, ReplicaServicer, add_to_server
-from storage import AppendBatch, Engine, EngineConfig
+from storage import AppendBatch, Engine, EngineConfig, StreamConfig
+from storage.fs import SegmentFile
 from storage.layout import EPOCHS_FILE, stream_directory
 from tests.cluster.etcd_server import EtcdCluster
 from tests.cluster.helpers import config, run, settled, until
@@ -452,5 +454,37 @@ def test_readers_on_the_leader_see_committed_entries_only_and_wake_on_commit(
                 await nodes.start(node_id)
             await until(lambda: woken == [5])  # readers woke once, when both followers held them
             assert leader.engine.read("s", 0, 10).count == 5
+
+    run(scenario())
+
+
+def test_followers_get_no_entry_the_leader_has_not_synced_under_fsync_always(
+    etcd: EtcdCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def scenario() -> None:
+        async with cluster(etcd, tmp_path, "a", "b", "c") as nodes:
+            _, leader, followers = await created(nodes)
+            leader.engine.set_stream_config("s", StreamConfig(fsync="always"))
+            await append(leader, [b"synced"] * 3)
+            syncing, release = threading.Event(), threading.Event()
+            plain_sync = SegmentFile.sync
+
+            def slow_sync(self: SegmentFile) -> None:
+                syncing.set()
+                assert release.wait(20)
+                plain_sync(self)
+
+            monkeypatch.setattr(SegmentFile, "sync", slow_sync)
+            writer = asyncio.get_running_loop().run_in_executor(
+                None, leader.engine.append, "s", AppendBatch([b"written, not synced"] * 2)
+            )
+            await asyncio.to_thread(syncing.wait, 10)  # written, its sync under way
+            await asyncio.sleep(1.5)  # three heartbeats: the followers ask again meanwhile
+            assert [nodes.nodes[n].engine.log_end("s") for n in followers] == [3, 3]
+            monkeypatch.setattr(SegmentFile, "sync", plain_sync)
+            release.set()
+            result = await writer
+            await leader.manager.barrier("s", result.last_offset + 1, quorum=True)
+            assert all(records(nodes.nodes[n]) == records(leader) for n in followers)
 
     run(scenario())
