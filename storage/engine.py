@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from storage.admission import check_batch, check_expected_end, check_producer
@@ -250,6 +250,36 @@ class Engine(GroupCalls, ReplicaCalls):
                 for listener in self._log_listeners:
                     listener(name, stream.local_end)
         return result
+
+    def append_many(
+        self, name: str, appends: Sequence[tuple[AppendBatch, tuple[str, int] | None]]
+    ) -> list[AppendResult | StorageError]:
+        """Append several batches to one stream, in order, as one write: each is checked and
+        written on its own (a batch that fails gets its error in its place, the others go on;
+        a (producer id, sequence) makes one idempotent as in `append`), all under one lock and,
+        under "always", made durable by one sync. One wake-up of the listeners for all."""
+        checked: list[tuple[AppendBatch, tuple[str, int] | None]] = []
+        refused: dict[int, StorageError] = {}
+        for i, (batch, producer) in enumerate(appends):
+            try:
+                check_batch(self.config, batch)
+                checked.append((batch, check_producer(producer)))
+            except StorageError as exc:
+                refused[i] = exc
+        written: list[AppendResult | StorageError] = []
+        if checked:
+            stream = self._stream_or_create(name)
+            written = stream.append_many(checked)
+            # Offsets grow in order: the last batch written ends what the readers may now see.
+            new = (r for r in reversed(written) if isinstance(r, AppendResult) and not r.duplicate)
+            last = next(new, None)
+            if last is not None and stream.commit is None:  # else readers wake on commit (set_commit)
+                for listener in self._listeners:
+                    listener(name, last.last_offset + 1)
+        if not refused:
+            return written
+        results = iter(written)
+        return [refused[i] if i in refused else next(results) for i in range(len(appends))]
 
     def read(
         self, name: str, offset: int, count: int, *, max_bytes: int = 0, reverse: bool = False

@@ -16,6 +16,7 @@ import logging
 import threading
 from array import array
 from bisect import bisect_right
+from collections.abc import Sequence
 from itertools import repeat
 from operator import add
 from pathlib import Path
@@ -32,6 +33,7 @@ from storage.errors import (
     InvalidArgumentError,
     LimitExceededError,
     OffsetMismatchError,
+    StorageError,
 )
 from storage.format import NODE_DELAYED, NODE_PREFIX_SIZE, NODE_PRODUCER
 from storage.fs import SegmentFile
@@ -127,31 +129,57 @@ class Stream:
         self, batch: AppendBatch, producer: tuple[str, int] | None = None, expected_end: int | None = None
     ) -> AppendResult:
         """Append a batch; `producer` (id, sequence) makes it idempotent, `expected_end` conditional."""
-        n = len(batch)
-        limit = self.ctx.config.max_batch_bytes
         always = self.fsync is FsyncPolicy.ALWAYS
         with self.lock:
-            if self.closed:
-                raise InvalidArgumentError(f"stream {self.name!r} was deleted")
-            if self.gate.error is not None:
-                raise DurabilityError(f"appends are refused after a failed sync: {self.gate.error}")
+            self._check_writable()
             if expected_end is not None and expected_end != self.end_offset:
                 raise OffsetMismatchError(expected_end, self.end_offset)
-            earlier = self.producers.lookup(*producer) if producer else None
-            if earlier is not None:
-                seq = self.write_seq  # the first attempt may still be on its way to disk
-            else:
-                first, ts = self._write_batch(batch, producer, limit)
-                if producer:
-                    self.producers.record(*producer, BatchRecord(first, first + n - 1, ts))
-                seq = self.write_seq
-                if not always:
-                    self.publish(self.end_offset)
+            result = self._append_one(batch, producer)
+            seq = self.write_seq  # a duplicate's first attempt may still be on its way to disk
+            if not always:
+                self.publish(self.end_offset)
         if always:
             self.gate.wait(seq, self._sync_now)
+        return result
+
+    def append_many(
+        self, appends: Sequence[tuple[AppendBatch, tuple[str, int] | None]]
+    ) -> list[AppendResult | StorageError]:
+        """Append several batches in order, each on its own (its own producer check, its own
+        result or error), under one lock and, under "always", one sync for all of them."""
+        always = self.fsync is FsyncPolicy.ALWAYS
+        results: list[AppendResult | StorageError] = []
+        with self.lock:
+            self._check_writable()
+            for batch, producer in appends:
+                try:
+                    results.append(self._append_one(batch, producer))
+                except StorageError as exc:
+                    # This batch only (nothing of it was written); those before it stand.
+                    results.append(exc)
+            seq = self.write_seq
+            if not always:
+                self.publish(self.end_offset)
+        if always:
+            self.gate.wait(seq, self._sync_now)
+        return results
+
+    def _check_writable(self) -> None:
+        if self.closed:
+            raise InvalidArgumentError(f"stream {self.name!r} was deleted")
+        if self.gate.error is not None:
+            raise DurabilityError(f"appends are refused after a failed sync: {self.gate.error}")
+
+    def _append_one(self, batch: AppendBatch, producer: tuple[str, int] | None) -> AppendResult:
+        """Write one batch, or find the first attempt of a producer's retry. Call with `lock` held."""
+        n = len(batch)
+        earlier = self.producers.lookup(*producer) if producer else None
         if earlier is not None:
             first = earlier.first_offset if earlier.first_offset >= 0 else earlier.last_offset - n + 1
             return AppendResult(first, earlier.last_offset, earlier.timestamp_ms, duplicate=True)
+        first, ts = self._write_batch(batch, producer, self.ctx.config.max_batch_bytes)
+        if producer:
+            self.producers.record(*producer, BatchRecord(first, first + n - 1, ts))
         return AppendResult(first, first + n - 1, ts)
 
     def _write_batch(

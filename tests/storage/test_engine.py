@@ -572,3 +572,53 @@ def test_compaction_rounds_decode_only_what_was_appended_since_the_last(open_eng
     assert len(decoded) <= 10  # the new records only, not the whole stream again
     survivors = engine.read("kv", 0, 1000).entries()
     assert {e.tag for e in survivors} == {f"k{i}" for i in range(7)}
+
+
+def test_append_many_writes_each_batch_in_order_with_its_own_result_or_error(open_engine):
+    engine = open_engine()
+    woken = []
+    engine.add_append_listener(lambda name, end: woken.append((name, end)))
+    too_many = AppendBatch([b"x"] * (engine.config.max_batch_entries + 1))
+    results = engine.append_many(
+        "s",
+        [
+            (AppendBatch([b"a", b"b"]), None),
+            (too_many, None),
+            (AppendBatch([b"c"]), ("p", 0)),
+            (AppendBatch([b"c"]), ("p", 0)),  # the same producer sequence again: a duplicate
+            (AppendBatch([b"d"]), ("", 3)),  # a sequence without a producer id
+            (AppendBatch([b"e"]), None),
+        ],
+    )
+    written = [r for r in results if not isinstance(r, Exception)]
+    assert [(r.first_offset, r.last_offset, r.duplicate) for r in written] == [
+        (0, 1, False),
+        (2, 2, False),
+        (2, 2, True),
+        (3, 3, False),
+    ]
+    assert isinstance(results[1], LimitExceededError)
+    assert isinstance(results[4], InvalidArgumentError)
+    assert [e.payload for e in engine.read("s", 0, 10).entries()] == [b"a", b"b", b"c", b"e"]
+    assert woken == [("s", 4)]  # one wake-up for the whole write
+    # A later resend of the same producer's sequence is a duplicate, as with `append`.
+    again = engine.append("s", AppendBatch([b"c"]), producer=("p", 0))
+    assert (again.first_offset, again.duplicate) == (2, True)
+
+
+def test_append_many_under_always_makes_every_batch_durable_with_one_sync(open_engine, monkeypatch):
+    engine = open_engine(fsync="always")
+    engine.append("s", AppendBatch([b"warm-up"]))
+    from storage import fs as fs_module
+
+    syncs = []
+    real_sync = fs_module.SegmentFile.sync
+
+    def counted_sync(self):
+        syncs.append(1)
+        real_sync(self)
+
+    monkeypatch.setattr(fs_module.SegmentFile, "sync", counted_sync)
+    results = engine.append_many("s", [(AppendBatch([b"m%d" % i]), None) for i in range(50)])
+    assert [r.first_offset for r in results] == list(range(1, 51))
+    assert len(syncs) == 1
