@@ -36,7 +36,9 @@ permissions:
   DeleteConsumer (its pending entries go back to the group, no more than Claim
   could take). `consume` includes `read`: Kafka and Redis, too, ask for more than
   read rights on the topic or key to consume through a group.
-- `write`: Append (and being the dead-letter stream of a group one configures).
+- `write`: Append, Publish (checked on each message's stream: a message refused is
+  answered PERMISSION_DENIED and the session goes on), and being the dead-letter
+  stream of a group one configures.
 - `admin`: DeleteStream, Trim, SetStreamConfig; with a group: CreateGroup,
   DeleteGroup, SetGroupOffset, SetGroupConfig (what shapes the group for all its
   consumers: its existence, position and redelivery policy). `admin` includes
@@ -73,7 +75,7 @@ import os
 import secrets
 import ssl
 import tomllib
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +83,15 @@ import grpc
 
 from service.callcontext import CallContext
 from service.config import ConfigError, Settings
-from service.interceptors import StreamBehavior, UnaryBehavior, WrappingInterceptor, iterate
+from service.interceptors import (
+    MESSAGE_SESSIONS,
+    SessionBehavior,
+    StreamBehavior,
+    UnaryBehavior,
+    WrappingInterceptor,
+    checked,
+    iterate,
+)
 from service.opencalls import OpenCalls
 
 log = logging.getLogger(__name__)
@@ -127,6 +137,7 @@ class Access:
 # refused at start-up when authorization is on, so a new RPC is never open by accident.
 METHOD_ACCESS: dict[str, Access] = {
     "Append": Access(WRITE),
+    "Publish": Access(WRITE),  # checked on every message's stream
     "Read": Access(READ, named_group_permission=CONSUME),
     "Subscribe": Access(READ, named_group_permission=CONSUME),
     "GetStreamInfo": Access(READ),
@@ -665,6 +676,30 @@ class AuthInterceptor(WrappingInterceptor):
             except Denied as denied:
                 await self._refuse(context, method, denied)
             async with contextlib.aclosing(iterate(behavior, request, context)) as replies:
+                async for reply in replies:
+                    yield reply
+
+        return authorized
+
+    def wrap_session(self, method: str, behavior: SessionBehavior) -> SessionBehavior:
+        if method not in MESSAGE_SESSIONS:
+            return super().wrap_session(method, behavior)
+
+        async def authorized(requests: AsyncIterator[Any], context: CallContext) -> AsyncGenerator[Any, None]:
+            try:
+                principal = self.identify(context)
+            except Denied as denied:
+                await self._refuse(context, method, denied)
+
+            def check(request: Any) -> tuple[grpc.StatusCode, str] | None:
+                try:
+                    self.check(method, request, principal)
+                except Denied as denied:
+                    self._report(context, method, denied)
+                    return denied.code, denied.message
+                return None
+
+            async with contextlib.aclosing(behavior(checked(requests, check), context)) as replies:
                 async for reply in replies:
                     yield reply
 

@@ -79,6 +79,10 @@ class Settings:
     subscribe_batch_entries: int = 1000
     # Batches a Consume session may have asked for and not yet received.
     max_consume_batches: int = 1000
+    # Messages and bytes of one Publish session held unanswered; past either, the server stops
+    # reading the session's messages until answers go out (flow control pushes back).
+    max_publish_messages: int = 1000
+    max_publish_bytes: int = 8 << 20
     default_page_size: int = 100
     max_page_size: int = 1000
 
@@ -199,6 +203,8 @@ _INT_RANGES: dict[str, tuple[int | None, int | None]] = {
     "max_read_bytes": (1, None),
     "subscribe_batch_entries": (1, None),
     "max_consume_batches": (1, 2**31 - 1),
+    "max_publish_messages": (1, None),
+    "max_publish_bytes": (1, None),
     "default_page_size": (1, None),
     "max_page_size": (1, 2**31 - 1),
     "max_block_ms": (0, 2**31 - 1),

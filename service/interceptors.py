@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -24,6 +25,39 @@ from service.callcontext import CallContext, SessionBehavior, StreamBehavior, Un
 
 # Unary RPCs whose calls may wait: a Read with block_ms.
 WAITING_UNARY = frozenset({"Read"})
+# Bidirectional RPCs whose every message stands alone (names its own stream, gets its own answer):
+# a layer that checks requests checks each message, and passes a message it refuses on as a
+# `Refused`, which the handler answers in its place, in order, without ending the call.
+MESSAGE_SESSIONS = frozenset({"Publish"})
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A message of a MESSAGE_SESSIONS call that a layer refused, with the status to answer it."""
+
+    request: Any
+    code: grpc.StatusCode
+    message: str
+
+
+def request_of(item: Any) -> Any:
+    """The request a MESSAGE_SESSIONS message carries, refused or not."""
+    return item.request if isinstance(item, Refused) else item
+
+
+# A layer's check of one message: None to let it pass, else (code, message) to refuse it.
+MessageCheck = Callable[[Any], tuple[grpc.StatusCode, str] | None]
+
+
+async def checked(requests: AsyncIterator[Any], check: MessageCheck) -> AsyncIterator[Any]:
+    """The messages of a MESSAGE_SESSIONS call, each one `check` refuses passed on as Refused
+    (one refused by an outer layer is passed on as it is)."""
+    async for item in requests:
+        if not isinstance(item, Refused):
+            refusal = check(item)
+            if refusal is not None:
+                item = Refused(item, *refusal)
+        yield item
 
 
 def waits(method: str, request: Any) -> bool:

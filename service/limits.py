@@ -6,7 +6,8 @@ limits that need to look across calls, as server interceptors:
 
 - `max_streams`: a call that would create a stream (an Append to a new name,
   CreateGroup with create_stream, a new dead-letter stream) when the server holds
-  that many already.
+  that many already; in a Publish session, each message to a new name (that
+  message is answered RESOURCE_EXHAUSTED, the session goes on).
 - `max_groups_per_stream`, `max_consumers_per_group`: CreateGroup, and the first
   group read or claim by a new consumer name.
 - `max_pending_per_group` (when set): a group's `max_pending` (its bounded pending
@@ -31,9 +32,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -41,7 +43,16 @@ import grpc
 from service.callcontext import CallContext
 from service.config import Settings
 from service.errors import ServiceError, limit_exceeded
-from service.interceptors import StreamBehavior, UnaryBehavior, WrappingInterceptor, iterate, waits
+from service.interceptors import (
+    MESSAGE_SESSIONS,
+    SessionBehavior,
+    StreamBehavior,
+    UnaryBehavior,
+    WrappingInterceptor,
+    checked,
+    iterate,
+    waits,
+)
 from service.opencalls import OpenCall
 from storage import Engine, StorageError
 
@@ -219,6 +230,10 @@ class LimitsInterceptor(WrappingInterceptor):
                 del self._consumers[key]
 
     async def _refuse(self, context: CallContext, method: str, request: Any, exc: LimitError) -> None:
+        self._report(context, method, request, exc)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+
+    def _report(self, context: CallContext, method: str, request: Any, exc: LimitError) -> None:
         log.info(
             "limit reached: %s",
             exc,
@@ -232,7 +247,6 @@ class LimitsInterceptor(WrappingInterceptor):
         )
         if self._observer is not None:
             self._observer("limit", exc.limit)
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
     # -- wrappers
 
@@ -298,6 +312,36 @@ class LimitsInterceptor(WrappingInterceptor):
                 by_peer[peer] -= 1
                 if not by_peer[peer]:
                     del by_peer[peer]
+
+        return limited
+
+    def wrap_session(self, method: str, behavior: SessionBehavior) -> SessionBehavior:
+        if method not in MESSAGE_SESSIONS:
+            return super().wrap_session(method, behavior)
+
+        async def limited(requests: AsyncIterator[Any], context: CallContext) -> AsyncGenerator[Any, None]:
+            creating: set[str] = set()  # streams this session's messages may be creating
+
+            def check(request: Any) -> tuple[grpc.StatusCode, str] | None:
+                engine = self._engine()
+                if engine is None:
+                    return None  # the servicer answers UNAVAILABLE
+                try:
+                    stream = self._new_stream(engine, request.stream, "stream")
+                except LimitError as exc:
+                    self._report(context, method, request, exc)
+                    return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+                if stream is not None:
+                    self._creating.add(stream)
+                    creating.add(stream)
+                return None
+
+            try:
+                async with contextlib.aclosing(behavior(checked(requests, check), context)) as replies:
+                    async for reply in replies:
+                        yield reply
+            finally:
+                self._creating -= creating
 
         return limited
 

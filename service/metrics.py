@@ -29,6 +29,7 @@ not mix their figures.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import math
@@ -36,7 +37,7 @@ import socket
 import threading
 import time
 import wsgiref.simple_server
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -47,7 +48,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from service.callcontext import CallContext
-from service.interceptors import StreamBehavior, UnaryBehavior, WrappingInterceptor, iterate
+from service.interceptors import (
+    MESSAGE_SESSIONS,
+    SessionBehavior,
+    StreamBehavior,
+    UnaryBehavior,
+    WrappingInterceptor,
+    iterate,
+    request_of,
+)
 from service.replybudget import ReplyBudget
 from storage import Engine
 
@@ -100,7 +109,10 @@ class Metrics:
             registry=r,
         )
         self.append_requests = Counter(
-            "streamlog_append_requests", "Append calls that succeeded, per stream.", ["stream"], registry=r
+            "streamlog_append_requests",
+            "Appends that succeeded (Append calls and Publish messages), per stream.",
+            ["stream"],
+            registry=r,
         )
         self.appended_entries = Counter(
             "streamlog_appended_entries",
@@ -110,7 +122,7 @@ class Metrics:
         )
         self.append_bytes = Counter(
             "streamlog_append_request_bytes",
-            "Serialized size of successful Append requests, per stream.",
+            "Serialized size of successful Append requests and Publish messages, per stream.",
             ["stream"],
             registry=r,
         )
@@ -284,25 +296,67 @@ class MetricsInterceptor(WrappingInterceptor):
                 failure = exc
                 raise
             finally:
-                code = _code_name(context, failure)
-                m.rpc_seconds.labels(method, code).observe(time.perf_counter() - start)
+                self._observe(method, context, failure, start)
 
         return measured
 
-    # Per-method accounting of successful calls: _account_<Method>(request, reply, elapsed_s).
+    def _observe(
+        self, method: str, context: CallContext, failure: BaseException | None, start: float
+    ) -> None:
+        """A streaming call's lifetime, in the call histogram by the code it ended with."""
+        self._m.rpc_seconds.labels(method, _code_name(context, failure)).observe(time.perf_counter() - start)
 
-    def _account_Append(self, request: Any, reply: Any, elapsed: float) -> None:
-        stream = request.stream
-        counters = self._m.append_children(stream, self._exists)
+    def wrap_session(self, method: str, behavior: SessionBehavior) -> SessionBehavior:
+        if method not in MESSAGE_SESSIONS:
+            return super().wrap_session(method, behavior)
+
+        async def measured(requests: AsyncIterator[Any], context: CallContext) -> AsyncGenerator[Any, None]:
+            # The session's lifetime in the call histogram; each message answered without an
+            # error in the append counters of its stream, as an Append call is.
+            start = time.perf_counter()
+            taken: collections.deque[Any] = collections.deque()
+            failure: BaseException | None = None
+
+            async def noted(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+                async for request in requests:
+                    taken.append(request)
+                    yield request
+
+            try:
+                async with contextlib.aclosing(behavior(noted(requests), context)) as replies:
+                    async for reply in replies:
+                        request = request_of(taken.popleft())
+                        if not reply.HasField("error"):
+                            self._count_append(request, reply)
+                        yield reply
+            except BaseException as exc:
+                failure = exc
+                raise
+            finally:
+                self._observe(method, context, failure, start)
+
+        return measured
+
+    def _count_append(self, request: Any, reply: Any) -> bool:
+        """Count a successful append (an Append call's or a Publish message's); False if its
+        stream was deleted since."""
+        counters = self._m.append_children(request.stream, self._exists)
         if counters is None:
-            return  # deleted since
+            return False
         requests, entries, size = counters
         requests.inc()
         if not reply.duplicate:
             entries.inc(reply.last_offset - reply.first_offset + 1)
         size.inc(request.ByteSize())
+        return True
+
+    # Per-method accounting of successful calls: _account_<Method>(request, reply, elapsed_s).
+
+    def _account_Append(self, request: Any, reply: Any, elapsed: float) -> None:
+        if not self._count_append(request, reply):
+            return  # deleted since
         engine = self._engine()
-        if engine is not None and engine.fsync_policy(stream).blocks:
+        if engine is not None and engine.fsync_policy(request.stream).blocks:
             self._m.durable_append_seconds.observe(elapsed)
 
     def _account_Read(self, request: Any, reply: Any, elapsed: float) -> None:

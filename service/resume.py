@@ -60,6 +60,7 @@ class SubscribePosition:
 
 
 GROUP_RESUME = "call again (the group keeps its position)"
+PUBLISH_RESUME = "publish again, resending what was not answered (with a producer id: no duplicates)"
 
 
 def end_to_resume(call: OpenCall, reason: str) -> None:

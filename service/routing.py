@@ -17,13 +17,17 @@ from the request and asks placement (cluster/placement.py, no call to etcd):
   differ for a moment, and it gets UNAVAILABLE;
 - nobody leads it (an election is under way, or no in-sync replica is alive):
   UNAVAILABLE, without leader trailers;
-- the stream is not in placement: a call that creates streams (Append, CreateGroup
+- the stream is not in placement: a call that creates streams (Append, Publish, CreateGroup
   with create_stream) creates its placement record first, then is routed by it;
   any other call is answered here (NOT_FOUND, or a blocking read that waits for the
   stream; such a wait ends with "leader changed" if the stream is then created on
   another node).
 
-Subscribe, Consume and blocking Reads are open calls (service/opencalls.py), marked
+A Publish session is routed on its first message: it carries that stream only (a later
+message naming another is answered FAILED_PRECONDITION; one session per stream in a
+cluster keeps routing per session, not per message).
+
+Subscribe, Consume, Publish and blocking Reads are open calls (service/opencalls.py), marked
 here as relayed or served here, with where their client resumes (service/resume.py):
 those served here end when this node stops leading their stream, those relayed when
 it drains for shutdown (service/clusternode.py). DeleteStream deletes the placement
@@ -37,6 +41,7 @@ cluster, from this node's copy of etcd.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -51,16 +56,19 @@ from service.callcontext import CallContext
 from service.errors import ServiceError
 from service.forwarding import FORWARDED_BY
 from service.interceptors import (
+    MESSAGE_SESSIONS,
     SessionBehavior,
     StreamBehavior,
     UnaryBehavior,
     WrappingInterceptor,
+    checked,
     iterate,
     prepended,
+    request_of,
 )
 from service.opencalls import current_call
 from service.paging import page_of_names
-from service.resume import GROUP_RESUME, SubscribePosition
+from service.resume import GROUP_RESUME, PUBLISH_RESUME, SubscribePosition
 
 if TYPE_CHECKING:
     from service.clusternode import ClusterNode
@@ -77,7 +85,7 @@ _READY_WAIT_S = 2.0
 
 
 def _creates_stream(method: str, request: Any) -> bool:
-    return method == "Append" or (method == "CreateGroup" and request.create_stream)
+    return method in ("Append", "Publish") or (method == "CreateGroup" and request.create_stream)
 
 
 def _valid_name(stream: str) -> bool:
@@ -141,21 +149,34 @@ class RoutingInterceptor(WrappingInterceptor):
         return routed
 
     def wrap_session(self, method: str, behavior: SessionBehavior) -> SessionBehavior:
-        # Routed on the opening message, which names the stream for the whole session; a
+        # Routed on the opening message, which names the stream for the whole session (a Publish
+        # session too: its later messages naming another stream are refused, one by one); a
         # forwarded session relays the later messages as they come.
         node = self._node
+        messages = method in MESSAGE_SESSIONS
 
         async def routed(requests: AsyncIterator[Any], context: CallContext) -> AsyncGenerator[Any, None]:
             opening = await anext(requests, None)
             if opening is None:
                 return  # the client closed its side without a word
-            leader = await self._route(method, opening, context)
+            stream = request_of(opening).stream
+            call = current_call()
+            if call is not None:
+                # Not served here while it is routed: the placement a Publish makes for a new
+                # stream must not end it as a call served here on a stream another node leads.
+                call.relayed = True
+            leader = await self._route(method, request_of(opening), context)
             if leader is not None:
-                relayed = node.forwarder.session(method, opening, requests, context, *leader)
-                replies = _marked(method, opening, relayed, relayed=True)
+                # Refused messages go on as they came: the leader checks every message again.
+                sent = _unrefused(prepended(opening, requests)) if messages else prepended(opening, requests)
+                relayed = node.forwarder.session(method, await anext(sent), sent, context, *leader)
+                replies = _marked(method, request_of(opening), relayed, relayed=True)
             else:
-                served = behavior(prepended(opening, requests), context)
-                replies = _marked(method, opening, served, relayed=False)
+                served_requests = prepended(opening, requests)
+                if messages:
+                    served_requests = checked(served_requests, functools.partial(_same_stream, stream))
+                served = behavior(served_requests, context)
+                replies = _marked(method, request_of(opening), served, relayed=False)
             async with contextlib.aclosing(replies):
                 async for reply in replies:
                     yield reply
@@ -368,6 +389,21 @@ class RoutingInterceptor(WrappingInterceptor):
             raise  # not reached: abort raises
 
 
+def _same_stream(stream: str, request: Any) -> tuple[grpc.StatusCode, str] | None:
+    if request.stream == stream:
+        return None
+    return (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"stream {request.stream!r}: in a cluster, a Publish session carries the stream of its first "
+        f"message ({stream!r}); open one session per stream",
+    )
+
+
+async def _unrefused(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for item in requests:
+        yield request_of(item)
+
+
 # -- long calls, served here or relayed: marked on their open call (service/opencalls.py)
 
 
@@ -393,6 +429,8 @@ async def _marked(
             start = request.start in (pb.START_POSITION_UNSPECIFIED, pb.START_POSITION_OFFSET)
             position = SubscribePosition(request.offset if start else None)
             call.resume = position.resume
+        elif method == "Publish":
+            call.resume = lambda: PUBLISH_RESUME
         else:
             call.resume = lambda: GROUP_RESUME
     async with contextlib.aclosing(replies):

@@ -10,7 +10,8 @@ Each part has one job and its own module:
   Subscribe and Consume in group mode), Ack, Nack, Claim, AutoClaim;
 - service/groupadmin.py: CreateGroup, DeleteGroup, ListGroups, GetGroupInfo,
   SetGroupOffset, SetGroupConfig, DeleteConsumer, GetPending;
-- service/consume.py: Consume sessions.
+- service/consume.py: Consume sessions;
+- service/publish.py: Publish sessions, their messages coalesced into engine writes.
 
 They share a `Serving` (service/serving.py): the engine, the rule for calls that
 may block on a sync, the reply budget, the subscription count and the drain
@@ -28,6 +29,7 @@ from service.consume import ConsumeCalls
 from service.groupadmin import GroupAdmin
 from service.groupdelivery import GroupDelivery
 from service.groupwaits import GroupWaits
+from service.publish import PublishCalls
 from service.replybudget import ReplyBudget
 from service.serving import Serving
 from service.streams import StreamCalls
@@ -45,8 +47,10 @@ class StreamLogServicer:
         streams = StreamCalls(serving, delivery)
         admin = GroupAdmin(serving, delivery.waits)
         self._consume = ConsumeCalls(serving, delivery)
+        self._publish = PublishCalls(serving)
 
         self.Append = streams.Append
+        self.Publish = self._publish.Publish
         self.Read = streams.Read
         self.ListStreams = streams.ListStreams
         self.GetStreamInfo = streams.GetStreamInfo
@@ -98,3 +102,4 @@ class StreamLogServicer:
         """From now on, new calls get UNAVAILABLE and subscriptions end at their next step."""
         self._serving.draining = True
         self._consume.wake_all()
+        self._publish.stop_all()

@@ -4,8 +4,9 @@ Every RPC is `POST /v1/{Method}` with its request as a JSON body, in the protobu
 JSON mapping (field names as in the proto, as grpcurl prints them; 64-bit
 integers as strings, bytes as base64). Unary RPCs answer their reply as JSON,
 server-streaming ones (Subscribe) as Server-Sent Events. An RPC added to the proto
-is served with no change here. Consume, a session both ways on one call, has no
-HTTP form: group reads are Read (with `group`) and Ack.
+is served with no change here. Consume and Publish, sessions both ways on one call,
+have no HTTP form (no client-streaming RPC has): group reads are Read (with `group`)
+and Ack, appends Append.
 
 The reads the console makes also have REST-style GET routes (REST_ROUTES, one
 line each): path segments and query parameters name request fields

@@ -279,3 +279,31 @@ def test_http_calls_are_routed_like_grpc_calls(start_nodes) -> None:
     cluster = via_b.get("/v1/cluster").json
     assert (cluster["cluster_name"], cluster["node_id"]) == ("routing", "b")
     assert [s["leader"] for s in cluster["streams"]] == ["a"]
+
+
+def test_a_publish_session_carries_the_stream_of_its_first_message(start_nodes) -> None:
+    nodes = start_nodes({"a": {}, "b": {}})
+    with grpc.insecure_channel(nodes["a"].target) as to_a, grpc.insecure_channel(nodes["b"].target) as to_b:
+        a, b = pb_grpc.StreamLogServiceStub(to_a), pb_grpc.StreamLogServiceStub(to_b)
+        for name in ("first", "second"):
+            a.Append(pb.AppendRequest(stream=name, payloads=[b"x"]), timeout=10)
+        assert leaders(nodes["b"], "first", "second") == {"first": "a", "second": "b"}
+
+        def publish(stub: pb_grpc.StreamLogServiceStub, *streams: str) -> list[pb.PublishResponse]:
+            messages = [pb.PublishRequest(stream=s, payloads=[b"p"]) for s in streams]
+            return list(stub.Publish(iter(messages), timeout=10))
+
+        refused = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+        # Entering at b, led by a: forwarded whole; the message to b's own stream is refused too.
+        through_b = publish(b, "first", "first", "second", "first")
+        assert [(r.error.code, r.first_offset) for r in through_b] == [(0, 1), (0, 2), (refused, 0), (0, 3)]
+        assert "one session per stream" in through_b[2].error.message
+        # Served at its leader: the same rule.
+        at_a = publish(a, "first", "second")
+        assert [(r.error.code, r.first_offset) for r in at_a] == [(0, 4), (refused, 0)]
+        # A session whose first message names a new stream places it, as Append does.
+        created = publish(b, "third", "third")
+        assert [r.error.code for r in created] == [0, 0]
+        assert set(leaders(nodes["a"], "third")) >= {"first", "second", "third"}
+        engine = nodes["a"].server.engine
+        assert engine is not None and engine.info("first").end_offset == 5

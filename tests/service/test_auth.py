@@ -203,6 +203,7 @@ def test_every_rpc_has_an_access_class() -> None:
 # "r": needs read on the stream; "w": write; "a": admin; "gr"/"gc"/"ga": read/consume/admin on the group.
 EXPECTED_CLASS = {
     "Append": "w",
+    "Publish": "w",  # each message: a refused one is answered so, the session goes on
     "Read": "r",
     "Subscribe": "r",
     "GetStreamInfo": "r",
@@ -247,7 +248,8 @@ def request_for(method: Any, **fields: Any) -> Any:
             setattr(request, name, value)
     if "stream" in names:
         request.stream = "s1"
-    extra = {"Append": {"payloads": [b"x"]}, "Trim": {"keep_last": 1}}.get(method.name, {})
+    extra = {"Append": {"payloads": [b"x"]}, "Publish": {"payloads": [b"x"]}, "Trim": {"keep_last": 1}}
+    extra = extra.get(method.name, {})
     for name, value in {**extra, **fields}.items():
         field = getattr(request, name)
         if isinstance(value, list):
@@ -261,14 +263,21 @@ def request_for(method: Any, **fields: Any) -> Any:
 
 def call(channel: grpc.Channel, method: Any, request: Any, metadata: Any) -> grpc.StatusCode:
     """The status code of one call (OK for a Subscribe that sent its first reply, and for a
-    Consume session of one request that ended OK)."""
+    Consume session of one request that ended OK; for a Publish session of one message, the
+    message's own status)."""
     path = f"/{SERVICE.full_name}/{method.name}"
     reply_type = getattr(pb, method.output_type.name)
     if method.client_streaming:
-        session = channel.stream_stream(path, request_serializer=type(request).SerializeToString)
+        session = channel.stream_stream(
+            path,
+            request_serializer=type(request).SerializeToString,
+            response_deserializer=reply_type.FromString,
+        )
         try:
-            list(session(iter([request]), metadata=metadata, timeout=10))
-            return grpc.StatusCode.OK
+            replies = list(session(iter([request]), metadata=metadata, timeout=10))
+            errors = [r.error.code for r in replies if method.name == "Publish" and r.HasField("error")]
+            codes = (c for c in grpc.StatusCode if errors and c.value[0] == errors[0])
+            return next(codes, grpc.StatusCode.OK)
         except grpc.RpcError as exc:
             return exc.code()
     if method.server_streaming:

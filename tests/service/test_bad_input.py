@@ -678,6 +678,14 @@ CASES += [
     ),
     ("CountRange", pb.CountRangeRequest(stream="missing"), NOT_FOUND, "'missing' does not exist"),
 ]
+# Publish: each of Append's cases as the message of a session (AppendRequest's fields 1-5 are
+# PublishRequest's), answered with the same status in its `error`; a message over
+# max_message_bytes ends the call instead (gRPC refuses it whole).
+CASES += [
+    ("Publish", pb.PublishRequest.FromString(request.SerializeToString()), code, fragment)
+    for rpc, request, code, fragment in list(CASES)
+    if rpc == "Append" and not request.HasField("expected_next_offset")
+]
 
 
 @pytest.fixture(scope="module")
@@ -703,8 +711,26 @@ def shared_channel(shared_server: ServerThread) -> Iterator[grpc.Channel]:
         yield channel
 
 
+class MessageRefused(grpc.RpcError):
+    """A Publish message's `error`, as the status a unary call would have ended with."""
+
+    def __init__(self, error: pb.PublishError) -> None:
+        super().__init__(error.message)
+        self._error = error
+
+    def code(self) -> grpc.StatusCode:
+        return next(c for c in grpc.StatusCode if c.value[0] == self._error.code)
+
+    def details(self) -> str:
+        return self._error.message
+
+
 def _call(stub: pb_grpc.StreamLogServiceStub, rpc: str, request: Any) -> None:
-    if rpc == "Consume":
+    if rpc == "Publish":
+        (answer,) = stub.Publish(iter([request]), timeout=5)
+        if answer.HasField("error"):
+            raise MessageRefused(answer.error)
+    elif rpc == "Consume":
         ended = threading.Event()
 
         def requests() -> Iterator[pb.ConsumeRequest]:

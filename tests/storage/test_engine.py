@@ -613,12 +613,7 @@ def test_append_many_under_always_makes_every_batch_durable_with_one_sync(open_e
 
     syncs = []
     real_sync = fs_module.SegmentFile.sync
-
-    def counted_sync(self):
-        syncs.append(1)
-        real_sync(self)
-
-    monkeypatch.setattr(fs_module.SegmentFile, "sync", counted_sync)
+    monkeypatch.setattr(fs_module.SegmentFile, "sync", lambda file: (syncs.append(1), real_sync(file)))
     results = engine.append_many("s", [(AppendBatch([b"m%d" % i]), None) for i in range(50)])
     assert [r.first_offset for r in results] == list(range(1, 51))
     assert len(syncs) == 1
