@@ -20,6 +20,7 @@ _EXPORTS = {
     "AppendResult": "clients.types",
     "AsyncClient": "clients.aio",
     "AsyncConsumeSession": "clients.aio",
+    "AsyncPublishSession": "clients.aio",
     "AsyncSubscription": "clients.aio",
     "CancelledError": "clients.errors",
     "ClaimResult": "clients.types",
@@ -27,6 +28,7 @@ _EXPORTS = {
     "ClusterDescription": "clients.types",
     "ClusterNode": "clients.types",
     "ConsumeSession": "clients.client",
+    "PublishSession": "clients.client",
     "Consumer": "clients.consumer",
     "ConsumerInfo": "clients.types",
     "DataLossError": "clients.errors",
@@ -70,6 +72,7 @@ __all__ = [
     "AppendResult",
     "AsyncClient",
     "AsyncConsumeSession",
+    "AsyncPublishSession",
     "AsyncSubscription",
     "CancelledError",
     "ClaimResult",
@@ -99,6 +102,7 @@ __all__ = [
     "PermissionDeniedError",
     "Producer",
     "ProducerClosedError",
+    "PublishSession",
     "ReadResult",
     "Record",
     "ReplicaProgress",
@@ -125,8 +129,8 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from clients.aio import AsyncClient, AsyncConsumeSession, AsyncSubscription
-    from clients.client import Client, ConsumeSession, Subscription
+    from clients.aio import AsyncClient, AsyncConsumeSession, AsyncPublishSession, AsyncSubscription
+    from clients.client import Client, ConsumeSession, PublishSession, Subscription
     from clients.consumer import Consumer, Message
     from clients.errors import (
         AlreadyExistsError,

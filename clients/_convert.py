@@ -98,10 +98,36 @@ def append_request(
     expected_next_offset: int | None = None,
 ) -> pb.AppendRequest:
     """An AppendRequest; payload-only batches use the `payloads` fast form."""
+    request = _filled(pb.AppendRequest(stream=stream), data, producer_id, producer_sequence)
+    if expected_next_offset is not None:
+        request.expected_next_offset = expected_next_offset
+    return request
+
+
+def publish_request(
+    stream: str,
+    data: bytes | Record | Entry | Iterable[bytes | Record | Entry],
+    producer_id: str | None,
+    producer_sequence: int | None,
+    request_id: int,
+) -> pb.PublishRequest:
+    """A message of a Publish session: an append, as append_request's, with its request id."""
+    request = pb.PublishRequest(stream=stream, request_id=request_id)
+    return _filled(request, data, producer_id, producer_sequence)
+
+
+_Append = TypeVar("_Append", pb.AppendRequest, pb.PublishRequest)
+
+
+def _filled(
+    request: _Append,
+    data: bytes | Record | Entry | Iterable[bytes | Record | Entry],
+    producer_id: str | None,
+    producer_sequence: int | None,
+) -> _Append:
     items = _as_items(data)
     if not items:
         raise ValueError("append needs at least one entry")
-    request = pb.AppendRequest(stream=stream)
     if all(isinstance(item, _BYTES) for item in items):
         # A repeated bytes field costs far less to encode (and decode) than messages.
         request.payloads.extend(bytes(item) if not isinstance(item, bytes) else item for item in items)
@@ -114,12 +140,10 @@ def append_request(
         request.producer_sequence = producer_sequence
     elif producer_sequence is not None:
         raise ValueError("producer_sequence needs a producer_id")
-    if expected_next_offset is not None:
-        request.expected_next_offset = expected_next_offset
     return request
 
 
-def append_result(reply: pb.AppendResponse) -> AppendResult:
+def append_result(reply: pb.AppendResponse | pb.PublishResponse) -> AppendResult:
     return AppendResult(reply.first_offset, reply.last_offset, reply.timestamp_ms, reply.duplicate)
 
 

@@ -1,4 +1,4 @@
-"""The streaming calls of AsyncClient: AsyncSubscription and AsyncConsumeSession (asyncio, grpc.aio).
+"""The streaming calls of AsyncClient: AsyncSubscription, AsyncConsumeSession, AsyncPublishSession (grpc.aio).
 
 With clients/_streaming_sync.py, this is the part of the two clients written twice,
 because it differs: a task awaits `read()` on a call (EOF at its end; reading a call
@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
 
 from clients._connection import call_timeout
 from clients._consume import ConsumeSessionBase
+from clients._publish import PublishSessionBase, Unanswered
 from clients._subscription import SubscriptionBase
-from clients.errors import GapError, StreamlogError, from_rpc_error
-from clients.types import AckResult, Entry, Gap, ReadResult
+from clients.errors import GapError, ProducerClosedError, StreamlogError, from_rpc_error
+from clients.types import AckResult, AppendResult, Entry, Gap, ReadResult, Record
 
 
 async def _entries(
@@ -198,3 +199,83 @@ class AsyncConsumeSession(ConsumeSessionBase):
             await self.close()
         except StreamlogError:
             self.cancel()
+
+
+class AsyncPublishSession(PublishSessionBase):
+    """An open Publish call (grpc.aio): appends sent as messages without waiting; as PublishSession.
+
+        async with client.publisher() as session:
+            futures = [await session.publish("orders", b"order %d" % i) for i in range(1000)]
+        print(futures[-1].result().first_offset)
+
+    `await publish(...)` returns once the message is handed to gRPC (it waits while
+    `max_in_flight` messages are unanswered, or while gRPC's flow control holds the
+    call back) with an asyncio.Future of its AppendResult: await that for the answer.
+    """
+
+    def __init__(self, start: Callable[[], Any], max_in_flight: int) -> None:
+        super().__init__(max_in_flight)
+        self._room = asyncio.Condition()
+        self._closed = False
+        self._call = start()
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def publish(
+        self,
+        stream: str,
+        data: bytes | Record | Entry | Iterable[bytes | Record | Entry],
+        *,
+        producer_id: str | None = None,
+        producer_sequence: int | None = None,
+    ) -> asyncio.Future[AppendResult]:
+        """Send one append; an asyncio.Future of its AppendResult (or of its error)."""
+        request = self._message(stream, data, producer_id, producer_sequence)
+        async with self._room:
+            await self._room.wait_for(
+                lambda: len(self._unanswered) < self.max_in_flight or self._reader.done()
+            )
+        if self._closed or self._reader.done():
+            if self._error is not None:
+                raise self._error
+            raise ProducerClosedError("the Publish session is closed")
+        future: asyncio.Future[AppendResult] = asyncio.get_running_loop().create_future()
+        self._unanswered.append(Unanswered(request, future))
+        with contextlib.suppress(asyncio.InvalidStateError, grpc.RpcError):
+            # A call that has ended refuses the write; its reader fails the message's future.
+            await self._call.write(request)
+        return future
+
+    async def _read(self) -> None:
+        error: StreamlogError | None = None
+        try:
+            while (reply := await self._call.read()) is not grpc.aio.EOF:
+                self._answered(reply)
+                async with self._room:
+                    self._room.notify_all()
+        except grpc.RpcError as exc:
+            error = from_rpc_error(exc)
+        except StreamlogError as exc:
+            error = exc
+            self._call.cancel()
+        self._ended(error)
+        async with self._room:
+            self._room.notify_all()
+
+    async def close(self, timeout: float | None = None) -> None:
+        """Half-close the call and wait until every message is answered (or the call ends)."""
+        if not self._closed:
+            self._closed = True
+            with contextlib.suppress(asyncio.InvalidStateError):
+                await self._call.done_writing()
+        async with asyncio.timeout(timeout):
+            await asyncio.shield(self._reader)
+
+    def cancel(self) -> None:
+        """End the call at once; unanswered messages fail (see unanswered())."""
+        self._call.cancel()
+
+    async def __aenter__(self) -> AsyncPublishSession:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

@@ -1,4 +1,4 @@
-"""The streaming calls of the sync Client: Subscription and ConsumeSession (threads, grpc).
+"""The streaming calls of the sync Client: Subscription, ConsumeSession, PublishSession (threads, grpc).
 
 With clients/_streaming_aio.py, this is the part of the two clients written twice,
 because it differs: a thread blocks in `next()` on a call where a task awaits
@@ -13,15 +13,17 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import grpc
 
 from clients._connection import call_timeout
 from clients._consume import ConsumeSessionBase
+from clients._publish import PublishSessionBase, Unanswered
 from clients._subscription import SubscriptionBase
-from clients.errors import GapError, StreamlogError, from_rpc_error
-from clients.types import AckResult, Entry, Gap, ReadResult
+from clients.errors import GapError, ProducerClosedError, StreamlogError, from_rpc_error
+from clients.types import AckResult, AppendResult, Entry, Gap, ReadResult, Record
 
 
 def _entries(batches: Iterable[ReadResult], on_gap: Callable[[Gap], None] | None) -> Iterator[Entry]:
@@ -246,3 +248,94 @@ class ConsumeSession(ConsumeSessionBase):
             self.close()
         except StreamlogError:
             self.cancel()
+
+
+class PublishSession(PublishSessionBase):
+    """An open Publish call: appends sent as messages without waiting, answered in order.
+
+        with client.publisher() as session:
+            futures = [session.publish("orders", b"order %d" % i) for i in range(1000)]
+        print(futures[-1].result().first_offset)
+
+    publish() sends one message (an append of its own, to any stream) and returns a
+    Future of its AppendResult at once; it waits only while `max_in_flight` messages
+    are unanswered. A message the server refuses fails its own future (with the
+    clients.errors exception for its status); the session goes on. close() (or
+    leaving the `with` block) half-closes the call and waits for every answer. If the
+    call ends first (the connection broke, the server shut down), the messages still
+    unanswered fail with its error and `unanswered()` lists them: resend them on a
+    new session (with a producer id and their sequence, a message that was written is
+    answered as a duplicate). The Producer does all of that for you.
+    """
+
+    def __init__(self, start: Callable[[Iterator[Any]], Any], max_in_flight: int) -> None:
+        super().__init__(max_in_flight)
+        self._lock = threading.Condition()
+        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._closed = False
+        self._call = start(iter(self._requests.get, None))
+        self._reader = threading.Thread(target=self._read, name="streamlog-publish", daemon=True)
+        self._reader.start()
+
+    def publish(
+        self,
+        stream: str,
+        data: bytes | Record | Entry | Iterable[bytes | Record | Entry],
+        *,
+        producer_id: str | None = None,
+        producer_sequence: int | None = None,
+    ) -> Future[AppendResult]:
+        """Send one append; a Future of its AppendResult (or of its error)."""
+        request = self._message(stream, data, producer_id, producer_sequence)
+        future: Future[AppendResult] = Future()
+        with self._lock:
+            while len(self._unanswered) >= self.max_in_flight and self._error is None and not self._ending:
+                self._lock.wait()
+            if self._error is not None:
+                raise self._error
+            if self._closed or self._ending:
+                raise ProducerClosedError("the Publish session is closed")
+            self._unanswered.append(Unanswered(request, future))
+            self._requests.put(request)
+        return future
+
+    @property
+    def _ending(self) -> bool:
+        return not self._reader.is_alive()
+
+    def _read(self) -> None:
+        error: StreamlogError | None = None
+        try:
+            for reply in self._call:
+                with self._lock:
+                    self._answered(reply)
+                    self._lock.notify_all()
+        except grpc.RpcError as exc:
+            error = from_rpc_error(exc)
+        except StreamlogError as exc:
+            error = exc
+            self._call.cancel()
+        with self._lock:
+            self._ended(error)
+            self._lock.notify_all()
+        self._requests.put(None)  # ends gRPC's thread that sends the requests, if still waiting
+
+    def close(self, timeout: float | None = None) -> None:
+        """Half-close the call and wait until every message is answered (or the call ends)."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._requests.put(None)
+        self._reader.join(timeout)
+        if self._reader.is_alive():
+            raise TimeoutError("close: the Publish session's answers did not all come in time")
+
+    def cancel(self) -> None:
+        """End the call at once; unanswered messages fail (see unanswered())."""
+        self._call.cancel()
+
+    def __enter__(self) -> PublishSession:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

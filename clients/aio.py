@@ -39,7 +39,7 @@ from clients._connection import (
     call_timeout,
     open_channel,
 )
-from clients._streaming_aio import AsyncConsumeSession, AsyncSubscription
+from clients._streaming_aio import AsyncConsumeSession, AsyncPublishSession, AsyncSubscription
 from clients.errors import from_rpc_error
 from clients.types import (
     AckResult,
@@ -144,6 +144,19 @@ class AsyncClient:
         """
         request = convert.append_request(stream, data, producer_id, producer_sequence, expected_next_offset)
         return convert.append_result(await self._unary(self._stub.Append, request, timeout))
+
+    def publisher(self, *, max_in_flight: int = 1000, timeout: float | None = None) -> AsyncPublishSession:
+        """Open a Publish session: appends sent as messages without waiting for each answer.
+
+        Each message is an append of its own (any stream, idempotent with a producer
+        id and sequence), answered in order; one small entry per message goes many
+        times faster than one per append() call. `max_in_flight`: messages sent and
+        not yet answered before publish() waits. No deadline unless `timeout` is
+        given: a session lives until closed. See AsyncPublishSession.
+        """
+        return AsyncPublishSession(
+            functools.partial(self._stub.Publish, timeout=timeout, metadata=self._metadata), max_in_flight
+        )
 
     async def read(
         self,

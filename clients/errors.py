@@ -155,3 +155,12 @@ def from_rpc_error(error: grpc.RpcError) -> StreamlogError:
         if next_offset is not None and next_offset.lstrip("-").isdigit():
             return OffsetMismatchError(details, code, int(next_offset))
     return _BY_CODE.get(code, StreamlogError)(details, code)
+
+
+def from_status(code: int, details: str) -> StreamlogError:
+    """The StreamlogError for a status given as its number (a Publish message's `error`)."""
+    status = _BY_NUMBER.get(code)
+    return _BY_CODE.get(status, StreamlogError)(details, status) if status else StreamlogError(details)
+
+
+_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}

@@ -7,14 +7,18 @@
 `send()` only queues the entry and returns a future. A background thread turns the
 queue into batches: a batch goes out when it holds `max_batch_entries` entries or
 `max_batch_bytes` bytes, or `linger_ms` after its first entry was queued, or at once
-on `flush()` / `close()`. One batch is in flight at a time, so entries keep the
-order in which they were sent.
+on `flush()` / `close()`. Batches go out as messages of one Publish session, up to
+`max_in_flight` of them unanswered (pipelined: the next batch does not wait for the
+previous one's answer); the server writes and answers them in order, so entries
+keep the order in which they were sent.
 
-Every batch carries this producer's `producer_id` and the next sequence number, so
-a batch retried after UNAVAILABLE or DEADLINE_EXCEEDED (exponential backoff with
-jitter, for up to `delivery_timeout_s`) is written once even when the failed attempt
-did reach the server: the server answers the retry with the first attempt's offsets
-(`duplicate`). Other errors fail the batch's futures with the client's exception.
+Every batch carries this producer's `producer_id` and the next sequence number. When
+the session fails with UNAVAILABLE or DEADLINE_EXCEEDED (or an answer takes longer
+than `request_timeout_s`), the producer opens a new session (exponential backoff with
+jitter) and resends every batch not yet answered, in order, with the same sequences,
+for up to `delivery_timeout_s` per batch: a batch the failed session did write is
+answered as a duplicate with its first offsets, so nothing is written twice. Other
+errors fail that batch's futures with the client's exception; the others go on.
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from clients.client import Client
-from clients.errors import ProducerClosedError, StreamlogError, TransientError
-from clients.types import Record
+from clients.client import Client, PublishSession
+from clients.errors import DeadlineExceededError, ProducerClosedError, StreamlogError, TransientError
+from clients.types import AppendResult, Record
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +46,17 @@ class _Queued:
     size: int
     future: Future[int]
     queued_at: float
+
+
+@dataclass(slots=True)
+class _Sent:
+    """A batch sent on the session and not yet answered."""
+
+    batch: list[_Queued]
+    sequence: int
+    answer: Future[AppendResult]
+    sent_at: float  # of its latest attempt
+    deadline: float  # of all its attempts
 
 
 def _size(item: bytes | Record) -> int:
@@ -60,7 +75,10 @@ class Producer:
     sequence the server still remembers (which would make it report an old batch as
     a duplicate instead of writing the new one).
     max_buffered: `send()` blocks while this many entries wait to be sent (backpressure).
-    request_timeout_s: the deadline of one attempt; delivery_timeout_s: of all attempts.
+    max_in_flight: batches sent and not yet answered (at most 32, the server's dedup
+    window per producer, so that every resend is recognised).
+    request_timeout_s: how long an answer may take before the session is given up and
+    its unanswered batches resent; delivery_timeout_s: the deadline of all attempts.
     """
 
     def __init__(
@@ -73,6 +91,7 @@ class Producer:
         max_batch_bytes: int = 1 << 20,
         linger_ms: float = 5.0,
         max_buffered: int = 100_000,
+        max_in_flight: int = 16,
         request_timeout_s: float = 10.0,
         delivery_timeout_s: float = 120.0,
         initial_backoff_s: float = 0.05,
@@ -80,6 +99,8 @@ class Producer:
     ) -> None:
         if max_batch_entries < 1 or max_batch_bytes < 1 or max_buffered < 1:
             raise ValueError("max_batch_entries, max_batch_bytes and max_buffered must be positive")
+        if not 1 <= max_in_flight <= 32:
+            raise ValueError("max_in_flight must be between 1 and 32 (the server's dedup window)")
         self.client = client
         self.stream = stream
         self.producer_id = producer_id or f"producer-{uuid.uuid4().hex}"
@@ -87,15 +108,18 @@ class Producer:
         self.max_batch_bytes = max_batch_bytes
         self.linger_s = linger_ms / 1000
         self.max_buffered = max_buffered
+        self.max_in_flight = max_in_flight
         self.request_timeout_s = request_timeout_s
         self.delivery_timeout_s = delivery_timeout_s
         self.initial_backoff_s = initial_backoff_s
         self.max_backoff_s = max_backoff_s
         self._sequence = time.time_ns() // 1000
-        # Counters, for tests and monitoring.
+        # Counters, for tests and monitoring: batches answered, sessions reopened to resend
+        # (retries), batches answered as duplicates of an earlier attempt.
         self.batches_sent = 0
         self.retries = 0
         self.duplicates = 0
+        self._backoff_s = initial_backoff_s
 
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -189,18 +213,30 @@ class Producer:
     def _batch_full(self) -> bool:
         return len(self._queue) >= self.max_batch_entries or self._queued_bytes >= self.max_batch_bytes
 
-    def _take_batch(self) -> list[_Queued] | None:
-        """Wait for a batch worth sending and take it off the queue; None when closed and drained."""
+    def _batch_due(self, in_flight: int) -> bool:
+        if not self._queue or in_flight >= self.max_in_flight:
+            return False
+        if self._batch_full() or self._taken_count < self._urgent_until or self._closing:
+            return True
+        return self._queue[0].queued_at + self.linger_s <= time.monotonic()
+
+    def _wait(self, sent: deque[_Sent]) -> list[_Queued] | None:
+        """Wait until a batch is due (and take it off the queue) or the oldest answer is in
+        (None); None at once when closed with nothing left."""
         with self._changed:
-            while not self._queue:
-                if self._closing:
+            while not self._batch_due(len(sent)):
+                if sent and sent[0].answer.done():
                     return None
-                self._changed.wait()
-            while not (self._batch_full() or self._taken_count < self._urgent_until or self._closing):
-                remaining = self._queue[0].queued_at + self.linger_s - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._changed.wait(remaining)
+                if self._closing and not self._queue and not sent:
+                    return None
+                timeouts = []
+                if sent:
+                    timeouts.append(sent[0].sent_at + self.request_timeout_s - time.monotonic())
+                if self._queue and len(sent) < self.max_in_flight:
+                    timeouts.append(self._queue[0].queued_at + self.linger_s - time.monotonic())
+                if timeouts and min(timeouts) <= 0:
+                    return None  # an answer is overdue (the caller looks), or a batch is due
+                self._changed.wait(min(timeouts) if timeouts else None)
             batch: list[_Queued] = []
             size = 0
             while self._queue and len(batch) < self.max_batch_entries:
@@ -215,73 +251,134 @@ class Producer:
             self._changed.notify_all()  # room for senders blocked by max_buffered
             return batch
 
-    def _run(self) -> None:
-        while True:
-            batch = self._take_batch()
-            if batch is None:
-                return
-            sequence = self._sequence
-            self._sequence += 1
-            try:
-                if self._abort.is_set():
-                    _fail(batch, ProducerClosedError("the producer was closed before this entry was sent"))
-                else:
-                    self._deliver(batch, sequence)
-            except BaseException as exc:
-                # Whatever happens, every future gets an outcome and the thread goes on.
-                log.exception("producer %s: unexpected error", self.producer_id)
-                for queued in batch:
-                    if not queued.future.done():
-                        queued.future.set_exception(exc)
-            with self._changed:
-                self._done_count += len(batch)
-                self._changed.notify_all()
+    def _answered(self, _answer: Future[AppendResult]) -> None:
+        with self._changed:  # (on the session's reader thread)
+            self._changed.notify_all()
 
-    def _deliver(self, batch: list[_Queued], sequence: int) -> None:
-        deadline = time.monotonic() + self.delivery_timeout_s
-        backoff = self.initial_backoff_s
-        items = [queued.item for queued in batch]
-        while True:
-            try:
-                result = self.client.append(
-                    self.stream,
-                    items,
-                    producer_id=self.producer_id,
-                    producer_sequence=sequence,
-                    timeout=self.request_timeout_s,
-                )
-            except TransientError as exc:
-                # Full jitter keeps many producers from retrying in lockstep.
-                pause = random.uniform(backoff / 2, backoff)
-                if self._abort.is_set() or time.monotonic() + pause > deadline:
-                    _fail(batch, exc)
-                    return
-                self.retries += 1
-                log.debug("producer %s: %s; retrying in %.3f s", self.producer_id, exc, pause)
-                self._abort.wait(pause)
-                backoff = min(backoff * 2, self.max_backoff_s)
+    def _run(self) -> None:
+        sent: deque[_Sent] = deque()
+        session: PublishSession | None = None
+        try:
+            while True:
+                failure = self._settle(sent)
+                if failure is not None:
+                    session = self._resend(session, sent, failure)
+                    continue
+                batch = self._wait(sent)
+                if batch is None:
+                    with self._changed:
+                        if self._closing and not self._queue and not sent:
+                            break
+                    continue
+                now = time.monotonic()
+                item = _Sent(batch, self._sequence, Future(), now, now + self.delivery_timeout_s)
+                self._sequence += 1
+                if self._abort.is_set():
+                    self._finish(
+                        [item], ProducerClosedError("the producer was closed before this entry was sent")
+                    )
+                    continue
+                sent.append(item)
+                session = session or self.client.publisher(max_in_flight=self.max_in_flight)
+                self._publish(session, item)
+        except BaseException as exc:
+            # Whatever happens, every future gets an outcome.
+            log.exception("producer %s: unexpected error", self.producer_id)
+            self._finish(list(sent), exc)
+            with self._changed:
+                while self._queue:
+                    queued = self._queue.popleft()
+                    queued.future.set_exception(exc)
+                    self._done_count += 1
+                self._changed.notify_all()
+        finally:
+            if session is not None:
+                session.cancel()
+
+    def _publish(self, session: PublishSession, item: _Sent) -> None:
+        items = [queued.item for queued in item.batch]
+        try:
+            item.answer = session.publish(
+                self.stream, items, producer_id=self.producer_id, producer_sequence=item.sequence
+            )
+        except (StreamlogError, ValueError, TypeError) as exc:
+            item.answer = Future()
+            item.answer.set_exception(exc)
+        item.answer.add_done_callback(self._answered)
+
+    def _settle(self, sent: deque[_Sent]) -> StreamlogError | None:
+        """Give the answered batches at the head their outcomes; the transient failure (or overdue
+        answer) of the oldest batch, which ends the session, if there is one."""
+        while sent:
+            head = sent[0]
+            if not head.answer.done():
+                if time.monotonic() - head.sent_at >= self.request_timeout_s:
+                    return DeadlineExceededError(
+                        f"no answer within request_timeout_s={self.request_timeout_s}"
+                    )
+                return None
+            error = head.answer.exception()
+            if isinstance(error, TransientError):
+                return error
+            sent.popleft()
+            if error is not None:
+                self._finish([head], error)
                 continue
-            except (StreamlogError, ValueError, TypeError) as exc:
-                _fail(batch, exc)
-                return
-            break
+            self._backoff_s = self.initial_backoff_s
+            self._deliver(head, head.answer.result())
+        return None
+
+    def _resend(
+        self, session: PublishSession | None, sent: deque[_Sent], failure: StreamlogError
+    ) -> PublishSession:
+        """A new session, with every batch still unanswered sent again (same sequences), after a
+        pause; batches past their delivery timeout fail with `failure` instead."""
+        if session is not None:
+            session.cancel()
+        pause = random.uniform(self._backoff_s / 2, self._backoff_s)  # full jitter: no lockstep
+        self._backoff_s = min(self._backoff_s * 2, self.max_backoff_s)
+        expired = [item for item in sent if self._abort.is_set() or time.monotonic() + pause > item.deadline]
+        if expired:
+            self._finish(expired, failure)
+            for item in expired:
+                sent.remove(item)
+        log.debug(
+            "producer %s: %s; resending %d batches in %.3f s", self.producer_id, failure, len(sent), pause
+        )
+        self._abort.wait(pause)
+        self.retries += 1
+        session = self.client.publisher(max_in_flight=self.max_in_flight)
+        for item in sent:
+            item.sent_at = time.monotonic()
+            self._publish(session, item)
+        return session
+
+    def _deliver(self, item: _Sent, result: AppendResult) -> None:
         self.batches_sent += 1
         if result.duplicate:
             self.duplicates += 1
-        if result.count != len(batch):
+        if result.count != len(item.batch):
             # Only a reused (producer id, sequence) can answer for another batch.
-            _fail(
-                batch,
+            self._finish(
+                [item],
                 StreamlogError(
-                    f"the server reports {result.count} entries for sequence {sequence}, "
-                    f"which held {len(batch)}: producer id {self.producer_id!r} is used elsewhere"
+                    f"the server reports {result.count} entries for sequence {item.sequence}, "
+                    f"which held {len(item.batch)}: producer id {self.producer_id!r} is used elsewhere"
                 ),
             )
             return
-        for index, queued in enumerate(batch):
+        for index, queued in enumerate(item.batch):
             queued.future.set_result(result.first_offset + index)
+        self._done(len(item.batch))
 
+    def _finish(self, items: list[_Sent], exc: BaseException) -> None:
+        for item in items:
+            for queued in item.batch:
+                if not queued.future.done():
+                    queued.future.set_exception(exc)
+            self._done(len(item.batch))
 
-def _fail(batch: list[_Queued], exc: BaseException) -> None:
-    for queued in batch:
-        queued.future.set_exception(exc)
+    def _done(self, entries: int) -> None:
+        with self._changed:
+            self._done_count += entries
+            self._changed.notify_all()

@@ -109,42 +109,64 @@ class _LostReply(grpc.RpcError):
         return ()
 
 
-class DropReplies(grpc.UnaryUnaryClientInterceptor):
-    """Lets the first `count` Append calls reach the server, then throws their replies away."""
+class DropAnswers(grpc.StreamStreamClientInterceptor):
+    """Lets the first `count` Publish sessions reach the server, then loses each one's answers
+    (the connection drops after the server has written the first message), and records every
+    message sent."""
 
     def __init__(self, count: int) -> None:
         self.remaining = count
         self.requests: list[Any] = []
 
-    def intercept_unary_unary(self, continuation: Callable, details: Any, request: Any) -> Any:
-        outcome = continuation(details, request)
-        if details.method.endswith("/Append"):
-            self.requests.append(request)
-            if self.remaining:
-                self.remaining -= 1
-                outcome.result()  # the server has written the batch
-                raise _LostReply()
-        return outcome
+    def intercept_stream_stream(self, continuation: Callable, details: Any, request_iterator: Any) -> Any:
+        def recorded() -> Any:
+            for request in request_iterator:
+                self.requests.append(request)
+                yield request
+
+        call = continuation(details, recorded())
+        if not details.method.endswith("/Publish") or not self.remaining:
+            return call
+        self.remaining -= 1
+        return _LosingCall(call)
 
 
-def test_a_retry_after_a_lost_reply_writes_nothing_twice(server: ServerThread) -> None:
-    interceptor = DropReplies(count=2)
+class _LosingCall:
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    def __iter__(self) -> _LosingCall:
+        return self
+
+    def __next__(self) -> Any:
+        next(self._call)  # the server has answered: the message is written
+        self._call.cancel()
+        raise _LostReply()
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+def test_a_resend_after_lost_answers_writes_nothing_twice(server: ServerThread) -> None:
+    interceptor = DropAnswers(count=2)
     channel = grpc.intercept_channel(grpc.insecure_channel(server.target), interceptor)
     try:
         client = Client(channel=channel, timeout=10)
-        with Producer(client, "s", linger_ms=1, initial_backoff_s=0.01) as producer:
+        # A long linger: the five entries go as one batch, when flush() asks.
+        with Producer(client, "s", linger_ms=10_000, initial_backoff_s=0.01) as producer:
             futures = [producer.send(b"%d" % i) for i in range(5)]
             producer.flush(timeout=10)
             later = producer.send(b"after")
         assert [f.result(0) for f in futures] == [0, 1, 2, 3, 4]
         assert later.result(0) == 5
+        # Two sessions lost their answers: the batch was resent twice, on new sessions, and the
+        # second resend was answered as a duplicate of the first attempt.
         assert producer.retries == 2 and producer.duplicates == 1
-        # Every attempt of the first batch carried the same producer id and sequence.
-        first, *retries = [
+        first, *resends = [
             r for r in interceptor.requests if list(r.payloads) == [b"%d" % i for i in range(5)]
         ]
-        assert len(retries) == 2
-        assert {(r.producer_id, r.producer_sequence) for r in retries} == {
+        assert len(resends) == 2
+        assert {(r.producer_id, r.producer_sequence) for r in resends} == {
             (first.producer_id, first.producer_sequence)
         }
         assert first.producer_id == producer.producer_id
@@ -152,6 +174,15 @@ def test_a_retry_after_a_lost_reply_writes_nothing_twice(server: ServerThread) -
             assert _payloads(plain, "s") == [b"0", b"1", b"2", b"3", b"4", b"after"]
     finally:
         channel.close()
+
+
+def test_batches_are_pipelined_on_one_session(client: Client) -> None:
+    with Producer(client, "s", max_batch_entries=1, linger_ms=0, max_in_flight=8) as producer:
+        futures = [producer.send(b"%d" % i) for i in range(200)]
+        assert [f.result(10) for f in futures] == list(range(200))
+    assert producer.batches_sent == 200 and producer.retries == 0
+    with pytest.raises(ValueError, match="dedup window"):
+        Producer(client, "s", max_in_flight=33)
 
 
 def test_retries_ride_out_a_server_restart(start_server: Callable[..., ServerThread], tmp_path) -> None:

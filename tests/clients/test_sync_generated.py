@@ -53,6 +53,6 @@ def test_client_and_async_client_have_the_same_methods_and_parameters() -> None:
             where = f"{name}({parameter.name})"
             assert (twin.kind, twin.default) == (parameter.kind, parameter.default), where
         assert inspect.iscoroutinefunction(getattr(AsyncClient, name)) != (
-            name in ("__init__", "subscribe", "subscribe_group", "consume")
+            name in ("__init__", "subscribe", "subscribe_group", "consume", "publisher")
         ), name
         assert not inspect.iscoroutinefunction(getattr(Client, name)), name
