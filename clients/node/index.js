@@ -215,4 +215,119 @@ class Client {
   }
 }
 
-module.exports = { Client, StreamlogError };
+// A Publish session: publish() sends one append as a message, without waiting for earlier
+// answers, and returns a Promise of its result; the server answers in order. A refused message
+// rejects its own Promise (a StreamlogError with its status) and the session goes on. With a
+// producerId, every message carries the next sequence, and when the call fails with
+// UNAVAILABLE the messages not yet answered are written again, in order, on a new session:
+// those the old one wrote come back as duplicates, so nothing is written twice.
+class Publisher {
+  // options: producerId (resends become safe), maxInFlight (publish() waits past it),
+  // retryMs (pause before a new session), firstSequence (default: now in microseconds, so a
+  // restarted producer with the same id never reuses a sequence the server remembers).
+  constructor(client, options = {}) {
+    this.client = client;
+    this.producerId = options.producerId || null;
+    this.maxInFlight = options.maxInFlight || 1000;
+    this.retryMs = options.retryMs === undefined ? 100 : options.retryMs;
+    this.sequence = options.firstSequence === undefined ? Date.now() * 1000 : options.firstSequence;
+    this.nextId = 0;
+    this.unanswered = []; // {request, resolve, reject}, in the order sent
+    this.room = []; // publish() calls waiting for maxInFlight to allow them
+    this.closing = null;
+    this.open();
+  }
+
+  open() {
+    const call = this.client.stub.Publish(this.client.metadata());
+    this.call = call;
+    call.on('data', (reply) => {
+      if (call === this.call) this.answered(reply); // not the answers of a session replaced
+    });
+    call.on('error', (error) => this.failed(call, error));
+    call.on('end', () => {
+      if (call === this.call) this.ended(null);
+    });
+  }
+
+  // items: as Client.append's (Buffers/strings, or entries {payload, tag, headers}).
+  async publish(stream, items) {
+    while (this.unanswered.length >= this.maxInFlight) {
+      await new Promise((resolve) => { this.room.push(resolve); });
+    }
+    if (this.closing) throw new Error('the publisher is closed');
+    const list = Array.isArray(items) ? items : [items];
+    const plain = list.every((item) => Buffer.isBuffer(item) || typeof item === 'string');
+    this.nextId += 1;
+    const request = { stream, request_id: String(this.nextId) };
+    if (plain) request.payloads = list.map((item) => Buffer.from(item));
+    else request.entries = list.map((item) => ({ ...item, payload: Buffer.from(item.payload) }));
+    if (this.producerId) {
+      request.producer_id = this.producerId;
+      request.producer_sequence = String(this.sequence);
+      this.sequence += 1;
+    }
+    return new Promise((resolve, reject) => {
+      this.unanswered.push({ request, resolve, reject });
+      this.call.write(request);
+    });
+  }
+
+  answered(reply) {
+    const head = this.unanswered.shift();
+    if (!head || head.request.request_id !== String(reply.request_id)) {
+      this.failed(this.call, { code: grpc.status.INTERNAL, details: `unexpected answer to ${reply.request_id}` });
+      return;
+    }
+    if (reply.error) head.reject(new StreamlogError({ code: reply.error.code, details: reply.error.message }));
+    else {
+      head.resolve({
+        firstOffset: toNumber(reply.first_offset),
+        lastOffset: toNumber(reply.last_offset),
+        timestampMs: toNumber(reply.timestamp_ms),
+        duplicate: reply.duplicate,
+      });
+    }
+    const waiting = this.room.shift();
+    if (waiting) waiting();
+  }
+
+  failed(call, error) {
+    if (call !== this.call) return; // a session already replaced
+    if (error.code === grpc.status.UNAVAILABLE && this.producerId && this.unanswered.length) {
+      setTimeout(() => this.reconnect(), this.retryMs);
+      return;
+    }
+    this.ended(new StreamlogError(error));
+  }
+
+  // Ends the current session and writes every unanswered message again on a new one.
+  reconnect() {
+    const old = this.call;
+    this.open();
+    old.end(); // half-closed first: grpc-js may not send the cancel of a call with writes queued
+    old.cancel();
+    for (const { request } of this.unanswered) this.call.write(request);
+    if (this.closing) this.call.end();
+  }
+
+  ended(error) {
+    const failure = error || new Error('the Publish session ended before answering');
+    for (const { reject } of this.unanswered.splice(0)) reject(failure);
+    for (const waiting of this.room.splice(0)) waiting();
+    if (this.closing) this.closing.resolve();
+  }
+
+  // Half-closes the session and resolves once every message is answered (or the call ends).
+  close() {
+    if (!this.closing) {
+      let resolve;
+      const done = new Promise((r) => { resolve = r; });
+      this.closing = { done, resolve };
+      this.call.end();
+    }
+    return this.closing.done;
+  }
+}
+
+module.exports = { Client, Publisher, StreamlogError };

@@ -4,7 +4,7 @@
 
 const assert = require('node:assert/strict');
 const { test, after } = require('node:test');
-const { Client, StreamlogError } = require('..');
+const { Client, Publisher, StreamlogError } = require('..');
 
 const address = process.env.STREAMLOG_ADDRESS;
 if (!address) throw new Error('set STREAMLOG_ADDRESS to a running streamlog server');
@@ -69,4 +69,36 @@ test('a consumer group reads, acknowledges, and has nothing pending after', asyn
 
 test('errors carry the status code', async () => {
   await assert.rejects(client.info('node-missing'), (error) => error.code === 5 && /NOT_FOUND/.test(error.message));
+});
+
+test('a publisher pipelines messages, answered in order, a refused one alone', async () => {
+  const publisher = new Publisher(client, { maxInFlight: 16 });
+  try {
+    const answers = Array.from({ length: 100 }, (_, i) => publisher.publish('node-published', `m${i}`));
+    // Its rejection is expected: handled from the start.
+    const refused = assert.rejects(publisher.publish('', 'nameless'),
+      (error) => error instanceof StreamlogError && error.code === 3);
+    const after = publisher.publish('node-published', [{ payload: 'tagged', tag: 't' }]);
+    assert.deepEqual((await Promise.all(answers)).map((a) => a.firstOffset), [...Array(100).keys()]);
+    await refused;
+    assert.equal((await after).firstOffset, 100);
+  } finally {
+    await publisher.close();
+  }
+  const batch = await client.read('node-published', 98, { count: 10 });
+  assert.deepEqual(batch.entries.map((e) => [e.payload.toString(), e.tag]),
+    [['m98', ''], ['m99', ''], ['tagged', 't']]);
+});
+
+test('a publisher that reconnects resends what was not answered, written once', async () => {
+  const publisher = new Publisher(client, { producerId: 'node-publisher', firstSequence: 1 });
+  try {
+    const answers = Array.from({ length: 50 }, (_, i) => publisher.publish('node-resent', `r${i}`));
+    publisher.reconnect(); // as after UNAVAILABLE: a new session, every unanswered message again
+    const results = await Promise.all(answers);
+    assert.deepEqual(results.map((a) => a.firstOffset), [...Array(50).keys()]);
+  } finally {
+    await publisher.close();
+  }
+  assert.equal((await client.info('node-resent')).entries, 50);
 });
