@@ -1,0 +1,182 @@
+"""One small append per message: Publish sessions vs unary Append vs Redis XADD, in one run.
+
+    python -m bench.publish [--quick]
+
+Load comes from Node.js (bench/publish_load.js, clients/node's Client and Publisher;
+`npm install` in clients/node first), so that the client is not the bottleneck:
+one-entry messages of 100 bytes,
+
+- over Publish sessions (64 messages in flight each) and over unary Append calls,
+  at 1 and 16 publishers/callers (each on its own connection), against
+  `streamlog serve` at fsync everysec and always;
+- unary Append at 1 and 16 callers against a bare grpc.aio server whose Append
+  does nothing (no interceptors, no engine; system "bare"): the ceiling of a
+  unary call here;
+- append-to-subscriber latency at 1,000 entries/s (Publish and Append, a Subscribe
+  on another connection), everysec;
+- Redis side by side: `redis-benchmark` XADD at 1 and 16 clients (AOF everysec
+  and always), and XADD to XREAD BLOCK latency at 1,000 entries/s
+  (bench.redis_baseline, a Python client).
+
+One JSON object per line (bench.common.emit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import HealthServicer
+from streamlog.v1 import streamlog_pb2 as pb
+
+from bench import redis_baseline
+from bench.common import emit, free_port, wait_serving
+from bench.service import PAYLOAD, streamlog_server
+
+LOAD = Path(__file__).with_name("publish_load.js")
+IN_FLIGHT = 64
+SERVICE = "streamlog.v1.StreamLogService"
+
+
+def node_load(*args: Any) -> dict[str, float]:
+    """One run of bench/publish_load.js; its JSON result."""
+    node = shutil.which("node")
+    if node is None:
+        raise SystemExit("bench.publish needs Node.js (and `npm install` in clients/node)")
+    done = subprocess.run([node, str(LOAD), *map(str, args)], capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"publish_load.js {args} failed: {done.stderr.strip()}")
+    return json.loads(done.stdout)
+
+
+async def _serve_bare(port: int) -> None:
+    """A grpc.aio server whose Append answers at once, with nothing else in the way."""
+    reply = pb.AppendResponse(first_offset=0, last_offset=0).SerializeToString()
+
+    async def append(request: bytes, context: Any) -> bytes:
+        return reply
+
+    handler = grpc.method_handlers_generic_handler(
+        SERVICE, {"Append": grpc.unary_unary_rpc_method_handler(append)}
+    )
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler,))
+    health = HealthServicer()  # for bench.common.wait_serving
+    health.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+@contextmanager
+def bare_server() -> Iterator[str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bench.publish", "--bare-server", str(port)])
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_serving(address, proc)
+        yield address
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def redis_benchmark_xadd(port: int, clients: int, requests: int) -> float:
+    """XADD calls/s of redis-benchmark (one 100-byte field per entry, no pipelining)."""
+    executable = shutil.which("redis-benchmark")
+    if executable is None:
+        raise SystemExit("redis-benchmark not found (Debian's redis-tools)")
+    command = [executable, "-h", "127.0.0.1", "-p", str(port), "-c", str(clients), "-n", str(requests)]
+    command += ["-q", "XADD", "bench:publish", "*", "payload", "x" * PAYLOAD]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True).stdout
+    found = re.findall(r"([\d.]+) requests per second", out)
+    if not found:
+        raise RuntimeError(f"redis-benchmark printed no rate: {out!r}")
+    return float(found[-1])
+
+
+def run(quick: bool) -> None:
+    seconds = 3 if quick else 8
+    latency_s = 3 if quick else 10
+    common = {"payload_bytes": PAYLOAD, "entries_per_message": 1, "seconds": seconds}
+    with bare_server() as address:
+        for callers in (1, 16):
+            got = node_load("rate", address, "append", callers, seconds)
+            emit("calls", got["calls_per_s"], "calls/s", system="bare", rpc="Append", callers=callers)
+    for fsync in ("everysec", "always"):
+        with streamlog_server(fsync) as address:
+            for callers in (1, 16):
+                for rpc in ("append", "publish"):
+                    got = node_load("rate", address, rpc, callers, seconds, IN_FLIGHT)
+                    emit(
+                        "calls",
+                        got["calls_per_s"],
+                        "calls/s",
+                        system="streamlog",
+                        rpc="Publish" if rpc == "publish" else "Append",
+                        callers=callers,
+                        fsync=fsync,
+                        p50_ms=got["p50_ms"],
+                        p99_ms=got["p99_ms"],
+                        **({"in_flight": IN_FLIGHT} if rpc == "publish" else {}),
+                        **common,
+                    )
+            if fsync == "everysec":
+                for rpc in ("publish", "append"):
+                    got = node_load("latency", address, rpc, 1000, latency_s)
+                    for p in ("p50_us", "p99_us"):
+                        emit(
+                            "append_to_subscriber_latency",
+                            got[p],
+                            "us",
+                            system="streamlog",
+                            rpc="Publish" if rpc == "publish" else "Append",
+                            percentile=p[1:3],
+                            rate_per_s=1000,
+                        )
+        with redis_baseline.RedisServer(fsync) as server:
+            assert server.port is not None
+            for clients in (1, 16):
+                rate = redis_benchmark_xadd(server.port, clients, 20_000 if quick else 100_000)
+                emit("calls", rate, "calls/s", system="redis", rpc="XADD", callers=clients, appendfsync=fsync)
+            if fsync == "everysec":
+                lat = redis_baseline.xread_block_latency(
+                    server.client(), rate=1000, seconds=latency_s, payload_size=PAYLOAD
+                )
+                for p in ("p50_us", "p99_us"):
+                    emit(
+                        "append_to_subscriber_latency",
+                        lat[p],
+                        "us",
+                        system="redis",
+                        rpc="XADD/XREAD BLOCK",
+                        percentile=p[1:3],
+                        rate_per_s=1000,
+                    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="shorter runs, for a smoke run")
+    parser.add_argument("--bare-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.bare_server:
+        asyncio.run(_serve_bare(args.bare_server))
+        return
+    run(args.quick)
+
+
+if __name__ == "__main__":
+    main()
