@@ -42,7 +42,7 @@ from streamlog.v1 import streamlog_pb2 as pb
 
 from bench import redis_baseline
 from bench.common import emit, free_port, wait_serving
-from bench.service import PAYLOAD, streamlog_server
+from bench.service import PAYLOAD, emit_latencies, streamlog_server
 
 LOAD = Path(__file__).with_name("publish_load.js")
 IN_FLIGHT = 64
@@ -136,16 +136,7 @@ def run(quick: bool) -> None:
             if fsync == "everysec":
                 for rpc in ("publish", "append"):
                     got = node_load("latency", address, rpc, 1000, latency_s)
-                    for p in ("p50_us", "p99_us"):
-                        emit(
-                            "append_to_subscriber_latency",
-                            got[p],
-                            "us",
-                            system="streamlog",
-                            rpc="Publish" if rpc == "publish" else "Append",
-                            percentile=p[1:3],
-                            rate_per_s=1000,
-                        )
+                    emit_latencies(got, system="streamlog", rpc="Publish" if rpc == "publish" else "Append")
         with redis_baseline.RedisServer(fsync) as server:
             assert server.port is not None
             for clients in (1, 16):
@@ -155,16 +146,7 @@ def run(quick: bool) -> None:
                 lat = redis_baseline.xread_block_latency(
                     server.client(), rate=1000, seconds=latency_s, payload_size=PAYLOAD
                 )
-                for p in ("p50_us", "p99_us"):
-                    emit(
-                        "append_to_subscriber_latency",
-                        lat[p],
-                        "us",
-                        system="redis",
-                        rpc="XADD/XREAD BLOCK",
-                        percentile=p[1:3],
-                        rate_per_s=1000,
-                    )
+                emit_latencies(lat, system="redis", rpc="XADD/XREAD BLOCK")
 
 
 def main() -> None:

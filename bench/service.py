@@ -152,6 +152,12 @@ def subscribe_latency(address: str, stub: pb_grpc.StreamLogServiceStub, seconds:
     return {"p50_us": p50, "p99_us": p99, "received": len(latencies)}
 
 
+def emit_latencies(latency: dict, **labels: Any) -> None:
+    """The p50 and p99 of an append-to-subscriber latency measurement at 1,000 entries/s."""
+    for p in ("p50_us", "p99_us"):
+        emit("append_to_subscriber_latency", latency[p], "us", percentile=p[1:3], rate_per_s=1000, **labels)
+
+
 def run(quick: bool) -> None:
     total = 100_000 if quick else 500_000
     always_total = total // 5
@@ -175,16 +181,7 @@ def run(quick: bool) -> None:
                 for page in (1000, 10_000):
                     rate = read_throughput(stub, "bench", n, page)
                     emit("read", rate, "entries/s", system="streamlog", page=page, entries=n)
-                lat = subscribe_latency(address, stub, seconds, 1000)
-                for p in ("p50_us", "p99_us"):
-                    emit(
-                        "append_to_subscriber_latency",
-                        lat[p],
-                        "us",
-                        system="streamlog",
-                        percentile=p[1:3],
-                        rate_per_s=1000,
-                    )
+                emit_latencies(subscribe_latency(address, stub, seconds, 1000), system="streamlog")
         with redis_baseline.RedisServer(fsync) as server:
             r = server.client()
             theirs = redis_baseline.xadd_pipelined(r, "bench", total=n, batch=BATCH, payload_size=PAYLOAD)
@@ -214,15 +211,7 @@ def run(quick: bool) -> None:
                     entries=got["entries"],
                 )
                 lat = redis_baseline.xread_block_latency(r, rate=1000, seconds=seconds, payload_size=PAYLOAD)
-                for p in ("p50_us", "p99_us"):
-                    emit(
-                        "append_to_subscriber_latency",
-                        lat[p],
-                        "us",
-                        system="redis",
-                        percentile=p[1:3],
-                        rate_per_s=1000,
-                    )
+                emit_latencies(lat, system="redis")
 
 
 def main() -> None:
