@@ -149,7 +149,7 @@ class AsyncClient:
         """Open a Publish session: appends sent as messages without waiting for each answer.
 
         Each message is an append of its own (any stream, idempotent with a producer
-        id and sequence), answered in order; one small entry per message goes many
+        id and sequence), answered in order; one small entry per message goes several
         times faster than one per append() call. `max_in_flight`: messages sent and
         not yet answered before publish() waits. No deadline unless `timeout` is
         given: a session lives until closed. See AsyncPublishSession.
