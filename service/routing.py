@@ -176,6 +176,8 @@ class RoutingInterceptor(WrappingInterceptor):
                 if messages:
                     served_requests = checked(served_requests, functools.partial(_same_stream, stream))
                 served = behavior(served_requests, context)
+                if method == "Publish":
+                    served = self._committed(stream, served, context)
                 replies = _marked(method, request_of(opening), served, relayed=False)
             async with contextlib.aclosing(replies):
                 async for reply in replies:
@@ -315,6 +317,28 @@ class RoutingInterceptor(WrappingInterceptor):
                 "idempotent producer's retry is not written twice)",
             )
         return reply
+
+    async def _committed(
+        self, stream: str, replies: AsyncGenerator[Any, None], context: CallContext
+    ) -> AsyncGenerator[Any, None]:
+        """A Publish session's answers, each once its entries are committed, as an Append's
+        (acks=quorum; at once for acks=leader). The session ends UNAVAILABLE when this node stops
+        leading or its lease lapses: its client resends what was not answered (an idempotent
+        producer's resend is not written twice)."""
+        replication = self._node.replication
+        record = self._placement.locate(stream)
+        quorum = record is None or record.config.get("acks", self._node.settings.default_acks) != "leader"
+        async with contextlib.aclosing(replies):
+            async for reply in replies:
+                if not reply.error.code:
+                    try:
+                        await replication.barrier(stream, reply.last_offset + 1, quorum=quorum)
+                    except (NotEnoughReplicasError, NotLeadingError) as exc:
+                        await context.abort(
+                            grpc.StatusCode.UNAVAILABLE,
+                            f"{exc}; messages not answered may not be replicated: resend them",
+                        )
+                yield reply
 
     # -- deletions and dead letters, served here as the leader
 

@@ -184,3 +184,31 @@ def test_a_leader_paused_past_its_lease_is_deposed_and_its_unreplicated_suffix_t
     replicas = logs(cluster_nodes, "s")
     assert replicas[old] == replicas[new] == replicas[next(n for n in followers if n != new)]
     assert [payload for _, _, _, payload in replicas[old]] == payloads(0) + payloads(1)
+
+
+def test_a_publish_session_answers_only_what_is_committed(cluster_nodes: ClusterNodes, stubs: Stubs) -> None:
+    # Publish is acknowledged like Append: at acks=quorum, a message is answered once the in-sync
+    # replicas hold it. With both followers paused, nothing is answered; once they leave the
+    # in-sync set, the session ends UNAVAILABLE (resend), and no answer ever claimed a commit.
+    cluster_nodes.start(*NODES, **REPLICATED)
+    stubs("n1").Append(pb.AppendRequest(stream="s", payloads=[b"first"]), timeout=10)
+    leader = leader_of(stubs("n1"), "s").leader
+    followers = [name for name in NODES if name != leader]
+    for name in followers:
+        cluster_nodes.signal(name, signal.SIGSTOP)
+    try:
+        messages = iter([pb.PublishRequest(stream="s", payloads=[b"while paused"], request_id=1)])
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused:
+            answers = list(stubs(leader).Publish(messages, timeout=30))
+            raise AssertionError(f"answered without a quorum: {answers}")
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+        assert time.monotonic() - started >= 0.5  # it waited for the followers first
+    finally:
+        for name in followers:
+            cluster_nodes.signal(name, signal.SIGCONT)
+    # Back in sync, the resent message is answered, committed on every replica.
+    eventually(lambda: isr(stubs, leader, "s") == set(NODES), timeout_s=30)
+    resent = iter([pb.PublishRequest(stream="s", payloads=[b"resent"], request_id=2)])
+    (answer,) = list(stubs(leader).Publish(resent, timeout=30))
+    assert answer.request_id == 2 and not answer.error.code and answer.last_offset >= 1
