@@ -408,7 +408,7 @@ class EngineCollector(Collector):
             "entries": "Entries retained, all streams.",
             "segments": "Segment files, all streams.",
             "nodes": "Macro nodes, all streams.",
-            "bytes_on_disk": "Bytes of segment files (preallocated space included), all streams.",
+            "bytes_on_disk": "Bytes of segment files (space reserved ahead of the entries included), all streams.",
         }
         for key, help_text in totals.items():
             yield GaugeMetricFamily(f"streamlog_{key}", help_text, stats[key])

@@ -16,12 +16,16 @@ from crc32c import crc32c
 
 from storage.errors import CorruptionError
 
-FORMAT_VERSION = 1
+# Segment headers: version 2 files grow in steps up to their capacity (docs/FORMAT.md,
+# "Segment file"); version 1 files were created at their full size and are read as such.
+SEGMENT_VERSION = 2
+SEGMENT_VERSIONS = (1, 2)
+NODE_VERSION = 1
 
 SEGMENT_MAGIC = b"SLOGSEG\x00"
 SEGMENT_HEADER_SIZE = 64
 SEGMENT_PACKED = 0x1  # nodes use the packed layout (a rewritten, immutable file)
-# magic, version, flags, header size, base offset, end offset, file size, created ms
+# magic, version, flags, header size, base offset, end offset, capacity, created ms
 _SEGMENT_HEADER = struct.Struct("<8sHHIQQQq12x")
 
 NODE_MAGIC = b"SLND"
@@ -52,7 +56,7 @@ def _crc_ok(raw: bytes) -> bool:
 class SegmentHeader:
     base_offset: int
     end_offset: int  # packed files: the offset after the last entry the file covers; else 0
-    file_size: int
+    capacity: int  # growing files: the size they may grow to (version 1: their size); packed: their size
     created_ms: int
     flags: int = 0
 
@@ -64,12 +68,12 @@ class SegmentHeader:
         return _with_crc(
             _SEGMENT_HEADER.pack(
                 SEGMENT_MAGIC,
-                FORMAT_VERSION,
+                SEGMENT_VERSION,
                 self.flags,
                 SEGMENT_HEADER_SIZE,
                 self.base_offset,
                 self.end_offset,
-                self.file_size,
+                self.capacity,
                 self.created_ms,
             )
         )
@@ -79,14 +83,14 @@ class SegmentHeader:
         if len(raw) < SEGMENT_HEADER_SIZE:
             raise CorruptionError("segment file is shorter than its header")
         raw = raw[:SEGMENT_HEADER_SIZE]
-        magic, version, flags, size, base, end, file_size, created = _SEGMENT_HEADER.unpack_from(raw)
+        magic, version, flags, size, base, end, capacity, created = _SEGMENT_HEADER.unpack_from(raw)
         if magic != SEGMENT_MAGIC:
             raise CorruptionError("not a streamlog segment (bad magic)")
         if not _crc_ok(raw):
             raise CorruptionError("segment header CRC mismatch")
-        if version != FORMAT_VERSION or size != SEGMENT_HEADER_SIZE:
+        if version not in SEGMENT_VERSIONS or size != SEGMENT_HEADER_SIZE:
             raise CorruptionError(f"unsupported segment format version {version}")
-        return cls(base, end, file_size, created, flags)
+        return cls(base, end, capacity, created, flags)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +113,7 @@ class NodeHeader:
         return _with_crc(
             _NODE_HEADER.pack(
                 NODE_MAGIC,
-                FORMAT_VERSION,
+                NODE_VERSION,
                 self.flags,
                 self.seq,
                 self.count,
@@ -144,7 +148,7 @@ class NodeHeader:
             min_ts,
             max_ts,
         ) = _NODE_HEADER.unpack_from(raw)
-        if version != FORMAT_VERSION or (count > slots and not flags & NODE_SPARSE):
+        if version != NODE_VERSION or (count > slots and not flags & NODE_SPARSE):
             return None
         return cls(seq, count, base, slots, blob_len, stored_len, body_crc, blob_crc, min_ts, max_ts, flags)
 

@@ -55,12 +55,26 @@ class SyncTimes:
             return list(zip(self.BUCKETS_S, itertools.accumulate(self._counts), strict=True))
 
 
-class SegmentFile:
-    """A fixed-size file mapped into memory: write at a position, read a range, sync."""
+def _reserve(fd: int, path: Path, start: int, length: int) -> None:
+    """Allocate the file's blocks in [start, start+length) (and extend it), so that a write into
+    a mapping of them never meets a full disk: a full disk is DiskFullError here, not SIGBUS later."""
+    try:
+        os.posix_fallocate(fd, start, length)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFullError(f"no space for segment {path.name} to reach {start + length} bytes") from exc
+        raise DurabilityError(f"cannot reserve space in segment {path.name}: {exc}") from exc
 
-    def __init__(self, path: Path, fd: int, size: int, writable: bool, times: SyncTimes) -> None:
+
+class SegmentFile:
+    """A file mapped into memory: write at a position, read a range, grow, sync."""
+
+    def __init__(
+        self, path: Path, fd: int, size: int, writable: bool, times: SyncTimes, reserved: int = 0
+    ) -> None:
         self.path = path
         self.size = size
+        self.reserved = reserved  # bytes known allocated on disk (reserve)
         self.writable = writable
         self._times = times
         self._fd = fd
@@ -72,6 +86,24 @@ class SegmentFile:
 
     def write(self, pos: int, data: bytes) -> None:
         self._map[pos : pos + len(data)] = data
+
+    def reserve(self, size: int) -> None:
+        """Make sure bytes [0, size) are allocated on disk and mapped, growing the file if needed.
+
+        Blocks are reserved before they are mapped, so a write into the mapping never meets a
+        full disk (SIGBUS): a full disk is DiskFullError here. A file opened from disk is
+        reserved again from 0 before its first write, as a copy (cp, a restore) may have
+        made its unwritten tail sparse. The new length becomes durable with the next sync
+        (fdatasync writes the size a read needs); a power loss before it leaves the shorter
+        file, whose tail the recovery scan treats as unwritten.
+        """
+        if size <= self.reserved:
+            return
+        _reserve(self._fd, self.path, self.reserved, size - self.reserved)
+        if size > self.size:
+            self._map.resize(size)  # its ftruncate to the reserved length changes nothing
+            self.size = size
+        self.reserved = size
 
     def sync(self) -> None:
         """Make every write so far durable; the GIL is released while it waits."""
@@ -105,17 +137,17 @@ class FileSystem:
         """
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            os.posix_fallocate(fd, 0, size)
+            _reserve(fd, path, 0, size)
             os.pwrite(fd, header, 0)
             os.fsync(fd)
-        except OSError as exc:
+        except (OSError, DiskFullError, DurabilityError) as exc:
             os.close(fd)
             os.unlink(path)
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise DiskFullError(f"no space to create segment {path.name} ({size} bytes)") from exc
+            if isinstance(exc, DiskFullError | DurabilityError):
+                raise
             raise DurabilityError(f"cannot create segment {path.name}: {exc}") from exc
         self.sync_dir(path.parent)
-        return SegmentFile(path, fd, size, writable=True, times=self.sync_times)
+        return SegmentFile(path, fd, size, writable=True, times=self.sync_times, reserved=size)
 
     def open_segment(self, path: Path, writable: bool) -> SegmentFile:
         fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)

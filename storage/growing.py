@@ -78,12 +78,15 @@ class GrowingNode:
     def blob_start(self) -> int:
         return self.ref.pos + NODE_PREFIX_SIZE + 4 * self.ref.header.slots
 
-    def room(self, entries: int, nbytes: int) -> bool:
+    def make_room(self, entries: int, nbytes: int) -> bool:
+        """Whether `entries` records of `nbytes` fit this node within its segment's capacity; when
+        they do, the bytes they need are reserved on disk (DiskFullError if they cannot be)."""
         h = self.ref.header
-        return (
-            h.count + entries <= h.slots
-            and self.blob_start + h.blob_len + nbytes <= self.ref.segment.file.size
-        )
+        end = self.blob_start + h.blob_len + nbytes
+        if h.count + entries > h.slots or end > self.ref.segment.capacity:
+            return False
+        self.ref.segment.reserve(end)
+        return True
 
     def append(self, blob: bytes, positions: array, first_ts: int, last_ts: int, flags: int) -> None:
         """Write records whose positions already start at this node's blob length; `first_ts` and

@@ -71,7 +71,7 @@ class StreamInfo:
     end_offset: int
     entries_added: int
     entries: int
-    bytes_on_disk: int  # file sizes, preallocated space of growing segments included
+    bytes_on_disk: int  # file sizes, the space growing segments reserved ahead included
     used_bytes: int  # bytes holding headers and nodes
     segments: int
     packed_segments: int  # full segments rewritten packed; compression_ratio covers these

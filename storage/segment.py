@@ -1,8 +1,9 @@
 """Segment files and the nodes inside them.
 
 A segment is a file named by the zero-padded offset of its first entry
-(storage/layout.py). It is either *growing* (fixed size, preallocated, nodes
-appended in place, the last node still being written: storage/growing.py) or
+(storage/layout.py). It is either *growing* (nodes appended in place, the last
+node still being written: storage/growing.py; the file starts small and grows
+in steps up to its capacity, each step reserved on disk before it is mapped) or
 *packed* (rewritten once full, compacted or merged: immutable, sized to its
 content, nodes usually zstd-compressed: storage/packed.py). This module finds
 and checks the chain of nodes in a file, whatever its layout; `NodeRef` is
@@ -42,6 +43,11 @@ from storage.types import GapReason
 
 log = logging.getLogger("streamlog.storage")
 _uids = itertools.count(1)
+PAGE = 4096  # growing files are sized in whole pages: the disk allocates no less
+
+
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // PAGE) * PAGE
 
 
 class NodeRef:
@@ -149,6 +155,18 @@ class Segment:
     def packed(self) -> bool:
         return self.header.packed
 
+    @property
+    def capacity(self) -> int:
+        """The size a growing segment may grow to (a version-1 file was created at it)."""
+        return max(self.header.capacity, self.file.size)
+
+    def reserve(self, end: int) -> None:
+        """Make bytes up to `end` (at most the capacity) writable: grow the file, doubling it
+        (a stream's cost follows what it holds, and a big one grows in few steps)."""
+        file = self.file
+        if end > file.reserved:
+            file.reserve(end if end <= file.size else min(self.capacity, max(_pages(end), 2 * file.size)))
+
     def ref_at(self, pos: int, header: NodeHeader) -> NodeRef:
         return NodeRef(self, pos, header)
 
@@ -159,8 +177,13 @@ class Segment:
         return self.nodes[-1].end_offset if self.nodes else self.base_offset
 
     @classmethod
-    def create(cls, fs: FileSystem, directory: Path, base_offset: int, size: int, now_ms: int) -> Segment:
-        header = SegmentHeader(base_offset, 0, size, now_ms)
+    def create(
+        cls, fs: FileSystem, directory: Path, base_offset: int, first_bytes: int, capacity: int, now_ms: int
+    ) -> Segment:
+        """A new growing segment whose file starts large enough for `first_bytes` (its header
+        included), in whole pages, and may grow to `capacity`."""
+        header = SegmentHeader(base_offset, 0, capacity, now_ms)
+        size = min(capacity, _pages(first_bytes))
         file = fs.create_segment(directory / segment_name(base_offset), size, header.encode())
         return cls(file, header)
 
@@ -258,6 +281,7 @@ class Segment:
 
     def truncate_after(self, pos: int) -> None:
         """Zero everything from `pos` on, so no stale node beyond a cut can ever be read back."""
+        self.file.reserve(self.file.size)
         chunk = 1 << 20
         zeros = bytes(chunk)
         while pos < self.file.size:

@@ -35,7 +35,7 @@ from storage.errors import (
     OffsetMismatchError,
     StorageError,
 )
-from storage.format import NODE_DELAYED, NODE_PREFIX_SIZE, NODE_PRODUCER
+from storage.format import NODE_DELAYED, NODE_PREFIX_SIZE, NODE_PRODUCER, SEGMENT_HEADER_SIZE
 from storage.fs import SegmentFile
 from storage.growing import GrowingNode
 from storage.index import NodeIndex
@@ -51,6 +51,7 @@ from storage.truncation import Truncation
 from storage.types import AppendBatch, FsyncPolicy, GapReason, StreamBounds
 
 log = logging.getLogger("streamlog.storage")
+FIRST_NODE_SLOTS = 16
 
 
 class Stream:
@@ -207,7 +208,7 @@ class Stream:
             flags |= NODE_PRODUCER
         if len(blob) > limit:
             raise LimitExceededError("max_batch_bytes", limit, f"batch encodes to {len(blob)} bytes")
-        if node is None or not node.room(n, len(blob)):
+        if node is None or not node.make_room(n, len(blob)):
             if start:
                 positions = array("I", [p - start for p in positions])
             node = self._start_node(n, len(blob), ts)
@@ -220,7 +221,7 @@ class Stream:
         `lock` held). `positions`: their count+1 boundaries from 0; they fit one batch's limits."""
         n = len(positions) - 1
         node = self.active
-        if node is None or node.ref.segment is not self.segments[-1] or not node.room(n, len(blob)):
+        if node is None or node.ref.segment is not self.segments[-1] or not node.make_room(n, len(blob)):
             node = self._start_node(n, len(blob), self.ctx.clock())
         start = node.positions[-1]
         if start:
@@ -236,30 +237,43 @@ class Stream:
         self.dirty.add(node.ref.segment.file)
 
     def _start_node(self, entries: int, nbytes: int, ts: int) -> GrowingNode:
-        slots = max(self.ctx.config.node_entries, entries)
+        slots = self._node_slots(entries)
         tail = self.segments[-1] if self.segments else None
         need = NODE_PREFIX_SIZE + 4 * slots + nbytes
         if (
             tail is None
             or tail.packed
             or tail.end_offset() != self.end_offset
-            or tail.end_pos + need > tail.file.size
+            or tail.end_pos + need > tail.capacity
         ):
-            tail = self._roll(ts)
+            tail = self._roll(ts, need)
+        else:
+            tail.reserve(tail.end_pos + need)
         node = GrowingNode.start(tail, slots, self.end_offset)
         tail.nodes.append(node.ref)
         self.index.append(node.ref)
         self.active = node
         return node
 
-    def _roll(self, now_ms: int) -> Segment:
+    def _node_slots(self, entries: int) -> int:
+        """Offset-table slots for a new node: a stream's first node reserves few (a small stream
+        costs what it holds), each next one four times the last, up to node_entries."""
+        last = self.index.nodes[-1].header.slots if len(self.index) else FIRST_NODE_SLOTS // 4
+        return max(entries, min(self.ctx.config.node_entries, 4 * last))
+
+    def _roll(self, now_ms: int, need: int) -> Segment:
         old = self.segments[-1] if self.segments else None
         if old is not None and not old.packed:
             # Whatever the policy, a segment is complete on disk before the next one exists:
             # otherwise a power loss could leave a hole in the middle of the stream.
             old.file.sync()
         segment = Segment.create(
-            self.ctx.fs, self.directory, self.end_offset, self.ctx.config.segment_bytes, now_ms
+            self.ctx.fs,
+            self.directory,
+            self.end_offset,
+            SEGMENT_HEADER_SIZE + need,
+            self.ctx.config.segment_bytes,
+            now_ms,
         )
         self.segments.append(segment)
         if old is not None and not old.packed and self.ctx.config.compression:

@@ -111,6 +111,7 @@ class FaultSegmentFile:
         self._inode = inode
         self.path = path
         self.size = len(inode.data)
+        self.reserved = self.size  # memory has no sparse files: every byte of it is there
         self.writable = writable
         self.closed = False
         self._serial = fs._new_serial()
@@ -135,6 +136,12 @@ class FaultSegmentFile:
         if pos < 0 or pos + len(data) > self.size:
             raise IndexError("mmap slice assignment is wrong size")
         self._fs._write(self._inode, self.path, pos, bytes(data))
+
+    def reserve(self, size: int) -> None:
+        self._check()
+        if size > self.size:
+            self._fs._grow(self._inode, self.path, size)
+            self.size = self.reserved = size
 
     def sync(self) -> None:
         if self.closed:
@@ -230,6 +237,13 @@ class FaultFS:
                 self._inflight = None
             _apply(inode.data, pos, data)
             inode.pending.append((str(path), pos, data, False))
+
+    def _grow(self, inode: _Inode, path: Path, size: int) -> None:
+        """posix_fallocate past the end: the new length is pending until the file is synced."""
+        with self._lock:
+            self._check_space(size - len(inode.data), f"grow segment {path.name}")
+            _resize(inode.data, size)
+            inode.pending.append((str(path), size, b"", True))
 
     def _sync_inode(self, inode: _Inode, path: Path) -> None:
         with self._lock:
@@ -447,6 +461,11 @@ class FaultFS:
             inode = self._file(path)
             _apply(inode.data, pos, data)
             _apply(inode.durable, pos, data)
+
+    def pending_growths(self) -> int:
+        """Files grown (a segment's growth step) whose new length is not yet synced."""
+        with self._lock:
+            return sum(any(p[3] for p in inode.pending) for inode in self._all_inodes())
 
     def pending_writes(self) -> int:
         with self._lock:

@@ -40,7 +40,7 @@ SEGMENT_FIELDS = [
     ("header_size", 12, 4),
     ("base_offset", 16, 8),
     ("end_offset", 24, 8),
-    ("file_size", 32, 8),
+    ("capacity", 32, 8),
     ("created_ms", 40, 8),
     ("reserved", 48, 12),
     ("crc", 60, 4),
@@ -219,7 +219,7 @@ def test_field_tables_match_the_encoder():
     assert int.from_bytes(fields["header_size"], "little") == SEGMENT_HEADER_SIZE
     assert int.from_bytes(fields["base_offset"], "little") == 0x1112131415161718
     assert int.from_bytes(fields["end_offset"], "little") == 0x2122232425262728
-    assert int.from_bytes(fields["file_size"], "little") == 0x3132333435363738
+    assert int.from_bytes(fields["capacity"], "little") == 0x3132333435363738
     assert int.from_bytes(fields["created_ms"], "little") == 0x4142434445464748
     assert sum(size for _, _, size in SEGMENT_FIELDS) == SEGMENT_HEADER_SIZE
     node = NodeHeader(

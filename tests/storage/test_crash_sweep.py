@@ -18,6 +18,12 @@ snapshot is then reopened and checked:
   recovery's own writes were made durable), the stream accepts new appends
   (enough to roll a segment) which read back, and they survive a further crash.
 
+Segments grow in steps (storage/segment.py): every power-loss variant (but
+the merge one, whose crash points are taken during compaction) checks
+that some of its crash points fall while a growth step is not yet durable
+(the file's new length may be lost, kept, or kept with some of the writes
+into it).
+
 The merge variant takes its crash points while compaction runs, where runs of
 small compacted segments are merged, and checks that some of them fall
 between a merge and the removal of its source segments (the case recovery
@@ -230,6 +236,7 @@ class Case:
     now_ms: int
     model_entries: dict[int, Record]  # shared with the run's model: offsets are never reused
     model_ts: dict[int, int]
+    growing: bool = False  # a segment's growth step was not yet durable at the crash
 
     def label(self) -> str:
         return f"{self.variant.id} seed={self.seed} {self.point} (in flight: {self.snap.inflight})"
@@ -332,6 +339,7 @@ def run_workload(variant: Variant, seed: int, k: int) -> list[Case]:
                 clock.now_ms,
                 model.entries,
                 model.ts,
+                growing=fs.pending_growths() > 0,
             ),
         )
 
@@ -764,20 +772,22 @@ def merge_left_behind(state: FaultFS) -> bool:
     return False
 
 
-def sweep(variant: Variant) -> tuple[int, list[str], int]:
-    """Crash points checked, the failures, and how many crash points left a merge's sources behind."""
+def sweep(variant: Variant) -> tuple[int, list[str], int, int]:
+    """Crash points checked, the failures, and how many crash points left a merge's sources behind
+    and fell amid a segment's growth step."""
     wanted = points_for(variant)
-    checked = merges = 0
+    checked = merges = growing = 0
     failures: list[str] = []
     for seed in seeds_for(variant):
         cases = run_workload(variant, seed, min(variant.per_run, max(wanted - checked - 1, 1)))
         for case in cases:
             merges += merge_left_behind(case.fs)
+            growing += case.growing
             problems = verify(case)
             checked += 1
             if problems:
                 failures.append(f"{case.label()}: {'; '.join(problems[:3])}")
-    return checked, failures, merges
+    return checked, failures, merges, growing
 
 
 @pytest.mark.parametrize(
@@ -785,12 +795,17 @@ def sweep(variant: Variant) -> tuple[int, list[str], int]:
     [pytest.param(v, id=v.id) for v in VARIANTS],
 )
 def test_crash_sweep(variant: Variant):
-    checked, failures, merges = sweep(variant)
-    print(f"{variant.id}: {checked} crash points checked, {len(failures)} failed, {merges} amid a merge")
+    checked, failures, merges, growing = sweep(variant)
+    print(
+        f"{variant.id}: {checked} crash points checked, {len(failures)} failed, {merges} amid a merge, "
+        f"{growing} amid a growth step"
+    )
     assert checked >= points_for(variant) or os.environ.get("STREAMLOG_CRASH_SEED")
     assert not failures, f"{len(failures)} of {checked} crash points failed:\n" + "\n".join(failures[:12])
     if variant.merges and not os.environ.get("STREAMLOG_CRASH_SEED"):
         assert merges, "no crash point fell between a merge and the removal of its source segments"
+    if variant.crash == "power" and not variant.focus and not os.environ.get("STREAMLOG_CRASH_SEED"):
+        assert growing, "no crash point fell while a segment's growth step was not yet durable"
 
 
 # ---------------------------------------------------------------------- one scenario per defect found

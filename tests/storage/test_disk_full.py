@@ -2,8 +2,9 @@
 
 Disk full runs on a real 1 MiB tmpfs (mounted here: we are root in CI; skipped
 with the reason when mounting is not permitted) and on FaultFS's disk-full
-switch. Segments are preallocated, so a full disk shows up as DiskFullError
-when a segment is created, never as SIGBUS inside a write.
+switch. Segment space is reserved before it is mapped, when a segment is
+created and at each step of its growth, so a full disk shows up as
+DiskFullError there, never as SIGBUS inside a write.
 """
 
 from __future__ import annotations
@@ -128,6 +129,35 @@ def test_real_full_disk_fails_cleanly_at_segment_creation_and_recovers(tmpfs, fs
     engine = Engine(data, EngineConfig(**SMALL, fsync=fsync), clock=Clock())
     assert read_all(engine, "main") == acked and engine.list_streams() == ["main"]
     engine.close()
+
+
+def test_real_full_disk_at_a_growth_step_fails_cleanly_and_recovers(tmpfs):
+    data = tmpfs / "data"
+    engine = Engine(data, EngineConfig(**SMALL, fsync="always"), clock=Clock())
+    acked = [(0, b"first")]
+    engine.append("main", AppendBatch([b"first"]))
+    segment = data / "streams" / "main" / f"{0:020d}.seg"
+    filler = os.open(tmpfs / "filler", os.O_WRONLY | os.O_CREAT)
+    with contextlib.suppress(OSError):  # ENOSPC: the disk is full, the segment still one page
+        while True:
+            os.write(filler, bytes(4096))
+    os.close(filler)
+    rng = random.Random(9)
+    with pytest.raises(DiskFullError):
+        for _ in range(100):
+            items = batch(rng, n=2, size=300)
+            result = engine.append("main", AppendBatch(items))
+            acked.extend((result.first_offset + i, p) for i, p in enumerate(items))
+    assert segment.stat().st_size < SMALL["segment_bytes"]  # refused growing the segment, no SIGBUS
+    assert read_all(engine, "main") == acked
+    (tmpfs / "filler").unlink()
+    items = batch(rng, n=2, size=300)
+    first = engine.append("main", AppendBatch(items)).first_offset
+    assert first == len(acked)
+    acked.extend((first + i, p) for i, p in enumerate(items))
+    engine.close()
+    with Engine(data, EngineConfig(**SMALL), clock=Clock()) as engine:
+        assert read_all(engine, "main") == acked
 
 
 # ---------------------------------------------------------------------- the same through FaultFS

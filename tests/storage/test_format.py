@@ -26,10 +26,10 @@ from storage.records import decode_records, encode_batch
 
 
 def test_segment_header_bytes():
-    raw = SegmentHeader(base_offset=1000, end_offset=2000, file_size=65536, created_ms=7, flags=1).encode()
+    raw = SegmentHeader(base_offset=1000, end_offset=2000, capacity=65536, created_ms=7, flags=1).encode()
     assert len(raw) == 64
     assert raw[:8] == b"SLOGSEG\x00"
-    assert struct.unpack_from("<HHIQQQq", raw, 8) == (1, 1, 64, 1000, 2000, 65536, 7)
+    assert struct.unpack_from("<HHIQQQq", raw, 8) == (2, 1, 64, 1000, 2000, 65536, 7)
     assert raw[48:60] == bytes(12)
     assert struct.unpack_from("<I", raw, 60)[0] == crc32c(raw[:60])
     assert SegmentHeader.decode(raw) == SegmentHeader(1000, 2000, 65536, 7, 1)

@@ -1,0 +1,143 @@
+"""Streams cost what they hold: segments start small and grow in steps (issue 17).
+
+A growing segment's file starts at the pages its first node needs and doubles
+as nodes fill it, up to `segment_bytes`; each step is reserved on disk before
+it is mapped (a full disk is DiskFullError, never SIGBUS). Data directories
+written by the version-1 format (segments preallocated at full size) open and
+keep working: `fixtures/format-v1.tar.gz` was written by the version-1 writer
+(`fixtures/make_format_v1.py`, run at commit bcd2ed5).
+"""
+
+from __future__ import annotations
+
+import random
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from storage import AppendBatch, DiskFullError, Engine, EngineConfig, StreamConfig, inspect
+from storage.config import min_segment_bytes
+from storage.format import SegmentHeader
+from tests.storage.conftest import SMALL
+from tests.storage.faultfs import FaultFS
+
+FIXTURE = Path(__file__).parent / "fixtures" / "format-v1.tar.gz"
+ROOT = Path("/faultfs/data")
+
+
+def segment_sizes(directory: Path) -> list[int]:
+    return [p.stat().st_size for p in sorted(directory.glob("*.seg"))]
+
+
+def payloads(engine: Engine, name: str) -> list[bytes]:
+    info = engine.info(name)
+    result = engine.read(name, info.first_offset, info.end_offset - info.first_offset)
+    assert result.gap is None
+    return [e.payload for e in result.entries()]
+
+
+def test_a_new_stream_takes_a_page_and_its_segment_grows_in_steps_up_to_segment_bytes(tmp_path):
+    config = EngineConfig(
+        segment_bytes=1 << 20, max_batch_bytes=512 << 10, max_entry_bytes=64 << 10, background=False
+    )
+    directory = tmp_path / "data" / "streams" / "s"
+    with Engine(tmp_path / "data", config) as engine:
+        engine.append("s", AppendBatch([b"x" * 100]))
+        assert segment_sizes(directory) == [4096]  # not 1 MiB: one page holds it
+        sizes = {4096}
+        while engine.info("s").segments == 1:
+            engine.append("s", AppendBatch([b"y" * 100] * 50))
+            sizes.add(segment_sizes(directory)[0])
+        # Doubling from one page (the first node's table is small too) up to segment_bytes, then a roll.
+        assert sorted(sizes) == [4096 << i for i in range(9)]
+        assert segment_sizes(directory)[0] == 1 << 20 and segment_sizes(directory)[1] < 1 << 20
+        entries = engine.info("s").end_offset
+        assert len(payloads(engine, "s")) == entries
+
+
+def test_the_largest_batch_goes_into_a_small_stream(tmp_path):
+    limits = dict(node_entries=8, max_batch_entries=64, max_batch_bytes=16 * 1024, max_entry_bytes=4 * 1024)
+    config = EngineConfig(**limits, segment_bytes=min_segment_bytes(8, 64, 16 * 1024), background=False)
+    big = [bytes([i]) * (16 * 1024 // 64 - 16) for i in range(64)]  # just under max_batch_bytes encoded
+    with Engine(tmp_path / "data", config) as engine:
+        engine.append("fresh", AppendBatch(big))
+        engine.append("small", AppendBatch([b"tiny"]))
+        engine.append("small", AppendBatch(big))  # more than the small file's room: a new segment
+        engine.append("small", AppendBatch(big))
+        assert payloads(engine, "fresh") == big
+        assert payloads(engine, "small") == [b"tiny", *big, *big]
+
+
+def test_a_full_disk_at_a_growth_step_refuses_cleanly_and_appends_resume_once_there_is_room():
+    fs = FaultFS()
+    fs.prepare_dir(ROOT)
+    engine = Engine(ROOT, EngineConfig(**SMALL, fsync="always"), fs=fs)
+    rng = random.Random(5)
+    acked: list[bytes] = []
+    segment = ROOT / "streams" / "main" / f"{0:020d}.seg"
+    engine.append("main", AppendBatch([b"first"]))
+    acked.append(b"first")
+    size = len(fs.file_bytes(segment))
+    fs.capacity_bytes = fs._used_bytes()  # not one more byte: the next growth step fails
+    with pytest.raises(DiskFullError):
+        for _ in range(100):
+            items = [rng.randbytes(200) for _ in range(4)]
+            engine.append("main", AppendBatch(items))
+            acked.extend(items)
+    assert len(fs.file_bytes(segment)) == size < SMALL["segment_bytes"]  # it failed growing, not rolling
+    assert payloads(engine, "main") == acked
+    lost = Engine(ROOT, EngineConfig(**SMALL), fs=fs.crashed_copy(random.Random(1), "lost"))
+    assert payloads(lost, "main") == acked  # every acknowledged entry was durable (always)
+    fs.capacity_bytes = None
+    items = [rng.randbytes(200) for _ in range(4)]
+    assert engine.append("main", AppendBatch(items)).first_offset == len(acked)
+    acked.extend(items)
+    assert payloads(engine, "main") == acked and len(fs.file_bytes(segment)) > size
+    engine.close()
+
+
+@pytest.fixture
+def v1_data(tmp_path: Path) -> Path:
+    with tarfile.open(FIXTURE) as tar:
+        tar.extractall(tmp_path, filter="data")
+    return tmp_path / "data"
+
+
+ROLLED = [b"r%03d-%02d" % (i, j) * 40 for i in range(40) for j in range(10)]
+V1 = {
+    "rolled": ROLLED,
+    "small": [b"hello", b"world"],
+    "empty": [],
+    "crashed": [b"c%02d" % i for i in range(20)],
+}
+
+
+def test_a_version_1_data_directory_opens_and_keeps_working(v1_data):
+    headers = {p: SegmentHeader.decode(p.read_bytes()[:64]) for p in v1_data.rglob("*.seg")}
+    assert headers and all(h.capacity == 64 * 1024 or h.packed for h in headers.values())  # as written
+    assert inspect.verify(v1_data) == []
+    with Engine(v1_data, EngineConfig(**SMALL)) as engine:
+        assert sorted(engine.list_streams()) == sorted(V1) and engine.unreadable == []
+        for name, expected in V1.items():
+            assert payloads(engine, name) == expected, name
+        assert engine.stream_config("empty") == StreamConfig(max_entries=100)
+        # The idempotent-append table came through: a retry is a duplicate.
+        assert engine.append("small", AppendBatch([b"hello", b"world"]), producer=("p1", 1)).duplicate
+        # The version-1 growing segment (64 KiB, preallocated) takes appends in place, then rolls
+        # into version-2 segments that start small.
+        rolled = v1_data / "streams" / "rolled"
+        tail = sorted(rolled.glob("*.seg"))[-1]
+        more = [b"m%04d" % i * 30 for i in range(150)]
+        for i in range(0, len(more), 8):
+            engine.append("rolled", AppendBatch(more[i : i + 8]))
+        engine.append("crashed", AppendBatch([b"after"]))
+        assert tail.stat().st_size == 64 * 1024
+        newer = sorted(rolled.glob("*.seg"))[sorted(rolled.glob("*.seg")).index(tail) + 1 :]
+        assert newer and all(SegmentHeader.decode(p.read_bytes()[:64]).capacity == 64 * 1024 for p in newer)
+        assert segment_sizes(rolled)[-1] < 64 * 1024
+        assert payloads(engine, "rolled") == ROLLED + more
+    assert inspect.verify(v1_data) == []
+    with Engine(v1_data, EngineConfig(**SMALL)) as engine:
+        assert payloads(engine, "rolled") == ROLLED + more
+        assert payloads(engine, "crashed") == V1["crashed"] + [b"after"]
