@@ -61,6 +61,7 @@ class Settings:
     compression: bool = True
     compression_level: int = 3
     cache_nodes: int = 256
+    max_open_streams: int = 1024
 
     # Limits on what one request may carry. Appends past them are refused whole.
     max_message_bytes: int = 16 << 20
@@ -191,6 +192,7 @@ _INT_RANGES: dict[str, tuple[int | None, int | None]] = {
     "node_entries": (1, 1 << 20),
     "compression_level": (1, 22),
     "cache_nodes": (1, None),
+    "max_open_streams": (1, None),
     "max_message_bytes": (1 << 20, 2**31 - 1),
     "max_entry_bytes": (1, None),
     "max_batch_entries": (1, None),
@@ -589,5 +591,6 @@ def engine_config(settings: Settings, *, background: bool = True) -> EngineConfi
         compression=settings.compression,
         compression_level=settings.compression_level,
         cache_nodes=settings.cache_nodes,
+        max_open_streams=settings.max_open_streams,
         background=background,
     )

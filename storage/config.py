@@ -38,6 +38,8 @@ class EngineConfig:
     compression: bool = True
     compression_level: int = 3
     cache_nodes: int = 256
+    # Streams kept open (files and mappings); the least recently used close past it (storage/openstreams.py).
+    max_open_streams: int = 1024
     background: bool = True  # a maintenance thread: everysec syncs, packing, retention, compaction
     maintenance_interval_ms: int = 1000
     compaction_interval_ms: int = 60_000
@@ -54,6 +56,7 @@ class EngineConfig:
             "max_batch_entries",
             "max_batch_bytes",
             "cache_nodes",
+            "max_open_streams",
         ):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name} must be at least 1")

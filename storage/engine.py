@@ -5,11 +5,13 @@
         first = engine.append("rides", AppendBatch([b'{"id": 1}', b'{"id": 2}'])).first_offset
         print(engine.read("rides", first, 10).entries())
 
-The engine opens, creates and deletes streams in a data directory (laid out as
-storage/layout.py says), hands each call to its stream, and runs the
-maintenance thread; the consumer-group calls come from GroupCalls
-(storage/groupsapi.py), the replication primitives from ReplicaCalls
-(storage/replicaapi.py).
+The engine knows every stream of a data directory (laid out as
+storage/layout.py says) by name, keeps at most `max_open_streams` of them open
+(storage/openstreams.py: start-up opens none, a stream is opened, and after an
+unclean shutdown recovered, before it is first served), creates and deletes
+streams, hands each call to its stream, and runs the maintenance thread; the
+consumer-group calls come from GroupCalls (storage/groupsapi.py), the
+replication primitives from ReplicaCalls (storage/replicaapi.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from storage.admission import check_batch, check_expected_end, check_producer
 from storage.cache import NodeCache
 from storage.config import EngineConfig, StreamConfig
 from storage.context import EngineContext
+from storage.epochs import EpochHistory
 from storage.errors import (
     CorruptionError,
     InvalidArgumentError,
@@ -39,13 +42,16 @@ from storage.groupmanager import GroupManager
 from storage.groupsapi import GroupCalls
 from storage.layout import (
     DELETED_SUFFIX,
+    EPOCHS_FILE,
     LOCK_FILE,
     META_FILE,
     SEGMENT_SUFFIX,
+    decode_meta,
     stream_directory,
     streams_root,
 )
 from storage.names import validate_name
+from storage.openstreams import OpenStreams
 from storage.replicaapi import ReplicaCalls
 from storage.results import AppendResult, EntriesMeta, ReadResult, StreamInfo
 from storage.stream import Stream
@@ -82,9 +88,14 @@ class Engine(GroupCalls, ReplicaCalls):
         # Consumer groups install a floor here: retention never evicts at or above it.
         self.retention_floor: Callable[[str], int | None] = lambda name: None
         self._ctx = EngineContext(
-            self._fs, self.config, self._clock, NodeCache(self.config.cache_nodes), self._floor
+            self._fs,
+            self.config,
+            self._clock,
+            NodeCache(self.config.cache_nodes),
+            self._floor,
         )
-        self._streams: dict[str, Stream] = {}
+        self._catalog: dict[str, Path] = {}  # every stream: name -> directory
+        self._open = OpenStreams(self.config.max_open_streams, self._open_stream)
         self.unreadable: list[str] = []  # stream directories whose metadata failed its checks
         self._load()
         # Consumer groups (storage/groupmanager.py): their state lives beside each stream's segments.
@@ -116,23 +127,40 @@ class Engine(GroupCalls, ReplicaCalls):
         return self.retention_floor(name)
 
     def _load(self) -> None:
+        """Learn every stream's name from its meta file; open none (they open on first use)."""
         root = streams_root(self.data_dir)
         for dirname in self._fs.listdir(root):
             directory = root / dirname
             if dirname.endswith(DELETED_SUFFIX):
                 self._fs.remove_tree(directory)  # a delete that crashed half-way
                 continue
-            if not self._fs.exists(directory / META_FILE):
+            try:
+                name = decode_meta(self._fs.read_file(directory / META_FILE))[0]
+                if self._fs.exists(directory / EPOCHS_FILE):  # replicated streams only: a few
+                    EpochHistory.decode(self._fs.read_file(directory / EPOCHS_FILE))
+            except FileNotFoundError:
                 if not any(name.endswith(SEGMENT_SUFFIX) for name in self._fs.listdir(directory)):
                     self._fs.remove_tree(directory)  # a creation that a crash cut short
                 continue
-            try:
-                stream = Stream.open(self._ctx, directory)
             except (CorruptionError, ValueError, KeyError) as exc:
                 log.error("stream directory %s is unreadable: %s", dirname, exc)
                 self.unreadable.append(dirname)
                 continue
-            self._streams[stream.name] = stream
+            self._catalog[name] = directory
+
+    def _open_stream(self, name: str) -> Stream:
+        """Open a stream of the catalog (OpenStreams calls this on a miss)."""
+        directory = self._catalog.get(name)
+        if directory is None:
+            raise StreamNotFoundError(f"stream {name!r} does not exist")
+        try:
+            return Stream.open(self._ctx, directory)
+        except (CorruptionError, ValueError, KeyError) as exc:
+            log.error("stream directory %s is unreadable: %s", directory.name, exc)
+            with self._lock:
+                self._catalog.pop(name, None)
+                self.unreadable.append(directory.name)
+            raise StreamNotFoundError(f"stream {name!r} is damaged on disk; see the server log") from exc
 
     def close(self) -> None:
         """Sync every stream, mark a clean shutdown, stop the maintenance thread."""
@@ -143,9 +171,7 @@ class Engine(GroupCalls, ReplicaCalls):
         if self._worker is not None:
             self._worker.join()
         self._groups.close()
-        with self._lock:
-            streams = list(self._streams.values())
-        for stream in streams:
+        for stream in self._open.values():
             try:
                 stream.close()
             except StorageError as exc:
@@ -163,37 +189,44 @@ class Engine(GroupCalls, ReplicaCalls):
     # ------------------------------------------------------------------ streams
 
     def _stream(self, name: str) -> Stream:
+        """The open stream, for a caller that uses it at once (see OpenStreams.peek)."""
         validate_name(name)
-        stream = self._streams.get(name)
-        if stream is None:
-            raise StreamNotFoundError(f"stream {name!r} does not exist")
-        return stream
+        return self._open.peek(name)
 
-    def _stream_or_create(self, name: str, incarnation: int = 0) -> Stream:
-        stream = self._streams.get(name)
-        if stream is not None:
-            if incarnation and stream.epochs.incarnation != incarnation:
-                raise PreconditionError(
-                    f"stream {name!r} exists with incarnation {stream.epochs.incarnation}, not {incarnation}"
-                )
-            return stream
+    def _use(self, name: str) -> _Pinned:
+        """`with self._use(name) as stream`: the stream, kept open until the block ends."""
         validate_name(name)
-        with self._lock:
-            stream = self._streams.get(name)
-            if stream is None:
-                directory = stream_directory(self.data_dir, name)
-                if directory.name in self.unreadable:
-                    # Its metadata is damaged: keep the evidence, refuse to write over it.
-                    raise PreconditionError(f"stream {name!r} is damaged on disk; see the server log")
-                stream = Stream.create(self._ctx, name, directory, StreamConfig(), incarnation)
-                self._streams[name] = stream
+        return _Pinned(self._open, name)
+
+    def _use_or_create(self, name: str, incarnation: int = 0) -> _Pinned:
+        """As `_use`, creating the stream if it does not exist."""
+        validate_name(name)
+        return _Pinned(self._open, name, lambda: self._create(name, incarnation))
+
+    def _create(self, name: str, incarnation: int) -> Stream:
+        """Open the stream, or create it if it is not in the catalog (called by OpenStreams.create)."""
+        if name in self._catalog:
+            stream = self._open_stream(name)
+        else:
+            directory = stream_directory(self.data_dir, name)
+            if directory.name in self.unreadable:
+                # Its metadata is damaged: keep the evidence, refuse to write over it.
+                raise PreconditionError(f"stream {name!r} is damaged on disk; see the server log")
+            stream = Stream.create(self._ctx, name, directory, StreamConfig(), incarnation)
+            with self._lock:
+                self._catalog[name] = directory
         return stream
 
     def exists(self, name: str) -> bool:
-        return name in self._streams
+        return name in self._catalog
 
     def list_streams(self) -> list[str]:
-        return sorted(self._streams)
+        with self._lock:
+            return sorted(self._catalog)
+
+    def open_streams(self) -> int:
+        """How many streams are open now (at most max_open_streams, but for streams in use)."""
+        return len(self._open)
 
     def create_stream(self, name: str, config: StreamConfig | None = None, *, incarnation: int = 0) -> None:
         """Create the stream if it does not exist, and set its config if one is given. A replicated
@@ -201,15 +234,20 @@ class Engine(GroupCalls, ReplicaCalls):
         storage/epochs.py); PreconditionError if it exists with another."""
         if not isinstance(incarnation, int) or incarnation < 0:
             raise InvalidArgumentError("an incarnation must be a non-negative integer")
-        stream = self._stream_or_create(name, incarnation)
-        if config is not None:
-            stream.set_config(config)
+        with self._use_or_create(name, incarnation) as stream:
+            if incarnation and stream.epochs.incarnation != incarnation:
+                raise PreconditionError(
+                    f"stream {name!r} exists with incarnation {stream.epochs.incarnation}, not {incarnation}"
+                )
+            if config is not None:
+                stream.set_config(config)
 
     def delete_stream(self, name: str) -> None:
-        stream = self._stream(name)
-        self._groups.drop_stream(name)  # a stream's groups go with it
-        with self._lock:
-            self._streams.pop(name, None)
+        with self._use(name) as stream:
+            self._groups.drop_stream(name)  # a stream's groups go with it
+            with self._lock:
+                self._catalog.pop(name, None)
+            self._open.discard(name)
         stream.close(clean=False)
         # Rename first so a crash mid-delete leaves a directory that start-up finishes removing.
         doomed = stream.directory.with_name(stream.directory.name + DELETED_SUFFIX)
@@ -237,11 +275,11 @@ class Engine(GroupCalls, ReplicaCalls):
         check_batch(self.config, batch)
         producer = check_producer(producer)
         check_expected_end(expected_end)
-        if expected_end and name not in self._streams:
+        if expected_end and name not in self._catalog:
             validate_name(name)
             raise OffsetMismatchError(expected_end, 0)  # nothing created
-        stream = self._stream_or_create(name)
-        result = stream.append(batch, producer, expected_end)
+        with self._use_or_create(name) as stream:
+            result = stream.append(batch, producer, expected_end)
         if not result.duplicate:
             if stream.commit is None:
                 for listener in self._listeners:
@@ -284,13 +322,16 @@ class Engine(GroupCalls, ReplicaCalls):
     def read(
         self, name: str, offset: int, count: int, *, max_bytes: int = 0, reverse: bool = False
     ) -> ReadResult:
-        return self._stream(name).read(offset, count, max_bytes, reverse)
+        with self._use(name) as stream:
+            return stream.read(offset, count, max_bytes, reverse)
 
     def seek_time(self, name: str, timestamp_ms: int) -> int:
-        return self._stream(name).seek_time(timestamp_ms)
+        with self._use(name) as stream:
+            return stream.seek_time(timestamp_ms)
 
     def count(self, name: str, start: int, end: int) -> int:
-        return self._stream(name).count(start, end)
+        with self._use(name) as stream:
+            return stream.count(start, end)
 
     def entries_meta(self, name: str, start: int, stop: int) -> EntriesMeta:
         """Whether entries start..stop-1 may carry deliver_at_ms and how new they are, from node
@@ -298,38 +339,49 @@ class Engine(GroupCalls, ReplicaCalls):
         return self._stream(name).entries_meta(start, stop)
 
     def info(self, name: str) -> StreamInfo:
-        return self._stream(name).info()
+        with self._use(name) as stream:
+            return stream.info()
 
     def evict(self, name: str, up_to_offset: int) -> int:
-        return self._stream(name).retention.evict(up_to_offset)
+        with self._use(name) as stream:
+            return stream.retention.evict(up_to_offset)
 
     def keep_last(self, name: str, n: int) -> int:
-        return self._stream(name).retention.keep_last(n)
+        with self._use(name) as stream:
+            return stream.retention.keep_last(n)
 
     def trim(self, name: str, first_offset: int) -> int:
-        return self._stream(name).retention.trim(first_offset)
+        with self._use(name) as stream:
+            return stream.retention.trim(first_offset)
 
     def compact(self, name: str) -> int:
-        return self._stream(name).cleaner.compact(self._clock())
+        with self._use(name) as stream:
+            return stream.cleaner.compact(self._clock())
 
     def apply_retention(self, name: str) -> None:
-        self._stream(name).retention.apply(self._clock())
+        with self._use(name) as stream:
+            stream.retention.apply(self._clock())
 
     def set_stream_config(self, name: str, config: StreamConfig) -> None:
-        self._stream(name).set_config(config)
+        with self._use(name) as stream:
+            stream.set_config(config)
 
     def stream_config(self, name: str) -> StreamConfig:
-        return self._stream(name).config
+        with self._use(name) as stream:
+            return stream.config
 
     def bounds(self, name: str) -> StreamBounds:
         """The stream's retained range as readers see it (StreamNotFoundError if there is none)."""
-        return self._stream(name).bounds()
+        with self._use(name) as stream:
+            return stream.bounds()
 
     def fsync_policy(self, name: str) -> FsyncPolicy:
         """The fsync policy in force for the stream: its own, or the engine's (also for a stream
         that does not exist yet: the policy its first append would get)."""
-        stream = self._streams.get(name)
-        return stream.fsync if stream is not None else self.config.fsync
+        if name not in self._catalog:
+            return self.config.fsync
+        with self._use(name) as stream:
+            return stream.fsync
 
     def add_append_listener(self, listener: AppendListener) -> None:
         """`listener(stream, end_offset)` runs after every append, on the appending thread."""
@@ -342,18 +394,25 @@ class Engine(GroupCalls, ReplicaCalls):
         self._log_listeners.append(listener)
 
     def sync(self) -> None:
-        for stream in list(self._streams.values()):
-            stream.sync()
+        """Sync every open stream (a closed one was synced as it closed)."""
+        for stream in self._open.values():
+            if self._open.hold(stream):
+                try:
+                    stream.sync()
+                finally:
+                    self._open.unpin(stream)
         self._groups.sync()
 
     # ------------------------------------------------------------------ maintenance
 
     def maintain(self) -> None:
-        """One round of background work: everysec syncs, packing, retention, compaction."""
+        """One round of background work on the open streams: everysec syncs, packing, retention,
+        compaction. A stream the cache closed was synced as it closed; its packing, retention
+        and compaction wait until it is next opened."""
         now = self._clock()
-        for stream in list(self._streams.values()):
-            if stream.closed:
-                continue
+        for stream in self._open.values():
+            if not self._open.hold(stream):
+                continue  # closed by the cache meanwhile
             try:
                 if stream.fsync is FsyncPolicy.EVERYSEC and stream.dirty:
                     stream.sync()
@@ -365,6 +424,8 @@ class Engine(GroupCalls, ReplicaCalls):
                     stream.cleaner.compact(now)
             except (StorageError, OSError) as exc:
                 log.error("maintenance of stream %r failed: %s", stream.name, exc)
+            finally:
+                self._open.unpin(stream)
         self._groups.maintain()  # group expiry and dead letters, everysec journal syncs, checkpoints
 
     # ------------------------------------------------------------------ consumer groups
@@ -372,7 +433,9 @@ class Engine(GroupCalls, ReplicaCalls):
 
     def retention_holder(self, stream: str) -> tuple[str, int] | None:
         """(group, offset) of the consumer group holding the stream's retention back, or None."""
-        self._stream(stream)
+        if stream not in self._catalog:
+            validate_name(stream)
+            raise StreamNotFoundError(f"stream {stream!r} does not exist")
         return self._groups.retention_holder(stream)
 
     # ------------------------------------------------------------------ maintenance loop
@@ -383,9 +446,11 @@ class Engine(GroupCalls, ReplicaCalls):
             self.maintain()
 
     def stats(self) -> dict:
-        infos = [s.info() for s in list(self._streams.values())]
+        """Totals over the open streams (closed ones are not opened for this), and every stream's count."""
+        infos = [s.info() for s in self._open.values()]
         return {
-            "streams": len(infos),
+            "streams": len(self._catalog),
+            "open_streams": len(infos),
             "entries": sum(i.entries for i in infos),
             "bytes_on_disk": sum(i.bytes_on_disk for i in infos),
             "segments": sum(i.segments for i in infos),
@@ -397,3 +462,24 @@ class Engine(GroupCalls, ReplicaCalls):
             "fsync_seconds": getattr(self._fs, "sync_times", None),
             "per_stream": {i.name: i for i in infos},
         }
+
+
+class _Pinned:
+    """A stream kept open while a `with` block uses it (Engine._use)."""
+
+    __slots__ = ("_cache", "_make", "_name", "_stream")
+
+    def __init__(self, cache: OpenStreams, name: str, make: Callable[[], Stream] | None = None) -> None:
+        self._cache = cache
+        self._name = name
+        self._make = make
+
+    def __enter__(self) -> Stream:
+        if self._make is None:
+            self._stream = self._cache.pin(self._name)
+        else:
+            self._stream = self._cache.create(self._name, self._make)
+        return self._stream
+
+    def __exit__(self, *exc: object) -> None:
+        self._cache.unpin(self._stream)

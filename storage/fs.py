@@ -196,6 +196,11 @@ class FileSystem:
         os.replace(tmp, path)
         self.sync_dir(path.parent)
 
+    def create_marker(self, path: Path) -> None:
+        """Create an empty file whose existence is the message; not synced (the caller's ordering
+        makes it safe to lose)."""
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
+
     def read_file(self, path: Path) -> bytes:
         return path.read_bytes()
 

@@ -79,6 +79,8 @@ class Stream:
         self.pack_queue: list[Segment] = []  # full segments waiting to be packed
         self.damaged: list[Gap] = []
         self.closed = False
+        self.users = 0  # calls using it now: OpenStreams never closes it under them
+        self.touched = 0.0  # when it was last handed out unpinned (OpenStreams.peek), monotonic seconds
         self.producers = new_producer_table(ctx)
         self.epochs = EpochHistory()
         self.cleaner = Cleaner(self)
@@ -473,7 +475,10 @@ class Stream:
             if clean and self.gate.error is None:
                 self.sync()
                 self.save_producers(self.ctx.clock())
-                self.ctx.fs.write_file_atomic(self.directory / CLEAN_MARKER, b"clean\n")
+                # The sync above is done before the marker exists, so the marker needs no sync of its
+                # own: a power loss may take it back (the next open checks the tail), never make it
+                # vouch for unsynced bytes. Its removal at the next open is durable.
+                self.ctx.fs.create_marker(self.directory / CLEAN_MARKER)
             with self.lock:
                 self.closed = True
                 for segment in self.segments:

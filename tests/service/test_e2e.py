@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
+from storage.layout import CLEAN_MARKER, stream_directory
 from tests.service.helpers import ServerThread, append, payloads_of
 
 
@@ -491,3 +492,23 @@ def test_conditional_append_reports_the_actual_next_offset(stub: pb_grpc.StreamL
     assert (
         stub.Append(pb.AppendRequest(stream="cas", payloads=[b"b"], expected_next_offset=1)).first_offset == 1
     )
+
+
+def test_a_subscription_and_a_blocked_read_are_woken_on_a_stream_the_cache_closed(start_server) -> None:
+    server = start_server(max_open_streams=2)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        append(stub, "room", b"hello")
+        call = _subscribe(stub, stream="room", start=pb.START_POSITION_OLDEST, count=10)
+        assert payloads_of(next(call)) == [b"hello"]
+        blocked = stub.Read.future(
+            pb.ReadRequest(stream="room", offset=1, count=10, block_ms=10_000), timeout=20
+        )
+        for name in ("a", "b", "c", "d"):  # the cache closes "room" (its waiters hold its name)
+            append(stub, name, b"x")
+        assert server.call(lambda: server.server.engine.open_streams()) <= 3
+        assert (stream_directory(server.settings.data_dir, "room") / CLEAN_MARKER).exists()  # closed
+        append(stub, "room", b"again")
+        assert payloads_of(next(call)) == [b"again"]
+        assert payloads_of(blocked.result(timeout=20)) == [b"again"]
+        call.cancel()

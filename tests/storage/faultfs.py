@@ -336,6 +336,12 @@ class FaultFS:
             self._dir_op(parent, (path.name, inode), (tmp.name, None))  # os.replace
             self.sync_dir(path.parent)
 
+    def create_marker(self, path: Path) -> None:
+        with self._lock:
+            parent = self._dir(path.parent)
+            if path.name not in parent.entries:
+                self._dir_op(parent, (path.name, _Inode(self._new_serial())))  # O_CREAT, no sync
+
     def read_file(self, path: Path) -> bytes:
         with self._lock:
             return bytes(self._file(path).data)

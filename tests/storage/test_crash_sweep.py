@@ -14,6 +14,8 @@ snapshot is then reopened and checked:
   leave holes, only where a later entry with the same tag survives);
 - in "always" mode every acknowledged entry is there, timestamp included;
 - first_offset only moved if a trim or retention was under way;
+- streams are closed by the open-stream cache (`max_open_streams` is 1) and
+  reopened on demand as the workload turns from one to another;
 - a clean close followed by a power loss gives the same content back (the
   recovery's own writes were made durable), the stream accepts new appends
   (enough to roll a segment) which read back, and they survive a further crash.
@@ -67,7 +69,9 @@ ROOT = Path("/faultfs/data")
 MAIN = "main"
 GROUP = "g"
 AUX = "aux"
-SMALL = {**CONFTEST_SMALL, "compression": True, "compaction_interval_ms": 1}
+# One open stream at a time: whenever the workload turns from one stream to the other, the cache
+# closes one (synced, CLEAN marker) and the other is reopened (recovered if its last close was not clean).
+SMALL = {**CONFTEST_SMALL, "compression": True, "compaction_interval_ms": 1, "max_open_streams": 1}
 TAGS = [f"key-{i}" for i in range(6)]
 FIRST_MOVERS = {"trim", "evict", "keep_last", "maintain", "compact"}
 

@@ -75,7 +75,7 @@ def test_after_a_power_loss_a_lost_batch_is_appended_again(clock):
     engine.append("s", AppendBatch([b"kept"]), producer=("p", 1))
     engine.sync()
     engine.append("s", AppendBatch([b"lost"]), producer=("p", 2))
-    engine._streams["s"].save_producers(clock())  # the snapshot lands, the entry does not
+    engine._stream("s").save_producers(clock())  # the snapshot lands, the entry does not
     crashed = fs.crashed_copy(random.Random(1), "power", fate=lambda write: "drop")
     engine = Engine(root, config, clock=clock, fs=crashed)
     assert engine.info("s").end_offset == 1

@@ -1,0 +1,145 @@
+"""The open streams: a bounded cache of `Stream` objects, each holding its files and mappings.
+
+A data directory may hold far more streams than a process can keep open (each open
+segment is a file descriptor and a mapping). The engine knows every stream by name
+(its catalog); this cache holds at most `max_open_streams` of them open, least
+recently used first out. A stream is opened on demand (storage/loader.py: after an
+unclean shutdown its tail is checked before it is first served) and closed cleanly
+when it leaves (synced, its CLEAN marker written), so reopening it reads no node
+body.
+
+A caller uses a stream between `pin` and `unpin`; a pinned stream is never closed
+under it. `peek` hands out a stream without a pin, for callers that use it at once
+(consumer groups, replication): it is not closed for `HOLD_S` after that. Streams
+whose state lives only in memory are never closed: a replicated stream (its commit
+cap, which replication sets), and one whose sync failed (it must refuse appends
+until restart).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from storage.errors import StorageError
+from storage.stream import Stream
+
+log = logging.getLogger("streamlog.storage")
+
+HOLD_S = 0.1  # a stream handed out by peek stays open at least this long
+
+
+class OpenStreams:
+    def __init__(self, limit: int, open_stream: Callable[[str], Stream]) -> None:
+        self._limit = limit
+        self._open_stream = open_stream  # opens a stream of the catalog (raises if it cannot)
+        self._lock = threading.Lock()  # guards the dict and the pin counts
+        self._opening = threading.Lock()  # opens, creations and closes, one at a time
+        self._streams: OrderedDict[str, Stream] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def values(self) -> list[Stream]:
+        with self._lock:
+            return list(self._streams.values())
+
+    def _hit(self, name: str, pin: bool) -> Stream | None:
+        """The stream if it is open, marked used (call with `_lock` held)."""
+        stream = self._streams.get(name)
+        if stream is not None:
+            self._streams.move_to_end(name)
+            if pin:
+                stream.users += 1
+            else:
+                stream.touched = time.monotonic()
+        return stream
+
+    def pin(self, name: str) -> Stream:
+        """The stream, opened if need be; it stays open until `unpin`."""
+        with self._lock:
+            stream = self._hit(name, True)
+        return stream if stream is not None else self._open(name, True)
+
+    def peek(self, name: str) -> Stream:
+        """The stream, opened if need be, without a pin (see the module doc)."""
+        with self._lock:
+            stream = self._hit(name, False)
+        return stream if stream is not None else self._open(name, False)
+
+    def hold(self, stream: Stream) -> bool:
+        """Pin a stream handed out by `values` if it is still open (False if it has been closed)."""
+        with self._lock:
+            if self._streams.get(stream.name) is not stream:
+                return False
+            stream.users += 1
+            return True
+
+    def unpin(self, stream: Stream) -> None:
+        with self._lock:
+            stream.users -= 1
+
+    def _open(self, name: str, pin: bool) -> Stream:
+        with self._opening:
+            with self._lock:
+                stream = self._hit(name, pin)  # opened by another thread meanwhile
+            if stream is None:
+                stream = self._open_stream(name)
+                self.add(stream, pin)
+            return stream
+
+    def create(self, name: str, make: Callable[[], Stream]) -> Stream:
+        """The stream, pinned: opened if it exists, else made by `make` (a new stream)."""
+        with self._opening:
+            with self._lock:
+                stream = self._hit(name, True)
+            if stream is None:
+                stream = make()
+                self.add(stream, True)
+            return stream
+
+    def add(self, stream: Stream, pin: bool) -> None:
+        """Take a stream just opened or created (with `_opening` held), then close the least
+        recently used ones past the limit."""
+        if pin:
+            stream.users += 1
+        else:
+            stream.touched = time.monotonic()
+        with self._lock:
+            self._streams[stream.name] = stream
+        while len(self._streams) > self._limit and self._close_one():
+            pass
+
+    def _close_one(self) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            victim = next((s for s in self._streams.values() if _closable(s, now)), None)
+            if victim is None:
+                return False  # all in use: over the limit until some are released
+            del self._streams[victim.name]
+        try:
+            victim.close()
+        except StorageError as exc:
+            log.error("stream %r could not be closed, it stays open: %s", victim.name, exc)
+            with self._lock:
+                self._streams[victim.name] = victim
+            return False
+        return True
+
+    def discard(self, name: str) -> None:
+        """Forget a stream (being deleted; the caller closes it)."""
+        with self._lock:
+            self._streams.pop(name, None)
+
+
+def _closable(stream: Stream, now: float) -> bool:
+    return (
+        stream.users == 0
+        and now - stream.touched >= HOLD_S
+        and stream.commit is None
+        and not stream.epochs.incarnation
+        and stream.gate.error is None
+    )

@@ -1,0 +1,131 @@
+"""Bounded resources (issue 17): at most `max_open_streams` streams are open; start-up opens none.
+
+A stream closed by the cache is closed cleanly and reopened on its next call,
+with its entries, idempotent-append table, consumer groups and append
+listeners intact. After a crash a stream is recovered (its tail checked) when
+it is first used, not at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from storage import AppendBatch, Engine, EngineConfig, GroupReadOptions, StreamNotFoundError, openstreams
+from storage.layout import CLEAN_MARKER, stream_directory
+from tests.storage.conftest import SMALL
+from tests.storage.faultfs import FaultFS
+
+ROOT = Path("/faultfs/data")
+NAMES = [f"room-{i}" for i in range(12)]
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def contents(engine: Engine, name: str) -> list[bytes]:
+    return [e.payload for e in engine.read(name, 0, 10_000).entries()]
+
+
+def test_no_more_than_max_open_streams_are_open_and_closed_ones_reopen_on_demand(open_engine):
+    engine = open_engine(max_open_streams=3)
+    before = open_fds()
+    for round_ in range(3):
+        for name in NAMES:
+            engine.append(name, AppendBatch([f"{name}/{round_}".encode()]))
+            assert engine.open_streams() <= 3
+    assert open_fds() - before <= 2 * 3  # one segment each: its descriptor and its mapping's
+    for name in NAMES:  # each read reopens a stream the cache closed
+        assert contents(engine, name) == [f"{name}/{r}".encode() for r in range(3)]
+        assert engine.info(name).end_offset == 3 and engine.open_streams() <= 3
+    # A stream closed by the cache left its CLEAN marker: reopening it checks no node body.
+    closed = [n for n in NAMES if (stream_directory(engine.data_dir, n) / CLEAN_MARKER).exists()]
+    assert len(closed) == len(NAMES) - 3
+
+
+def test_start_up_opens_no_stream_and_each_opens_when_first_used(open_engine):
+    engine = open_engine()
+    for name in NAMES:
+        engine.append(name, AppendBatch([name.encode()]))
+    engine.close()
+    engine = open_engine(max_open_streams=4)
+    assert engine.open_streams() == 0 and engine.list_streams() == sorted(NAMES)
+    assert engine.exists("room-3") and not engine.exists("room-99")
+    assert engine.stats()["streams"] == len(NAMES)
+    assert contents(engine, "room-3") == [b"room-3"] and engine.open_streams() == 1
+    with pytest.raises(StreamNotFoundError):
+        engine.read("room-99", 0, 1)
+
+
+def test_a_stream_closed_by_the_cache_keeps_its_groups_dedup_and_wakes_its_listeners(
+    open_engine, monkeypatch
+):
+    monkeypatch.setattr(openstreams, "HOLD_S", 0)  # group calls hand the stream out unpinned: no hold
+    engine = open_engine(max_open_streams=2)
+    woken: list[tuple[str, int]] = []
+    engine.add_append_listener(lambda name, end: woken.append((name, end)))
+    engine.append("a", AppendBatch([b"1", b"2", b"3"]), producer=("p", 7))
+    engine.create_group("a", "g", start="oldest")
+    first = engine.read_group("a", "g", GroupReadOptions(consumer="c", count=2))
+    assert [e.payload for e in first.entries()] == [b"1", b"2"]
+    for name in ("b", "c", "d"):  # "a" leaves the cache
+        engine.append(name, AppendBatch([b"x"]))
+    assert (stream_directory(engine.data_dir, "a") / CLEAN_MARKER).exists()  # closed by the cache
+    assert engine.append("a", AppendBatch([b"1", b"2", b"3"]), producer=("p", 7)).duplicate
+    engine.ack("a", "g", [0, 1])
+    rest = engine.read_group("a", "g", GroupReadOptions(consumer="c", count=10))
+    assert [e.payload for e in rest.entries()] == [b"3"]
+    for name in ("b", "c", "d"):
+        engine.append(name, AppendBatch([b"y"]))
+    woken.clear()
+    engine.append("a", AppendBatch([b"4"]))  # reopened by the append: its listeners still fire
+    assert woken == [("a", 4)]
+
+
+def test_replicated_streams_and_streams_whose_sync_failed_stay_open(tmp_path):
+    fs = FaultFS()
+    fs.prepare_dir(ROOT)
+    engine = Engine(ROOT, EngineConfig(**SMALL, fsync="always", max_open_streams=1), fs=fs)
+    engine.create_stream("replicated", incarnation=5)
+    engine.set_commit("replicated", 0)
+    engine.append("failing", AppendBatch([b"kept"]))
+    fs.fail_at_sync = fs.syncs + 1
+    with pytest.raises(Exception, match="injected"):
+        engine.append("failing", AppendBatch([b"lost"]))
+    for name in ("x", "y", "z"):
+        engine.append(name, AppendBatch([b"v"]))
+    assert engine.open_streams() == 3  # the two that must stay, and the last one used
+    with pytest.raises(Exception, match="refused"):
+        engine.append("failing", AppendBatch([b"again"]))  # still refused: not reopened as new
+    assert engine.bounds("replicated").end_offset == 0  # its commit cap is still in force
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_after_a_power_loss_each_stream_is_recovered_when_first_used(seed):
+    rng = random.Random(seed)
+    fs = FaultFS()
+    fs.prepare_dir(ROOT)
+    config = EngineConfig(**SMALL, fsync="everysec", max_open_streams=2)
+    engine = Engine(ROOT, config, fs=fs)
+    synced: dict[str, list[bytes]] = {}
+    for name in NAMES[:6]:
+        synced[name] = [rng.randbytes(rng.randint(1, 400)) for _ in range(rng.randint(1, 30))]
+        engine.append(name, AppendBatch(synced[name]))
+    engine.sync()  # what is open now is synced; what the cache closed was synced as it closed
+    unsynced = {name: [rng.randbytes(300) for _ in range(5)] for name in NAMES[:6]}
+    for name, items in unsynced.items():
+        engine.append(name, AppendBatch(items))
+    crashed = fs.crashed_copy(random.Random(seed), "power")
+    after = Engine(ROOT, config, fs=crashed)
+    assert after.open_streams() == 0
+    for name in NAMES[:6]:
+        got = contents(after, name)
+        # A prefix: everything synced, then some or none of the unsynced batch.
+        assert got[: len(synced[name])] == synced[name]
+        assert got in (synced[name], synced[name] + unsynced[name]), name
+        assert after.info(name).damaged == ()
+    after.close()
