@@ -189,7 +189,8 @@ class Engine(GroupCalls, ReplicaCalls):
     # ------------------------------------------------------------------ streams
 
     def _stream(self, name: str) -> Stream:
-        """The open stream, for a caller that uses it at once (see OpenStreams.peek)."""
+        """The open stream, for a caller that uses it at once (the replication calls, storage/
+        replicaapi.py; see OpenStreams.peek)."""
         validate_name(name)
         return self._open.peek(name)
 
@@ -336,7 +337,8 @@ class Engine(GroupCalls, ReplicaCalls):
     def entries_meta(self, name: str, start: int, stop: int) -> EntriesMeta:
         """Whether entries start..stop-1 may carry deliver_at_ms and how new they are, from node
         headers alone (no record is read): what a group read needs to pass a run through whole."""
-        return self._stream(name).entries_meta(start, stop)
+        with self._use(name) as stream:
+            return stream.entries_meta(start, stop)
 
     def info(self, name: str) -> StreamInfo:
         with self._use(name) as stream:

@@ -10,7 +10,7 @@ body.
 
 A caller uses a stream between `pin` and `unpin`; a pinned stream is never closed
 under it. `peek` hands out a stream without a pin, for callers that use it at once
-(consumer groups, replication): it is not closed for `HOLD_S` after that. Streams
+(the replication calls): it is not closed for `HOLD_S` after that. Streams
 whose state lives only in memory are never closed: a replicated stream (its commit
 cap, which replication sets), and one whose sync failed (it must refuse appends
 until restart).

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from storage import AppendBatch, Engine, EngineConfig, GroupReadOptions, StreamNotFoundError, openstreams
+from storage import AppendBatch, Engine, EngineConfig, GroupReadOptions, StreamNotFoundError
 from storage.layout import CLEAN_MARKER, stream_directory
 from tests.storage.conftest import SMALL
 from tests.storage.faultfs import FaultFS
@@ -64,7 +64,6 @@ def test_start_up_opens_no_stream_and_each_opens_when_first_used(open_engine):
 def test_a_stream_closed_by_the_cache_keeps_its_groups_dedup_and_wakes_its_listeners(
     open_engine, monkeypatch
 ):
-    monkeypatch.setattr(openstreams, "HOLD_S", 0)  # group calls hand the stream out unpinned: no hold
     engine = open_engine(max_open_streams=2)
     woken: list[tuple[str, int]] = []
     engine.add_append_listener(lambda name, end: woken.append((name, end)))
