@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from storage.cache import NodeCache
 from storage.config import EngineConfig
+from storage.durability import DirSync
 from storage.fs import FileSystem
 
 
@@ -17,3 +18,4 @@ class EngineContext:
     clock: Callable[[], int]
     cache: NodeCache
     retention_floor: Callable[[str], int | None]  # consumer groups': retention never evicts at or above it
+    streams_dir: DirSync  # new streams' directory entries, made durable in batches (storage/creation.py)

@@ -28,6 +28,8 @@ from storage.admission import check_batch, check_expected_end, check_producer
 from storage.cache import NodeCache
 from storage.config import EngineConfig, StreamConfig
 from storage.context import EngineContext
+from storage.creation import recover_creation
+from storage.durability import DirSync
 from storage.epochs import EpochHistory
 from storage.errors import (
     CorruptionError,
@@ -45,6 +47,7 @@ from storage.layout import (
     EPOCHS_FILE,
     LOCK_FILE,
     META_FILE,
+    META_NEW,
     SEGMENT_SUFFIX,
     decode_meta,
     stream_directory,
@@ -93,6 +96,7 @@ class Engine(GroupCalls, ReplicaCalls):
             self._clock,
             NodeCache(self.config.cache_nodes),
             self._floor,
+            DirSync(self._fs, streams_root(self.data_dir)),
         )
         self._catalog: dict[str, Path] = {}  # every stream: name -> directory
         self._open = OpenStreams(self.config.max_open_streams, self._open_stream)
@@ -139,7 +143,12 @@ class Engine(GroupCalls, ReplicaCalls):
                 if self._fs.exists(directory / EPOCHS_FILE):  # replicated streams only: a few
                     EpochHistory.decode(self._fs.read_file(directory / EPOCHS_FILE))
             except FileNotFoundError:
-                if not any(name.endswith(SEGMENT_SUFFIX) for name in self._fs.listdir(directory)):
+                names = self._fs.listdir(directory)
+                if META_NEW in names:  # a creation a crash came before the first sync of
+                    adopted = recover_creation(self._fs, directory)
+                    if adopted is not None:
+                        self._catalog[adopted] = directory
+                elif not any(name.endswith(SEGMENT_SUFFIX) for name in names):
                     self._fs.remove_tree(directory)  # a creation that a crash cut short
                 continue
             except (CorruptionError, ValueError, KeyError) as exc:
@@ -242,6 +251,8 @@ class Engine(GroupCalls, ReplicaCalls):
                 )
             if config is not None:
                 stream.set_config(config)
+            if stream.fsync.blocks:
+                stream.sync()  # under "always" the stream exists, durably, when this returns
 
     def delete_stream(self, name: str) -> None:
         with self._use(name) as stream:
@@ -416,8 +427,9 @@ class Engine(GroupCalls, ReplicaCalls):
             if not self._open.hold(stream):
                 continue  # closed by the cache meanwhile
             try:
-                if stream.fsync is FsyncPolicy.EVERYSEC and stream.dirty:
+                if stream.fsync is FsyncPolicy.EVERYSEC and (stream.dirty or stream.creation is not None):
                     stream.sync()
+                stream.commit_creation()  # under "no" too: a directory is whole within a round
                 stream.cleaner.pack_pending()
                 stream.retention.apply(now)
                 stream.save_producers(now)

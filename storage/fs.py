@@ -128,8 +128,9 @@ class FileSystem:
     def __init__(self) -> None:
         self.sync_times = SyncTimes()
 
-    def create_segment(self, path: Path, size: int, header: bytes) -> SegmentFile:
-        """Create, preallocate and write the header of a segment, durably.
+    def create_segment(self, path: Path, size: int, header: bytes, *, durable: bool = True) -> SegmentFile:
+        """Create, preallocate and write the header of a segment, durably (unless not `durable`:
+        a new stream's first segment, which its creation's commit syncs, storage/creation.py).
 
         Preallocation makes a full disk fail here and not as SIGBUS later. The
         header is synced with the file, so a segment that exists after a crash
@@ -139,14 +140,16 @@ class FileSystem:
         try:
             _reserve(fd, path, 0, size)
             os.pwrite(fd, header, 0)
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         except (OSError, DiskFullError, DurabilityError) as exc:
             os.close(fd)
             os.unlink(path)
             if isinstance(exc, DiskFullError | DurabilityError):
                 raise
             raise DurabilityError(f"cannot create segment {path.name}: {exc}") from exc
-        self.sync_dir(path.parent)
+        if durable:
+            self.sync_dir(path.parent)
         return SegmentFile(path, fd, size, writable=True, times=self.sync_times, reserved=size)
 
     def open_segment(self, path: Path, writable: bool) -> SegmentFile:
@@ -196,6 +199,32 @@ class FileSystem:
         os.replace(tmp, path)
         self.sync_dir(path.parent)
 
+    def write_file(self, path: Path, data: bytes) -> None:
+        """Create `path` holding `data`, with no sync (a new stream's meta file: storage/creation.py)."""
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                _write_all(fd, data)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFullError(f"no space to write {path.name}") from exc
+            raise DurabilityError(f"cannot write {path.name}: {exc}") from exc
+
+    def commit_file(self, src: Path, dst: Path) -> None:
+        """Sync `src`, then rename it to `dst` (the rename is durable with the directory's next sync)."""
+        try:
+            fd = os.open(src, os.O_RDONLY)
+            try:
+                with self.sync_times.timed():
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(src, dst)
+        except OSError as exc:
+            raise DurabilityError(f"cannot commit {src.name}: {exc}") from exc
+
     def create_marker(self, path: Path) -> None:
         """Create an empty file whose existence is the message; not synced (the caller's ordering
         makes it safe to lose)."""
@@ -214,15 +243,17 @@ class FileSystem:
     def listdir(self, path: Path) -> list[str]:
         return sorted(os.listdir(path)) if path.is_dir() else []
 
-    def makedirs(self, path: Path) -> None:
-        """Create `path` and missing parents, each made durable in its own parent."""
+    def makedirs(self, path: Path, *, durable: bool = True) -> None:
+        """Create `path` and missing parents, each made durable in its own parent (unless not
+        `durable`: a new stream's directory, which its creation's commit syncs)."""
         missing = []
         while not path.is_dir():
             missing.append(path)
             path = path.parent
         for directory in reversed(missing):
             directory.mkdir(exist_ok=True)
-            self.sync_dir(directory.parent)
+            if durable:
+                self.sync_dir(directory.parent)
 
     def remove(self, path: Path) -> None:
         path.unlink(missing_ok=True)

@@ -3,6 +3,7 @@
     DATA/LOCK                                held while an engine has the directory open
     DATA/streams/<encoded name>/             one stream (storage/names.py encodes the name)
         stream.meta                          name, first offset, config (below)
+        stream.meta.new                      a new stream's, until its first sync (storage/creation.py)
         <20-digit base offset>.seg           segment files (storage/segment.py)
         producers.snap                       the idempotent-append table (storage/dedup.py)
         epochs                               leader-epoch history and incarnation (storage/epochs.py)
@@ -36,6 +37,7 @@ LOCK_FILE = "LOCK"
 STREAMS_DIR = "streams"
 DELETED_SUFFIX = ".deleted"
 META_FILE = "stream.meta"
+META_NEW = "stream.meta.new"  # a new stream's meta file until its creation is durable (storage/creation.py)
 CLEAN_MARKER = "CLEAN"
 PRODUCERS_FILE = "producers.snap"
 EPOCHS_FILE = "epochs"

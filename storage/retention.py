@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from storage.errors import InvalidArgumentError
-from storage.layout import write_meta
 from storage.segment import NodeRef
 
 if TYPE_CHECKING:
@@ -111,7 +110,7 @@ class Retention:
         if offset <= s.first_offset:
             return
         # Durable first: a trim that fails (disk full) must change nothing.
-        write_meta(s.ctx.fs, s.directory, s.name, offset, s.config)
+        s.write_meta(offset, s.config)
         s.first_offset = offset
         nodes = s.index.nodes
         keep_active = s.active.ref if s.active is not None else None

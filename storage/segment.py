@@ -178,13 +178,23 @@ class Segment:
 
     @classmethod
     def create(
-        cls, fs: FileSystem, directory: Path, base_offset: int, first_bytes: int, capacity: int, now_ms: int
+        cls,
+        fs: FileSystem,
+        directory: Path,
+        base_offset: int,
+        first_bytes: int,
+        capacity: int,
+        now_ms: int,
+        *,
+        durable: bool = True,
     ) -> Segment:
         """A new growing segment whose file starts large enough for `first_bytes` (its header
         included), in whole pages, and may grow to `capacity`."""
         header = SegmentHeader(base_offset, 0, capacity, now_ms)
         size = min(capacity, _pages(first_bytes))
-        file = fs.create_segment(directory / segment_name(base_offset), size, header.encode())
+        file = fs.create_segment(
+            directory / segment_name(base_offset), size, header.encode(), durable=durable
+        )
         return cls(file, header)
 
     @classmethod

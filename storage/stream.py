@@ -24,6 +24,7 @@ from pathlib import Path
 from storage.cleaner import Cleaner
 from storage.config import StreamConfig
 from storage.context import EngineContext
+from storage.creation import PendingCreation
 from storage.dedup import BatchRecord
 from storage.durability import SyncGate
 from storage.epochs import EpochHistory
@@ -39,7 +40,16 @@ from storage.format import NODE_DELAYED, NODE_PREFIX_SIZE, NODE_PRODUCER, SEGMEN
 from storage.fs import SegmentFile
 from storage.growing import GrowingNode
 from storage.index import NodeIndex
-from storage.layout import CLEAN_MARKER, EPOCHS_FILE, META_FILE, PRODUCERS_FILE, decode_meta, write_meta
+from storage.layout import (
+    CLEAN_MARKER,
+    EPOCHS_FILE,
+    META_FILE,
+    META_NEW,
+    PRODUCERS_FILE,
+    decode_meta,
+    encode_meta,
+    write_meta,
+)
 from storage.loader import LogLoader, new_producer_table
 from storage.packed import compression_ratio, decompressor
 from storage.reader import count_entries, read_backward, seek_time
@@ -76,6 +86,7 @@ class Stream:
         self.write_seq = 0
         self.cuts = 0  # truncations so far: a sync that began before one does not publish its end
         self.dirty: set[SegmentFile] = set()
+        self.creation: PendingCreation | None = None  # a new stream not yet durable
         self.pack_queue: list[Segment] = []  # full segments waiting to be packed
         self.damaged: list[Gap] = []
         self.closed = False
@@ -93,12 +104,16 @@ class Stream:
     def create(
         cls, ctx: EngineContext, name: str, directory: Path, config: StreamConfig, incarnation: int = 0
     ) -> Stream:
-        ctx.fs.makedirs(directory)
         stream = cls(ctx, name, directory, config)
-        if incarnation:
+        if incarnation:  # a replicated stream: durable at once, epochs first
+            ctx.fs.makedirs(directory)
             # Before the meta file: a crash in between leaves a directory start-up removes.
             stream.save_epochs(EpochHistory(incarnation))
-        write_meta(ctx.fs, directory, name, 0, config)
+            write_meta(ctx.fs, directory, name, 0, config)
+        else:  # no sync now: the stream's first sync makes it durable (storage/creation.py)
+            ctx.fs.makedirs(directory, durable=False)
+            ctx.fs.write_file(directory / META_NEW, encode_meta(name, 0, config))
+            stream.creation = PendingCreation(ctx.streams_dir)
         return stream
 
     @classmethod
@@ -276,6 +291,7 @@ class Stream:
             SEGMENT_HEADER_SIZE + need,
             self.ctx.config.segment_bytes,
             now_ms,
+            durable=old is not None or self.creation is None,  # a new stream's first: its commit syncs it
         )
         self.segments.append(segment)
         if old is not None and not old.packed and self.ctx.config.compression:
@@ -293,13 +309,33 @@ class Stream:
             cuts = self.cuts
         for file in files:
             file.sync()
+        self.commit_creation(synced=True)
         with self.lock:
             if self.cuts == cuts:  # else a truncation cut what `upto` counted: it is not ours to vouch for
                 self.publish(max(self.local_end, upto))
         return seq
 
+    def commit_creation(self, synced: bool = False) -> None:
+        """Make a new stream's creation durable, if it is not yet (storage/creation.py); `synced`:
+        every segment file was just synced (the sync path), so the commit syncs none again."""
+        creation = self.creation
+        if creation is not None:
+            creation.commit(self.ctx.fs, self.directory, (lambda: []) if synced else self._segment_files)
+            self.creation = None
+
+    def _segment_files(self) -> list[SegmentFile]:
+        with self.lock:
+            return [s.file for s in self.segments]
+
+    def write_meta(self, first_offset: int, config: StreamConfig) -> None:
+        """Replace the meta file, atomically and durably (a new stream's creation first)."""
+        self.commit_creation()
+        write_meta(self.ctx.fs, self.directory, self.name, first_offset, config)
+
     def sync(self) -> None:
         with self.lock:
+            if self.creation is not None:
+                self.write_seq += 1  # the creation's commit is due even with nothing written
             seq = self.write_seq
         self.gate.wait(seq, self._sync_now)
 
@@ -464,7 +500,7 @@ class Stream:
 
     def set_config(self, config: StreamConfig) -> None:
         with self.maintenance_lock, self.lock:
-            write_meta(self.ctx.fs, self.directory, self.name, self.first_offset, config)
+            self.write_meta(self.first_offset, config)
             self.config = config
 
     def close(self, clean: bool = True) -> None:

@@ -280,7 +280,9 @@ class FaultFS:
 
     # ------------------------------------------------------------------ the FileSystem interface
 
-    def create_segment(self, path: Path, size: int, header: bytes) -> FaultSegmentFile:
+    def create_segment(
+        self, path: Path, size: int, header: bytes, *, durable: bool = True
+    ) -> FaultSegmentFile:
         with self._lock:
             parent = self._dir(path.parent)
             if path.name in parent.entries:
@@ -291,8 +293,9 @@ class FaultFS:
             _resize(inode.data, size)  # posix_fallocate
             inode.pending.append((str(path), size, b"", True))
             self._write(inode, path, 0, bytes(header))  # pwrite of the header
-            self._sync_inode(inode, path)  # os.fsync
-            self.sync_dir(path.parent)
+            if durable:
+                self._sync_inode(inode, path)  # os.fsync
+                self.sync_dir(path.parent)
             return FaultSegmentFile(self, inode, path, writable=True)
 
     def read_head(self, path: Path, length: int) -> bytes:
@@ -336,6 +339,24 @@ class FaultFS:
             self._dir_op(parent, (path.name, inode), (tmp.name, None))  # os.replace
             self.sync_dir(path.parent)
 
+    def write_file(self, path: Path, data: bytes) -> None:
+        with self._lock:
+            parent = self._dir(path.parent)
+            self._check_space(len(data), f"write {path.name}")
+            inode = _Inode(self._new_serial())
+            self._dir_op(parent, (path.name, inode))  # O_CREAT | O_TRUNC
+            self._write(inode, path, 0, bytes(data))
+
+    def commit_file(self, src: Path, dst: Path) -> None:
+        with self._lock:
+            parent = self._dir(src.parent)
+            inode = self._file(src)
+            try:
+                self._sync_inode(inode, src)  # fsync
+            except OSError as exc:
+                raise DurabilityError(f"cannot commit {src.name}: {exc}") from exc
+            self._dir_op(parent, (dst.name, inode), (src.name, None))  # os.replace
+
     def create_marker(self, path: Path) -> None:
         with self._lock:
             parent = self._dir(path.parent)
@@ -355,7 +376,7 @@ class FaultFS:
             node = self._lookup(path)
             return sorted(node.entries) if isinstance(node, _Dir) else []
 
-    def makedirs(self, path: Path) -> None:
+    def makedirs(self, path: Path, *, durable: bool = True) -> None:
         with self._lock:
             if isinstance(self._lookup(path), _Dir):
                 return
@@ -368,7 +389,8 @@ class FaultFS:
                 elif not isinstance(child, _Dir):
                     raise FileExistsError(errno.EEXIST, "not a directory", str(path))
                 node = child
-            self.sync_dir(path.parent)
+            if durable:
+                self.sync_dir(path.parent)
 
     def remove(self, path: Path) -> None:
         with self._lock:
