@@ -18,6 +18,7 @@ until restart).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -53,13 +54,27 @@ class OpenStreams:
         if stream is not None:
             self._streams.move_to_end(name)
             if pin:
-                stream.users += 1
+                stream.pins.append(None)
             else:
                 stream.touched = time.monotonic()
         return stream
 
     def pin(self, name: str) -> Stream:
-        """The stream, opened if need be; it stays open until `unpin`."""
+        """The stream, opened if need be; it stays open until `unpin`.
+
+        The hit takes no lock: the pin is published first, then `evicted` is checked, and
+        `_close_one` sets `evicted` before it checks the pins again (both under the GIL's
+        ordering), so either the closer sees the pin or the pinner sees `evicted` and goes
+        the slow way, which waits for the close to end.
+        """
+        stream = self._streams.get(name)
+        if stream is not None:
+            stream.pins.append(None)
+            if not stream.evicted:
+                with contextlib.suppress(KeyError):  # closed meanwhile: valid until unpinned, pinned first
+                    self._streams.move_to_end(name)
+                return stream
+            stream.pins.pop()
         with self._lock:
             stream = self._hit(name, True)
         return stream if stream is not None else self._open(name, True)
@@ -72,15 +87,14 @@ class OpenStreams:
 
     def hold(self, stream: Stream) -> bool:
         """Pin a stream handed out by `values` if it is still open (False if it has been closed)."""
-        with self._lock:
-            if self._streams.get(stream.name) is not stream:
-                return False
-            stream.users += 1
-            return True
+        stream.pins.append(None)
+        if stream.evicted or self._streams.get(stream.name) is not stream:
+            stream.pins.pop()
+            return False
+        return True
 
     def unpin(self, stream: Stream) -> None:
-        with self._lock:
-            stream.users -= 1
+        stream.pins.pop()
 
     def _open(self, name: str, pin: bool) -> Stream:
         with self._opening:
@@ -105,7 +119,7 @@ class OpenStreams:
         """Take a stream just opened or created (with `_opening` held), then close the least
         recently used ones past the limit."""
         if pin:
-            stream.users += 1
+            stream.pins.append(None)
         else:
             stream.touched = time.monotonic()
         with self._lock:
@@ -116,7 +130,14 @@ class OpenStreams:
     def _close_one(self) -> bool:
         now = time.monotonic()
         with self._lock:
-            victim = next((s for s in self._streams.values() if _closable(s, now)), None)
+            victim = None
+            for stream in self._streams.values():
+                if _closable(stream, now):
+                    stream.evicted = True  # then the pins again: see `pin`
+                    if not stream.pins:
+                        victim = stream
+                        break
+                    stream.evicted = False
             if victim is None:
                 return False  # all in use: over the limit until some are released
             del self._streams[victim.name]
@@ -125,6 +146,7 @@ class OpenStreams:
         except StorageError as exc:
             log.error("stream %r could not be closed, it stays open: %s", victim.name, exc)
             with self._lock:
+                victim.evicted = False
                 self._streams[victim.name] = victim
             return False
         return True
@@ -137,7 +159,7 @@ class OpenStreams:
 
 def _closable(stream: Stream, now: float) -> bool:
     return (
-        stream.users == 0
+        not stream.pins
         and now - stream.touched >= HOLD_S
         and stream.commit is None
         and not stream.epochs.incarnation

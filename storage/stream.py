@@ -90,8 +90,12 @@ class Stream:
         self.pack_queue: list[Segment] = []  # full segments waiting to be packed
         self.damaged: list[Gap] = []
         self.closed = False
-        self.users = 0  # calls using it now: OpenStreams never closes it under them
-        self.touched = 0.0  # when it was last handed out unpinned (OpenStreams.peek), monotonic seconds
+        # OpenStreams' bookkeeping: one item per call using it now (a list: append and pop are
+        # atomic, so a pin takes no lock), set when it is being closed, and when it was last
+        # handed out unpinned (monotonic seconds).
+        self.pins: list[None] = []
+        self.evicted = False
+        self.touched = 0.0
         self.producers = new_producer_table(ctx)
         self.epochs = EpochHistory()
         self.cleaner = Cleaner(self)
