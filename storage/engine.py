@@ -318,14 +318,18 @@ class Engine(GroupCalls, ReplicaCalls):
                 refused[i] = exc
         written: list[AppendResult | StorageError] = []
         if checked:
-            stream = self._stream_or_create(name)
-            written = stream.append_many(checked)
+            with self._use_or_create(name) as stream:
+                written = stream.append_many(checked)
             # Offsets grow in order: the last batch written ends what the readers may now see.
             new = (r for r in reversed(written) if isinstance(r, AppendResult) and not r.duplicate)
             last = next(new, None)
-            if last is not None and stream.commit is None:  # else readers wake on commit (set_commit)
-                for listener in self._listeners:
-                    listener(name, last.last_offset + 1)
+            if last is not None:
+                if stream.commit is None:
+                    for listener in self._listeners:
+                        listener(name, last.last_offset + 1)
+                else:  # readers wake on commit (set_commit); replication learns of the new end
+                    for listener in self._log_listeners:
+                        listener(name, stream.local_end)
         if not refused:
             return written
         results = iter(written)
