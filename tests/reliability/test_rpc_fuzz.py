@@ -116,14 +116,17 @@ def session(draw, descriptor):
     the first message's checks to credit, acknowledgements and batches.
     """
     requests = [draw(message(descriptor)) for _ in range(draw(st.integers(1, 3)))]
+    fields = descriptor.fields_by_name
     if draw(st.booleans()):
         requests[0].stream = draw(st.sampled_from(["s", "fuzz"]))
-        requests[0].group = "g"
-        requests[0].consumer = draw(CONSUMERS)
+        if "group" in fields:  # a Consume session (a Publish session's messages name streams only)
+            requests[0].group = "g"
+            requests[0].consumer = draw(CONSUMERS)
     for later in requests[1:]:
         if draw(st.booleans()):
             for name in (*OPENING_FIELDS, *OPENING_OPTIONAL_FIELDS):
-                later.ClearField(name)
+                if name in fields:
+                    later.ClearField(name)
     return requests, draw(st.booleans())
 
 
@@ -153,7 +156,7 @@ def fuzz_channel(fuzz_server):
 def _call(channel: grpc.Channel, method, request) -> None:
     path = f"/{SERVICE.full_name}/{method.name}"
     if method.client_streaming:
-        # A bidirectional session (Consume): its messages, then the client's half-close, at
+        # A bidirectional session (Consume, Publish): its messages, then the client's half-close, at
         # once or after a while (time for batches to come and for the later messages' effects).
         messages, hold_open = request
         ended = threading.Event()
@@ -163,11 +166,16 @@ def _call(channel: grpc.Channel, method, request) -> None:
             if hold_open:
                 ended.wait(0.3)
 
-        call = channel.stream_stream(path, request_serializer=type(messages[0]).SerializeToString)(
-            requests(), timeout=1.0
-        )
+        call = channel.stream_stream(
+            path,
+            request_serializer=type(messages[0]).SerializeToString,
+            response_deserializer=getattr(pb, method.output_type.name).FromString,
+        )(requests(), timeout=1.0)
         try:
-            for i, _ in enumerate(call):
+            for i, reply in enumerate(call):
+                # A Publish message's own status (its `error`) is held to the same rule as a call's.
+                code = reply.error.code if method.name == "Publish" else 0
+                assert code not in {c.value[0] for c in FORBIDDEN}, f"{method.name} message answered {code}"
                 if i >= 2:
                     break
         finally:
