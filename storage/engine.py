@@ -293,13 +293,18 @@ class Engine(GroupCalls, ReplicaCalls):
         with self._use_or_create(name) as stream:
             result = stream.append(batch, producer, expected_end)
         if not result.duplicate:
-            if stream.commit is None:
-                for listener in self._listeners:
-                    listener(name, result.last_offset + 1)
-            else:  # readers wake on commit (set_commit); replication learns of the new end
-                for listener in self._log_listeners:
-                    listener(name, stream.local_end)
+            self._appended(name, stream, result.last_offset + 1)
         return result
+
+    def _appended(self, name: str, stream: Stream, end_offset: int) -> None:
+        """New entries up to `end_offset`: the readers are told, or, under a commit cap, replication
+        (readers then wake on commit: set_commit)."""
+        if stream.commit is None:
+            for listener in self._listeners:
+                listener(name, end_offset)
+        else:
+            for listener in self._log_listeners:
+                listener(name, stream.local_end)
 
     def append_many(
         self, name: str, appends: Sequence[tuple[AppendBatch, tuple[str, int] | None]]
@@ -320,16 +325,11 @@ class Engine(GroupCalls, ReplicaCalls):
         if checked:
             with self._use_or_create(name) as stream:
                 written = stream.append_many(checked)
-            # Offsets grow in order: the last batch written ends what the readers may now see.
+            # Offsets grow in order: the last batch written ends what is new.
             new = (r for r in reversed(written) if isinstance(r, AppendResult) and not r.duplicate)
             last = next(new, None)
             if last is not None:
-                if stream.commit is None:
-                    for listener in self._listeners:
-                        listener(name, last.last_offset + 1)
-                else:  # readers wake on commit (set_commit); replication learns of the new end
-                    for listener in self._log_listeners:
-                        listener(name, stream.local_end)
+                self._appended(name, stream, last.last_offset + 1)
         if not refused:
             return written
         results = iter(written)

@@ -353,7 +353,7 @@ def test_appends_under_a_commit_cap_tell_the_log_listeners_not_the_readers(open_
     engine.set_commit("s", 2)
     engine.append("s", AppendBatch([b"b"] * 3))
     assert (readers, logs) == ([("s", 2)], [("s", 5)])
-    # Publish's batched appends too (a leader's followers wait for this to fetch).
+    # Several batches in one write (Publish's) tell them once, of the end of all of them.
     engine.append_many("s", [(AppendBatch([b"c"]), None), (AppendBatch([b"d"] * 2), None)])
     assert (readers, logs) == ([("s", 2)], [("s", 5), ("s", 8)])
 
