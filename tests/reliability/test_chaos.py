@@ -62,7 +62,9 @@ def test_the_bench_fails_and_says_why_when_acknowledged_entries_are_lost(tmp_pat
 def test_a_three_node_cluster_under_every_fault_it_survives_loses_nothing_acknowledged(tmp_path):
     """Streams on three replicas (acks=quorum): a stream whose leader is killed, paused, cut off or
     wiped gets a new leader from its in-sync replicas, and nothing acknowledged is lost. Calls go
-    through any node: routed to the stream's leader or forwarded there."""
+    through any node: routed to the stream's leader or forwarded there. No consumer group: group
+    state is not replicated yet (docs/CLUSTER.md, limits), so a failover takes a group back to the
+    new leader's own copy and the group cannot drain; the single-server run covers groups."""
     kinds = kinds_for(nodes=3, replication_factor=3, fsync="always")
     assert {
         "partition",
@@ -72,7 +74,15 @@ def test_a_three_node_cluster_under_every_fault_it_survives_loses_nothing_acknow
         "power-all",
         "wipe",
     } <= set(kinds)
-    result = run_chaos(tmp_path, 75, nodes=3, seed=15, interval_s=(0.5, 1.5), replication_factor=3)
+    result = run_chaos(
+        tmp_path,
+        75,
+        nodes=3,
+        seed=15,
+        interval_s=(0.5, 1.5),
+        replication_factor=3,
+        workload=WorkloadConfig(seed=15, workers_per_stream=0),
+    )
     assert result.ok, result.summary()
     assert sum(result.faults.values()) >= 12
     assert result.report.stats["entries_acked"] > 1000
