@@ -17,6 +17,7 @@ runs prove the harness and the configurations it runs today:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -30,7 +31,8 @@ WORKLOAD = WorkloadConfig(payload_bytes=400, seed=1)
 
 
 def run_chaos(tmp_path, duration_s: float, **options) -> chaos.ChaosRun:
-    return asyncio.run(chaos.chaos(tmp_path, duration_s, workload=WORKLOAD, **options))
+    options.setdefault("workload", WORKLOAD)
+    return asyncio.run(chaos.chaos(tmp_path, duration_s, **options))
 
 
 @pytest.mark.timeout(300)
@@ -81,7 +83,7 @@ def test_a_three_node_cluster_under_every_fault_it_survives_loses_nothing_acknow
         seed=15,
         interval_s=(0.5, 1.5),
         replication_factor=3,
-        workload=WorkloadConfig(seed=15, workers_per_stream=0),
+        workload=dataclasses.replace(WORKLOAD, workers_per_stream=0),
     )
     assert result.ok, result.summary()
     assert sum(result.faults.values()) >= 12
