@@ -26,6 +26,66 @@ from clients.errors import GapError, ProducerClosedError, StreamlogError, from_r
 from clients.types import AckResult, AppendResult, Entry, Gap, ReadResult, Record
 
 
+class _Replies:
+    """A call's replies, taken from gRPC by a thread of their own.
+
+    A thread that waits for a reply waits on a queue, never inside gRPC: an exception
+    raised in that wait (KeyboardInterrupt at Ctrl-C) can leave a gRPC lock held when it
+    lands inside gRPC's own wait, and cancelling or closing the call then hangs. `window`
+    bounds the replies taken ahead of the reader (None: the server's credit bounds them).
+    """
+
+    def __init__(self, call: Any, window: int | None) -> None:
+        self._call = call
+        self._queue: queue.SimpleQueue[tuple[Any, BaseException | None]] = queue.SimpleQueue()
+        self._credit: queue.SimpleQueue[bool] | None = None
+        if window is not None:
+            self._credit = queue.SimpleQueue()
+            for _ in range(window):
+                self._credit.put(True)
+        # The thread holds the call and the queues, not their owner (a dropped session is collected).
+        threading.Thread(
+            target=_pump, args=(call, self._queue, self._credit), name="streamlog-replies", daemon=True
+        ).start()
+
+    def __iter__(self) -> _Replies:
+        return self
+
+    def __next__(self) -> Any:
+        item = self._queue.get()
+        reply, error = item
+        if reply is None:
+            self._queue.put(item)  # the end stays the end for a later next()
+            if error is None:
+                raise StopIteration
+            raise error
+        if self._credit is not None:
+            self._credit.put(True)
+        return reply
+
+    def cancel(self) -> None:
+        """Cancel the call; the thread then ends (given credit, should it be waiting for some)."""
+        self._call.cancel()
+        if self._credit is not None:
+            self._credit.put(True)
+
+
+def _pump(
+    call: Any,
+    replies: queue.SimpleQueue[tuple[Any, BaseException | None]],
+    credit: queue.SimpleQueue[bool] | None,
+) -> None:
+    try:
+        while True:
+            if credit is not None:
+                credit.get()
+            replies.put((next(call), None))
+    except StopIteration:
+        replies.put((None, None))
+    except BaseException as exc:  # grpc.RpcError: handed to the reader, who knows what it means
+        replies.put((None, exc))
+
+
 def _entries(batches: Iterable[ReadResult], on_gap: Callable[[Gap], None] | None) -> Iterator[Entry]:
     for batch in batches:
         if batch.gap is not None:
@@ -43,12 +103,18 @@ class Subscription(SubscriptionBase):
     leaving a `with` block) ends it; iteration then stops quietly.
     """
 
+    def __init__(self, call: Any) -> None:
+        super().__init__(call)
+        # Two batches taken ahead: a reader slower than the stream holds the server back
+        # (its slow-subscriber cut-off) rather than buffering here.
+        self._replies = _Replies(call, window=2)
+
     def __iter__(self) -> Subscription:
         return self
 
     def __next__(self) -> ReadResult:
         try:
-            reply = next(self._call)
+            reply = next(self._replies)
         except grpc.RpcError as exc:
             if self._cancelled_here(exc):
                 raise StopIteration from None
@@ -58,6 +124,12 @@ class Subscription(SubscriptionBase):
     def entries(self, on_gap: Callable[[Gap], None] | None = None) -> Iterator[Entry]:
         """The entries one by one. A gap calls `on_gap`, or raises GapError when there is none."""
         return _entries(self, on_gap)
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._replies.cancel()
+
+    close = cancel
 
     def __enter__(self) -> Subscription:
         return self
@@ -114,10 +186,11 @@ class ConsumeSession(ConsumeSessionBase):
         self._requests: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
         self._ack_call = ack_call
         self._close_timeout = close_timeout
-        # An exception (KeyboardInterrupt) raised while gRPC waited for a reply leaves its
-        # read outstanding, and the call cannot be read again.
+        # An exception (KeyboardInterrupt) raised in a wait for a batch: the user is leaving,
+        # so close() does not wait for the server to end the call.
         self._interrupted = False
         self._call = start(_outgoing(self._requests, self._delivered))
+        self._replies = _Replies(self._call, window=None)
 
     def __del__(self) -> None:
         # Dropped without close(): end the thread gRPC sends requests from (it holds no
@@ -145,7 +218,7 @@ class ConsumeSession(ConsumeSessionBase):
             return self._ready.popleft()
         while True:
             try:
-                reply = next(self._call)
+                reply = next(self._replies)
             except StopIteration:
                 self._ended_ok()  # after stop(): the server ends the call once the client has
                 raise
@@ -185,15 +258,15 @@ class ConsumeSession(ConsumeSessionBase):
         some acknowledgements may not be applied: see pending_acks()). `timeout`: how
         long to wait for the server to end the call (default: the client's timeout).
         Closing again returns the same result. After an exception interrupted a wait
-        for a batch (KeyboardInterrupt), the call cannot be read any more: close()
-        cancels it and sends the acknowledgements it did not confirm in Ack calls.
+        for a batch (KeyboardInterrupt), close() does not wait: it cancels the call
+        and sends the acknowledgements it did not confirm in Ack calls.
         """
         done = self._closing()
         if done is not None:
             return done
         if self._interrupted:
             self.stop()
-            self._call.cancel()
+            self._replies.cancel()
         else:
             self._send(credit=False)
             self.stop()
@@ -205,14 +278,14 @@ class ConsumeSession(ConsumeSessionBase):
 
         def expire() -> None:
             expired.set()
-            self._call.cancel()
+            self._replies.cancel()
 
         timer = threading.Timer(deadline, expire) if deadline is not None else None
         if timer is not None:
             timer.daemon = True
             timer.start()
         try:
-            for reply in self._call:
+            for reply in self._replies:
                 self._drained(reply)
         except grpc.RpcError as exc:
             raise (self._timed_out(deadline) if expired.is_set() else self._fail(exc)) from exc
@@ -229,7 +302,7 @@ class ConsumeSession(ConsumeSessionBase):
         """Abandon the session at once: queued acknowledgements are not sent (see pending_acks())."""
         self._cancelled = True
         self.stop()
-        self._call.cancel()
+        self._replies.cancel()
 
     def __enter__(self) -> ConsumeSession:
         return self

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -228,8 +229,8 @@ class _Interrupted(Exception):
 
 
 def test_an_interrupted_wait_still_gets_the_acknowledgements_applied(client: Client) -> None:
-    """An exception raised in a wait (as KeyboardInterrupt is) leaves gRPC's read outstanding:
-    close() cannot read the call, so it cancels it and sends the acknowledgements in an Ack."""
+    """After an exception raised in a wait (as KeyboardInterrupt is), close() does not wait for the
+    server: it cancels the call and sends the acknowledgements in an Ack."""
     _fill(client, "s", 2)
     client.create_group("s", "g")
 
@@ -251,6 +252,54 @@ def test_an_interrupted_wait_still_gets_the_acknowledgements_applied(client: Cli
     # Sent twice (in the request for the next batch, then in the Ack): unknown the second time.
     assert session.result == AckResult(0, 2)
     assert client.group_info("s", "g").pending == 0
+
+
+def _frames_in_wait(blocked: Callable[[], object]) -> list[str]:
+    """The files of the main thread's frames while `blocked()` waits in it, seen from another
+    thread, which then interrupts the wait."""
+    seen: list[str] = []
+    main = threading.main_thread().ident
+    assert main is not None and threading.get_ident() == main
+
+    def look_then_interrupt() -> None:
+        frame = sys._current_frames()[main]
+        while frame is not None:
+            seen.append(frame.f_code.co_filename)
+            frame = frame.f_back
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise _Interrupted
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        threading.Timer(0.3, look_then_interrupt).start()
+        with pytest.raises(_Interrupted):
+            blocked()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    return seen
+
+
+def test_a_wait_for_a_batch_is_never_inside_grpc(client: Client) -> None:
+    """Ctrl-C lands where the waiting thread is. Inside gRPC's own wait it can leave a gRPC lock
+    held, and closing the call then hangs (a CI run saw it once): so the thread waits on a queue
+    that a thread of the session fills from gRPC, and the session still closes after it."""
+    _fill(client, "s", 1)
+    client.create_group("s", "g")
+    session = client.consume("s", "g", "c1", timeout=SESSION_S)
+    session.ack(e.offset for e in next(session))
+    frames = _frames_in_wait(lambda: next(session))  # waits for entries that never come
+    assert frames and not [name for name in frames if f"{os.sep}grpc{os.sep}" in name], frames
+    result = session.close(timeout=10)  # the acknowledgement went in a request, then in an Ack
+    assert result.acknowledged + result.unknown == 1
+    assert client.group_info("s", "g").pending == 0
+    with client.subscribe("s", 1, timeout=SESSION_S) as subscription:
+        assert next(subscription).entries == []  # where it starts; then it waits for entries
+        frames = _frames_in_wait(lambda: next(subscription))
+        assert frames and not [name for name in frames if f"{os.sep}grpc{os.sep}" in name], frames
+        client.append("s", [b"after the interrupt"])
+        assert [e.payload for e in next(subscription).entries] == [b"after the interrupt"]
 
 
 def test_errors_map_like_every_other_call(start_server: Callable[..., ServerThread]) -> None:
