@@ -205,12 +205,14 @@ class Engine(GroupCalls, ReplicaCalls):
 
     def _use(self, name: str) -> _Pinned:
         """`with self._use(name) as stream`: the stream, kept open until the block ends."""
-        validate_name(name)
+        if name not in self._catalog:  # a name in the catalog was checked when it entered it
+            validate_name(name)
         return _Pinned(self._open, name)
 
     def _use_or_create(self, name: str, incarnation: int = 0) -> _Pinned:
         """As `_use`, creating the stream if it does not exist."""
-        validate_name(name)
+        if name not in self._catalog:
+            validate_name(name)
         return _Pinned(self._open, name, lambda: self._create(name, incarnation))
 
     def _create(self, name: str, incarnation: int) -> Stream:
@@ -407,6 +409,9 @@ class Engine(GroupCalls, ReplicaCalls):
     def fsync_policy(self, name: str) -> FsyncPolicy:
         """The fsync policy in force for the stream: its own, or the engine's (also for a stream
         that does not exist yet: the policy its first append would get)."""
+        stream = self._open.glance(name)
+        if stream is not None:
+            return stream.fsync
         if name not in self._catalog:
             return self.config.fsync
         with self._use(name) as stream:

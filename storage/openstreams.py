@@ -67,6 +67,15 @@ class OpenStreams:
         ordering), so either the closer sees the pin or the pinner sees `evicted` and goes
         the slow way, which waits for the close to end.
         """
+        stream = self._pin_if_open(name)
+        if stream is not None:
+            return stream
+        with self._lock:
+            stream = self._hit(name, True)
+        return stream if stream is not None else self._open(name, True)
+
+    def _pin_if_open(self, name: str) -> Stream | None:
+        """The hot path of `pin` and `create`, taking no lock: the open stream, pinned, or None."""
         stream = self._streams.get(name)
         if stream is not None:
             stream.pins.append(None)
@@ -75,9 +84,12 @@ class OpenStreams:
                     self._streams.move_to_end(name)
                 return stream
             stream.pins.pop()
-        with self._lock:
-            stream = self._hit(name, True)
-        return stream if stream is not None else self._open(name, True)
+        return None
+
+    def glance(self, name: str) -> Stream | None:
+        """The stream if it is open now, neither pinned nor marked used: for reading one field
+        at once (its fsync policy), which stays valid after a close."""
+        return self._streams.get(name)
 
     def peek(self, name: str) -> Stream:
         """The stream, opened if need be, without a pin (see the module doc)."""
@@ -107,6 +119,9 @@ class OpenStreams:
 
     def create(self, name: str, make: Callable[[], Stream]) -> Stream:
         """The stream, pinned: opened if it exists, else made by `make` (a new stream)."""
+        stream = self._pin_if_open(name)
+        if stream is not None:
+            return stream
         with self._opening:
             with self._lock:
                 stream = self._hit(name, True)
