@@ -39,6 +39,7 @@ def cluster_nodes(etcd: EtcdCluster, tmp_path: Path) -> Iterator[ClusterNodes]:
     nodes = ClusterNodes(etcd.endpoints, tmp_path / "nodes")
     yield nodes
     nodes.stop_all()
+    nodes.print_logs()
 
 
 @pytest.fixture(scope="module")
@@ -53,4 +54,5 @@ def three_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterNod
         yield nodes
     finally:
         nodes.stop_all()
+        nodes.print_logs()
         etcd.stop()

@@ -109,6 +109,12 @@ class ClusterNodes:
                 process.finish(timeout_s=10)
             process.kill()
 
+    def print_logs(self, lines: int = 200) -> None:
+        """The end of every node's log, on stdout: pytest shows it when the test failed."""
+        for name, process in self.processes.items():
+            print(f"--- node {name} (port {process.port}), last {lines} log lines:")
+            print("".join(process.log[-lines:]), end="")
+
 
 def eventually(condition: Callable[[], object], timeout_s: float = 10) -> None:
     """Wait (bounded) until `condition()` holds: the state moves in other processes, so poll."""
