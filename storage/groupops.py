@@ -318,12 +318,18 @@ def _runs(offsets: Sequence[int]) -> list[tuple[int, int]]:
 
 def _enc_str(out: bytearray, value: str) -> None:
     raw = value.encode()
-    _varint(out, len(raw))
+    if len(raw) < 0x80:  # names are short: the length is one byte (saves a call per name)
+        out.append(len(raw))
+    else:
+        _varint(out, len(raw))
     out += raw
 
 
 def _enc_optional(out: bytearray, value: int | None) -> None:
-    _varint(out, 0 if value is None else value + 1)
+    if value is None:
+        out.append(0)
+    else:
+        _varint(out, value + 1)
 
 
 def _enc_bool(out: bytearray, value: bool) -> None:
@@ -347,7 +353,8 @@ def _enc_offsets(out: bytearray, value: Offsets) -> None:
     _varint(out, len(runs))
     prev = 0
     for start, length in runs:  # offsets are mostly ascending runs: a read of 1000 entries is 3 bytes
-        _varint(out, _zigzag(start - prev))
+        delta = start - prev
+        _varint(out, delta << 1 if delta >= 0 else ((-delta) << 1) - 1)  # _zigzag, inline: per run
         _varint(out, length)
         prev = start + length
 
@@ -525,7 +532,7 @@ def _codecs(cls: type[GroupOp]) -> tuple[Callable[[GroupOp], tuple], list[Encode
 _ENCODING: dict[type[GroupOp], tuple[int, Callable[[GroupOp], tuple], list[Encoder]]] = {}
 _DECODING: dict[int, tuple[type[GroupOp], list[Decoder]]] = {}
 for _cls in OP_TYPES:
-    if _cls.CODE in _DECODING or _cls.CODE <= 0:
+    if _cls.CODE in _DECODING or not 0 < _cls.CODE < 0x80:
         raise TypeError(f"{_cls.__name__}: code {_cls.CODE} is taken or invalid")
     _get, _encoders, _decoders = _codecs(_cls)
     _ENCODING[_cls] = (_cls.CODE, _get, _encoders)
@@ -538,7 +545,7 @@ def encode_ops(ops: Sequence[GroupOp]) -> bytes:
     _varint(out, len(ops))
     for op in ops:
         code, get, encoders = _ENCODING[type(op)]
-        _varint(out, code)
+        out.append(code)  # codes are below 0x80: one byte, as a varint
         for encode, value in zip(encoders, get(op), strict=True):
             encode(out, value)
     return bytes(out)
