@@ -6,7 +6,10 @@ Starts `streamlog serve` with its console, fills a few streams the way services
 would (JSON orders with tags and headers, text logs, binary clicks, a trimmed
 stream), keeps appending and consuming for a while so the charts have history,
 then saves a PNG of each page in `--out`: console-streams.png, console-stream.png,
-console-group.png, console-cluster.png.
+console-group.png. console-cluster.png is a cluster's page: etcd (the binary the tests
+use) and three `streamlog serve --cluster` nodes holding three replicas of each
+stream, under the same traffic, with one node stopped for the last seconds (it drops
+out of the in-sync sets and its progress stays behind).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import random
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import grpc
@@ -23,6 +27,7 @@ from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
 from bench.browser import browser
+from bench.cluster import etcd
 from bench.common import free_port
 from bench.service import streamlog_server
 
@@ -30,7 +35,6 @@ PAGES = {
     "console-streams.png": "#/",
     "console-stream.png": "#/stream/orders?offset=40",
     "console-group.png": "#/group/orders/billing",
-    "console-cluster.png": "#/cluster",
 }
 
 
@@ -78,6 +82,58 @@ def traffic(address: str, seconds: float, stop: threading.Event) -> None:
             stop.wait(0.5)
 
 
+def run_traffic(address: str, seconds: float) -> None:
+    stop = threading.Event()
+    producer = threading.Thread(target=traffic, args=(address, seconds, stop))
+    producer.start()
+    producer.join()
+
+
+def save(port: int, pages: dict[str, str], out: Path) -> None:
+    with browser(width=1280, height=900) as context:
+        page = context.new_page()
+        for name, route in pages.items():
+            page.goto(f"http://127.0.0.1:{port}/{route}")
+            page.wait_for_selector("main[aria-busy=false]")
+            page.screenshot(path=str(out / name), full_page=name != "console-stream.png")
+            print(out / name)
+
+
+def cluster_page(out: Path, seconds: float) -> None:
+    """The cluster page of three nodes, the last one stopped for the last seconds."""
+    http_port = free_port()
+    with ExitStack() as stack:
+        endpoint = stack.enter_context(etcd())
+
+        def node(node_id: str, **settings: object) -> tuple[str, ExitStack]:
+            """Start a node; its address, and what stops it (it stops with the rest otherwise)."""
+            port = free_port()
+            running = stack.enter_context(ExitStack())
+            running.enter_context(
+                streamlog_server(
+                    "everysec",
+                    port=port,
+                    cluster=endpoint,
+                    node_id=node_id,
+                    advertise=f"127.0.0.1:{port}",
+                    default_replication_factor=3,
+                    replica_lag_ms=2000,
+                    **settings,
+                )
+            )
+            return f"127.0.0.1:{port}", running
+
+        address, _ = node("n1", http_port=http_port)  # the first node leads the first streams
+        node("n2")
+        _, last = node("n3")
+        with grpc.insecure_channel(address) as channel:
+            seed(pb_grpc.StreamLogServiceStub(channel))
+        run_traffic(address, seconds)
+        last.close()  # n3 stops: the streams go on with n1 and n2
+        run_traffic(address, 5)
+        save(http_port, {"console-cluster.png": "#/cluster"}, out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("docs"))
@@ -87,17 +143,9 @@ def main() -> None:
     with streamlog_server("everysec", http_port=port) as address:
         with grpc.insecure_channel(address) as channel:
             seed(pb_grpc.StreamLogServiceStub(channel))
-        stop = threading.Event()
-        producer = threading.Thread(target=traffic, args=(address, args.seconds, stop))
-        producer.start()
-        producer.join()
-        with browser(width=1280, height=900) as context:
-            page = context.new_page()
-            for name, route in PAGES.items():
-                page.goto(f"http://127.0.0.1:{port}/{route}")
-                page.wait_for_selector("main[aria-busy=false]")
-                page.screenshot(path=str(args.out / name), full_page=name != "console-stream.png")
-                print(args.out / name)
+        run_traffic(address, args.seconds)
+        save(port, PAGES, args.out)
+    cluster_page(args.out, 10)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,11 @@ export async function clusterPage(main) {
   for (const [name, value] of Object.entries(reply)) {
     if (Array.isArray(value) && value.length && typeof value[0] === "object") {
       const columns = [...new Set(value.flatMap((row) => Object.keys(row)))];
+      // The JSON mapping leaves out fields at their default: a flag another row has is false here.
+      const flags = new Set(columns.filter((c) => value.some((row) => typeof row[c] === "boolean")));
+      const shown = (row, c) => (row[c] !== undefined ? cell(row[c]) : flags.has(c) ? "false" : "");
       sections.push(el("h2", {}, name),
-        table(columns, value.map((row) => el("tr", {}, columns.map((c) => el("td", {}, row[c] === undefined ? "" : cell(row[c])))))));
+        table(columns, value.map((row) => el("tr", {}, columns.map((c) => el("td", {}, shown(row, c)))))));
     } else {
       sections.push(el("p", {}, el("b", {}, `${name}: `), cell(value)));
     }
