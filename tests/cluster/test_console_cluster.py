@@ -5,31 +5,18 @@ paused follower is (its replication lag), as the leader's DescribeCluster report
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
-import pytest
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
 from bench.common import free_port
-from bench.debian import PackageUnavailable
+from tests import browsers
 from tests.cluster.nodes import ClusterNodes, eventually, leader_of
 
 REPLICATED = {"default_replication_factor": "3", "replica_lag_ms": "1000"}
-
-
-@pytest.fixture(scope="module")
-def browser_context() -> Iterator[Any]:
-    try:
-        from bench.browser import browser, chromium_path
-
-        chromium_path()
-    except (ImportError, PackageUnavailable) as exc:
-        pytest.skip(f"no browser for the console tests: {exc}")
-    with browser() as context:
-        yield context
+browser_context = browsers.browser_context  # the fixture (tests/browsers.py)
 
 
 def test_the_cluster_page_shows_leaders_in_sync_sets_and_a_paused_followers_lag(

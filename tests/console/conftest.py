@@ -1,8 +1,4 @@
-"""Fixtures for the console's tests in a real browser: Debian's chromium driven by Playwright.
-
-The browser is installed when missing (as root, with apt-get: bench.debian); the tests
-are skipped, saying why, only when it cannot be.
-"""
+"""Fixtures for the console's tests in a real browser (tests/browsers.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +10,11 @@ from typing import Any
 import pytest
 
 from bench.common import free_port
-from bench.debian import PackageUnavailable
+from tests import browsers
 from tests.service.helpers import ServerThread, serve_for_test
 
 _visits = itertools.count()
+browser_context = browsers.browser_context  # the fixture (tests/browsers.py)
 
 
 @pytest.fixture
@@ -27,20 +24,6 @@ def start_server(tmp_path: Path) -> Iterator[Callable[..., ServerThread]]:
     start = next(starting)
     yield lambda **overrides: start(**{"http_port": free_port(), **overrides})
     next(starting, None)
-
-
-# Per module, not per session: while Playwright's sync API runs, the main thread has a running
-# event loop, and the next modules' asyncio.run() would refuse to start.
-@pytest.fixture(scope="module")
-def browser_context() -> Iterator[Any]:
-    try:
-        from bench.browser import browser, chromium_path
-
-        chromium_path()
-    except (ImportError, PackageUnavailable) as exc:
-        pytest.skip(f"no browser for the console tests: {exc}")
-    with browser() as context:
-        yield context
 
 
 class Console:
