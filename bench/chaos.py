@@ -202,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--replication-factor", type=int, default=1)
     parser.add_argument("--fsync", choices=("always", "everysec", "no"), default="always")
+    parser.add_argument(
+        "--group-workers",
+        type=int,
+        default=WorkloadConfig.workers_per_stream,
+        help="consumer-group workers per stream (0: no group; default %(default)s)",
+    )
     parser.add_argument("--out", type=Path, help="directory for the run's files (default: a temporary one)")
     args = parser.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="streamlog-chaos-"))
@@ -209,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     faults = args.faults.split(",") if args.faults else None
     print(
         f"chaos: {args.nodes} nodes, replication factor {args.replication_factor}, fsync {args.fsync}, "
-        f"seed {args.seed}, {args.duration:g} s; files in {out}",
+        f"seed {args.seed}, {args.group_workers} group workers per stream, {args.duration:g} s; "
+        f"files in {out}",
         flush=True,
     )
     started = time.monotonic()
@@ -222,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             faults=faults,
             replication_factor=args.replication_factor,
             fsync=args.fsync,
+            workload=WorkloadConfig(seed=args.seed, workers_per_stream=args.group_workers),
         )
     )
     result.history.save(out / "history.jsonl")
