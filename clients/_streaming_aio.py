@@ -25,6 +25,11 @@ from clients.errors import GapError, ProducerClosedError, StreamlogError, from_r
 from clients.types import AckResult, AppendResult, Entry, Gap, ReadResult, Record
 
 
+async def sleep(seconds: float) -> None:
+    """Wait before a call's retry (clients/aio.py; the sync client's is time.sleep)."""
+    await asyncio.sleep(seconds)
+
+
 async def _entries(
     batches: AsyncIterator[ReadResult], on_gap: Callable[[Gap], None] | None
 ) -> AsyncIterator[Entry]:

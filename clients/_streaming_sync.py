@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -24,6 +25,11 @@ from clients._publish import PublishSessionBase, Unanswered
 from clients._subscription import SubscriptionBase
 from clients.errors import GapError, ProducerClosedError, StreamlogError, from_rpc_error
 from clients.types import AckResult, AppendResult, Entry, Gap, ReadResult, Record
+
+
+def sleep(seconds: float) -> None:
+    """Wait before a call's retry (clients/client.py; the async client's is asyncio.sleep)."""
+    time.sleep(seconds)
 
 
 class _Replies:

@@ -39,8 +39,9 @@ from clients._connection import (
     call_timeout,
     open_channel,
 )
-from clients._streaming_aio import AsyncConsumeSession, AsyncPublishSession, AsyncSubscription
-from clients.errors import from_rpc_error
+from clients._routing import ROUTE_METADATA, Attempts, Routes, retryable, seed_addresses, stream_of
+from clients._streaming_aio import AsyncConsumeSession, AsyncPublishSession, AsyncSubscription, sleep
+from clients.errors import StreamlogError, TransientError, from_rpc_error
 from clients.types import (
     AckResult,
     AppendData,
@@ -67,16 +68,20 @@ class AsyncClient:
 
     Create it inside a running event loop (grpc.aio channels belong to one loop).
 
-    address: host:port. token: sent as `authorization: Bearer <token>` on every call.
+    address: host:port, or several (a list, or comma-separated): seeds, of which the first that
+    answers is used. In a cluster the client learns the layout (DescribeCluster) and sends each
+    call on a stream to the stream's leader, following leader changes (see clients/_routing.py
+    for what is retried). token: sent as `authorization: Bearer <token>` on every call.
     TLS: `tls=True` (system roots), or `root_certificates` (PEM bytes or a file path),
     plus `certificate_chain` and `private_key` for a client certificate; `server_name`
     overrides the name checked in the server's certificate. `channel`: use this channel
-    (e.g. an intercepted one) instead of opening one; the client then does not close it.
+    (e.g. an intercepted one) instead of opening one; the client then does not close it, and
+    sends every call there (no routing).
     """
 
     def __init__(
         self,
-        address: str = DEFAULT_ADDRESS,
+        address: str | Sequence[str] = DEFAULT_ADDRESS,
         *,
         token: str | None = None,
         tls: bool = False,
@@ -88,27 +93,37 @@ class AsyncClient:
         options: Sequence[tuple[str, Any]] = (),
         channel: grpc.aio.Channel | None = None,
     ) -> None:
-        self.address = address
+        seeds = seed_addresses(address)
+        self.address = ",".join(seeds)
         self.timeout = timeout
         self._metadata = auth_metadata(token)
+        self._routed_metadata = (*self._metadata, ROUTE_METADATA)
         self._owns_channel = channel is None
-        if channel is None:
-            channel = open_channel(
-                grpc.aio,
-                address,
-                tls=tls,
-                root_certificates=root_certificates,
-                certificate_chain=certificate_chain,
-                private_key=private_key,
-                server_name=server_name,
-                options=options,
-            )
-        self._channel = channel
-        self._stub = pb_grpc.StreamLogServiceStub(channel)
+        opener = functools.partial(
+            open_channel,
+            grpc.aio,
+            tls=tls,
+            root_certificates=root_certificates,
+            certificate_chain=certificate_chain,
+            private_key=private_key,
+            server_name=server_name,
+            options=options,
+        )
+        self._routes = Routes(seeds, opener, channel)
+
+    @property
+    def _channel(self) -> grpc.aio.Channel:
+        """The channel to the seed that answered (the first, until one did not)."""
+        return self._routes.channel(self._routes.default)
+
+    @property
+    def _stub(self) -> pb_grpc.StreamLogServiceStub:
+        return self._routes.stub(self._routes.default)
 
     async def close(self) -> None:
         if self._owns_channel:
-            await self._channel.close()
+            for channel in self._routes.opened():
+                await channel.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -117,12 +132,69 @@ class AsyncClient:
         await self.close()
 
     async def _unary(self, method: Any, request: Any, timeout: float | None, block_ms: int = 0) -> Any:
-        try:
-            return await method(
-                request, timeout=call_timeout(self.timeout, timeout, block_ms), metadata=self._metadata
-            )
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from exc
+        deadline = call_timeout(self.timeout, timeout, block_ms)
+        stream = stream_of(request)
+        if stream is None or self._routes.cluster is False:
+            try:
+                return await method(request, timeout=deadline, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc) from exc
+        return await self._routed(self._routes.method_name(method), stream, request, Attempts(deadline))
+
+    async def _routed(self, name: str, stream: str, request: Any, attempts: Attempts) -> Any:
+        """A call on `stream`, sent to its leader, and again (after a redirect or where retrying
+        is safe) until it is answered or its time is up."""
+        failure: StreamlogError | None = None
+        while True:
+            address = await self.route(stream, failure)
+            routed = self._routes.cluster is True
+            call = getattr(self._routes.stub(address), name)
+            metadata = self._routed_metadata if routed else self._metadata
+            try:
+                return await call(request, timeout=attempts.remaining(), metadata=metadata)
+            except grpc.RpcError as exc:
+                failure = from_rpc_error(exc)
+                pause = attempts.pause(redirected=self._routes.failed(stream, failure)) if routed else None
+                if pause is None or not retryable(name, request, exc):
+                    raise failure from exc
+            await sleep(pause)
+
+    async def route(self, stream: str, failure: BaseException | None = None) -> str:
+        """The address calls on `stream` go to: its leader's in a cluster (looked up with
+        DescribeCluster once, then cached), the server's otherwise (one DescribeCluster, ever).
+
+        `failure`: the error a call or session on `stream` just failed with (UNAVAILABLE: a
+        redirect, or a node down), to look again; the Producer and the Consumer pass theirs when
+        they reopen a session. When no node can say, the first seed that answered.
+        """
+        routes = self._routes
+        if isinstance(failure, TransientError):
+            routes.failed(stream, failure)
+        address = routes.leader(stream)
+        if address is not None:
+            return address
+        for candidate in routes.describers():
+            try:
+                description = await self._describe(self._routes.stub(candidate), stream, 0, self.timeout)
+            except TransientError:
+                continue  # down or not ready: ask another
+            except StreamlogError:
+                routes.cluster = routes.cluster or False  # DescribeCluster refused: not routable
+                break
+            routes.learn(candidate, description)
+            return routes.leader(stream) or candidate
+        return routes.default
+
+    def _session_route(
+        self, stream: str | None
+    ) -> tuple[pb_grpc.StreamLogServiceStub, tuple[tuple[str, str], ...]]:
+        """The stub and metadata to open a session on `stream` with: its leader's, with a redirect
+        asked for, when the layout knows it (route() looks it up; sessions open without waiting);
+        else the default node's, which serves or forwards it."""
+        address = self._routes.leader(stream) if stream is not None else None
+        if address is None or self._routes.cluster is not True:
+            return self._stub, self._metadata
+        return self._routes.stub(address), self._routed_metadata
 
     # ------------------------------------------------------------------ data
 
@@ -145,17 +217,22 @@ class AsyncClient:
         request = convert.append_request(stream, data, producer_id, producer_sequence, expected_next_offset)
         return convert.append_result(await self._unary(self._stub.Append, request, timeout))
 
-    def publisher(self, *, max_in_flight: int = 1000, timeout: float | None = None) -> AsyncPublishSession:
+    def publisher(
+        self, *, stream: str | None = None, max_in_flight: int = 1000, timeout: float | None = None
+    ) -> AsyncPublishSession:
         """Open a Publish session: appends sent as messages without waiting for each answer.
 
         Each message is an append of its own (any stream, idempotent with a producer
         id and sequence), answered in order; one small entry per message goes several
         times faster than one per append() call. `max_in_flight`: messages sent and
         not yet answered before publish() waits. No deadline unless `timeout` is
-        given: a session lives until closed. See AsyncPublishSession.
+        given: a session lives until closed. See AsyncPublishSession. In a cluster, a
+        session carries one stream: name it as `stream` to open the session on its
+        leader (where route() last found it; else a node forwards the session there).
         """
+        stub, metadata = self._session_route(stream)
         return AsyncPublishSession(
-            functools.partial(self._stub.Publish, timeout=timeout, metadata=self._metadata), max_in_flight
+            functools.partial(stub.Publish, timeout=timeout, metadata=metadata), max_in_flight
         )
 
     async def read(
@@ -192,7 +269,8 @@ class AsyncClient:
         No deadline unless `timeout` is given: a subscription lives until cancelled.
         """
         request = convert.subscribe_request(stream, start, timestamp_ms, count, max_bytes)
-        return AsyncSubscription(self._stub.Subscribe(request, timeout=timeout, metadata=self._metadata))
+        stub, metadata = self._session_route(stream)
+        return AsyncSubscription(stub.Subscribe(request, timeout=timeout, metadata=metadata))
 
     # ------------------------------------------------------------------ consumer groups
 
@@ -261,7 +339,8 @@ class AsyncClient:
             noack=noack,
             claim_idle_ms=claim_idle_ms,
         )
-        return AsyncSubscription(self._stub.Subscribe(request, timeout=timeout, metadata=self._metadata))
+        stub, metadata = self._session_route(stream)
+        return AsyncSubscription(stub.Subscribe(request, timeout=timeout, metadata=metadata))
 
     def consume(
         self,
@@ -300,8 +379,9 @@ class AsyncClient:
             noack=noack,
             claim_idle_ms=claim_idle_ms,
         )
+        stub, metadata = self._session_route(stream)
         return AsyncConsumeSession(
-            functools.partial(self._stub.Consume, timeout=timeout, metadata=self._metadata),
+            functools.partial(stub.Consume, timeout=timeout, metadata=metadata),
             opening,
             ahead,
             lambda request: self._unary(self._stub.Ack, request, None),
@@ -480,11 +560,16 @@ class AsyncClient:
     ) -> ClusterDescription:
         """The cluster's nodes and where its streams starting with `prefix` live (all pages), as
         the server called sees it. A single server answers as one node, with no cluster name."""
+        return await self._describe(self._stub, prefix, page_size, timeout)
+
+    async def _describe(
+        self, stub: pb_grpc.StreamLogServiceStub, prefix: str, page_size: int, timeout: float | None
+    ) -> ClusterDescription:
         streams: list[StreamPlacement] = []
         token = ""
         while True:
             request = pb.DescribeClusterRequest(prefix=prefix, page_size=page_size, page_token=token)
-            reply = await self._unary(self._stub.DescribeCluster, request, timeout)
+            reply = await self._unary(stub.DescribeCluster, request, timeout)
             streams += map(convert.stream_placement, reply.streams)
             token = reply.next_page_token
             if not token:

@@ -222,7 +222,11 @@ class Consumer:
         if session is not None:
             session.stop()  # ends a wait for entries at once
 
-    def _open_session(self, carried: tuple[list[int], list[tuple[int, int]]]) -> ConsumeSession:
+    def _open_session(
+        self, carried: tuple[list[int], list[tuple[int, int]]], failure: StreamlogError | None
+    ) -> ConsumeSession:
+        # On the stream's leader; after a failure, where the cluster now says it is (a failover).
+        self.client.route(self.stream, failure)
         session = self.client.consume(
             self.stream,
             self.group,
@@ -248,14 +252,16 @@ class Consumer:
         started = time.monotonic()
         backoff = 0.05
         carried: tuple[list[int], list[tuple[int, int]]] = ([], [])
+        failure: StreamlogError | None = None
         while not self._stopping.is_set():
-            session = self._session or self._open_session(carried)
+            session = self._session or self._open_session(carried, failure)
             singles, ranges = compress_offsets(self._acks)
             session.ack(singles, ranges=ranges)
             self._acks.clear()
             try:
                 batch = next(session, None)
-            except TransientError:
+            except TransientError as exc:
+                failure = exc
                 self._session = None
                 carried = session.pending_acks()
                 session.cancel()

@@ -143,7 +143,14 @@ def _trailer(error: Any, key: str) -> str | None:
 
 
 def from_rpc_error(error: grpc.RpcError) -> StreamlogError:
-    """The StreamlogError for a failed call (the caller raises it `from` the original)."""
+    """The StreamlogError for a failed call, with the original as its `__cause__` (also when a
+    session keeps it to raise later: a client reads the leader's address from its trailers)."""
+    converted = _converted(error)
+    converted.__cause__ = error
+    return converted
+
+
+def _converted(error: grpc.RpcError) -> StreamlogError:
     try:
         code = error.code()
         details = error.details() or ""

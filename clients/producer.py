@@ -279,7 +279,7 @@ class Producer:
                     )
                     continue
                 sent.append(item)
-                session = session or self.client.publisher(max_in_flight=self.max_in_flight)
+                session = session or self._open_session()
                 self._publish(session, item)
         except BaseException as exc:
             # Whatever happens, every future gets an outcome.
@@ -294,6 +294,11 @@ class Producer:
         finally:
             if session is not None:
                 session.cancel()
+
+    def _open_session(self, failure: StreamlogError | None = None) -> PublishSession:
+        # On the stream's leader; after a failure, where the cluster now says it is (a failover).
+        self.client.route(self.stream, failure)
+        return self.client.publisher(stream=self.stream, max_in_flight=self.max_in_flight)
 
     def _publish(self, session: PublishSession, item: _Sent) -> None:
         items = [queued.item for queued in item.batch]
@@ -347,7 +352,7 @@ class Producer:
         )
         self._abort.wait(pause)
         self.retries += 1
-        session = self.client.publisher(max_in_flight=self.max_in_flight)
+        session = self._open_session(failure)
         for item in sent:
             item.sent_at = time.monotonic()
             self._publish(session, item)

@@ -1,0 +1,215 @@
+"""Where a client's calls go: the cluster layout it learned, and one channel per node it talks to.
+
+Shared by AsyncClient and Client (clients/aio.py, and clients/client.py generated from it),
+which do the calls (DescribeCluster to learn, the call itself, its retries); this module
+does no I/O. Against a single server (DescribeCluster answers with no cluster name) every
+call goes to the one channel, as if this module did not exist. In a cluster, each
+stream-scoped call goes to the stream's leader, with `streamlog-route: redirect`: a node
+that does not lead the stream answers UNAVAILABLE naming the leader (service/routing.py)
+instead of forwarding the call, so a stale layout costs one refused call, not a hop on
+every call.
+
+What is retried after UNAVAILABLE (the caller's deadline permitting): any call refused
+with a redirect (the node refused it before serving it); otherwise (a node went down, the
+leader changed under the call) only calls that may run twice: reads, idempotent admin
+calls, and appends that carry a producer id (the server answers a resend as a duplicate).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+from streamlog.v1 import streamlog_pb2 as pb
+from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
+
+from clients.errors import StreamlogError
+from clients.types import ClusterDescription
+
+_METHODS = [method.name for method in pb.DESCRIPTOR.services_by_name["StreamLogService"].methods]
+ROUTE_METADATA = ("streamlog-route", "redirect")
+LEADER_ADDRESS = "streamlog-leader-address"
+
+# How long calls retry when they have no deadline of their own (a leader's election takes seconds).
+RETRY_WINDOW_S = 30.0
+_FIRST_PAUSE_S = 0.05
+_MAX_PAUSE_S = 1.0
+
+# Calls that may run twice with the outcome of once: retried after any UNAVAILABLE.
+# A group read may deliver entries twice: they stay pending and are redelivered (at-least-once).
+_IDEMPOTENT = frozenset(
+    {
+        "Read",
+        "GetStreamInfo",
+        "ListGroups",
+        "GetGroupInfo",
+        "GetPending",
+        "SeekTime",
+        "CountRange",
+        "SetStreamConfig",
+        "SetGroupConfig",
+        "SetGroupOffset",
+        "Ack",
+        "Trim",
+    }
+)
+
+
+def seed_addresses(address: str | Sequence[str]) -> list[str]:
+    """The addresses given: one, several in a list, or several comma-separated."""
+    parts = address.split(",") if isinstance(address, str) else list(address)
+    seeds = [part.strip() for part in parts if part.strip()]
+    if not seeds:
+        raise ValueError("no server address given")
+    return seeds
+
+
+def stream_of(request: Any) -> str | None:
+    """The stream a request is about; None for calls that are not stream-scoped."""
+    return request.stream if "stream" in request.DESCRIPTOR.fields_by_name else None
+
+
+def redirect_address(error: BaseException | None) -> str | None:
+    """The leader's address a node named when it refused a call (or session) with a redirect."""
+    cause = error.__cause__ if isinstance(error, StreamlogError) else error
+    trailers = getattr(cause, "trailing_metadata", None)
+    if not callable(trailers):
+        return None
+    for key, value in trailers() or ():
+        if key == LEADER_ADDRESS and value:
+            return str(value)
+    return None
+
+
+def retryable(method: str, request: Any, error: grpc.RpcError) -> bool:
+    """Whether a call that failed with `error` may be sent again (see the module docstring)."""
+    if error.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    if redirect_address(error) is not None:
+        return True
+    return method in _IDEMPOTENT or (method == "Append" and bool(request.producer_id))
+
+
+class Routes:
+    """The layout a client learned, and its channels (one per node address, opened when first used).
+
+    `cluster`: None until a DescribeCluster answered, then whether the server is a cluster's
+    node; False from the start for a client given a ready channel (it talks to that only).
+    """
+
+    def __init__(
+        self, seeds: list[str], open_channel: Callable[[str], Any], channel: Any | None = None
+    ) -> None:
+        self.seeds = seeds
+        self._open = open_channel
+        self._channels: dict[str, Any] = {}
+        self._stubs: dict[str, pb_grpc.StreamLogServiceStub] = {}
+        self._names: dict[Any, str] = {}  # each stub's methods: the method's name
+        self.cluster: bool | None = None if channel is None else False
+        self.default = seeds[0]  # where calls go while nothing better is known: the seed that answered
+        self._channels[self.default] = channel if channel is not None else open_channel(self.default)
+        self._leaders: dict[str, str] = {}  # stream -> its leader's address
+        self._nodes: list[str] = []  # live nodes' addresses, as last described
+        self._suspects: set[str] = set()  # addresses that failed since the last description
+        # Counters, for tests and monitoring: redirects followed, layouts learned.
+        self.redirects = 0
+        self.lookups = 0
+
+    # -- channels
+
+    def channel(self, address: str) -> Any:
+        if address not in self._channels:
+            self._channels[address] = self._open(address)
+        return self._channels[address]
+
+    def stub(self, address: str) -> pb_grpc.StreamLogServiceStub:
+        if address not in self._stubs:
+            stub = self._stubs[address] = pb_grpc.StreamLogServiceStub(self.channel(address))
+            self._names.update((getattr(stub, name), name) for name in _METHODS)
+        return self._stubs[address]
+
+    def method_name(self, method: Any) -> str:
+        """The name of a stub's method (a client's call sites pass `self._stub.Append`), to make
+        the same call on another node's stub."""
+        return self._names[method]
+
+    def opened(self) -> list[Any]:
+        """Every channel opened, for the client to close."""
+        return list(self._channels.values())
+
+    # -- the layout
+
+    def leader(self, stream: str) -> str | None:
+        """Where calls on `stream` go now: the client's only server, or the stream's leader when
+        known; None when the layout must be looked up first."""
+        if self.cluster is False:
+            return self.default
+        return self._leaders.get(stream)
+
+    def describers(self) -> list[str]:
+        """Addresses to ask for the layout, in order: nodes not seen failing, then the others."""
+        known = list(dict.fromkeys([self.default, *self._nodes, *self.seeds]))
+        return [a for a in known if a not in self._suspects] + [a for a in known if a in self._suspects]
+
+    def learn(self, address: str, description: ClusterDescription) -> None:
+        """Take in what the node at `address` described (a whole catalog or a prefix of it)."""
+        self.lookups += 1
+        self.default = address
+        if not description.cluster_name:
+            self.cluster = False  # a single server: nothing to route, ever
+            return
+        self.cluster = True
+        addresses = {node.id: node.address for node in description.nodes if node.alive and node.address}
+        self._nodes = list(addresses.values())
+        self._suspects.clear()
+        for placement in description.streams:
+            address = addresses.get(placement.leader, "")
+            if address:
+                self._leaders[placement.name] = address
+            else:  # no leader now (an election): look again next time
+                self._leaders.pop(placement.name, None)
+
+    def failed(self, stream: str, error: BaseException) -> bool:
+        """A call or session on `stream` failed with `error`: follow its redirect if it named the
+        leader (True), else forget the stream's leader, so that the next call looks it up."""
+        address = redirect_address(error)
+        if address is not None:
+            self.redirects += 1
+            self._leaders[stream] = address
+            self._suspects.discard(address)
+            return True
+        previous = self._leaders.pop(stream, None)
+        if previous is not None:
+            self._suspects.add(previous)
+        return False
+
+
+class Attempts:
+    """The deadline and the pauses of one call's attempts (`timeout`: its whole time, None for
+    RETRY_WINDOW_S of retrying)."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.timeout = timeout
+        self._deadline = time.monotonic() + (RETRY_WINDOW_S if timeout is None else timeout)
+        self._pause = _FIRST_PAUSE_S
+
+    def remaining(self) -> float | None:
+        """The next attempt's timeout: what is left of the call's (None: no deadline)."""
+        if self.timeout is None:
+            return None
+        return max(self._deadline - time.monotonic(), 0.0)
+
+    def pause(self, redirected: bool) -> float | None:
+        """How long to wait before the next attempt (none after a first redirect: the leader is
+        named); None when the deadline leaves no time for one."""
+        if redirected and self._pause == _FIRST_PAUSE_S:
+            pause = 0.0
+        else:
+            pause = random.uniform(self._pause / 2, self._pause)  # jitter: clients do not retry in step
+        self._pause = min(self._pause * 2, _MAX_PAUSE_S)
+        if time.monotonic() + pause >= self._deadline:
+            return None
+        return pause
