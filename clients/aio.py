@@ -144,9 +144,8 @@ class AsyncClient:
     async def _routed(self, name: str, stream: str, request: Any, attempts: Attempts) -> Any:
         """A call on `stream`, sent to its leader, and again (after a redirect or where retrying
         is safe) until it is answered or its time is up."""
-        failure: StreamlogError | None = None
         while True:
-            address = await self.route(stream, failure)
+            address = await self.route(stream)  # after a failure: where failed() below pointed
             routed = self._routes.cluster is True
             call = getattr(self._routes.stub(address), name)
             metadata = self._routed_metadata if routed else self._metadata

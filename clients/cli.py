@@ -951,8 +951,9 @@ def _connection_options() -> argparse.ArgumentParser:
     group = common.add_argument_group("connection")
     group.add_argument(
         "--address",
-        metavar="HOST:PORT",
-        help=f"server address (default: $STREAMLOG_ADDRESS or {DEFAULT_ADDRESS})",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="server address, or a cluster's nodes comma-separated "
+        f"(default: $STREAMLOG_ADDRESS or {DEFAULT_ADDRESS})",
     )
     group.add_argument("--token", help="bearer token (default: $STREAMLOG_TOKEN)")
     group.add_argument("--tls", action="store_true", help="use TLS with the system's root certificates")

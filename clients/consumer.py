@@ -46,7 +46,7 @@ from typing import Any
 
 from clients._consume import compress_offsets
 from clients.client import Client, ConsumeSession
-from clients.errors import AlreadyExistsError, StreamlogError, TransientError
+from clients.errors import AlreadyExistsError, NotFoundError, StreamlogError, TransientError
 from clients.types import Entry, Start
 
 __all__ = ["Consumer", "Message", "compress_offsets"]
@@ -114,7 +114,8 @@ class Consumer:
     batch_size: entries per batch; the consumer reads through a Consume session, which
     waits for entries as long as it takes (stop() ends the wait at once).
     retry_ms / claim_idle_ms: the session's read options (see ReadRequest). create:
-    create the group (at `start`) if it does not exist.
+    create the group (at `start`) if it does not exist, and again if a leader's failover
+    loses it (groups are not replicated yet).
     extend_every_s: re-claim the message in hand this often; None derives it from
     retry_ms, 0 turns it off. give_up_after_s: how long transient errors (server down)
     may last before iteration raises.
@@ -157,10 +158,10 @@ class Consumer:
         self._stopping = threading.Event()
         self._closed = False
         self._session: ConsumeSession | None = None
+        self._create = create
+        self._start = start
         if create:
-            # Another consumer may have created it first: that is the same outcome.
-            with contextlib.suppress(AlreadyExistsError):
-                client.create_group(stream, group, start, create_stream=True)
+            self._create_group()
         self._max_deliveries: int | None = None
         self.extend_every_s = self._extend_interval(extend_every_s)
         self._heartbeat: threading.Thread | None = None
@@ -170,6 +171,11 @@ class Consumer:
             )
             self._heartbeat.daemon = True
             self._heartbeat.start()
+
+    def _create_group(self) -> None:
+        # Another consumer may have created it first: that is the same outcome.
+        with contextlib.suppress(AlreadyExistsError):
+            self.client.create_group(self.stream, self.group, self._start, create_stream=True)
 
     def _extend_interval(self, requested: float | None) -> float:
         if requested == 0:
@@ -273,6 +279,23 @@ class Consumer:
                 log.warning("consumer %s: server unavailable; retrying in %.2f s", self.name, pause)
                 self._stopping.wait(pause)
                 backoff = min(backoff * 2, 2.0)
+                continue
+            except NotFoundError:
+                if not (self._create and failure is not None):
+                    raise
+                # The failover's new leader has no copy of the group (groups are not replicated
+                # yet: docs/CLUSTER.md): created again at `start`, delivering from there again.
+                log.warning(
+                    "consumer %s: group %s is not on the stream's new leader; created again at %r",
+                    self.name,
+                    self.group,
+                    self._start,
+                )
+                self._session = None
+                carried = session.pending_acks()
+                session.cancel()
+                self._create_group()
+                failure = None
                 continue
             if batch is None:
                 if self._stopping.is_set():
