@@ -45,8 +45,8 @@ async def _entries(
 class AsyncSubscription(SubscriptionBase):
     """An open Subscribe call: `async for` it for batches, or `entries()` for entries.
 
-    As the sync Subscription: no reconnection (resume from `next_offset`), and
-    `cancel()` (or leaving `async with`) ends iteration quietly.
+    As the sync Subscription: reopened on a cluster's new leader after a leader change (else
+    resume from `next_offset`), and `cancel()` (or leaving `async with`) ends iteration quietly.
     """
 
     def __aiter__(self) -> AsyncSubscription:
@@ -55,18 +55,26 @@ class AsyncSubscription(SubscriptionBase):
     async def __anext__(self) -> ReadResult:
         if self._cancelled:
             raise StopAsyncIteration
-        try:
-            reply = await self._call.read()
-        except asyncio.CancelledError:
-            # read() of a call cancelled by cancel() raises this; a cancellation of the
-            # task itself must propagate.
-            if self._cancelled:
-                raise StopAsyncIteration from None
-            raise
-        except grpc.RpcError as exc:
-            if self._cancelled_here(exc):
-                raise StopAsyncIteration from None
-            raise from_rpc_error(exc) from exc
+        while True:
+            try:
+                reply = await self._call.read()
+            except asyncio.CancelledError:
+                # read() of a call cancelled by cancel() raises this; a cancellation of the
+                # task itself must propagate.
+                if self._cancelled:
+                    raise StopAsyncIteration from None
+                raise
+            except grpc.RpcError as exc:
+                if self._cancelled_here(exc):
+                    raise StopAsyncIteration from None
+                error = from_rpc_error(exc)
+                reopen = self._reopener()
+                call = None if reopen is None else await reopen(error)
+                if call is None:
+                    raise error from exc
+                self._call = call
+                continue
+            break
         if reply is grpc.aio.EOF:
             raise StopAsyncIteration
         return self._batch(reply)

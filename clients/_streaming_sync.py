@@ -22,7 +22,7 @@ import grpc
 from clients._connection import call_timeout
 from clients._consume import ConsumeSessionBase
 from clients._publish import PublishSessionBase, Unanswered
-from clients._subscription import SubscriptionBase
+from clients._subscription import Reopen, SubscriptionBase
 from clients.errors import GapError, ProducerClosedError, StreamlogError, from_rpc_error
 from clients.types import AckResult, AppendResult, Entry, Gap, ReadResult, Record
 
@@ -104,13 +104,14 @@ def _entries(batches: Iterable[ReadResult], on_gap: Callable[[Gap], None] | None
 class Subscription(SubscriptionBase):
     """An open Subscribe call: iterate it for batches (`ReadResult`), or `entries()` for entries.
 
-    It does not reconnect: when it ends with an error, resubscribe from `next_offset`
-    (plain subscriptions) to continue with no loss and no duplicates. `cancel()` (or
-    leaving a `with` block) ends it; iteration then stops quietly.
+    Against a single server it does not reconnect: when it ends with an error, resubscribe
+    from `next_offset` (plain subscriptions) to continue with no loss and no duplicates. A
+    client of a cluster reopens it on the stream's new leader after a leader change, from
+    there. `cancel()` (or leaving a `with` block) ends it; iteration then stops quietly.
     """
 
-    def __init__(self, call: Any) -> None:
-        super().__init__(call)
+    def __init__(self, call: Any, reopen: Reopen | None = None) -> None:
+        super().__init__(call, reopen)
         # Two batches taken ahead: a reader slower than the stream holds the server back
         # (its slow-subscriber cut-off) rather than buffering here.
         self._replies = _Replies(call, window=2)
@@ -119,13 +120,21 @@ class Subscription(SubscriptionBase):
         return self
 
     def __next__(self) -> ReadResult:
-        try:
-            reply = next(self._replies)
-        except grpc.RpcError as exc:
-            if self._cancelled_here(exc):
-                raise StopIteration from None
-            raise from_rpc_error(exc) from exc
-        return self._batch(reply)
+        while True:
+            try:
+                reply = next(self._replies)
+            except grpc.RpcError as exc:
+                if self._cancelled_here(exc):
+                    raise StopIteration from None
+                error = from_rpc_error(exc)
+                reopen = self._reopener()
+                call = None if reopen is None else reopen(error)
+                if call is None:
+                    raise error from exc
+                self._call = call
+                self._replies = _Replies(call, window=2)
+                continue
+            return self._batch(reply)
 
     def entries(self, on_gap: Callable[[Gap], None] | None = None) -> Iterator[Entry]:
         """The entries one by one. A gap calls `on_gap`, or raises GapError when there is none."""

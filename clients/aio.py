@@ -268,8 +268,7 @@ class AsyncClient:
         No deadline unless `timeout` is given: a subscription lives until cancelled.
         """
         request = convert.subscribe_request(stream, start, timestamp_ms, count, max_bytes)
-        stub, metadata = self._session_route(stream)
-        return AsyncSubscription(stub.Subscribe(request, timeout=timeout, metadata=metadata))
+        return self._subscription(request, timeout)
 
     # ------------------------------------------------------------------ consumer groups
 
@@ -338,8 +337,42 @@ class AsyncClient:
             noack=noack,
             claim_idle_ms=claim_idle_ms,
         )
-        stub, metadata = self._session_route(stream)
-        return AsyncSubscription(stub.Subscribe(request, timeout=timeout, metadata=metadata))
+        return self._subscription(request, timeout)
+
+    def _subscription(self, request: pb.SubscribeRequest, timeout: float | None) -> AsyncSubscription:
+        stub, metadata = self._session_route(request.stream)
+        call = stub.Subscribe(request, timeout=timeout, metadata=metadata)
+        return AsyncSubscription(call, functools.partial(self._resubscribe, request, timeout))
+
+    async def _resubscribe(
+        self,
+        request: pb.SubscribeRequest,
+        timeout: float | None,
+        next_offset: int | None,
+        failure: StreamlogError,
+        attempts: Attempts,
+    ) -> Any:
+        """A subscription's call again, on its stream's new leader after a leader change (a plain
+        one from `next_offset`, where it was; a group's as before: the group keeps its place);
+        None against a single server, after other errors, or when retrying has lasted too long."""
+        routes = self._routes
+        if not isinstance(failure, TransientError):
+            return None
+        if routes.cluster is None:  # opened before any lookup: is it a cluster?
+            await self.route(request.stream)
+        if routes.cluster is not True:
+            return None
+        pause = attempts.pause(redirected=routes.failed(request.stream, failure))
+        if pause is None:
+            return None
+        await sleep(pause)
+        await self.route(request.stream)
+        if next_offset is not None and not request.group:
+            request = convert.subscribe_request(
+                request.stream, next_offset, None, request.count, request.max_bytes
+            )
+        stub, metadata = self._session_route(request.stream)
+        return stub.Subscribe(request, timeout=timeout, metadata=metadata)
 
     def consume(
         self,

@@ -163,3 +163,25 @@ def test_a_consumer_rides_out_a_leader_kill_and_sees_every_entry(
             runner.join(SETTLE_S + 30)
             assert not runner.is_alive(), f"the consumer saw {len(seen)} of {total} entries"
     assert seen == set(range(total))  # every entry, at least once
+
+
+def test_a_subscription_reopens_on_the_new_leader_from_where_it_was(cluster_nodes: ClusterNodes) -> None:
+    cluster_nodes.start(*NODES, **REPLICATED)
+    sent = [b"event %d" % i for i in range(400)]
+    received: list[tuple[int, bytes]] = []
+    with Client(seeds(cluster_nodes), timeout=30) as client:
+        client.append("events", sent[:200])
+        client.route("events")  # known: the subscription opens on the leader
+        killed = False
+        with client.subscribe("events", "oldest", count=50) as subscription:
+            for batch in subscription:
+                received += [(entry.offset, entry.payload) for entry in batch]
+                if not killed and len(received) >= 100:
+                    killed = True
+                    kill_leader(cluster_nodes, client, "events")
+                    client.append(
+                        "events", sent[200:], producer_id="test", producer_sequence=1, timeout=SETTLE_S
+                    )
+                if len(received) >= len(sent):
+                    break
+    assert received == list(enumerate(sent))  # from where it was: none lost, none twice
