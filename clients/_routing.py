@@ -33,6 +33,9 @@ _METHODS = [method.name for method in pb.DESCRIPTOR.services_by_name["StreamLogS
 ROUTE_METADATA = ("streamlog-route", "redirect")
 LEADER_ADDRESS = "streamlog-leader-address"
 
+# A layout lookup (DescribeCluster of one stream's prefix) is quick: a node that takes longer is
+# passed over for the next (a paused node must not hold a call for the client's whole timeout).
+LOOKUP_TIMEOUT_S = 5.0
 # How long calls retry when they have no deadline of their own (a leader's election takes seconds).
 RETRY_WINDOW_S = 30.0
 _FIRST_PAUSE_S = 0.05

@@ -39,7 +39,15 @@ from clients._connection import (
     call_timeout,
     open_channel,
 )
-from clients._routing import ROUTE_METADATA, Attempts, Routes, retryable, seed_addresses, stream_of
+from clients._routing import (
+    LOOKUP_TIMEOUT_S,
+    ROUTE_METADATA,
+    Attempts,
+    Routes,
+    retryable,
+    seed_addresses,
+    stream_of,
+)
 from clients._streaming_aio import AsyncConsumeSession, AsyncPublishSession, AsyncSubscription, sleep
 from clients.errors import StreamlogError, TransientError, from_rpc_error
 from clients.types import (
@@ -153,8 +161,10 @@ class AsyncClient:
                 return await call(request, timeout=attempts.remaining(), metadata=metadata)
             except grpc.RpcError as exc:
                 failure = from_rpc_error(exc)
-                pause = attempts.pause(redirected=self._routes.failed(stream, failure)) if routed else None
-                if pause is None or not retryable(name, request, exc):
+                if not (routed and retryable(name, request, exc)):
+                    raise failure from exc
+                pause = attempts.pause(redirected=self._routes.failed(stream, failure))
+                if pause is None:
                     raise failure from exc
             await sleep(pause)
 
@@ -174,7 +184,7 @@ class AsyncClient:
             return address
         for candidate in routes.describers():
             try:
-                description = await self._describe(self._routes.stub(candidate), stream, 0, self.timeout)
+                description = await self._describe(routes.stub(candidate), stream, 0, LOOKUP_TIMEOUT_S)
             except TransientError:
                 continue  # down or not ready: ask another
             except StreamlogError:

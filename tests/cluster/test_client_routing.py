@@ -15,6 +15,7 @@ from streamlog.v1 import streamlog_pb2 as pb
 
 from clients import Client, Consumer, Producer
 from clients.consumer import Message
+from clients.errors import NotFoundError
 from tests.cluster.helpers import TEST_TTL_MS
 from tests.cluster.nodes import ClusterNodes, free_port
 
@@ -96,6 +97,9 @@ def test_a_stale_layout_gets_a_redirect_that_the_client_follows(cluster_nodes: C
         client.append("orders", b"second")  # a plain append: a redirect means it was not written
         assert client._routes.redirects == redirects + 1 and client.route("orders") == leader
         assert [e.payload for e in client.read("orders", 0).entries] == [b"first", b"second"]
+        with pytest.raises(NotFoundError):  # an answer, not a routing failure: the layout stays
+            client.group_info("orders", "no-such-group")
+        assert client._routes.leader("orders") == leader
 
 
 def kill_leader(cluster_nodes: ClusterNodes, client: Client, stream: str) -> str:
