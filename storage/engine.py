@@ -140,21 +140,28 @@ class Engine(GroupCalls, ReplicaCalls):
         meta files (created since it was written, or all of them when it is missing or damaged);
         open none (they open on first use)."""
         root = streams_root(self.data_dir)
-        listed = read_catalog(self._fs, self.data_dir) or {}
-        found: dict[str, tuple[str, StreamSummary]] = {}
-        for dirname in self._fs.listdir(root):
-            if dirname.endswith(DELETED_SUFFIX):
-                self._fs.remove_tree(root / dirname)  # a delete that crashed half-way
-                continue
-            known = listed.pop(dirname, None)
-            if known is not None and not known[1].replicated:
-                found[known[0]] = (dirname, known[1])
-                continue
+        on_disk = self._fs.entries(root)
+        for dirname in [d for d in on_disk if d.endswith(DELETED_SUFFIX)]:
+            self._fs.remove_tree(root / dirname)  # a delete that crashed half-way
+            on_disk.discard(dirname)
+        listed = read_catalog(self._fs, self.data_dir)
+        unlisted = on_disk
+        if listed is not None:
+            in_file = listed.dirnames()
+            unlisted = on_disk - in_file
+            name_of = {dirname: name for name, dirname in listed.dirs.items()}
+            gone = {name_of.get(dirname, dirname) for dirname in in_file - on_disk}
+            self._catalog.load(listed, gone)
+            self._catalog.changes += len(gone)
+            for replicated in listed.replicated:  # a few: their meta and epochs checked as before
+                directory = stream_directory(self.data_dir, replicated)
+                if replicated not in gone and self._read_stream_dir(directory) is None:
+                    self._catalog.remove(replicated)
+        for dirname in sorted(unlisted):
             name = self._read_stream_dir(root / dirname)
             if name is not None:
-                found[name] = (dirname, known[1] if known is not None else UNKNOWN)
-        self._catalog.fill(found)
-        if self._catalog.changes or listed or not self._fs.exists(self.data_dir / CATALOG_FILE):
+                self._catalog.add_closed(name, UNKNOWN)
+        if self._catalog.changes or listed is None:
             self._save_catalog()
 
     def _read_stream_dir(self, directory: Path) -> str | None:
@@ -167,10 +174,7 @@ class Engine(GroupCalls, ReplicaCalls):
         except FileNotFoundError:
             names = self._fs.listdir(directory)
             if META_NEW in names:  # a creation a crash came before the first sync of
-                adopted = recover_creation(self._fs, directory)
-                if adopted is not None:
-                    self._catalog.changes += 1
-                return adopted
+                return recover_creation(self._fs, directory)
             if not any(name.endswith(SEGMENT_SUFFIX) for name in names):
                 self._fs.remove_tree(directory)  # a creation that a crash cut short
             return None
@@ -178,7 +182,6 @@ class Engine(GroupCalls, ReplicaCalls):
             log.error("stream directory %s is unreadable: %s", directory.name, exc)
             self.unreadable.append(directory.name)
             return None
-        self._catalog.changes += 1
         return name
 
     def _save_catalog(self) -> None:
@@ -209,10 +212,10 @@ class Engine(GroupCalls, ReplicaCalls):
 
     def _open_stream(self, name: str) -> Stream:
         """Open a stream of the catalog (OpenStreams calls this on a miss)."""
-        dirname = self._catalog.directory(name)
-        if dirname is None:
+        if name not in self._catalog:
             raise StreamNotFoundError(f"stream {name!r} does not exist")
-        directory = streams_root(self.data_dir) / dirname
+        directory = stream_directory(self.data_dir, name)
+        dirname = directory.name
         try:
             stream = Stream.open(self._ctx, directory)
         except (CorruptionError, ValueError, KeyError, FileNotFoundError) as exc:
@@ -287,7 +290,7 @@ class Engine(GroupCalls, ReplicaCalls):
                 # Its metadata is damaged: keep the evidence, refuse to write over it.
                 raise PreconditionError(f"stream {name!r} is damaged on disk; see the server log")
             stream = Stream.create(self._ctx, name, directory, StreamConfig(), incarnation)
-            self._catalog.add(name, directory.name)
+            self._catalog.add(name)
         return stream
 
     def exists(self, name: str) -> bool:

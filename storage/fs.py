@@ -243,6 +243,10 @@ class FileSystem:
     def listdir(self, path: Path) -> list[str]:
         return sorted(os.listdir(path)) if path.is_dir() else []
 
+    def entries(self, path: Path) -> set[str]:
+        """The names in a directory, unordered (the streams directory: a million, not sorted)."""
+        return set(os.listdir(path)) if path.is_dir() else set()
+
     def makedirs(self, path: Path, *, durable: bool = True) -> None:
         """Create `path` and missing parents, each made durable in its own parent (unless not
         `durable`: a new stream's directory, which its creation's commit syncs)."""
