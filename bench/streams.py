@@ -29,7 +29,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -39,7 +38,7 @@ import grpc
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
-from bench.common import Timer, emit, free_port, percentiles, server_metrics, wait_serving
+from bench.common import Timer, emit, free_port, percentiles, serve_command, server_metrics, wait_serving
 from bench.redis_baseline import RedisServer
 from clients.aio import AsyncClient
 
@@ -95,20 +94,9 @@ class Server:
     def start(self, timeout_s: float = 600) -> float:
         """Start it; the seconds until it answers SERVING."""
         log = open(self.data.parent / "server.log", "ab")  # noqa: SIM115 - the process keeps it
-        command = [
-            sys.executable,
-            "-m",
-            "service.cli",
-            "serve",
-            "--data",
-            str(self.data),
-            "--port",
-            str(self.port),
-            "--log-level",
-            "warning",
-            f"--set=max_streams={self._max_streams}",
-            f"--set=metrics_port={self.metrics_port}",
-        ]
+        command = serve_command(
+            self.data, self.port, max_streams=self._max_streams, metrics_port=self.metrics_port
+        )
         started = time.monotonic()
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
         log.close()
