@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
 import grpc
@@ -138,6 +139,25 @@ def cpu_steal_ticks() -> tuple[int, int] | None:
     # user nice system idle iowait irq softirq steal [guest guest_nice]:
     # guest time is already counted in user/nice, so only the first 8 add up.
     return ticks[7], sum(ticks[:8])
+
+
+def serve_command(data: Path, port: int, fsync: str = "everysec", **settings: Any) -> list[str]:
+    """The command line of a `streamlog serve` on `data` at a loopback `port`, warnings only."""
+    return [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "serve",
+        "--data",
+        str(data),
+        "--port",
+        str(port),
+        "--fsync",
+        fsync,
+        "--log-level",
+        "warning",
+        *(f"--set={name}={value}" for name, value in settings.items()),
+    ]
 
 
 def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float = 30) -> None:

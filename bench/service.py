@@ -19,7 +19,6 @@ import argparse
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -32,7 +31,7 @@ from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
 from bench import redis_baseline
-from bench.common import Timer, emit, free_port, percentiles, wait_serving
+from bench.common import Timer, emit, free_port, percentiles, serve_command, wait_serving
 
 BATCH = 1000
 PAYLOAD = 100
@@ -52,21 +51,7 @@ def streamlog_server(
     keep = data is not None
     data = data or Path(tempfile.mkdtemp(prefix="streamlog-bench-"))
     port = port or free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "service.cli",
-        "serve",
-        "--data",
-        str(data),
-        "--port",
-        str(port),
-        "--fsync",
-        fsync,
-        "--log-level",
-        "warning",
-        *(f"--set={name}={value}" for name, value in settings.items()),
-    ]
+    command = serve_command(data, port, fsync, **settings)
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     address = f"127.0.0.1:{port}"
     try:

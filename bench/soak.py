@@ -35,7 +35,7 @@ import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 
-from bench.common import emit, free_port, percentiles
+from bench.common import emit, free_port, percentiles, serve_command
 from clients import Client, GroupConfig, Producer, Record, StreamConfig
 from clients.errors import StreamlogError
 
@@ -47,22 +47,7 @@ class SoakServer:
     def __init__(self, data: Path) -> None:
         self.port = free_port()
         self.metrics_port = free_port()
-        command = [
-            sys.executable,
-            "-m",
-            "service.cli",
-            "serve",
-            "--data",
-            str(data),
-            "--port",
-            str(self.port),
-            "--fsync",
-            "everysec",
-            "--log-level",
-            "warning",
-            "--set",
-            f"metrics_port={self.metrics_port}",
-        ]
+        command = serve_command(data, self.port, metrics_port=self.metrics_port)
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.address = f"127.0.0.1:{self.port}"
         deadline = time.monotonic() + 30

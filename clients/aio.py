@@ -584,18 +584,20 @@ class AsyncClient:
     # ------------------------------------------------------------------ admin
 
     async def list_streams(
-        self, prefix: str = "", *, page_size: int = 0, timeout: float | None = None
+        self, prefix: str = "", *, page_size: int = 0, limit: int = 0, timeout: float | None = None
     ) -> list[str]:
-        """Every stream name starting with `prefix`, in byte order (all pages)."""
+        """Every stream name starting with `prefix`, in byte order (all pages), or the first
+        `limit` of them (a server may hold a million)."""
         names: list[str] = []
         token = ""
         while True:
-            request = pb.ListStreamsRequest(prefix=prefix, page_size=page_size, page_token=token)
+            size = min(page_size or limit, limit - len(names)) if limit else page_size
+            request = pb.ListStreamsRequest(prefix=prefix, page_size=size, page_token=token)
             reply = await self._unary(self._stub.ListStreams, request, timeout)
             names.extend(reply.streams)
             token = reply.next_page_token
-            if not token:
-                return names
+            if not token or (limit and len(names) >= limit):
+                return names[:limit] if limit else names
 
     async def describe_cluster(
         self, prefix: str = "", *, page_size: int = 0, timeout: float | None = None

@@ -648,7 +648,9 @@ def _config_pairs(config: StreamConfig) -> list[tuple[str, Any]]:
 def _cmd_info(args: argparse.Namespace, out: IO[str]) -> int:
     with _client(args) as client:
         if args.stream is None:
-            infos = [client.info(name) for name in client.list_streams(args.prefix)]
+            names = client.list_streams(args.prefix, limit=args.limit + 1 if args.limit else 0)
+            more = bool(args.limit) and len(names) > args.limit
+            infos = [client.info(name) for name in names[: args.limit or None]]
             if args.json:
                 _json([asdict(i) for i in infos], out)
             else:
@@ -665,6 +667,8 @@ def _cmd_info(args: argparse.Namespace, out: IO[str]) -> int:
                     for i in infos
                 ]
                 _table(rows, ["STREAM", "ENTRIES", "FIRST", "NEXT", "USED", "DISK", "LAST APPEND"], out)
+                if more:
+                    out.write(f"(the first {args.limit} streams: --prefix or --limit for others)\n")
             return EXIT_OK
         info = client.info(args.stream)
         groups = client.list_groups(args.stream) if info.groups else []
@@ -1122,9 +1126,12 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("group", help="the consumer group")
     a.add_argument("--consumer", help="delete only this consumer (its pending entries return to the group)")
 
-    p = command("info", "describe a stream (its config and groups), or list every stream", _cmd_info)
-    p.add_argument("stream", nargs="?", help="no stream: list every stream")
+    p = command("info", "describe a stream (its config and groups), or list streams", _cmd_info)
+    p.add_argument("stream", nargs="?", help="no stream: list streams (--limit)")
     p.add_argument("--prefix", default="", help="when listing: only streams starting with this")
+    p.add_argument(
+        "--limit", type=int, default=100, help="when listing: at most this many (default: 100; 0: all)"
+    )
 
     p = command("trim", "remove old entries from the start of a stream", _cmd_trim)
     p.add_argument("stream", help="the stream to trim")

@@ -131,8 +131,7 @@ class LimitsInterceptor(WrappingInterceptor):
     def _count_streams(self, engine: Engine) -> int:
         now = time.monotonic()
         if now - self._stream_count_at > _STREAM_COUNT_TTL_S:
-            names = engine.list_streams()
-            self._stream_count, self._stream_count_at = len(names), now
+            self._stream_count, self._stream_count_at = engine.stream_count(), now
             # Names in the fresh count are no longer extra; those of running calls still are.
             self._created = {name for name in self._creating if not engine.exists(name)}
         return self._stream_count + len(self._created)

@@ -403,14 +403,15 @@ class EngineCollector(Collector):
 
     def _engine_families(self, engine: Engine) -> Iterator[Any]:
         stats = engine.stats()
-        # A scrape opens no stream: the figures below but the counts cover the open streams.
+        # A scrape opens no stream: the totals cover every stream (a closed one as of its last
+        # close: storage/catalog.py), the per-stream families the open ones.
         totals = {
             "streams": "Streams the server holds.",
             "open_streams": "Streams open now (at most max_open_streams, but for streams in use).",
-            "entries": "Entries retained, open streams.",
-            "segments": "Segment files, open streams.",
-            "nodes": "Macro nodes, open streams.",
-            "bytes_on_disk": "Bytes of segment files (space reserved ahead included), open streams.",
+            "entries": "Entries retained.",
+            "segments": "Segment files.",
+            "nodes": "Macro nodes.",
+            "bytes_on_disk": "Bytes of segment files (space reserved ahead included).",
         }
         for key, help_text in totals.items():
             yield GaugeMetricFamily(f"streamlog_{key}", help_text, stats[key])

@@ -143,7 +143,7 @@ class StreamCalls:
     ) -> pb.ListStreamsResponse:
         # In a cluster, the routing layer lists the cluster's catalog instead (service/routing.py).
         engine = self._serving.ready()
-        names, next_page_token = paging.page_of_names(request, engine.list_streams(), self._serving.settings)
+        names, next_page_token = paging.page_of_names(request, engine.stream_names(), self._serving.settings)
         return pb.ListStreamsResponse(streams=names, next_page_token=next_page_token)
 
     @translate_errors

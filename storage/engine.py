@@ -26,6 +26,7 @@ from pathlib import Path
 
 from storage.admission import check_batch, check_expected_end, check_producer
 from storage.cache import NodeCache
+from storage.catalog import CATALOG_FILE, UNKNOWN, Catalog, SortedNames, StreamSummary, read_catalog
 from storage.config import EngineConfig, StreamConfig
 from storage.context import EngineContext
 from storage.creation import recover_creation
@@ -64,6 +65,8 @@ log = logging.getLogger("streamlog.storage")
 
 AppendListener = Callable[[str, int], None]
 GROUP_JOURNAL_BYTES = 1 << 20  # per stream with groups; checkpointed into a snapshot as it fills
+UPKEEP_BATCH = 16  # closed streams a maintenance round visits at most
+CATALOG_SAVE_S = 60  # the catalog file is rewritten at most this often when streams came or went
 
 
 def wall_clock_ms() -> int:
@@ -98,8 +101,10 @@ class Engine(GroupCalls, ReplicaCalls):
             self._floor,
             DirSync(self._fs, streams_root(self.data_dir)),
         )
-        self._catalog: dict[str, Path] = {}  # every stream: name -> directory
-        self._open = OpenStreams(self.config.max_open_streams, self._open_stream)
+        self._catalog = Catalog()  # every stream (storage/catalog.py)
+        self._catalog_saved = time.monotonic()
+        self._catalog_on_disk = True  # until a deletion removes it (_drop_catalog_file)
+        self._open = OpenStreams(self.config.max_open_streams, self._open_stream, self._closed_by_cache)
         self.unreadable: list[str] = []  # stream directories whose metadata failed its checks
         self._load()
         # Consumer groups (storage/groupmanager.py): their state lives beside each stream's segments.
@@ -131,45 +136,100 @@ class Engine(GroupCalls, ReplicaCalls):
         return self.retention_floor(name)
 
     def _load(self) -> None:
-        """Learn every stream's name from its meta file; open none (they open on first use)."""
+        """Learn every stream from the catalog file, and the streams it does not name from their
+        meta files (created since it was written, or all of them when it is missing or damaged);
+        open none (they open on first use)."""
         root = streams_root(self.data_dir)
-        for dirname in self._fs.listdir(root):
-            directory = root / dirname
-            if dirname.endswith(DELETED_SUFFIX):
-                self._fs.remove_tree(directory)  # a delete that crashed half-way
-                continue
-            try:
-                name = decode_meta(self._fs.read_file(directory / META_FILE))[0]
-                if self._fs.exists(directory / EPOCHS_FILE):  # replicated streams only: a few
-                    EpochHistory.decode(self._fs.read_file(directory / EPOCHS_FILE))
-            except FileNotFoundError:
-                names = self._fs.listdir(directory)
-                if META_NEW in names:  # a creation a crash came before the first sync of
-                    adopted = recover_creation(self._fs, directory)
-                    if adopted is not None:
-                        self._catalog[adopted] = directory
-                elif not any(name.endswith(SEGMENT_SUFFIX) for name in names):
-                    self._fs.remove_tree(directory)  # a creation that a crash cut short
-                continue
-            except (CorruptionError, ValueError, KeyError) as exc:
-                log.error("stream directory %s is unreadable: %s", dirname, exc)
-                self.unreadable.append(dirname)
-                continue
-            self._catalog[name] = directory
+        on_disk = self._fs.entries(root)
+        for dirname in [d for d in on_disk if d.endswith(DELETED_SUFFIX)]:
+            self._fs.remove_tree(root / dirname)  # a delete that crashed half-way
+            on_disk.discard(dirname)
+        listed = read_catalog(self._fs, self.data_dir)
+        unlisted = on_disk
+        if listed is not None:
+            in_file = listed.dirnames()
+            unlisted = on_disk - in_file
+            name_of = {dirname: name for name, dirname in listed.dirs.items()}
+            gone = {name_of.get(dirname, dirname) for dirname in in_file - on_disk}
+            self._catalog.load(listed, gone)
+            self._catalog.changes += len(gone)
+            for replicated in listed.replicated:  # a few: their meta and epochs checked as before
+                directory = stream_directory(self.data_dir, replicated)
+                if replicated not in gone and self._read_stream_dir(directory) is None:
+                    self._catalog.remove(replicated)
+        for dirname in sorted(unlisted):
+            name = self._read_stream_dir(root / dirname)
+            if name is not None:
+                self._catalog.add_closed(name, UNKNOWN)
+        if self._catalog.changes or listed is None:
+            self._save_catalog()
+
+    def _read_stream_dir(self, directory: Path) -> str | None:
+        """The name of the stream in `directory`, from its meta file; None (the directory removed,
+        or listed in `unreadable`) if it holds none or a damaged one."""
+        try:
+            name = decode_meta(self._fs.read_file(directory / META_FILE))[0]
+            if self._fs.exists(directory / EPOCHS_FILE):  # replicated streams only: a few
+                EpochHistory.decode(self._fs.read_file(directory / EPOCHS_FILE))
+        except FileNotFoundError:
+            names = self._fs.listdir(directory)
+            if META_NEW in names:  # a creation a crash came before the first sync of
+                return recover_creation(self._fs, directory)
+            if not any(name.endswith(SEGMENT_SUFFIX) for name in names):
+                self._fs.remove_tree(directory)  # a creation that a crash cut short
+            return None
+        except (CorruptionError, ValueError, KeyError) as exc:
+            log.error("stream directory %s is unreadable: %s", directory.name, exc)
+            self.unreadable.append(directory.name)
+            return None
+        return name
+
+    def _save_catalog(self) -> None:
+        """Rewrite the catalog file (atomically): at start-up when it was stale, at close, and by
+        maintenance when streams came or went. Streams whose creation is not durable yet are
+        left out (start-up finds them by their directories)."""
+        pending: set[str] = set()
+        summaries: dict[str, StreamSummary] = {}
+        for stream in self._open.values():
+            if stream.closed:
+                continue  # the engine's close: its summary is the catalog's now
+            if stream.creation is not None:
+                pending.add(stream.name)
+            else:  # its figures may move on before the next file: visited after a crash
+                summaries[stream.name] = stream.summary()._replace(upkeep_ms=1)
+        raw = self._catalog.encode(pending, summaries)
+        self._fs.write_file_atomic(self.data_dir / CATALOG_FILE, raw)
+        self._catalog_saved = time.monotonic()
+        self._catalog_on_disk = True
+
+    def _drop_catalog_file(self) -> None:
+        """Remove the catalog file (durably) before a stream it may name is deleted: start-up
+        must not take a name from it whose directory may hold a recreated stream not yet durable
+        (it rebuilds the file from the directories instead, until maintenance rewrites it)."""
+        if self._catalog_on_disk:
+            self._fs.remove(self.data_dir / CATALOG_FILE)
+            self._catalog_on_disk = False
 
     def _open_stream(self, name: str) -> Stream:
         """Open a stream of the catalog (OpenStreams calls this on a miss)."""
-        directory = self._catalog.get(name)
-        if directory is None:
+        if name not in self._catalog:
             raise StreamNotFoundError(f"stream {name!r} does not exist")
+        directory = stream_directory(self.data_dir, name)
+        dirname = directory.name
         try:
-            return Stream.open(self._ctx, directory)
-        except (CorruptionError, ValueError, KeyError) as exc:
-            log.error("stream directory %s is unreadable: %s", directory.name, exc)
+            stream = Stream.open(self._ctx, directory)
+        except (CorruptionError, ValueError, KeyError, FileNotFoundError) as exc:
+            log.error("stream directory %s is unreadable: %s", dirname, exc)
             with self._lock:
-                self._catalog.pop(name, None)
-                self.unreadable.append(directory.name)
+                self._catalog.remove(name)
+                self.unreadable.append(dirname)
             raise StreamNotFoundError(f"stream {name!r} is damaged on disk; see the server log") from exc
+        self._catalog.opened(name)
+        return stream
+
+    def _closed_by_cache(self, stream: Stream) -> None:
+        if stream.closed_summary is not None:
+            self._catalog.closed(stream.name, stream.closed_summary)
 
     def close(self) -> None:
         """Sync every stream, mark a clean shutdown, stop the maintenance thread."""
@@ -183,8 +243,13 @@ class Engine(GroupCalls, ReplicaCalls):
         for stream in self._open.values():
             try:
                 stream.close()
+                self._closed_by_cache(stream)
             except StorageError as exc:
                 log.error("stream %r did not close cleanly: %s", stream.name, exc)
+        try:
+            self._save_catalog()
+        except StorageError as exc:  # start-up rebuilds it from the directories
+            log.error("the catalog could not be saved: %s", exc)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -225,16 +290,22 @@ class Engine(GroupCalls, ReplicaCalls):
                 # Its metadata is damaged: keep the evidence, refuse to write over it.
                 raise PreconditionError(f"stream {name!r} is damaged on disk; see the server log")
             stream = Stream.create(self._ctx, name, directory, StreamConfig(), incarnation)
-            with self._lock:
-                self._catalog[name] = directory
+            self._catalog.add(name)
         return stream
 
     def exists(self, name: str) -> bool:
         return name in self._catalog
 
     def list_streams(self) -> list[str]:
-        with self._lock:
-            return sorted(self._catalog)
+        """Every stream's name, sorted (a copy: stream_names pages without one)."""
+        return self._catalog.names()
+
+    def stream_names(self) -> SortedNames:
+        """Every stream's name, sorted, read in place (a page of a million names copies none)."""
+        return self._catalog.sorted_view()
+
+    def stream_count(self) -> int:
+        return len(self._catalog)
 
     def open_streams(self) -> int:
         """How many streams are open now (at most max_open_streams, but for streams in use)."""
@@ -259,10 +330,10 @@ class Engine(GroupCalls, ReplicaCalls):
     def delete_stream(self, name: str) -> None:
         with self._use(name) as stream:
             self._groups.drop_stream(name)  # a stream's groups go with it
-            with self._lock:
-                self._catalog.pop(name, None)
+            self._catalog.remove(name)
             self._open.discard(name)
         stream.close(clean=False)
+        self._drop_catalog_file()
         # Rename first so a crash mid-delete leaves a directory that start-up finishes removing.
         doomed = stream.directory.with_name(stream.directory.name + DELETED_SUFFIX)
         self._fs.rename(stream.directory, doomed)
@@ -440,9 +511,9 @@ class Engine(GroupCalls, ReplicaCalls):
     # ------------------------------------------------------------------ maintenance
 
     def maintain(self) -> None:
-        """One round of background work on the open streams: everysec syncs, packing, retention,
-        compaction. A stream the cache closed was synced as it closed; its packing, retention
-        and compaction wait until it is next opened."""
+        """One round of background work: on the open streams, everysec syncs, packing, retention,
+        compaction; then up to UPKEEP_BATCH closed streams whose upkeep is due (storage/catalog.py)
+        are opened for it and closed again; the catalog file is rewritten if it is due."""
         now = self._clock()
         for stream in self._open.values():
             if not self._open.hold(stream):
@@ -451,17 +522,40 @@ class Engine(GroupCalls, ReplicaCalls):
                 if stream.fsync is FsyncPolicy.EVERYSEC and (stream.dirty or stream.creation is not None):
                     stream.sync()
                 stream.commit_creation()  # under "no" too: a directory is whole within a round
-                stream.cleaner.pack_pending()
-                stream.retention.apply(now)
-                stream.save_producers(now)
-                due = now - stream.cleaner.last_compaction_ms >= self.config.compaction_interval_ms
-                if stream.config.compaction and due:
-                    stream.cleaner.compact(now)
+                self._upkeep(stream, now)
             except (StorageError, OSError) as exc:
                 log.error("maintenance of stream %r failed: %s", stream.name, exc)
             finally:
                 self._open.unpin(stream)
+        for name in self._catalog.due(now, UPKEEP_BATCH):
+            try:
+                stream = self._open.visit(name)
+            except StorageError as exc:
+                log.error("maintenance could not open stream %r: %s", name, exc)
+                continue
+            try:
+                self._upkeep(stream, now)
+            except (StorageError, OSError) as exc:
+                log.error("maintenance of stream %r failed: %s", stream.name, exc)
+            finally:
+                self._open.end_visit(stream)
         self._groups.maintain()  # group expiry and dead letters, everysec journal syncs, checkpoints
+        if self._catalog.changes and time.monotonic() - self._catalog_saved >= CATALOG_SAVE_S:
+            try:
+                self._save_catalog()
+            except StorageError as exc:
+                log.error("the catalog could not be saved: %s", exc)
+
+    def _upkeep(self, stream: Stream, now: int) -> None:
+        """A stream's packing, retention, producer snapshot and due compaction (maintenance)."""
+        seq = stream.write_seq
+        stream.cleaner.pack_pending()
+        stream.retention.apply(now)
+        stream.save_producers(now)
+        due = now - stream.cleaner.last_compaction_ms >= self.config.compaction_interval_ms
+        if stream.config.compaction and due:
+            stream.cleaner.compact(now)
+        stream.upkept_seq, stream.upkept_ms = seq, now
 
     # ------------------------------------------------------------------ consumer groups
     # The group calls themselves come from GroupCalls (storage/groupsapi.py).
@@ -481,15 +575,16 @@ class Engine(GroupCalls, ReplicaCalls):
             self.maintain()
 
     def stats(self) -> dict:
-        """Totals over the open streams (closed ones are not opened for this), and every stream's count."""
+        """Totals over every stream (the closed ones as of their last close: storage/catalog.py),
+        and the open streams' figures one by one (no closed stream is opened for this)."""
         infos = [s.info() for s in self._open.values()]
+        totals = self._catalog.totals()
+        for key in totals:
+            totals[key] += sum(getattr(i, key) for i in infos)
         return {
             "streams": len(self._catalog),
             "open_streams": len(infos),
-            "entries": sum(i.entries for i in infos),
-            "bytes_on_disk": sum(i.bytes_on_disk for i in infos),
-            "segments": sum(i.segments for i in infos),
-            "nodes": sum(i.nodes for i in infos),
+            **totals,
             "cache_hits": self._ctx.cache.hits,
             "cache_misses": self._ctx.cache.misses,
             "unreadable_streams": list(self.unreadable),

@@ -67,7 +67,13 @@ def _reserve(fd: int, path: Path, start: int, length: int) -> None:
 
 
 class SegmentFile:
-    """A file mapped into memory: write at a position, read a range, grow, sync."""
+    """A file mapped into memory: write at a position, read a range, grow, sync.
+
+    It keeps no descriptor of its own: Python's mmap holds a duplicate of the one it was
+    mapped from, so that one is closed at once and an open segment costs one descriptor,
+    not two (a thousand open streams stay under the process's limit). Growing and syncing
+    open the file for the call.
+    """
 
     def __init__(
         self, path: Path, fd: int, size: int, writable: bool, times: SyncTimes, reserved: int = 0
@@ -77,9 +83,12 @@ class SegmentFile:
         self.reserved = reserved  # bytes known allocated on disk (reserve)
         self.writable = writable
         self._times = times
-        self._fd = fd
+        self.closed = False
         access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
-        self._map = mmap.mmap(fd, size, access=access)
+        try:
+            self._map = mmap.mmap(fd, size, access=access)
+        finally:
+            os.close(fd)
 
     def read(self, pos: int, length: int) -> bytes:
         return self._map[pos : pos + length]
@@ -99,7 +108,14 @@ class SegmentFile:
         """
         if size <= self.reserved:
             return
-        _reserve(self._fd, self.path, self.reserved, size - self.reserved)
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except OSError as exc:
+            raise DurabilityError(f"cannot open segment {self.path.name} to grow it: {exc}") from exc
+        try:
+            _reserve(fd, self.path, self.reserved, size - self.reserved)
+        finally:
+            os.close(fd)
         if size > self.size:
             self._map.resize(size)  # its ftruncate to the reserved length changes nothing
             self.size = size
@@ -107,19 +123,27 @@ class SegmentFile:
 
     def sync(self) -> None:
         """Make every write so far durable; the GIL is released while it waits."""
-        if self._fd < 0:
-            return  # closed: the segment was deleted, nothing of it needs to last
+        if self.closed:
+            return  # the segment was deleted or replaced: nothing of it needs to last
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError as exc:
+            if self.closed:
+                return  # deleted while this sync began (it was closed first)
+            raise DurabilityError(f"segment {self.path} is gone: {exc}") from exc
+        except OSError as exc:
+            raise DurabilityError(f"cannot open {self.path} to sync it: {exc}") from exc
         try:
             with self._times.timed():
-                os.fdatasync(self._fd)
+                os.fdatasync(fd)
         except OSError as exc:
             raise DurabilityError(f"fdatasync of {self.path} failed: {exc}") from exc
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         self._map.close()  # closing twice is harmless
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self.closed = True
 
 
 class FileSystem:
@@ -242,6 +266,10 @@ class FileSystem:
 
     def listdir(self, path: Path) -> list[str]:
         return sorted(os.listdir(path)) if path.is_dir() else []
+
+    def entries(self, path: Path) -> set[str]:
+        """The names in a directory, unordered (the streams directory: a million, not sorted)."""
+        return set(os.listdir(path)) if path.is_dir() else set()
 
     def makedirs(self, path: Path, *, durable: bool = True) -> None:
         """Create `path` and missing parents, each made durable in its own parent (unless not

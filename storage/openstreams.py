@@ -34,9 +34,12 @@ HOLD_S = 0.1  # a stream handed out by peek stays open at least this long
 
 
 class OpenStreams:
-    def __init__(self, limit: int, open_stream: Callable[[str], Stream]) -> None:
+    def __init__(
+        self, limit: int, open_stream: Callable[[str], Stream], on_close: Callable[[Stream], None]
+    ) -> None:
         self._limit = limit
         self._open_stream = open_stream  # opens a stream of the catalog (raises if it cannot)
+        self._on_close = on_close  # told of each stream the cache closed (not of a failed close)
         self._lock = threading.Lock()  # guards the dict and the pin counts
         self._opening = threading.Lock()  # opens, creations and closes, one at a time
         self._streams: OrderedDict[str, Stream] = OrderedDict()
@@ -142,19 +145,41 @@ class OpenStreams:
         while len(self._streams) > self._limit and self._close_one():
             pass
 
+    def visit(self, name: str) -> Stream:
+        """A stream that is not open, opened pinned for maintenance (storage/engine.py) without
+        closing another for it: one over the limit until `end_visit`. Calls meanwhile use it."""
+        with self._opening:
+            with self._lock:
+                stream = self._hit(name, True)
+            if stream is None:
+                stream = self._open_stream(name)
+                stream.pins.append(None)
+                with self._lock:
+                    self._streams[name] = stream
+                    self._streams.move_to_end(name, last=False)  # least recently used: first out
+            return stream
+
+    def end_visit(self, stream: Stream) -> None:
+        """Unpin a visited stream and close it unless a call holds it now."""
+        stream.pins.pop()
+        with self._opening:
+            if self._streams.get(stream.name) is stream and _closable(stream, time.monotonic()):
+                self._close(stream)
+
     def _close_one(self) -> bool:
         now = time.monotonic()
         with self._lock:
-            victim = None
-            for stream in self._streams.values():
-                if _closable(stream, now):
-                    stream.evicted = True  # then the pins again: see `pin`
-                    if not stream.pins:
-                        victim = stream
-                        break
-                    stream.evicted = False
-            if victim is None:
-                return False  # all in use: over the limit until some are released
+            victim = next((s for s in self._streams.values() if _closable(s, now)), None)
+        # None: all in use, over the limit until some are released.
+        return victim is not None and self._close(victim)
+
+    def _close(self, victim: Stream) -> bool:
+        """Close a stream if no call pins it (with `_opening` held); False if it stays open."""
+        with self._lock:
+            victim.evicted = True  # then the pins again: see `pin`
+            if victim.pins or self._streams.get(victim.name) is not victim:
+                victim.evicted = False
+                return False
             del self._streams[victim.name]
         try:
             victim.close()
@@ -164,6 +189,7 @@ class OpenStreams:
                 victim.evicted = False
                 self._streams[victim.name] = victim
             return False
+        self._on_close(victim)
         return True
 
     def discard(self, name: str) -> None:

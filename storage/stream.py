@@ -21,6 +21,7 @@ from itertools import repeat
 from operator import add
 from pathlib import Path
 
+from storage.catalog import StreamSummary
 from storage.cleaner import Cleaner
 from storage.config import StreamConfig
 from storage.context import EngineContext
@@ -96,6 +97,11 @@ class Stream:
         self.pins: list[None] = []
         self.evicted = False
         self.touched = 0.0
+        # What maintenance last did here (write_seq then, wall-clock ms): a closed stream's
+        # summary says when it needs another visit.
+        self.upkept_seq = 0
+        self.upkept_ms = 0
+        self.closed_summary: StreamSummary | None = None  # set by close
         self.producers = new_producer_table(ctx)
         self.epochs = EpochHistory()
         self.cleaner = Cleaner(self)
@@ -502,6 +508,32 @@ class Stream:
                 damaged=tuple(self.damaged),
             )
 
+    def summary(self) -> StreamSummary:
+        """What the catalog keeps of the stream while it is closed (storage/catalog.py): its
+        figures, and when maintenance should visit it: at once if packing is pending or an
+        entry or byte limit was not applied since its last write; when its oldest node passes
+        max_age_ms, or its next compaction is due, but at most once per compaction interval."""
+        info = self.info()
+        cfg = self.config
+        compaction_interval_ms = self.ctx.config.compaction_interval_ms
+        due = []
+        limited = cfg.max_entries is not None or cfg.max_bytes is not None
+        if self.pack_queue or (limited and self.write_seq != self.upkept_seq):
+            due.append(1)
+        floor = self.upkept_ms + compaction_interval_ms
+        if cfg.max_age_ms is not None and info.entries and len(self.index):
+            due.append(max(self.index.max_ts[0] + cfg.max_age_ms, floor))
+        if cfg.compaction and len(self.segments) > 1:
+            due.append(max(self.cleaner.last_compaction_ms + compaction_interval_ms, floor))
+        return StreamSummary(
+            info.entries,
+            info.bytes_on_disk,
+            info.segments,
+            info.nodes,
+            min(due) if due else 0,
+            self.ctx.fs.exists(self.directory / EPOCHS_FILE),
+        )
+
     def set_config(self, config: StreamConfig) -> None:
         with self.maintenance_lock, self.lock:
             self.write_meta(self.first_offset, config)
@@ -520,6 +552,7 @@ class Stream:
                 # vouch for unsynced bytes. Its removal at the next open is durable.
                 self.ctx.fs.create_marker(self.directory / CLEAN_MARKER)
             with self.lock:
+                self.closed_summary = self.summary()
                 self.closed = True
                 for segment in self.segments:
                     self.release(segment)

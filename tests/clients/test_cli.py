@@ -148,6 +148,9 @@ def test_info_trim_and_config(server: ServerThread) -> None:
     rows = [line.split() for line in out.splitlines()]
     assert rows[0][:4] == ["STREAM", "ENTRIES", "FIRST", "NEXT"]
     assert [r[:4] for r in rows[1:]] == [["a", "40", "0", "40"], ["b", "1", "0", "1"]]
+    code, out = run(server, "info", "--limit", "1")  # a server may hold a million: one page
+    assert [line.split()[0] for line in out.splitlines()[1:]] == ["a", "(the"]
+    assert run(server, "info", "--limit", "2")[1].count("(the first") == 0
     code, out = run(server, "trim", "a", "--to", "30", "--json")
     assert json.loads(out) == {"stream": "a", "first_offset": 30}
     code, out = run(server, "info", "a")

@@ -318,3 +318,21 @@ def test_fsync_latency_histogram_counts_the_syncs_of_always_appends(metered: Ser
     assert value(after, "streamlog_fsync_seconds_bucket", le="+Inf") == value(
         after, "streamlog_fsync_seconds_count"
     )
+
+
+def test_totals_cover_streams_the_cache_closed(start_server: Callable[..., ServerThread]) -> None:
+    """A scrape opens no stream, yet the totals count every stream (closed ones as of their close)."""
+    server = start_server(metrics_port=free_port(), max_open_streams=2)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        for i in range(6):
+            stub.Append(pb.AppendRequest(stream=f"room-{i}", payloads=[b"x"] * (i + 1)), timeout=5)
+    samples = scrape(server)
+    assert value(samples, "streamlog_open_streams") == 2
+    assert (value(samples, "streamlog_streams"), value(samples, "streamlog_entries")) == (6, 21)
+    assert value(samples, "streamlog_segments") == 6
+    # The engine's per-stream series are the open streams' only: no stream was opened for the scrape.
+    assert {dict(labels)["stream"] for name, labels in samples if name == "streamlog_stream_entries"} == {
+        "room-4",
+        "room-5",
+    }

@@ -376,6 +376,9 @@ class FaultFS:
             node = self._lookup(path)
             return sorted(node.entries) if isinstance(node, _Dir) else []
 
+    def entries(self, path: Path) -> set[str]:
+        return set(self.listdir(path))
+
     def makedirs(self, path: Path, *, durable: bool = True) -> None:
         with self._lock:
             if isinstance(self._lookup(path), _Dir):

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from storage import AppendBatch, CorruptionError, Engine, EngineConfig, StorageError
+from storage import AppendBatch, CorruptionError, Engine, EngineConfig, StorageError, StreamNotFoundError
+from storage.catalog import CATALOG_FILE
 from storage.format import (
     NODE_HEADER_SIZE,
     NODE_PREFIX_SIZE,
@@ -469,6 +470,21 @@ def test_blob_bit_flip_in_a_sealed_node_is_reported_as_a_corrupt_gap(tmp_path, c
 # ---------------------------------------------------------------------- metadata damage
 
 
+def unreadable_at_first_use(directory: Path) -> None:
+    """The damaged stream (NAME) is found at its first use (start-up takes its name from the
+    catalog file, not its meta file; without that file, at start-up): only it is lost."""
+    engine = open_engine(directory)
+    try:
+        if not engine.unreadable:
+            with pytest.raises(StreamNotFoundError):
+                engine.read(NAME, 0, 5)
+        assert engine.unreadable == [NAME], engine.unreadable
+        assert not engine.exists(NAME) and engine.list_streams() == [OTHER]
+        assert [e.payload for e in engine.read(OTHER, 0, 5).entries()] == [b"o1", b"o2"]
+    finally:
+        engine.close()
+
+
 def test_every_bit_flip_in_stream_meta_makes_only_that_stream_unreadable(data, tmp_path):
     directory, expected = data
     meta = stream_dir(directory) / "stream.meta"
@@ -479,20 +495,20 @@ def test_every_bit_flip_in_stream_meta_makes_only_that_stream_unreadable(data, t
         damaged[pos] ^= 1 << (pos % 8)
         meta.write_bytes(bytes(damaged))
         try:
-            engine = open_engine(directory)
-            assert engine.unreadable == [NAME], engine.unreadable
-            assert not engine.exists(NAME) and engine.list_streams() == [OTHER]
-            assert [e.payload for e in engine.read(OTHER, 0, 5).entries()] == [b"o1", b"o2"]
-            engine.close()
+            unreadable_at_first_use(directory)
         except Exception as exc:
             failures.append(f"byte {pos}: {type(exc).__name__}: {exc}")
+        if pos % 7 == 0:  # and without the catalog file: found at start-up
+            (directory / CATALOG_FILE).unlink()
+            engine = open_engine(directory)
+            if engine.unreadable != [NAME]:
+                failures.append(f"byte {pos}, no catalog: unreadable {engine.unreadable}")
+            engine.close()
     meta.write_bytes(original)
     assert not failures, "\n".join(failures[:8])
     for broken in (b"", original[:7], original[:-1]):
         meta.write_bytes(broken)
-        engine = open_engine(directory)
-        assert engine.unreadable == [NAME]
-        engine.close()
+        unreadable_at_first_use(directory)
     meta.write_bytes(original)
     engine = open_engine(directory)
     assert read_everything(engine)[2] == expected
@@ -505,6 +521,8 @@ def test_append_to_an_unreadable_stream_is_refused_and_leaves_its_files_alone(da
     flip(meta, 20)
     damaged = meta.read_bytes()
     engine = open_engine(directory)
+    with pytest.raises(StorageError):
+        engine.append(NAME, AppendBatch([b"x"]))
     assert engine.unreadable == [NAME]
     with pytest.raises(StorageError):
         engine.append(NAME, AppendBatch([b"x"]))

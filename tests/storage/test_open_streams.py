@@ -38,13 +38,30 @@ def test_no_more_than_max_open_streams_are_open_and_closed_ones_reopen_on_demand
         for name in NAMES:
             engine.append(name, AppendBatch([f"{name}/{round_}".encode()]))
             assert engine.open_streams() <= 3
-    assert open_fds() - before <= 2 * 3  # one segment each: its descriptor and its mapping's
+    assert open_fds() - before <= 3  # one segment each, one descriptor (its mapping's)
     for name in NAMES:  # each read reopens a stream the cache closed
         assert contents(engine, name) == [f"{name}/{r}".encode() for r in range(3)]
         assert engine.info(name).end_offset == 3 and engine.open_streams() <= 3
     # A stream closed by the cache left its CLEAN marker: reopening it checks no node body.
     closed = [n for n in NAMES if (stream_directory(engine.data_dir, n) / CLEAN_MARKER).exists()]
     assert len(closed) == len(NAMES) - 3
+
+
+def test_descriptors_stay_within_max_open_streams_plus_a_few(open_engine):
+    """Each open segment costs one descriptor (its mapping's), however many streams there are,
+    and growing and syncing a segment whose own descriptor was closed still work."""
+    engine = open_engine(max_open_streams=8, fsync="always")
+    before = open_fds()
+    for round_ in range(3):
+        for i in range(60):
+            engine.append(f"s{i}", AppendBatch([f"{round_}".encode() * 300] * 20))  # grows, syncs
+            assert open_fds() - before <= 8 + 2
+    engine.sync()
+    assert all(
+        contents(engine, f"s{i}") == [f"{r}".encode() * 300 for r in range(3) for _ in range(20)]
+        for i in (0, 59)
+    )
+    assert engine.info("s5").bytes_on_disk > 4096  # it grew past its first page
 
 
 def test_start_up_opens_no_stream_and_each_opens_when_first_used(open_engine):

@@ -1,0 +1,271 @@
+"""Many small streams on one node, beside Redis, in one run: python -m bench.streams [--quick]
+
+Issue 17's targets, measured with one Python client each:
+
+- `--streams` streams of `--entries` entries of 100 bytes (100,000 x 10 by default).
+  Redis (Debian's redis-server, AOF everysec): XADD through redis-py pipelines of
+  1,000 commands; load time, `used_memory`, server RSS. streamlog (`streamlog serve`,
+  fsync everysec, the default `max_open_streams`): one Publish session, one message
+  per stream holding its entries, 1,000 in flight (the client's fastest way to write
+  to many streams today); load time, disk used (`du` of the data directory), server
+  RSS, open file descriptors, a metrics scrape, a ListStreams page.
+- Appending to and reading from streams the cache closed: one unary Append or Read
+  at a time on streams loaded first (long closed); p50 and p99.
+- `--million` streams of 1 entry (1,000,000 by default): load (as above), a clean
+  restart (time until the server answers SERVING), then a kill -9 and a restart
+  with every acknowledged entry read back.
+
+Checks the free disk before each streamlog load (about 16 KiB a stream) and removes
+every data directory it made. One JSON object per line (bench.common.emit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+from streamlog.v1 import streamlog_pb2 as pb
+from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
+
+from bench.common import Timer, emit, free_port, percentiles, serve_command, server_metrics, wait_serving
+from bench.redis_baseline import RedisServer
+from clients.aio import AsyncClient
+
+PAYLOAD = 100
+PIPELINE = 1_000  # Redis commands per pipeline
+IN_FLIGHT = 1_000  # Publish messages in flight
+BYTES_PER_STREAM = 16 << 10  # disk a one-entry stream may take (directory, meta file, one page)
+LATENCY_SAMPLES = 2_000
+
+
+def stream_name(i: int) -> str:
+    return f"room-{i:07d}"
+
+
+def payloads(i: int, entries: int) -> list[bytes]:
+    return [f"{i:07d}/{j:03d}".encode().ljust(PAYLOAD, b".") for j in range(entries)]
+
+
+# ---------------------------------------------------------------------- Redis
+
+
+def redis_load(streams: int, entries: int) -> None:
+    with RedisServer("everysec") as server:
+        client = server.client()
+        with Timer() as t:
+            for first in range(0, streams, PIPELINE // entries or 1):
+                pipe = client.pipeline(transaction=False)
+                for i in range(first, min(streams, first + (PIPELINE // entries or 1))):
+                    for payload in payloads(i, entries):
+                        pipe.xadd(stream_name(i), {"p": payload})
+                pipe.execute()
+        assert client.xlen(stream_name(streams - 1)) == entries
+        memory = client.info("memory")["used_memory"]
+        shape = {"system": "redis", "streams": streams, "entries": entries, "aof": "everysec"}
+        emit("many_streams_load_time", t.elapsed, "s", **shape)
+        emit("many_streams_memory", memory / 1e6, "MB", **shape)
+        emit("many_streams_server_rss", _rss_mb(server.pid), "MB", **shape)
+
+
+# ---------------------------------------------------------------------- streamlog
+
+
+class Server:
+    """`streamlog serve` on a data directory; its log beside it."""
+
+    def __init__(self, data: Path, max_streams: int) -> None:
+        self.data = data
+        self.port, self.metrics_port = free_port(), free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self._max_streams = max_streams
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 600) -> float:
+        """Start it; the seconds until it answers SERVING."""
+        log = open(self.data.parent / "server.log", "ab")  # noqa: SIM115 - the process keeps it
+        command = serve_command(
+            self.data, self.port, max_streams=self._max_streams, metrics_port=self.metrics_port
+        )
+        started = time.monotonic()
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
+        log.close()
+        wait_serving(self.address, self.proc, timeout_s)
+        return time.monotonic() - started
+
+    def stop(self, how: signal.Signals = signal.SIGTERM) -> None:
+        if self.proc is None:
+            return
+        self.proc.send_signal(how)
+        try:
+            self.proc.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def fds(self) -> int:
+        assert self.proc is not None
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
+    def rss_mb(self) -> float:
+        assert self.proc is not None
+        return _rss_mb(self.proc.pid)
+
+
+def _rss_mb(pid: int | None) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def _disk_mb(path: Path) -> float:
+    out = subprocess.run(["du", "-sk", str(path)], capture_output=True, text=True, check=True).stdout
+    return int(out.split()[0]) / 1024
+
+
+@contextlib.contextmanager
+def data_directory(streams: int) -> Iterator[Path]:
+    parent = Path(tempfile.mkdtemp(prefix="streamlog-streams-", dir=os.environ.get("BENCH_DIR")))
+    try:
+        need = streams * BYTES_PER_STREAM
+        free = shutil.disk_usage(parent).free
+        if free < 2 * need:
+            raise SystemExit(f"bench.streams: {free >> 20} MiB free, {2 * need >> 20} MiB wanted")
+        yield parent / "data"
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+async def publish_all(address: str, streams: int, entries: int) -> int:
+    """Append every stream's entries over one Publish session; the acknowledged entries."""
+    async with (
+        AsyncClient(address, timeout=None) as client,
+        client.publisher(max_in_flight=IN_FLIGHT) as session,
+    ):
+        futures = [await session.publish(stream_name(i), payloads(i, entries)) for i in range(streams)]
+        results = await asyncio.gather(*futures)
+    return sum(r.last_offset - r.first_offset + 1 for r in results)
+
+
+async def read_all(address: str, streams: int, entries: int) -> int:
+    """Read every stream back (256 reads in flight); the streams whose entries are all there."""
+    good = 0
+    async with AsyncClient(address, timeout=None) as client:
+        queue = iter(range(streams))
+
+        async def worker() -> None:
+            nonlocal good
+            for i in queue:
+                got = [e.payload for e in (await client.read(stream_name(i), 0, count=entries + 1)).entries]
+                good += got == payloads(i, entries)
+
+        await asyncio.gather(*(worker() for _ in range(256)))
+    return good
+
+
+def closed_latency(server: Server, streams: int, shape: dict) -> None:
+    """Append to and read from streams the cache closed (the first ones loaded), one at a time."""
+    picks = random.Random(17).sample(range(streams // 2), min(LATENCY_SAMPLES, streams // 2))
+    half = len(picks) // 2
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        appends, reads = [], []
+        for i in picks[:half]:
+            started = time.perf_counter()
+            stub.Append(pb.AppendRequest(stream=stream_name(i), payloads=[b"x" * PAYLOAD]))
+            appends.append(time.perf_counter() - started)
+        for i in picks[half:]:
+            started = time.perf_counter()
+            stub.Read(pb.ReadRequest(stream=stream_name(i), offset=0, count=100))
+            reads.append(time.perf_counter() - started)
+    for what, samples in (("append", appends), ("read", reads)):
+        p50, p99 = percentiles(samples, [50, 99])
+        emit(f"closed_stream_{what}_p50", p50 * 1000, "ms", samples=len(samples), **shape)
+        emit(f"closed_stream_{what}_p99", p99 * 1000, "ms", samples=len(samples), **shape)
+
+
+def streamlog_load(streams: int, entries: int) -> None:
+    shape = {"system": "streamlog", "streams": streams, "entries": entries, "fsync": "everysec"}
+    with data_directory(streams) as data:
+        server = Server(data, 2 * streams)
+        server.start()
+        try:
+            with Timer() as t:
+                acked = asyncio.run(publish_all(server.address, streams, entries))
+            assert acked == streams * entries, acked
+            emit("many_streams_load_time", t.elapsed, "s", **shape)
+            emit("many_streams_server_rss", server.rss_mb(), "MB", **shape)
+            emit("many_streams_open_fds", server.fds(), "fds", **shape)
+            with Timer() as t:
+                seen = server_metrics(server.metrics_port)
+            assert seen["streamlog_entries"] == streams * entries, seen["streamlog_entries"]
+            emit("many_streams_metrics_scrape", t.elapsed * 1000, "ms", **shape)
+            with grpc.insecure_channel(server.address) as channel, Timer() as t:
+                page = pb_grpc.StreamLogServiceStub(channel).ListStreams(
+                    pb.ListStreamsRequest(prefix=stream_name(streams // 2)[:-2], page_size=100)
+                )
+            assert len(page.streams) == 100, len(page.streams)
+            emit("many_streams_list_page", t.elapsed * 1000, "ms", **shape)
+            closed_latency(server, streams, shape)
+        finally:
+            server.stop()
+        emit("many_streams_disk", _disk_mb(data), "MB", **shape)
+
+
+def million(streams: int) -> None:
+    shape = {"system": "streamlog", "streams": streams, "entries": 1, "fsync": "everysec"}
+    with data_directory(streams) as data:
+        server = Server(data, 2 * streams)
+        server.start()
+        try:
+            with Timer() as t:
+                acked = asyncio.run(publish_all(server.address, streams, 1))
+            assert acked == streams
+            emit("many_streams_load_time", t.elapsed, "s", **shape)
+            emit("many_streams_open_fds", server.fds(), "fds", **shape)
+            emit("many_streams_server_rss", server.rss_mb(), "MB", **shape)
+            server.stop()
+            emit("many_streams_disk", _disk_mb(data), "MB", **shape)
+            emit("many_streams_restart_start_up", server.start(), "s", **shape)
+            emit("many_streams_restarted_rss", server.rss_mb(), "MB", **shape)
+            server.stop(signal.SIGKILL)
+            emit("many_streams_start_up_after_kill", server.start(), "s", **shape)
+            with Timer() as t:
+                good = asyncio.run(read_all(server.address, streams, 1))
+            emit("many_streams_acked_present_after_kill", good, "streams", of=streams, **shape)
+            emit("many_streams_read_back", t.elapsed, "s", **shape)
+            if good != streams:
+                raise SystemExit(f"bench.streams: {streams - good} streams lost entries after kill -9")
+        finally:
+            server.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2,000 x 10 and 5,000 x 1: a smoke run")
+    parser.add_argument("--streams", type=int, default=100_000)
+    parser.add_argument("--entries", type=int, default=10)
+    parser.add_argument("--million", type=int, default=1_000_000, help="streams of one entry")
+    parser.add_argument("--skip-redis", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.streams, args.million = 2_000, 5_000
+    if not args.skip_redis:
+        redis_load(args.streams, args.entries)
+    streamlog_load(args.streams, args.entries)
+    if args.million:
+        million(args.million)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,335 @@
+"""The catalog: every stream of a data directory, and what start-up and the totals need of each.
+
+In memory it knows every stream by name, keeps the figures of each stream that is
+not open (entries, bytes, segments and nodes as of its last close) with running
+totals of them, so the engine's totals cover every stream with no per-stream
+work, and the names sorted (built on the first listing) for paged listings. It is
+laid out for a million streams: one dict of name -> row, the figures in columns
+of machine integers.
+
+On disk it is one file, `DATA/catalog` (docs/FORMAT.md), replaced atomically, so
+start-up reads one file instead of a million `stream.meta` files. It is a cache of
+what the stream directories hold, never the truth about which streams exist: the
+engine's start-up (storage/engine.py) lists the streams directory, takes from the
+file the streams whose directories it names, reads the meta file of the others,
+and forgets the names whose directory is gone. A missing or damaged file is
+rebuilt from the directories alone.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import re
+import struct
+import sys
+import threading
+from array import array
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple, overload
+
+from crc32c import crc32c
+from sortedcontainers import SortedList
+
+from storage.errors import CorruptionError
+from storage.names import dirname_for
+
+if TYPE_CHECKING:
+    from storage.fs import FileSystem
+
+CATALOG_FILE = "catalog"
+CATALOG_VERSION = 1
+_MAGIC = b"SLCT"
+_HEAD = struct.Struct("<4sIHHII")  # magic, CRC32C of the rest, version, 0, streams, JSON bytes
+TOTALS = ("entries", "bytes_on_disk", "segments", "nodes")
+_OWN_DIRNAME = re.compile(r"[A-Za-z0-9_-]{1,200}")  # a name that is its directory's (storage/names.py)
+
+
+class StreamSummary(NamedTuple):
+    """What the catalog keeps of a stream that is not open."""
+
+    entries: int = 0
+    bytes_on_disk: int = 0
+    segments: int = 0
+    nodes: int = 0
+    # When maintenance should next visit it while it is closed (wall-clock ms; 0: never): its
+    # oldest node's age limit, its next compaction, or at once (packing or a limit pending, or
+    # figures unknown).
+    upkeep_ms: int = 0
+    replicated: bool = False  # it has an epoch history, checked at start-up (a few streams)
+
+
+UNKNOWN = StreamSummary(upkeep_ms=1)  # found by its meta file alone: a visit learns its figures
+
+
+@dataclass
+class CatalogFile:
+    """What the file holds: the names (sorted), their figures (columns in TOTALS order), the
+    directory names that are not the stream's own name, the replicated streams, and the
+    pending upkeep of closed streams ((upkeep_ms, name))."""
+
+    names: list[str]
+    columns: list[array]
+    dirs: dict[str, str]
+    replicated: list[str]
+    due: list[tuple[int, str]]
+
+    def dirnames(self) -> set[str]:
+        found = set(self.names)
+        for name, dirname in self.dirs.items():
+            found.discard(name)
+            found.add(dirname)
+        return found
+
+
+class Catalog:
+    """The streams of one engine; every method is safe to call from any thread."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._rows: dict[str, int] = {}  # name -> row of the columns
+        # Per row, TOTALS of the stream if it is closed (zeros while it is open or gone).
+        self._columns = [array("q") for _ in TOTALS]
+        self._upkeep = array("q")  # per row: StreamSummary.upkeep_ms of a closed stream
+        self._totals = [0] * len(TOTALS)  # sums of the columns
+        self._due: list[tuple[int, str]] = []  # heap of (upkeep_ms, name); stale items skipped
+        self._replicated: set[str] = set()
+        self._sorted: SortedList | None = None  # the names in order, built on the first listing
+        self.changes = 0  # streams added or removed since the file was last written
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    # ------------------------------------------------------------------ start-up
+
+    def load(self, listed: CatalogFile, gone: set[str]) -> None:
+        """Start-up: the file's streams, all closed, but for those in `gone` (no directory)."""
+        with self.lock:
+            n = len(listed.names)
+            self._rows = dict(zip(listed.names, range(n), strict=True))
+            self._columns = listed.columns
+            self._upkeep = array("q", bytes(8 * n))
+            for when, name in listed.due:
+                self._upkeep[self._rows[name]] = when
+            self._due = list(listed.due)
+            heapq.heapify(self._due)
+            self._replicated = set(listed.replicated)
+            for name in gone & self._rows.keys():
+                self._drop(name)
+            self._totals = [sum(column) for column in self._columns]
+
+    def add_closed(self, name: str, summary: StreamSummary) -> None:
+        """Start-up: a stream found by its directory (closed)."""
+        with self.lock:
+            if name not in self._rows:
+                self._new_row(name)
+            self._keep(name, summary)
+            self.changes += 1
+
+    # ------------------------------------------------------------------ changes
+
+    def add(self, name: str) -> None:
+        """A stream created now (it is open)."""
+        with self.lock:
+            if name in self._rows:
+                self._forget(name)
+            else:
+                self._new_row(name)
+            self.changes += 1
+
+    def remove(self, name: str) -> None:
+        with self.lock:
+            if name in self._rows:
+                self._drop(name)
+                self.changes += 1
+
+    def opened(self, name: str) -> None:
+        """The stream is open: its figures come from it now."""
+        with self.lock:
+            if name in self._rows:
+                self._forget(name)
+
+    def closed(self, name: str, summary: StreamSummary) -> None:
+        """The stream closed with these figures."""
+        with self.lock:
+            if name in self._rows:
+                self._forget(name)
+                self._keep(name, summary)
+
+    def _new_row(self, name: str) -> None:
+        self._rows[name] = len(self._upkeep)
+        for column in self._columns:
+            column.append(0)
+        self._upkeep.append(0)
+        if self._sorted is not None:
+            self._sorted.add(name)
+
+    def _drop(self, name: str) -> None:
+        self._forget(name)
+        del self._rows[name]  # its row stays, zeroed, until the file is next written
+        self._replicated.discard(name)
+        if self._sorted is not None:
+            self._sorted.remove(name)
+
+    def _keep(self, name: str, summary: StreamSummary) -> None:
+        row = self._rows[name]
+        for i, column in enumerate(self._columns):
+            column[row] = summary[i]
+            self._totals[i] += summary[i]
+        self._upkeep[row] = summary.upkeep_ms
+        if summary.upkeep_ms:
+            heapq.heappush(self._due, (summary.upkeep_ms, name))
+        if summary.replicated:
+            self._replicated.add(name)
+
+    def _forget(self, name: str) -> None:
+        # Its heap item, if any, goes stale: `due` skips it.
+        row = self._rows[name]
+        for i, column in enumerate(self._columns):
+            self._totals[i] -= column[row]
+            column[row] = 0
+        self._upkeep[row] = 0
+
+    # ------------------------------------------------------------------ queries
+
+    def totals(self) -> dict[str, int]:
+        """TOTALS over the streams not open."""
+        with self.lock:
+            return dict(zip(TOTALS, self._totals, strict=True))
+
+    def due(self, now_ms: int, limit: int) -> list[str]:
+        """Up to `limit` closed streams whose upkeep is due, soonest first (maintenance's batch)."""
+        found: list[str] = []
+        with self.lock:
+            while self._due and self._due[0][0] <= now_ms and len(found) < limit:
+                when, name = heapq.heappop(self._due)
+                row = self._rows.get(name)
+                if row is not None and self._upkeep[row] == when and name not in found:
+                    found.append(name)
+        return found
+
+    def names(self) -> list[str]:
+        """Every name, sorted (a copy)."""
+        with self.lock:
+            return list(self._names())
+
+    def name_at(self, index: int | slice) -> str | list[str]:
+        """The name(s) at `index` of the sorted names."""
+        with self.lock:
+            return self._names()[index]
+
+    def sorted_view(self) -> SortedNames:
+        return SortedNames(self)
+
+    def _names(self) -> SortedList:
+        if self._sorted is None:
+            self._sorted = SortedList(self._rows)
+        return self._sorted
+
+    # ------------------------------------------------------------------ the file
+
+    def encode(self, skip: set[str], summaries: dict[str, StreamSummary]) -> bytes:
+        """The file's bytes: every stream but `skip` (streams whose creation is not durable yet),
+        with the figures of the closed ones and, for the open ones, `summaries` (else UNKNOWN)."""
+        with self.lock:
+            names = sorted(n for n in self._rows if n not in skip)
+            rows = [self._rows[n] for n in names]
+            columns = [array("q", (column[r] for r in rows)) for column in self._columns]
+            due = {n: when for n, r in zip(names, rows, strict=True) if (when := self._upkeep[r])}
+            replicated = self._replicated - skip
+            self.changes = 0
+        for name, summary in summaries.items():
+            if name in skip:
+                continue
+            i = bisect_left(names, name)
+            for column, value in zip(columns, summary, strict=False):
+                column[i] = value
+            due[name] = summary.upkeep_ms or UNKNOWN.upkeep_ms
+            if summary.replicated:
+                replicated.add(name)
+        dirs = {n: dirname_for(n) for n in names if not _OWN_DIRNAME.fullmatch(n)}
+        head = json.dumps(
+            {"dirs": dirs, "replicated": sorted(replicated), "due": sorted((w, n) for n, w in due.items())},
+            separators=(",", ":"),
+        ).encode()
+        body = b"".join([head, "\0".join(names).encode(), *(_stored(column) for column in columns)])
+        return _HEAD.pack(_MAGIC, crc32c(body), CATALOG_VERSION, 0, len(names), len(head)) + body
+
+
+def decode_catalog(raw: bytes) -> CatalogFile:
+    """The file's content (CorruptionError if it is damaged or of another version)."""
+    if len(raw) < _HEAD.size or raw[:4] != _MAGIC:
+        raise CorruptionError("catalog has a bad magic")
+    _, crc, version, _, n, head_len = _HEAD.unpack_from(raw)
+    body = memoryview(raw)[_HEAD.size :]
+    if crc32c(body) != crc:
+        raise CorruptionError("catalog CRC mismatch")
+    if version != CATALOG_VERSION:
+        raise CorruptionError(f"catalog version {version} is not {CATALOG_VERSION}")
+    names_end = len(body) - 8 * n * len(TOTALS)
+    if not head_len <= names_end <= len(body):
+        raise CorruptionError("catalog sizes do not add up")
+    try:
+        head = json.loads(bytes(body[:head_len]))
+        names = bytes(body[head_len:names_end]).decode().split("\0") if n else []
+        width = 8 * n
+        columns = [
+            _column(body[names_end + width * i : names_end + width * (i + 1)]) for i in range(len(TOTALS))
+        ]
+        due = [(int(when), str(name)) for when, name in head["due"]]
+        listed = CatalogFile(names, columns, dict(head["dirs"]), list(head["replicated"]), due)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptionError(f"catalog is malformed: {exc}") from exc
+    if len(names) != n:
+        raise CorruptionError(f"catalog lists {len(names)} names, not {n}")
+    return listed
+
+
+def _column(raw: memoryview) -> array:
+    column = array("q")
+    column.frombytes(raw)
+    if sys.byteorder == "big":
+        column.byteswap()  # stored little-endian
+    return column
+
+
+def _stored(column: array) -> bytes:
+    if sys.byteorder == "big":
+        column = array("q", column)
+        column.byteswap()
+    return column.tobytes()
+
+
+def read_catalog(fs: FileSystem, data_dir: Path) -> CatalogFile | None:
+    """The catalog file's content, or None when there is none or it is damaged (then rebuilt)."""
+    try:
+        return decode_catalog(fs.read_file(data_dir / CATALOG_FILE))
+    except (FileNotFoundError, CorruptionError):
+        return None
+
+
+class SortedNames(Sequence[str]):
+    """The catalog's names in order, read in place (no copy of a million names for one page):
+    each access takes the catalog's lock, so a page may miss a stream created meanwhile."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self._catalog = catalog
+
+    def __len__(self) -> int:
+        return len(self._catalog)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        return self._catalog.name_at(index)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._catalog.names())
