@@ -320,8 +320,10 @@ class Producer:
 
     def _open_session(self, failure: StreamlogError | None = None) -> PublishSession:
         # On the stream's leader; after a failure, where the cluster now says it is (a failover).
-        self.client.route(self.stream, failure)
-        return self.client.publisher(stream=self.stream, max_in_flight=self.max_in_flight)
+        stream = self.stream
+        assert stream is not None  # only batches of the producer's own stream go on the session
+        self.client.route(stream, failure)
+        return self.client.publisher(stream=stream, max_in_flight=self.max_in_flight)
 
     def _per_stream(self, batch: list[_Queued]) -> list[_Sent]:
         """The entries taken off the queue as one batch per stream (in the order sent), each with
