@@ -22,6 +22,7 @@ _EXPORTS = {
     "AsyncConsumeSession": "clients.aio",
     "AsyncPublishSession": "clients.aio",
     "AsyncSubscription": "clients.aio",
+    "Batch": "clients.types",
     "CancelledError": "clients.errors",
     "ClaimResult": "clients.types",
     "Client": "clients.client",
@@ -74,6 +75,7 @@ __all__ = [
     "AsyncConsumeSession",
     "AsyncPublishSession",
     "AsyncSubscription",
+    "Batch",
     "CancelledError",
     "ClaimResult",
     "Client",
@@ -155,6 +157,7 @@ if TYPE_CHECKING:
     from clients.types import (
         AckResult,
         AppendResult,
+        Batch,
         ClaimResult,
         ConsumerInfo,
         Entry,

@@ -11,8 +11,11 @@ from typing import Any, TypeVar
 
 from streamlog.v1 import streamlog_pb2 as pb
 
+from clients.errors import StreamlogError, from_status
 from clients.types import (
+    AppendData,
     AppendResult,
+    Batch,
     ClaimResult,
     ClusterNode,
     ConsumerInfo,
@@ -143,8 +146,34 @@ def _filled(
     return request
 
 
-def append_result(reply: pb.AppendResponse | pb.PublishResponse) -> AppendResult:
+def append_result(reply: pb.AppendResponse | pb.PublishResponse | pb.AppendManyResult) -> AppendResult:
     return AppendResult(reply.first_offset, reply.last_offset, reply.timestamp_ms, reply.duplicate)
+
+
+def append_many_request(batches: Iterable[Batch | tuple[str, AppendData]]) -> pb.AppendManyRequest:
+    """An AppendManyRequest: each batch as append_request makes it."""
+    requests = []
+    for batch in batches:
+        if not isinstance(batch, Batch):
+            batch = Batch(*batch)
+        requests.append(
+            append_request(
+                batch.stream,
+                batch.data,
+                batch.producer_id,
+                batch.producer_sequence,
+                batch.expected_next_offset,
+            )
+        )
+    return pb.AppendManyRequest(batches=requests)
+
+
+def append_many_results(reply: pb.AppendManyResponse) -> list[AppendResult | StreamlogError]:
+    """Each batch's AppendResult, or the error it was refused with, in request order."""
+    return [
+        from_status(r.error.code, r.error.message) if r.HasField("error") else append_result(r)
+        for r in reply.results
+    ]
 
 
 # ------------------------------------------------------------------ entries and reads

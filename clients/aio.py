@@ -54,6 +54,7 @@ from clients.types import (
     AckResult,
     AppendData,
     AppendResult,
+    Batch,
     ClaimResult,
     ClusterDescription,
     GroupConfig,
@@ -225,6 +226,20 @@ class AsyncClient:
         """
         request = convert.append_request(stream, data, producer_id, producer_sequence, expected_next_offset)
         return convert.append_result(await self._unary(self._stub.Append, request, timeout))
+
+    async def append_many(
+        self, batches: Iterable[Batch | tuple[str, AppendData]], *, timeout: float | None = None
+    ) -> list[AppendResult | StreamlogError]:
+        """Append batches to many streams in one call: Batch values, or (stream, data) pairs.
+
+        Each batch is atomic on its own (as append()'s, with its own producer id, sequence
+        and expected_next_offset in a Batch); the result lists, in order, each batch's
+        AppendResult or the StreamlogError it was refused with (one bad batch does not fail
+        the others). The call itself raises only for what fails it as a whole (no batches,
+        past max_append_many_batches or max_append_many_bytes, credentials, unavailable).
+        """
+        request = convert.append_many_request(batches)
+        return convert.append_many_results(await self._unary(self._stub.AppendMany, request, timeout))
 
     def publisher(
         self, *, stream: str | None = None, max_in_flight: int = 1000, timeout: float | None = None

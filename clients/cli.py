@@ -161,8 +161,9 @@ def entry_to_json(entry: Entry) -> dict[str, Any]:
     return record
 
 
-def record_from_json(line: str, where: str) -> Record:
-    """A Record from one JSON Lines line (the format `export` writes; offsets and times are ignored)."""
+def record_from_json(line: str, where: str) -> tuple[str | None, Record]:
+    """The stream a JSON Lines line names (its "stream" field; None without one) and its Record (the
+    format `export` writes; offsets and times are ignored)."""
     from clients.types import Record
 
     try:
@@ -171,6 +172,9 @@ def record_from_json(line: str, where: str) -> Record:
         raise UsageError(f"{where}: not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise UsageError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    stream = data.get("stream")
+    if stream is not None and not isinstance(stream, str):
+        raise UsageError(f'{where}: "stream" must be a string, got {type(stream).__name__}')
     try:
         if "payload_base64" in data:
             payload = base64.b64decode(data["payload_base64"], validate=True)
@@ -179,7 +183,7 @@ def record_from_json(line: str, where: str) -> Record:
         headers = {str(k): str(v).encode() for k, v in (data.get("headers") or {}).items()}
         for key, value in (data.get("headers_base64") or {}).items():
             headers[str(key)] = base64.b64decode(value, validate=True)
-        return Record(
+        return stream, Record(
             payload,
             tag=str(data.get("tag", "")),
             headers=headers or None,
@@ -332,7 +336,7 @@ def _cmd_append(args: argparse.Namespace, out: IO[str]) -> int:
                     if args.jsonl:
                         if not line.strip():
                             continue
-                        record = record_from_json(line, f"stdin line {number}")
+                        _, record = record_from_json(line, f"stdin line {number}")
                         if args.tag and not record.tag:
                             record = Record(record.payload, args.tag, record.headers, record.deliver_at_ms)
                     else:
@@ -851,30 +855,45 @@ def _cmd_import(args: argparse.Namespace, out: IO[str]) -> int:
 
     source = open(args.input, encoding="utf-8") if args.input else sys.stdin  # noqa: SIM115
     total_bytes = os.fstat(source.fileno()).st_size if args.input else None
-    progress = Progress(f"import {args.stream}", _progress_enabled(args), total_bytes, unit="bytes")
+    progress = Progress(
+        f"import {args.stream or 'streams'}", _progress_enabled(args), total_bytes, unit="bytes"
+    )
     futures = []
+    streams: set[str] = set()
     consumed = 0
     try:
+        # Lines for several streams at once go out as one AppendMany per batch (the Producer's).
         with _client(args) as client, Producer(client, args.stream, max_batch_entries=args.batch) as producer:
             for number, line in enumerate(source, start=1):
                 consumed += len(line.encode())
                 if not line.strip():
                     continue
-                futures.append(producer.send(record_from_json(line, f"line {number}")))
+                stream, record = record_from_json(line, f"line {number}")
+                stream = stream or args.stream
+                if not stream:
+                    raise UsageError(f'line {number}: no "stream" field, and no stream given to import into')
+                streams.add(stream)
+                futures.append(producer.send(record, stream=stream))
                 progress.update(consumed)
             offsets = [f.result() for f in futures]
     finally:
         if source is not sys.stdin:
             source.close()
     progress.finish()
-    summary = {"stream": args.stream, "imported": len(offsets)}
+    if len(streams) > 1:
+        _json({"streams": len(streams), "imported": len(offsets)}, out) if args.json else out.write(
+            f"imported {len(offsets)} entries into {len(streams)} streams\n"
+        )
+        return EXIT_OK
+    stream = next(iter(streams), args.stream)
+    summary = {"stream": stream, "imported": len(offsets)}
     if offsets:
         summary.update(first_offset=offsets[0], last_offset=offsets[-1])
     if args.json:
         _json(summary, out)
     else:
         span = f" at offsets {offsets[0]}..{offsets[-1]}" if offsets else ""
-        out.write(f"imported {len(offsets)} entries into {args.stream!r}{span}\n")
+        out.write(f"imported {len(offsets)} entries into {stream!r}{span}\n")
     return EXIT_OK
 
 
@@ -1160,8 +1179,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", dest="end", type=_offset, metavar="OFFSET", help="stop before this offset")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, help="(default: on a terminal)")
 
-    p = command("import", "append JSON Lines (as export writes them) to a stream", _cmd_import)
-    p.add_argument("stream", help="the stream to append to (created by its first append)")
+    p = command("import", "append JSON Lines (as export writes them) to a stream, or to many", _cmd_import)
+    p.add_argument(
+        "stream",
+        nargs="?",
+        help='the stream to append to (created by its first append); a line with a "stream" field goes '
+        "to that stream instead (needed on every line without this argument)",
+    )
     p.add_argument("-i", "--input", type=Path, metavar="FILE", help="(default: stdin)")
     p.add_argument("--batch", type=int, default=500, help="entries per append (default: 500)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, help="(default: on a terminal)")

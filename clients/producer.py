@@ -1,8 +1,11 @@
-"""Producer: batched, idempotent appends to one stream from any number of threads.
+"""Producer: batched, idempotent appends to one stream or many, from any number of threads.
 
     with Producer(client, "orders") as producer:
         futures = [producer.send(b"order %d" % i) for i in range(10_000)]
     print(futures[-1].result())          # the last entry's offset
+
+    with Producer(client) as producer:   # a stream per send: per device, per order, ...
+        producer.send(b"reading", stream="device-17")
 
 `send()` only queues the entry and returns a future. A background thread turns the
 queue into batches: a batch goes out when it holds `max_batch_entries` entries or
@@ -10,7 +13,12 @@ queue into batches: a batch goes out when it holds `max_batch_entries` entries o
 on `flush()` / `close()`. Batches go out as messages of one Publish session, up to
 `max_in_flight` of them unanswered (pipelined: the next batch does not wait for the
 previous one's answer); the server writes and answers them in order, so entries
-keep the order in which they were sent.
+keep the order in which they were sent. The session carries the producer's own
+stream only; a batch due when entries for several streams (or for another stream) are
+queued holds each stream's entries as a batch of its own, and goes out as one
+AppendMany call, once the session has answered what it carries (so no stream's entries
+overtake earlier ones); a batch refused with UNAVAILABLE or DEADLINE_EXCEEDED is sent
+again in the next such call, with the same sequence.
 
 Every batch carries this producer's `producer_id` and the next sequence number. When
 the session fails with UNAVAILABLE or DEADLINE_EXCEEDED (or an answer takes longer
@@ -30,18 +38,19 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 from clients.client import Client, PublishSession
 from clients.errors import DeadlineExceededError, ProducerClosedError, StreamlogError, TransientError
-from clients.types import AppendResult, Record
+from clients.types import AppendResult, Batch, Record
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class _Queued:
+    stream: str
     item: bytes | Record
     size: int
     future: Future[int]
@@ -50,8 +59,9 @@ class _Queued:
 
 @dataclass(slots=True)
 class _Sent:
-    """A batch sent on the session and not yet answered."""
+    """A batch of one stream, sent and not yet answered."""
 
+    stream: str
     batch: list[_Queued]
     sequence: int
     answer: Future[AppendResult]
@@ -67,8 +77,9 @@ def _size(item: bytes | Record) -> int:
 
 
 class Producer:
-    """Batches and retries appends to `stream` through `client`; thread-safe.
+    """Batches and retries appends through `client`; thread-safe.
 
+    stream: where send() appends unless it names a stream (None: every send names one).
     producer_id: defaults to a random one per Producer. Give a stable id only if you
     also want deduplication across restarts of your process; sequences start from the
     current time in microseconds either way, so a restarted producer never reuses a
@@ -84,7 +95,7 @@ class Producer:
     def __init__(
         self,
         client: Client,
-        stream: str,
+        stream: str | None = None,
         *,
         producer_id: str | None = None,
         max_batch_entries: int = 1000,
@@ -131,7 +142,9 @@ class Producer:
         self._urgent_until = 0  # entries below this count go out without lingering (flush)
         self._closing = False
         self._abort = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"streamlog-producer-{stream}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"streamlog-producer-{stream or 'streams'}", daemon=True
+        )
         self._thread.start()
 
     # ------------------------------------------------------------------ API
@@ -140,11 +153,16 @@ class Producer:
         self,
         payload: bytes | Record,
         *,
+        stream: str | None = None,
         tag: str = "",
         headers: Mapping[str, bytes] | None = None,
         deliver_at_ms: int = 0,
     ) -> Future[int]:
-        """Queue one entry; the future resolves to its offset, or to the batch's error."""
+        """Queue one entry for `stream` (default: the producer's); the future resolves to its
+        offset, or to its batch's error."""
+        stream = stream or self.stream
+        if not stream:
+            raise ValueError("send: name a stream (this producer has no default stream)")
         if isinstance(payload, Record):
             item: bytes | Record = payload
         elif not isinstance(payload, bytes | bytearray | memoryview):
@@ -154,7 +172,7 @@ class Producer:
         else:
             item = bytes(payload)
         future: Future[int] = Future()
-        queued = _Queued(item, _size(item), future, time.monotonic())
+        queued = _Queued(stream, item, _size(item), future, time.monotonic())
         with self._changed:
             while len(self._queue) >= self.max_buffered and not self._closing:
                 self._changed.wait()
@@ -270,17 +288,22 @@ class Producer:
                         if self._closing and not self._queue and not sent:
                             break
                     continue
-                now = time.monotonic()
-                item = _Sent(batch, self._sequence, Future(), now, now + self.delivery_timeout_s)
-                self._sequence += 1
+                items = self._per_stream(batch)
                 if self._abort.is_set():
                     self._finish(
-                        [item], ProducerClosedError("the producer was closed before this entry was sent")
+                        items, ProducerClosedError("the producer was closed before this entry was sent")
                     )
                     continue
-                sent.append(item)
+                # The session carries the producer's own stream (in a cluster, a session is served
+                # by that stream's leader); batches for other streams, or several, go by AppendMany.
+                if len(items) > 1 or items[0].stream != self.stream:
+                    if sent:
+                        session = self._drain(session, sent)
+                    self._append_many(items)
+                    continue
+                sent.extend(items)
                 session = session or self._open_session()
-                self._publish(session, item)
+                self._publish(session, items[0])
         except BaseException as exc:
             # Whatever happens, every future gets an outcome.
             log.exception("producer %s: unexpected error", self.producer_id)
@@ -297,14 +320,86 @@ class Producer:
 
     def _open_session(self, failure: StreamlogError | None = None) -> PublishSession:
         # On the stream's leader; after a failure, where the cluster now says it is (a failover).
-        self.client.route(self.stream, failure)
-        return self.client.publisher(stream=self.stream, max_in_flight=self.max_in_flight)
+        stream = self.stream
+        assert stream is not None  # only batches of the producer's own stream go on the session
+        self.client.route(stream, failure)
+        return self.client.publisher(stream=stream, max_in_flight=self.max_in_flight)
+
+    def _per_stream(self, batch: list[_Queued]) -> list[_Sent]:
+        """The entries taken off the queue as one batch per stream (in the order sent), each with
+        the next sequence."""
+        streams: dict[str, list[_Queued]] = {}
+        for queued in batch:
+            streams.setdefault(queued.stream, []).append(queued)
+        now = time.monotonic()
+        items = []
+        for stream, entries in streams.items():
+            items.append(_Sent(stream, entries, self._sequence, Future(), now, now + self.delivery_timeout_s))
+            self._sequence += 1
+        return items
+
+    def _drain(self, session: PublishSession | None, sent: deque[_Sent]) -> PublishSession | None:
+        """Wait until every batch sent on the session is answered (resending as needed): a batch
+        sent by another call must not overtake them."""
+        while sent:
+            failure = self._settle(sent)
+            if failure is not None:
+                session = self._resend(session, sent, failure)
+            elif sent:
+                head = sent[0]
+                wait(
+                    [head.answer], timeout=max(0.0, head.sent_at + self.request_timeout_s - time.monotonic())
+                )
+        return session
+
+    def _append_many(self, items: list[_Sent]) -> None:
+        """Send batches for several streams in one AppendMany call, and again, after a pause, those
+        refused with a transient error (same sequences: one written is answered as a duplicate),
+        until their delivery timeout."""
+        pending = items
+        while True:
+            batches = [
+                Batch(i.stream, [q.item for q in i.batch], self.producer_id, i.sequence) for i in pending
+            ]
+            results: list[AppendResult | StreamlogError]
+            try:
+                results = self.client.append_many(batches, timeout=self.request_timeout_s)
+            except TransientError as exc:
+                results = [exc] * len(pending)
+            except (StreamlogError, ValueError, TypeError) as exc:
+                self._finish(pending, exc)
+                return
+            pause = self._next_pause()
+            retry = []
+            for item, result in zip(pending, results, strict=True):
+                if isinstance(result, AppendResult):
+                    self._deliver(item, result)
+                elif isinstance(result, TransientError) and not self._expired(item, pause):
+                    retry.append(item)
+                else:
+                    self._finish([item], result)
+            if not retry:
+                self._backoff_s = self.initial_backoff_s
+                return
+            log.debug("producer %s: resending %d batches in %.3f s", self.producer_id, len(retry), pause)
+            self._abort.wait(pause)
+            self.retries += 1
+            pending = retry
+
+    def _next_pause(self) -> float:
+        """The pause before a resend: exponential backoff, with full jitter (no lockstep)."""
+        pause = random.uniform(self._backoff_s / 2, self._backoff_s)
+        self._backoff_s = min(self._backoff_s * 2, self.max_backoff_s)
+        return pause
+
+    def _expired(self, item: _Sent, pause: float) -> bool:
+        return self._abort.is_set() or time.monotonic() + pause > item.deadline
 
     def _publish(self, session: PublishSession, item: _Sent) -> None:
         items = [queued.item for queued in item.batch]
         try:
             item.answer = session.publish(
-                self.stream, items, producer_id=self.producer_id, producer_sequence=item.sequence
+                item.stream, items, producer_id=self.producer_id, producer_sequence=item.sequence
             )
         except (StreamlogError, ValueError, TypeError) as exc:
             item.answer = Future()
@@ -340,9 +435,8 @@ class Producer:
         pause; batches past their delivery timeout fail with `failure` instead."""
         if session is not None:
             session.cancel()
-        pause = random.uniform(self._backoff_s / 2, self._backoff_s)  # full jitter: no lockstep
-        self._backoff_s = min(self._backoff_s * 2, self.max_backoff_s)
-        expired = [item for item in sent if self._abort.is_set() or time.monotonic() + pause > item.deadline]
+        pause = self._next_pause()
+        expired = [item for item in sent if self._expired(item, pause)]
         if expired:
             self._finish(expired, failure)
             for item in expired:

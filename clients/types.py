@@ -305,5 +305,18 @@ class ClusterDescription:
 
 # What append() takes: one payload, Record or Entry, or an iterable of them (a batch).
 AppendData = bytes | Record | Entry | Iterable[bytes | Record | Entry]
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One stream's batch of an append_many() call, with an append()'s options."""
+
+    stream: str
+    data: AppendData
+    producer_id: str | None = None
+    producer_sequence: int | None = None
+    expected_next_offset: int | None = None
+
+
 # Acknowledgement ranges: half-open (start, end) pairs or Python ranges.
 Ranges = Iterable[tuple[int, int] | range]

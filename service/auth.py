@@ -37,8 +37,9 @@ permissions:
   could take). `consume` includes `read`: Kafka and Redis, too, ask for more than
   read rights on the topic or key to consume through a group.
 - `write`: Append, Publish (checked on each message's stream: a message refused is
-  answered PERMISSION_DENIED and the session goes on), and being the dead-letter
-  stream of a group one configures.
+  answered PERMISSION_DENIED and the session goes on), AppendMany (checked on each
+  batch's stream: a batch refused gets PERMISSION_DENIED in its result, the others
+  are served), and being the dead-letter stream of a group one configures.
 - `admin`: DeleteStream, Trim, SetStreamConfig; with a group: CreateGroup,
   DeleteGroup, SetGroupOffset, SetGroupConfig (what shapes the group for all its
   consumers: its existence, position and redelivery policy). `admin` includes
@@ -81,8 +82,10 @@ from typing import Any
 
 import grpc
 
+from service import batchparts
 from service.callcontext import CallContext
 from service.config import ConfigError, Settings
+from service.errors import ServiceError
 from service.interceptors import (
     MESSAGE_SESSIONS,
     SessionBehavior,
@@ -138,6 +141,7 @@ class Access:
 METHOD_ACCESS: dict[str, Access] = {
     "Append": Access(WRITE),
     "Publish": Access(WRITE),  # checked on every message's stream
+    "AppendMany": Access(WRITE),  # checked on every batch's stream
     "Read": Access(READ, named_group_permission=CONSUME),
     "Subscribe": Access(READ, named_group_permission=CONSUME),
     "GetStreamInfo": Access(READ),
@@ -496,17 +500,21 @@ class AuthInterceptor(WrappingInterceptor):
         service: Any,
         state: AuthState,
         calls: OpenCalls,
+        settings: Settings,
         observer: Observer | None = None,
         *,
         certificates: bool = False,
     ) -> None:
         """`calls`: the server's open calls, checked again when the tokens and rules are reloaded;
-        `certificates`: mutual TLS is on, so a client certificate identifies a caller too."""
+        `settings`: the server's (the bounds of an AppendMany request as a whole, checked before
+        its batches); `certificates`: mutual TLS is on, so a client certificate identifies a
+        caller too."""
         super().__init__(service.full_name)
         missing = [m.name for m in service.methods if m.name not in METHOD_ACCESS.keys() | CATALOG_METHODS]
         if missing:
             raise ConfigError(f"no access rule class for RPCs {', '.join(missing)} (service/auth.py)")
         self.state = state
+        self._settings = settings
         self._observer = observer
         self._certificates = certificates
         # Catalog page handle -> (principal name, the servicer's token); oldest dropped first.
@@ -659,6 +667,8 @@ class AuthInterceptor(WrappingInterceptor):
     def wrap_unary(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
         if method in CATALOG_METHODS:
             return self._wrap_catalog(method, behavior)
+        if method in batchparts.BATCH_CALLS:
+            return self._wrap_batches(method, behavior)
 
         async def authorized(request: Any, context: CallContext) -> Any:
             try:
@@ -691,17 +701,45 @@ class AuthInterceptor(WrappingInterceptor):
             except Denied as denied:
                 await self._refuse(context, method, denied)
 
-            def check(request: Any) -> tuple[grpc.StatusCode, str] | None:
-                try:
-                    self.check(method, request, principal)
-                except Denied as denied:
-                    self._report(context, method, denied)
-                    return denied.code, denied.message
-                return None
-
+            check = self._part_check(method, principal, context)
             async with contextlib.aclosing(behavior(checked(requests, check), context)) as replies:
                 async for reply in replies:
                     yield reply
+
+        return authorized
+
+    def _part_check(
+        self, method: str, principal: Principal, context: CallContext
+    ) -> Callable[[Any], tuple[grpc.StatusCode, str] | None]:
+        """The check of each part of a call whose parts are answered one by one (a Publish message,
+        an AppendMany batch): None to let it pass, else the refusal to answer it with."""
+
+        def check(request: Any) -> tuple[grpc.StatusCode, str] | None:
+            try:
+                self.check(method, request, principal)
+            except Denied as denied:
+                self._report(context, method, denied)
+                return denied.code, denied.message
+            return None
+
+        return check
+
+    def _wrap_batches(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
+        """Each batch checked on its own stream; one refused is answered in its result."""
+
+        async def authorized(request: Any, context: CallContext) -> Any:
+            try:
+                principal = self.identify(context)
+            except Denied as denied:
+                await self._refuse(context, method, denied)
+
+            try:
+                refused, passed = batchparts.checked(
+                    request, self._settings, self._part_check(method, principal, context)
+                )
+            except ServiceError as exc:
+                await context.abort(exc.code, exc.message)
+            return await batchparts.passed_on(request, refused, passed, behavior, context)
 
         return authorized
 
@@ -778,6 +816,7 @@ class Security:
     """The TLS credentials and auth state of one server, and their reloading."""
 
     def __init__(self, settings: Settings) -> None:
+        self._settings = settings
         self.tls = (
             TlsCredentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
             if settings.tls_cert_file
@@ -800,7 +839,7 @@ class Security:
         if self.auth is None:
             return None
         certificates = self.tls is not None and bool(self.tls.client_ca_file)
-        return AuthInterceptor(service, self.auth, calls, observer, certificates=certificates)
+        return AuthInterceptor(service, self.auth, calls, self._settings, observer, certificates=certificates)
 
     def reload(self, reason: str) -> bool:
         """Re-read every file; keep the old state of a part whose files do not load."""

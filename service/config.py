@@ -84,6 +84,10 @@ class Settings:
     # reading the session's messages until answers go out (flow control pushes back).
     max_publish_messages: int = 1000
     max_publish_bytes: int = 8 << 20
+    # Batches, and their serialized bytes, one AppendMany request may carry (past either the call
+    # is refused whole); each batch also meets the limits of an Append.
+    max_append_many_batches: int = 10_000
+    max_append_many_bytes: int = 16 << 20
     default_page_size: int = 100
     max_page_size: int = 1000
 
@@ -207,6 +211,8 @@ _INT_RANGES: dict[str, tuple[int | None, int | None]] = {
     "max_consume_batches": (1, 2**31 - 1),
     "max_publish_messages": (1, None),
     "max_publish_bytes": (1, None),
+    "max_append_many_batches": (1, None),
+    "max_append_many_bytes": (1, None),
     "default_page_size": (1, None),
     "max_page_size": (1, 2**31 - 1),
     "max_block_ms": (0, 2**31 - 1),

@@ -89,16 +89,27 @@ class Forwarder:
         )
         return (*passed, (FORWARDED_BY, self._node_id))
 
-    async def unary(self, method: str, request: Any, context: CallContext, leader: str, address: str) -> Any:
-        call = self._call(method, leader, address)(
+    def _unary_call(self, method: str, request: Any, context: CallContext, leader: str, address: str) -> Any:
+        return self._call(method, leader, address)(
             request, metadata=self._metadata(context), timeout=context.time_remaining()
         )
+
+    async def unary(self, method: str, request: Any, context: CallContext, leader: str, address: str) -> Any:
+        call = self._unary_call(method, request, context, leader, address)
         try:
             reply = await call
         except grpc.aio.AioRpcError as exc:
             await _relay_status(context, exc)
         await _relay_trailers(context, call)
         return reply
+
+    async def unary_part(
+        self, method: str, request: Any, context: CallContext, leader: str, address: str
+    ) -> Any:
+        """The leader's reply to a part of a call (some batches of an AppendMany), or its failure
+        raised as grpc.aio.AioRpcError: the caller answers it in that part's place, the call goes
+        on (its trailers are not relayed)."""
+        return await self._unary_call(method, request, context, leader, address)
 
     async def stream(
         self, method: str, request: Any, context: CallContext, leader: str, address: str

@@ -7,7 +7,8 @@ limits that need to look across calls, as server interceptors:
 - `max_streams`: a call that would create a stream (an Append to a new name,
   CreateGroup with create_stream, a new dead-letter stream) when the server holds
   that many already; in a Publish session, each message to a new name (that
-  message is answered RESOURCE_EXHAUSTED, the session goes on).
+  message is answered RESOURCE_EXHAUSTED, the session goes on); in an AppendMany,
+  each batch to a new name (answered so in its result, the others are served).
 - `max_groups_per_stream`, `max_consumers_per_group`: CreateGroup, and the first
   group read or claim by a new consumer name.
 - `max_pending_per_group` (when set): a group's `max_pending` (its bounded pending
@@ -40,6 +41,7 @@ from typing import Any
 
 import grpc
 
+from service import batchparts
 from service.callcontext import CallContext
 from service.config import Settings
 from service.errors import ServiceError, limit_exceeded
@@ -250,6 +252,8 @@ class LimitsInterceptor(WrappingInterceptor):
     # -- wrappers
 
     def wrap_unary(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
+        if method in batchparts.BATCH_CALLS:
+            return self._wrap_batches(method, behavior)
         settings = self._settings
 
         async def limited(request: Any, context: CallContext) -> Any:
@@ -320,21 +324,7 @@ class LimitsInterceptor(WrappingInterceptor):
 
         async def limited(requests: AsyncIterator[Any], context: CallContext) -> AsyncGenerator[Any, None]:
             creating: set[str] = set()  # streams this session's messages may be creating
-
-            def check(request: Any) -> tuple[grpc.StatusCode, str] | None:
-                engine = self._engine()
-                if engine is None:
-                    return None  # the servicer answers UNAVAILABLE
-                try:
-                    stream = self._new_stream(engine, request.stream, "stream")
-                except LimitError as exc:
-                    self._report(context, method, request, exc)
-                    return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-                if stream is not None:
-                    self._creating.add(stream)
-                    creating.add(stream)
-                return None
-
+            check = self._creation_check(method, context, creating)
             try:
                 async with contextlib.aclosing(behavior(checked(requests, check), context)) as replies:
                     async for reply in replies:
@@ -343,6 +333,48 @@ class LimitsInterceptor(WrappingInterceptor):
                 self._creating -= creating
 
         return limited
+
+    def _wrap_batches(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
+        """max_streams checked on each batch: one that would create a stream past it is answered
+        RESOURCE_EXHAUSTED in its result, the others are served."""
+
+        async def limited(request: Any, context: CallContext) -> Any:
+            creating: set[str] = set()  # streams this call's batches may be creating
+            try:
+                refused, passed = batchparts.checked(
+                    request, self._settings, self._creation_check(method, context, creating)
+                )
+            except ServiceError as exc:
+                await context.abort(exc.code, exc.message)
+            try:
+                return await batchparts.passed_on(request, refused, passed, behavior, context)
+            finally:
+                self._creating -= creating
+
+        return limited
+
+    def _creation_check(
+        self, method: str, context: CallContext, creating: set[str]
+    ) -> Callable[[Any], tuple[grpc.StatusCode, str] | None]:
+        """The max_streams check of each part of a call whose parts are answered one by one (a
+        Publish message, an AppendMany batch); the streams they may create are added to `creating`
+        (and counted as being created until the caller takes them out)."""
+
+        def check(request: Any) -> tuple[grpc.StatusCode, str] | None:
+            engine = self._engine()
+            if engine is None:
+                return None  # the servicer answers UNAVAILABLE
+            try:
+                stream = self._new_stream(engine, request.stream, "stream")
+            except LimitError as exc:
+                self._report(context, method, request, exc)
+                return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+            if stream is not None:
+                self._creating.add(stream)
+                creating.add(stream)
+            return None
+
+        return check
 
     def subscriptions_on(self, peer: str) -> int:
         return self._subscriptions_by_peer.get(peer, 0)

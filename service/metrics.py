@@ -110,7 +110,7 @@ class Metrics:
         )
         self.append_requests = Counter(
             "streamlog_append_requests",
-            "Appends that succeeded (Append calls and Publish messages), per stream.",
+            "Appends that succeeded (Append calls, Publish messages, AppendMany batches), per stream.",
             ["stream"],
             registry=r,
         )
@@ -358,6 +358,12 @@ class MetricsInterceptor(WrappingInterceptor):
         engine = self._engine()
         if engine is not None and engine.fsync_policy(request.stream).blocks:
             self._m.durable_append_seconds.observe(elapsed)
+
+    def _account_AppendMany(self, request: Any, reply: Any, elapsed: float) -> None:
+        # Each batch written counts as an Append of its stream.
+        for batch, result in zip(request.batches, reply.results, strict=True):
+            if not result.HasField("error"):
+                self._count_append(batch, result)
 
     def _account_Read(self, request: Any, reply: Any, elapsed: float) -> None:
         counters = self._m.read_children(request.stream, _mode(request), self._exists)

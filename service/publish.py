@@ -27,21 +27,19 @@ from typing import Any
 
 from streamlog.v1 import streamlog_pb2 as pb
 
-from service import streamwire, validation
+from service import streamwire
 from service.callcontext import CallContext
 from service.errors import (
     ServiceError,
-    invalid_argument,
-    limit_exceeded,
     status_for,
     translate_errors,
     unavailable,
 )
 from service.interceptors import Refused
 from service.serving import Serving
+from service.streamwire import Producer
 from storage import AppendBatch, AppendResult, Engine
 
-Producer = tuple[str, int] | None
 # What a write gives each message: its result, or the error that refused it.
 Outcome = AppendResult | BaseException
 _Pending = list[tuple[AppendBatch, Producer, "asyncio.Future[Outcome]"]]
@@ -104,13 +102,7 @@ def _settle(pending: _Pending, outcomes: list[Any]) -> None:
 
 def _answer(request_id: int, outcome: Outcome) -> pb.PublishResponse:
     if isinstance(outcome, AppendResult):
-        return pb.PublishResponse(
-            first_offset=outcome.first_offset,
-            last_offset=outcome.last_offset,
-            timestamp_ms=outcome.timestamp_ms,
-            duplicate=outcome.duplicate,
-            request_id=request_id,
-        )
+        return pb.PublishResponse(**streamwire.appended(outcome), request_id=request_id)
     code, message = status_for(outcome)
     return _error(request_id, code.value[0], message)
 
@@ -195,23 +187,7 @@ class PublishSession:
             return _error(request.request.request_id, request.code.value[0], request.message)
         try:
             engine = self._serving.ready()
-            stream = validation.stream(request.stream)
-            if request.entries and request.payloads:
-                raise invalid_argument("entries, payloads: set one of them, not both")
-            count = len(request.entries) or len(request.payloads)
-            if not count:
-                raise invalid_argument("entries: at least one entry is required")
-            if count > self._max_entries:
-                raise limit_exceeded(
-                    "max_batch_entries", self._max_entries, f"entries: the message has {count} entries"
-                )
-            batch = streamwire.append_batch(request, stream)
-            producer = None
-            if request.producer_id:
-                producer = (
-                    request.producer_id,
-                    validation.non_negative("producer_sequence", request.producer_sequence),
-                )
+            stream, batch, producer = streamwire.checked_append(request, self._max_entries, "message")
         except ServiceError as exc:
             return _error(request.request_id, exc.code.value[0], exc.message)
         return self._coalescer.submit(engine, stream, batch, producer)

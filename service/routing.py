@@ -23,6 +23,14 @@ from the request and asks placement (cluster/placement.py, no call to etcd):
   stream; such a wait ends with "leader changed" if the stream is then created on
   another node).
 
+An AppendMany is routed per batch: the streams of its batches are located (placed when
+new, a few at a time), the batches of streams this node leads are served here (each
+stream's refused before writing when too few replicas are in sync, answered once
+committed, as an Append), the others are forwarded in one call per leader, all at once;
+a batch that cannot be routed (no leader, redirect mode, already forwarded) gets its
+refusal in its result, and a leader's call that fails gives its status to each of its
+batches (service/batchparts.py puts the results back in order).
+
 A Publish session is routed on its first message: it carries that stream only (a later
 message naming another is answered FAILED_PRECONDITION; one session per stream in a
 cluster keeps routing per session, not per message).
@@ -40,10 +48,11 @@ cluster, from this node's copy of etcd.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
 from streamlog.v1 import streamlog_pb2 as pb
@@ -51,7 +60,8 @@ from streamlog.v1 import streamlog_pb2 as pb
 from cluster.errors import ClusterError
 from cluster.placement import StreamPlacement
 from cluster.replication.leader import NotEnoughReplicasError, NotLeadingError
-from service import describe, validation
+from service import batchparts, describe, validation
+from service.appendmany import check_request, error_result
 from service.callcontext import CallContext
 from service.errors import ServiceError
 from service.forwarding import FORWARDED_BY
@@ -80,8 +90,18 @@ LEADER_ADDRESS = "streamlog-leader-address"
 LEADER_EPOCH = "streamlog-leader-epoch"
 
 _DEAD_LETTER_METHODS = frozenset({"CreateGroup", "SetGroupConfig"})
+# Streams of one AppendMany located (and placed, when new) at once.
+_PLACING = 64
 # How long a call waits for this node to take over a stream placement says it now leads.
 _READY_WAIT_S = 2.0
+
+
+class _Refusal(NamedTuple):
+    """How a call (or an AppendMany batch) routing cannot serve is answered."""
+
+    code: grpc.StatusCode
+    message: str
+    trailers: tuple[tuple[str, str], ...] = ()
 
 
 def _creates_stream(method: str, request: Any) -> bool:
@@ -120,6 +140,8 @@ class RoutingInterceptor(WrappingInterceptor):
             return self._list_streams
         if method == "DescribeCluster":
             return self._describe_cluster
+        if method in batchparts.BATCH_CALLS:
+            return self._wrap_batches(method, behavior)
         node = self._node
 
         async def routed(request: Any, context: CallContext) -> Any:
@@ -131,6 +153,111 @@ class RoutingInterceptor(WrappingInterceptor):
             return await node.forwarder.unary(method, request, context, *leader)
 
         return routed
+
+    def _wrap_batches(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
+        """An AppendMany: its batches served here for the streams this node leads, forwarded in one
+        call per leader for the others (all at once), each refused batch answered in its result."""
+        node = self._node
+
+        async def routed(request: Any, context: CallContext) -> Any:
+            refusal = self._not_serving()
+            if refusal is not None:
+                await context.abort(refusal.code, refusal.message)
+            try:
+                check_request(request, node.settings)
+            except ServiceError as exc:
+                await context.abort(exc.code, exc.message)
+            metadata = self._routing_metadata(context)
+            streams = list(dict.fromkeys(batch.stream for batch in request.batches))
+            placing = asyncio.Semaphore(_PLACING)
+
+            async def place(stream: str) -> tuple[str, str] | _Refusal | None:
+                async with placing:  # new streams each create a record in etcd: a few at a time
+                    return await self._where(stream, True, *metadata)
+
+            places = await asyncio.gather(*map(place, streams))
+            where = dict(zip(streams, places, strict=True))
+            refused: dict[int, batchparts.Refusal] = {}
+            here: list[int] = []
+            by_leader: dict[tuple[str, str], list[int]] = {}
+            for i, batch in enumerate(request.batches):
+                target = where[batch.stream]
+                if isinstance(target, _Refusal):
+                    refused[i] = (target.code, target.message)
+                elif target is None:
+                    here.append(i)
+                else:
+                    by_leader.setdefault(target, []).append(i)
+            parts: list[tuple[list[int], batchparts.Serve]] = []
+            if here:
+                parts.append((here, lambda part: self._append_many_here(part, context, behavior)))
+            for (leader, address), indices in by_leader.items():
+                parts.append(
+                    (indices, functools.partial(self._forward_part, method, context, leader, address))
+                )
+            return await batchparts.answered(request, refused, parts)
+
+        return routed
+
+    async def _forward_part(
+        self, method: str, context: CallContext, leader: str, address: str, part: pb.AppendManyRequest
+    ) -> pb.AppendManyResponse:
+        try:
+            return await self._node.forwarder.unary_part(method, part, context, leader, address)
+        except grpc.aio.AioRpcError as exc:
+            # The leader's call failed as a whole: each of its batches gets that status.
+            failed = error_result(exc.code(), exc.details() or "")
+            return pb.AppendManyResponse(results=[failed] * len(part.batches))
+
+    async def _append_many_here(
+        self, request: pb.AppendManyRequest, context: CallContext, behavior: UnaryBehavior
+    ) -> pb.AppendManyResponse:
+        """The batches of streams this node leads, as `_append` serves an Append: a stream with too
+        few replicas in sync for its acks level has its batches refused before anything is written,
+        the others are answered once committed (acks=quorum) or at once (acks=leader)."""
+        replication = self._node.replication
+        # The streams in placement (a batch of another, such as a bad name, is the servicer's).
+        placed = {b.stream for b in request.batches if self._placement.locate(b.stream) is not None}
+        quorum = {stream: self._quorum(stream) for stream in placed}
+
+        def in_sync(batch: pb.AppendRequest) -> batchparts.Refusal | None:
+            if batch.stream not in quorum:
+                return None
+            try:
+                replication.check_quorum(batch.stream, quorum=quorum[batch.stream])
+            except (NotEnoughReplicasError, NotLeadingError) as exc:
+                return grpc.StatusCode.UNAVAILABLE, f"{exc}; nothing was written: retry"
+            return None
+
+        refused, passed = batchparts.checked(request, self._node.settings, in_sync)
+        reply = await batchparts.passed_on(request, refused, passed, behavior, context)
+        ends: dict[str, int] = {}
+        for batch, result in zip(request.batches, reply.results, strict=True):
+            if not result.HasField("error") and batch.stream in quorum:
+                ends[batch.stream] = max(ends.get(batch.stream, 0), result.last_offset + 1)
+        failed = await asyncio.gather(
+            *(replication.barrier(stream, end, quorum=quorum[stream]) for stream, end in ends.items()),
+            return_exceptions=True,
+        )
+        lost = {stream: exc for stream, exc in zip(ends, failed, strict=True) if exc is not None}
+        for batch, result in zip(request.batches, reply.results, strict=True):
+            exc = lost.get(batch.stream)
+            if exc is not None and not result.HasField("error"):
+                if not isinstance(exc, NotEnoughReplicasError | NotLeadingError):
+                    raise exc
+                result.CopyFrom(
+                    error_result(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"{exc}; the entries were written on this node but may not be replicated: retry "
+                        "(an idempotent producer's retry is not written twice)",
+                    )
+                )
+        return reply
+
+    def _quorum(self, stream: str) -> bool:
+        """Whether appends to `stream` wait for every in-sync replica (acks=quorum)."""
+        record = self._placement.locate(stream)
+        return record is None or record.config.get("acks", self._node.settings.default_acks) != "leader"
 
     def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
         node = self._node
@@ -190,24 +317,48 @@ class RoutingInterceptor(WrappingInterceptor):
     async def _route(self, method: str, request: Any, context: CallContext) -> tuple[str, str] | None:
         """(leader id, its advertised address) to forward the call to; None to serve it here.
         Refusals abort the call."""
+        where = self._not_serving() or await self._where(
+            request.stream, _creates_stream(method, request), *self._routing_metadata(context)
+        )
+        if isinstance(where, _Refusal):
+            await context.abort(where.code, where.message, where.trailers)
+        return where
+
+    def _not_serving(self) -> _Refusal | None:
+        """The refusal of every call while this node is starting or draining."""
         node = self._node
         if not node.started:
-            await context.abort(
+            return _Refusal(
                 grpc.StatusCode.UNAVAILABLE, "server is starting: joining the cluster; retry shortly"
             )
         if node.draining:
-            await context.abort(
+            return _Refusal(
                 grpc.StatusCode.UNAVAILABLE,
                 "server is shutting down; retry on another server or after restart",
             )
-        stream = request.stream
+        return None
+
+    async def _where(
+        self, stream: str, creates: bool, forwarded_by: str | None, redirect: bool
+    ) -> tuple[str, str] | _Refusal | None:
+        """Where a call on `stream` is served: (leader id, address) to forward it to, None here,
+        or the refusal to answer it with (see the module docstring)."""
+        node = self._node
         record = self._placement.locate(stream)
         if record is None:
-            if _creates_stream(method, request) and _valid_name(stream):
-                record = await self._create(stream, context)
-            elif self._routing_metadata(context)[0] is not None:
+            if creates and _valid_name(stream):
+                try:
+                    record = await self._placement.create_if_absent(
+                        stream, followers_in_sync=node.followers_copy_leaders
+                    )
+                except ClusterError as exc:
+                    return _Refusal(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"stream {stream!r} cannot be created in the cluster now: {exc}",
+                    )
+            elif forwarded_by is not None:
                 # The node that forwarded it knows the stream: this node has not heard of it yet.
-                await context.abort(
+                return _Refusal(
                     grpc.StatusCode.UNAVAILABLE,
                     f"stream {stream!r}: this node ({self._me}) has not heard of it yet (the node that "
                     "forwarded the call sees the cluster a moment ahead); retry",
@@ -217,17 +368,17 @@ class RoutingInterceptor(WrappingInterceptor):
         leader = record.leader
         if leader == self._me:
             if not node.coordinator.membership.lease_valid():
-                await context.abort(
+                return _Refusal(
                     grpc.StatusCode.UNAVAILABLE,
                     f"stream {stream!r} is led by this node ({self._me}), which cannot confirm its cluster "
                     "lease now (is etcd reachable?); retry shortly",
                 )
             if node.replicas.is_deleting(stream):
-                await context.abort(
+                return _Refusal(
                     grpc.StatusCode.UNAVAILABLE, f"stream {stream!r} is being deleted; retry shortly"
                 )
             if not await node.replication.wait_ready(stream, _READY_WAIT_S):
-                await context.abort(
+                return _Refusal(
                     grpc.StatusCode.UNAVAILABLE,
                     f"stream {stream!r} is led by this node ({self._me}), which is not ready to serve it "
                     "yet (taking over its copy); retry shortly",
@@ -235,17 +386,16 @@ class RoutingInterceptor(WrappingInterceptor):
             return None
         info = node.coordinator.nodes.live().get(leader) if leader else None
         if info is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, _no_leader(stream))
-        forwarded_by, redirect = self._routing_metadata(context)
+            return _Refusal(grpc.StatusCode.UNAVAILABLE, _no_leader(stream))
         if forwarded_by is not None:
-            await context.abort(
+            return _Refusal(
                 grpc.StatusCode.UNAVAILABLE,
                 f"stream {stream!r} is led by node {leader!r}, not by this node ({self._me}), and the "
                 f"call was already forwarded here by node {forwarded_by!r}: calls are forwarded once; "
                 "retry (the nodes' views of the cluster differ for a moment)",
             )
         if redirect:
-            await context.abort(
+            return _Refusal(
                 grpc.StatusCode.UNAVAILABLE,
                 f"stream {stream!r} is led by node {leader!r} at {info.address} (epoch {record.epoch}): "
                 "call it there",
@@ -300,9 +450,7 @@ class RoutingInterceptor(WrappingInterceptor):
         node, stream = self._node, request.stream
         replication = node.replication
         assert node.engine is not None  # set once the node started
-        record = self._placement.locate(stream)
-        assert record is not None
-        quorum = record.config.get("acks", node.settings.default_acks) != "leader"
+        quorum = self._quorum(stream)
         try:
             replication.check_quorum(stream, quorum=quorum)
         except (NotEnoughReplicasError, NotLeadingError) as exc:
@@ -326,8 +474,7 @@ class RoutingInterceptor(WrappingInterceptor):
         leading or its lease lapses: its client resends what was not answered (an idempotent
         producer's resend is not written twice)."""
         replication = self._node.replication
-        record = self._placement.locate(stream)
-        quorum = record is None or record.config.get("acks", self._node.settings.default_acks) != "leader"
+        quorum = self._quorum(stream)
         async with contextlib.aclosing(replies):
             async for reply in replies:
                 if not reply.error.code:

@@ -11,7 +11,8 @@ Each part has one job and its own module:
 - service/groupadmin.py: CreateGroup, DeleteGroup, ListGroups, GetGroupInfo,
   SetGroupOffset, SetGroupConfig, DeleteConsumer, GetPending;
 - service/consume.py: Consume sessions;
-- service/publish.py: Publish sessions, their messages coalesced into engine writes.
+- service/publish.py: Publish sessions, their messages coalesced into engine writes;
+- service/appendmany.py: AppendMany, batches for many streams in one call.
 
 They share a `Serving` (service/serving.py): the engine, the rule for calls that
 may block on a sync, the reply budget, the subscription count and the drain
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from concurrent.futures import Executor
 
+from service.appendmany import AppendManyCalls
 from service.config import Settings
 from service.consume import ConsumeCalls
 from service.groupadmin import GroupAdmin
@@ -50,6 +52,7 @@ class StreamLogServicer:
         self._publish = PublishCalls(serving)
 
         self.Append = streams.Append
+        self.AppendMany = AppendManyCalls(serving).AppendMany
         self.Publish = self._publish.Publish
         self.Read = streams.Read
         self.ListStreams = streams.ListStreams

@@ -17,7 +17,7 @@ from streamlog.v1 import streamlog_pb2 as pb
 
 from service import describe, paging, streamwire, validation
 from service.callcontext import CallContext
-from service.errors import invalid_argument, limit_exceeded, not_found, translate_errors
+from service.errors import invalid_argument, not_found, translate_errors
 from service.groupdelivery import GroupDelivery, has_group_fields
 from service.serving import Serving
 from service.waiters import Wake
@@ -57,22 +57,12 @@ class StreamCalls:
     async def Append(self, request: pb.AppendRequest, context: CallContext) -> pb.AppendResponse:
         serving = self._serving
         engine = serving.ready()
-        stream = validation.stream(request.stream)
-        entries = request.entries
-        if entries and request.payloads:
-            raise invalid_argument("entries, payloads: set one of them, not both")
-        count = len(entries) or len(request.payloads)
-        if not count:
-            raise invalid_argument("entries: at least one entry is required")
-        limit = serving.settings.max_batch_entries
-        if count > limit:
-            # Refuse before building columns for a batch that cannot be taken.
-            raise limit_exceeded("max_batch_entries", limit, f"entries: the batch has {count} entries")
-        batch = streamwire.append_batch(request, stream)
+        stream, batch, producer = streamwire.checked_append(
+            request, serving.settings.max_batch_entries, "batch"
+        )
         options: dict[str, Any] = {}
-        if request.producer_id:
-            sequence = validation.non_negative("producer_sequence", request.producer_sequence)
-            options["producer"] = (request.producer_id, sequence)
+        if producer is not None:
+            options["producer"] = producer
         if request.HasField("expected_next_offset"):
             options["expected_end"] = validation.non_negative(
                 "expected_next_offset", request.expected_next_offset

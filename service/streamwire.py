@@ -21,10 +21,10 @@ from typing import Any
 from streamlog.v1 import streamlog_pb2 as pb
 
 from service import validation
-from service.errors import invalid_argument
+from service.errors import invalid_argument, limit_exceeded
 from service.groupwire import gap_to_proto
 from service.wire import entries_hold_only_payloads
-from storage import AppendBatch, FsyncPolicy, ReadResult, StreamConfig, StreamInfo
+from storage import AppendBatch, AppendResult, FsyncPolicy, ReadResult, StreamConfig, StreamInfo
 
 FSYNC_TO_PROTO = {
     None: pb.FSYNC_POLICY_UNSPECIFIED,
@@ -34,11 +34,45 @@ FSYNC_TO_PROTO = {
 }
 _FSYNC_FROM_PROTO = {value: key for key, value in FSYNC_TO_PROTO.items()}
 _RETENTION_LIMITS = ("max_entries", "max_age_ms", "max_bytes")
+# An idempotent append's (producer id, sequence).
+Producer = tuple[str, int] | None
 
 _payload = attrgetter("payload")
 _tag = attrgetter("tag")
 _headers = attrgetter("headers")
 _deliver_at = attrgetter("deliver_at_ms")
+
+
+def checked_append(request: Any, max_entries: int, what: str) -> tuple[str, AppendBatch, Producer]:
+    """The stream, engine batch and (producer id, sequence) of an append (an Append's request, a
+    Publish message, an AppendMany batch: `what` names it in errors), checked as every one is."""
+    stream = validation.stream(request.stream)
+    if request.entries and request.payloads:
+        raise invalid_argument("entries, payloads: set one of them, not both")
+    count = len(request.entries) or len(request.payloads)
+    if not count:
+        raise invalid_argument("entries: at least one entry is required")
+    if count > max_entries:
+        # Refuse before building columns for a batch that cannot be taken.
+        raise limit_exceeded("max_batch_entries", max_entries, f"entries: the {what} has {count} entries")
+    batch = append_batch(request, stream)
+    producer = None
+    if request.producer_id:
+        producer = (
+            request.producer_id,
+            validation.non_negative("producer_sequence", request.producer_sequence),
+        )
+    return stream, batch, producer
+
+
+def appended(result: AppendResult) -> dict[str, Any]:
+    """The fields every answer to an append carries (a Publish answer, an AppendMany result)."""
+    return {
+        "first_offset": result.first_offset,
+        "last_offset": result.last_offset,
+        "timestamp_ms": result.timestamp_ms,
+        "duplicate": result.duplicate,
+    }
 
 
 def append_batch(request: pb.AppendRequest, stream: str) -> AppendBatch:

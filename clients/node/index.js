@@ -63,6 +63,32 @@ function toBatch(reply) {
   };
 }
 
+// An AppendRequest (or an AppendMany batch): items and options as Client.append takes them.
+function appendRequest(stream, items, options = {}) {
+  const list = Array.isArray(items) ? items : [items];
+  const plain = list.every((item) => Buffer.isBuffer(item) || typeof item === 'string');
+  const request = { stream };
+  if (plain) request.payloads = list.map((item) => Buffer.from(item));
+  else request.entries = list.map((item) => ({ ...item, payload: Buffer.from(item.payload) }));
+  if (options.producerId !== undefined) {
+    request.producer_id = options.producerId;
+    request.producer_sequence = String(options.producerSequence);
+  }
+  if (options.expectedNextOffset !== undefined) {
+    request.expected_next_offset = String(options.expectedNextOffset);
+  }
+  return request;
+}
+
+function toAppendResult(reply) {
+  return {
+    firstOffset: toNumber(reply.first_offset),
+    lastOffset: toNumber(reply.last_offset),
+    timestampMs: toNumber(reply.timestamp_ms),
+    duplicate: reply.duplicate,
+  };
+}
+
 class StreamlogError extends Error {
   constructor(error) {
     super(`${grpc.status[error.code] || error.code}: ${error.details}`);
@@ -114,25 +140,22 @@ class Client {
   // payloads: Buffers/strings (the fast `payloads` form), or entries {payload, tag, headers}.
   // options: producerId + producerSequence (idempotent), expectedNextOffset (conditional).
   async append(stream, items, options = {}) {
-    const list = Array.isArray(items) ? items : [items];
-    const plain = list.every((item) => Buffer.isBuffer(item) || typeof item === 'string');
-    const request = { stream };
-    if (plain) request.payloads = list.map((item) => Buffer.from(item));
-    else request.entries = list.map((item) => ({ ...item, payload: Buffer.from(item.payload) }));
-    if (options.producerId !== undefined) {
-      request.producer_id = options.producerId;
-      request.producer_sequence = String(options.producerSequence);
-    }
-    if (options.expectedNextOffset !== undefined) {
-      request.expected_next_offset = String(options.expectedNextOffset);
-    }
-    const reply = await this.unary('Append', request);
-    return {
-      firstOffset: toNumber(reply.first_offset),
-      lastOffset: toNumber(reply.last_offset),
-      timestampMs: toNumber(reply.timestamp_ms),
-      duplicate: reply.duplicate,
+    return toAppendResult(await this.unary('Append', appendRequest(stream, items, options)));
+  }
+
+  // One call for many streams: batches are {stream, items, options} (as append's arguments)
+  // or [stream, items] pairs. Resolves to one value per batch, in order: its result (as
+  // append's), or the StreamlogError it was refused with (returned, not thrown: one bad
+  // batch fails no other). Rejects only when the call fails as a whole.
+  async appendMany(batches) {
+    const request = {
+      batches: batches.map((b) => (Array.isArray(b)
+        ? appendRequest(b[0], b[1]) : appendRequest(b.stream, b.items, b.options))),
     };
+    const reply = await this.unary('AppendMany', request);
+    return reply.results.map((result) => (result.error
+      ? new StreamlogError({ code: result.error.code, details: result.error.message })
+      : toAppendResult(result)));
   }
 
   async read(stream, offset = 0, options = {}) {

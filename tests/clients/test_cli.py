@@ -26,6 +26,7 @@ from clients.cli import (
     main,
 )
 from tests.service.helpers import ServerThread
+from tests.service.test_metrics import free_port, scrape, value
 
 STREAMLOG = shutil.which("streamlog", path=str(Path(sys.executable).parent))
 
@@ -188,6 +189,25 @@ def test_export_then_import_round_trips_binary_payloads(
     ]
     code, out = run(server, "export", "src", "--from", "1", "--to", "2")
     assert [r["offset"] for r in lines_json(out)] == [1]
+
+
+def test_import_of_lines_naming_many_streams_uses_append_many(start_server, tmp_path: Path) -> None:
+    server = start_server(metrics_port=free_port())
+    lines = [json.dumps({"stream": f"device-{i % 4}", "payload": f"r{i}"}) for i in range(40)]
+    lines.append(json.dumps({"payload": "to the default stream"}))
+    target = tmp_path / "many.jsonl"
+    target.write_text("\n".join(lines) + "\n")
+    code, out = run(server, "import", "fallback", "-i", str(target), "--json")
+    assert code == 0 and json.loads(out) == {"streams": 5, "imported": 41}
+    with Client(server.target) as client:
+        assert [e.payload for e in client.read("device-2", 0).entries] == [
+            b"r%d" % i for i in range(2, 40, 4)
+        ]
+        assert [e.payload for e in client.read("fallback", 0).entries] == [b"to the default stream"]
+    assert value(scrape(server), "streamlog_rpc_duration_seconds_count", method="AppendMany", code="OK") >= 1
+    # Without a stream argument every line must name one.
+    code, _ = run(server, "import", "-i", str(target))
+    assert code == EXIT_USAGE
 
 
 def test_inspect_a_data_directory(server: ServerThread, capsys: pytest.CaptureFixture) -> None:

@@ -10,9 +10,12 @@ import grpc
 import pytest
 
 from clients import (
+    AppendResult,
     AsyncClient,
+    Batch,
     Client,
     Entry,
+    FailedPreconditionError,
     Gap,
     GapError,
     InvalidArgumentError,
@@ -124,6 +127,29 @@ def test_idempotent_appends_are_written_once(client: Client) -> None:
     assert client.info("s").next_offset == 2
 
 
+def test_append_many_gives_each_batch_its_result_or_its_error(client: Client) -> None:
+    results = client.append_many(
+        [
+            ("a", [b"a0", b"a1"]),
+            Batch("b", Record(b"b0", tag="t"), producer_id="p", producer_sequence=1),
+            ("", b"bad name"),
+            Batch("a", b"a2", expected_next_offset=9),
+            ("b", b"b1"),
+        ]
+    )
+    first, second, bad, conflict, last = results
+    assert isinstance(first, AppendResult) and first.offsets == range(0, 2)
+    assert isinstance(second, AppendResult) and second.first_offset == 0
+    assert isinstance(bad, InvalidArgumentError)
+    assert isinstance(conflict, FailedPreconditionError) and "2" in conflict.details
+    assert last == AppendResult(1, 1, last.timestamp_ms)
+    again = client.append_many([Batch("b", Record(b"b0", tag="t"), producer_id="p", producer_sequence=1)])
+    assert again == [AppendResult(0, 0, second.timestamp_ms, duplicate=True)]
+    assert [e.payload for e in client.read("a", 0)] == [b"a0", b"a1"]
+    with pytest.raises(InvalidArgumentError):
+        client.append_many([])  # no batches: the call itself fails
+
+
 def test_admin_calls(client: Client, server: ServerThread) -> None:
     names = [f"admin-{i}" for i in range(7)]
     for name in names:
@@ -194,5 +220,10 @@ def test_async_client_round_trip(server: ServerThread) -> None:
             assert await client.trim("a", to_offset=1) == 1
             blocked = await client.read("a", 3, block_ms=8000, timeout=0.5)
             assert blocked.entries == []
+            many = await client.append_many([("a", b"4"), ("other", [b"o0", b"o1"])])
+            assert [(r.first_offset, r.last_offset) for r in many if isinstance(r, AppendResult)] == [
+                (3, 3),
+                (0, 1),
+            ]
 
     asyncio.run(scenario())

@@ -36,4 +36,4 @@ def test_node_client_appends_reads_subscribes_and_acks(server: ServerThread) -> 
     )
     assert result.returncode == 0, result.stdout + result.stderr
     # node --test reports its counts: every test ran and passed.
-    assert "# fail 0" in result.stdout and "# pass 7" in result.stdout, result.stdout
+    assert "# fail 0" in result.stdout and "# pass 8" in result.stdout, result.stdout

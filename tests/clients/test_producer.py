@@ -219,3 +219,82 @@ def test_a_delivery_timeout_fails_the_batch(start_server: Callable[..., ServerTh
         with pytest.raises(UnavailableError):
             future.result(10)
         producer.close(timeout=5)
+
+
+class CountCalls(grpc.UnaryUnaryClientInterceptor):
+    """Counts unary calls by method; loses the answer of the first `lose` AppendMany calls (the
+    server has written their batches: the connection drops afterwards)."""
+
+    def __init__(self, lose: int = 0) -> None:
+        self.calls: list[str] = []
+        self.lose = lose
+
+    def intercept_unary_unary(self, continuation: Callable, details: Any, request: Any) -> Any:
+        method = details.method.rsplit("/", 1)[-1]
+        self.calls.append(method)
+        outcome = continuation(details, request)
+        if method == "AppendMany" and self.lose:
+            self.lose -= 1
+            outcome.result()  # written
+            raise _LostReply()
+        return outcome
+
+
+def _counting_client(server: ServerThread, interceptor: CountCalls) -> tuple[Client, grpc.Channel]:
+    channel = grpc.intercept_channel(grpc.insecure_channel(server.target), interceptor)
+    return Client(channel=channel, timeout=10), channel
+
+
+def test_entries_for_several_streams_go_as_one_append_many_in_order(server: ServerThread) -> None:
+    interceptor = CountCalls()
+    client, channel = _counting_client(server, interceptor)
+    try:
+        with Producer(client, linger_ms=10_000) as producer:
+            futures = [producer.send(b"%d" % i, stream=f"device-{i % 3}") for i in range(9)]
+            producer.flush(timeout=10)
+        assert [f.result(0) for f in futures] == [i // 3 for i in range(9)]
+        assert interceptor.calls == ["AppendMany"]  # one call for the three streams' batches
+        assert producer.batches_sent == 3
+        assert _payloads(client, "device-1") == [b"1", b"4", b"7"]
+        with pytest.raises(ValueError, match="name a stream"):
+            Producer(client).send(b"where to?")
+    finally:
+        channel.close()
+
+
+def test_a_batch_for_several_streams_waits_for_the_sessions_answers_before_it(client: Client) -> None:
+    # Small batches at once: those of "s" alone go on the session, those mixing streams by AppendMany.
+    with Producer(client, "s", max_batch_entries=10, linger_ms=0, max_in_flight=8) as producer:
+        pipelined = [producer.send(b"p%d" % i) for i in range(30)]
+        mixed = [producer.send(b"m%d" % i, stream="s" if i % 2 else "other") for i in range(10)]
+        producer.flush(timeout=10)
+    assert [f.result(0) for f in pipelined] == list(range(30))
+    assert [f.result(0) for f in mixed[1::2]] == list(range(30, 35))
+    expected = [b"p%d" % i for i in range(30)] + [b"m%d" % i for i in (1, 3, 5, 7, 9)]
+    assert _payloads(client, "s") == expected
+
+
+def test_a_refused_stream_batch_fails_only_its_entries(client: Client) -> None:
+    with Producer(client, linger_ms=10_000) as producer:
+        fine = producer.send(b"ok", stream="a")
+        too_big = producer.send(b"x" * 5000, stream="b")  # past the test server's max_entry_bytes
+        producer.flush(timeout=10)
+    assert fine.result(0) == 0
+    with pytest.raises(ResourceExhaustedError, match="max_entry_bytes"):
+        too_big.result(0)
+    assert producer.retries == 0
+
+
+def test_an_append_many_whose_answer_is_lost_is_resent_and_written_once(server: ServerThread) -> None:
+    interceptor = CountCalls(lose=1)
+    client, channel = _counting_client(server, interceptor)
+    try:
+        with Producer(client, linger_ms=10_000, initial_backoff_s=0.01) as producer:
+            futures = [producer.send(b"%d" % i, stream=f"t{i % 2}") for i in range(4)]
+            producer.flush(timeout=10)
+        assert [f.result(0) for f in futures] == [0, 0, 1, 1]
+        assert interceptor.calls == ["AppendMany", "AppendMany"]
+        assert producer.retries == 1 and producer.duplicates == 2
+        assert _payloads(client, "t0") == [b"0", b"2"] and _payloads(client, "t1") == [b"1", b"3"]
+    finally:
+        channel.close()

@@ -307,3 +307,33 @@ def test_a_publish_session_carries_the_stream_of_its_first_message(start_nodes) 
         assert set(leaders(nodes["a"], "third")) >= {"first", "second", "third"}
         engine = nodes["a"].server.engine
         assert engine is not None and engine.info("first").end_offset == 5
+
+
+def test_append_many_answers_a_batch_of_a_stream_without_a_leader_unavailable(start_nodes) -> None:
+    nodes = start_nodes({"a": {}, "b": {}})
+    with grpc.insecure_channel(nodes["b"].target) as to_b:
+        b = pb_grpc.StreamLogServiceStub(to_b)
+        for name in ("first", "second"):
+            b.Append(pb.AppendRequest(stream=name, payloads=[b"x"]), timeout=10)
+        assert leaders(nodes["b"], "first", "second") == {"first": "a", "second": "b"}
+        request = pb.AppendManyRequest(
+            batches=[pb.AppendRequest(stream=name, payloads=[b"y"]) for name in ("first", "second")]
+        )
+        results = b.AppendMany(request, timeout=10).results
+        assert [(r.error.code, r.first_offset) for r in results] == [(0, 1), (0, 1)]  # one forwarded
+        nodes["a"].stop()  # "first" (one replica) has no leader once b sees a gone
+        unavailable = grpc.StatusCode.UNAVAILABLE.value[0]
+        deadline = time.monotonic() + 30
+        # Until b sees a gone, the batch forwarded to a fails to connect: UNAVAILABLE too.
+        while "has no leader" not in (results := b.AppendMany(request, timeout=10).results)[0].error.message:
+            assert results[0].error.code == unavailable, results[0]
+            assert time.monotonic() < deadline, "b still takes a for first's leader"
+            time.sleep(0.1)
+        assert results[0].error.code == unavailable
+        assert not results[1].HasField("error")  # the other stream's batch is written all the same
+        engine = nodes["b"].server.engine
+        assert engine is not None and [e.payload for e in engine.read("second", 0, 10).entries()][:3] == [
+            b"x",
+            b"y",
+            b"y",
+        ]

@@ -261,3 +261,49 @@ def test_the_cluster_command_prints_nodes_and_leaders(stubs: Stubs, three_nodes:
     described = json.loads(out.getvalue())
     assert described["node_id"] == "n3" and [n["id"] for n in described["nodes"]] == list(NODES)
     assert [(s["name"], s["leader"]) for s in described["streams"]] == [("shown", leader)]
+
+
+def test_append_many_serves_each_batch_at_its_streams_leader_in_request_order(stubs: Stubs) -> None:
+    streams = [f"many-{i}" for i in range(4)]
+    for stream in streams:
+        create(stubs, stream)
+    leaders = {stream: placed(stubs, stream)[0] for stream in streams}
+    assert len(set(leaders.values())) > 1, leaders  # the batches go to several leaders
+    batches = [pb.AppendRequest(stream=s, payloads=[b"m", s.encode()]) for s in streams]
+    batches += [
+        pb.AppendRequest(stream=streams[0], payloads=[b"again"]),
+        pb.AppendRequest(stream="", payloads=[b"bad"]),  # a bad name: its own error only
+        pb.AppendRequest(stream="many-new", payloads=[b"n"]),  # placed, as an Append places it
+    ]
+    for node in NODES:
+        results = stubs[node].AppendMany(pb.AppendManyRequest(batches=batches), timeout=20).results
+        codes = [r.error.code for r in results]
+        assert codes == [0] * 5 + [grpc.StatusCode.INVALID_ARGUMENT.value[0], 0], [r.error for r in results]
+        done = NODES.index(node)  # rounds before this one: each wrote 2 entries per stream, 3 to the first
+        offsets = [(result.first_offset, result.last_offset) for result in results[:5]]
+        assert offsets == [(1 + 3 * done, 2 + 3 * done)] + [(1 + 2 * done, 2 + 2 * done)] * 3 + [
+            (3 + 3 * done,) * 2
+        ]
+    # acks=quorum: a batch is answered once committed, so every node reads it at once.
+    for node in NODES:
+        read = stubs[node].Read(pb.ReadRequest(stream=streams[1], count=10), timeout=10)
+        assert [e.payload for e in read.entries] == [b"first"] + [b"m", streams[1].encode()] * 3
+        read = stubs[node].Read(pb.ReadRequest(stream=streams[0], count=20), timeout=10)
+        assert [e.payload for e in read.entries] == [b"first"] + [b"m", streams[0].encode(), b"again"] * 3
+    assert placed(stubs, "many-new")[0] in NODES
+
+
+def test_append_many_in_redirect_mode_or_forwarded_refuses_the_batches_led_elsewhere(stubs: Stubs) -> None:
+    leader, (first, _second) = create(stubs, "many-redirect")
+    batch = pb.AppendRequest(stream="many-redirect", payloads=[b"x"])
+    request = pb.AppendManyRequest(batches=[batch])
+    (result,) = stubs[first].AppendMany(request, metadata=REDIRECT, timeout=10).results
+    assert result.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert f"led by node {leader!r}" in result.error.message and "call it there" in result.error.message
+    forwarded = (("streamlog-forwarded-by", "elsewhere"),)
+    (result,) = stubs[first].AppendMany(request, metadata=forwarded, timeout=10).results
+    assert (
+        result.error.code == grpc.StatusCode.UNAVAILABLE.value[0] and "forwarded once" in result.error.message
+    )
+    (result,) = stubs[leader].AppendMany(request, metadata=REDIRECT, timeout=10).results
+    assert not result.HasField("error") and result.first_offset == 1  # nothing was written before

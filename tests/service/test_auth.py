@@ -204,6 +204,7 @@ def test_every_rpc_has_an_access_class() -> None:
 EXPECTED_CLASS = {
     "Append": "w",
     "Publish": "w",  # each message: a refused one is answered so, the session goes on
+    "AppendMany": "w",  # each batch: a refused one is answered so in its result
     "Read": "r",
     "Subscribe": "r",
     "GetStreamInfo": "r",
@@ -248,7 +249,12 @@ def request_for(method: Any, **fields: Any) -> Any:
             setattr(request, name, value)
     if "stream" in names:
         request.stream = "s1"
-    extra = {"Append": {"payloads": [b"x"]}, "Publish": {"payloads": [b"x"]}, "Trim": {"keep_last": 1}}
+    extra = {
+        "Append": {"payloads": [b"x"]},
+        "Publish": {"payloads": [b"x"]},
+        "AppendMany": {"batches": [pb.AppendRequest(stream="s1", payloads=[b"x"])]},
+        "Trim": {"keep_last": 1},
+    }
     extra = extra.get(method.name, {})
     for name, value in {**extra, **fields}.items():
         field = getattr(request, name)
@@ -264,7 +270,7 @@ def request_for(method: Any, **fields: Any) -> Any:
 def call(channel: grpc.Channel, method: Any, request: Any, metadata: Any) -> grpc.StatusCode:
     """The status code of one call (OK for a Subscribe that sent its first reply, and for a
     Consume session of one request that ended OK; for a Publish session of one message, the
-    message's own status)."""
+    message's own status; for an AppendMany of one batch, the batch's own status)."""
     path = f"/{SERVICE.full_name}/{method.name}"
     reply_type = getattr(pb, method.output_type.name)
     if method.client_streaming:
@@ -294,10 +300,12 @@ def call(channel: grpc.Channel, method: Any, request: Any, metadata: Any) -> grp
         path, request_serializer=type(request).SerializeToString, response_deserializer=reply_type.FromString
     )
     try:
-        unary(request, metadata=metadata, timeout=10)
-        return grpc.StatusCode.OK
+        reply = unary(request, metadata=metadata, timeout=10)
     except grpc.RpcError as exc:
         return exc.code()
+    batches = reply.results if method.name == "AppendMany" else []
+    errors = [r.error.code for r in batches if r.HasField("error")]
+    return next((c for c in grpc.StatusCode if errors and c.value[0] == errors[0]), grpc.StatusCode.OK)
 
 
 @pytest.fixture

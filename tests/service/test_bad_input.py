@@ -711,8 +711,32 @@ def shared_channel(shared_server: ServerThread) -> Iterator[grpc.Channel]:
         yield channel
 
 
+# AppendMany: each Append case as a batch of its own, answered in its result; the request as a whole.
+CASES += [
+    ("AppendMany", pb.AppendManyRequest(batches=[request]), code, why)
+    for rpc, request, code, why in list(CASES)
+    if rpc == "Append"
+]
+CASES += [
+    ("AppendMany", pb.AppendManyRequest(), INVALID, "batches: at least one batch is required"),
+    (
+        "AppendMany",
+        pb.AppendManyRequest(batches=[pb.AppendRequest(stream="new", payloads=[b"x"])] * 21),
+        EXHAUSTED,
+        "max_append_many_batches=20",
+    ),
+    (
+        "AppendMany",
+        pb.AppendManyRequest(batches=[pb.AppendRequest(stream="new", payloads=[b"x" * 4000] * 10)] * 4),
+        EXHAUSTED,
+        "max_append_many_bytes=131072",
+    ),
+]
+
+
 class MessageRefused(grpc.RpcError):
-    """A Publish message's `error`, as the status a unary call would have ended with."""
+    """A Publish message's or AppendMany batch's `error`, as the status a unary call would have
+    ended with."""
 
     def __init__(self, error: pb.PublishError) -> None:
         super().__init__(error.message)
@@ -730,6 +754,10 @@ def _call(stub: pb_grpc.StreamLogServiceStub, rpc: str, request: Any) -> None:
         (answer,) = stub.Publish(iter([request]), timeout=5)
         if answer.HasField("error"):
             raise MessageRefused(answer.error)
+    elif rpc == "AppendMany":
+        (result,) = stub.AppendMany(request, timeout=5).results
+        if result.HasField("error"):
+            raise MessageRefused(result.error)
     elif rpc == "Consume":
         ended = threading.Event()
 

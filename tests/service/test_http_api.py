@@ -69,6 +69,26 @@ def test_append_and_read_are_grpcurl_json_and_agree_with_grpc(api: HttpApi, grpc
     assert api.post("Read", {"stream": "orders", "offset": 1, "maxBytes": "100"}).status == 200
 
 
+def test_append_many_is_served_by_its_post_route_with_per_batch_results(api: HttpApi, grpc_stub) -> None:
+    # Mapped from the proto like every RPC: no route of its own.
+    batches = [
+        {"stream": "m1", "payloads": [b64(b"a"), b64(b"b")]},
+        {"stream": "", "payloads": [b64(b"x")]},  # a bad batch: its own error, the others written
+        {"stream": "m2", "entries": [{"payload": b64(b"c"), "tag": "t"}]},
+    ]
+    reply = api.post("AppendMany", {"batches": batches})
+    assert reply.status == 200
+    first, bad, last = reply.json["results"]
+    assert (first.get("first_offset", "0"), first["last_offset"]) == ("0", "1")
+    assert bad["error"]["code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "stream" in bad["error"]["message"]
+    assert "error" not in last and "timestamp_ms" in last
+    read = grpc_stub.Read(pb.ReadRequest(stream="m2", offset=0, count=10))
+    assert [(e.payload, e.tag) for e in read.entries] == [(b"c", "t")]
+    empty = api.post("AppendMany", {"batches": []})
+    assert empty.status == 400 and "at least one batch" in empty.json["message"]
+
+
 def test_rest_routes_take_path_segments_and_query_parameters(api: HttpApi, grpc_stub) -> None:
     name = "a/b é"  # any stream name, as one encoded path segment
     grpc_stub.Append(pb.AppendRequest(stream=name, payloads=[b"x"] * 5))

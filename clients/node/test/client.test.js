@@ -35,6 +35,20 @@ test('idempotent and conditional appends', async () => {
   );
 });
 
+test('appendMany: one result per batch, a refused batch returned as its error', async () => {
+  const results = await client.appendMany([
+    ['node-many-a', ['a0', 'a1']],
+    { stream: '', items: 'bad name' },
+    { stream: 'node-many-b', items: [{ payload: 'b0', tag: 't' }], options: { producerId: 'np', producerSequence: 1 } },
+  ]);
+  assert.deepEqual([results[0].firstOffset, results[0].lastOffset], [0, 1]);
+  assert.ok(results[1] instanceof StreamlogError && results[1].code === 3);
+  assert.deepEqual([results[2].firstOffset, results[2].duplicate], [0, false]);
+  const again = await client.appendMany([{ stream: 'node-many-b', items: [{ payload: 'b0', tag: 't' }],
+    options: { producerId: 'np', producerSequence: 1 } }]);
+  assert.equal(again[0].duplicate, true);
+});
+
 test('subscribe receives history, then live entries', async () => {
   await client.append('node-live', ['h1', 'h2']);
   const seen = [];

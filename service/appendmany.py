@@ -1,0 +1,121 @@
+"""AppendMany: batches for many streams in one call, each atomic on its own, one result per batch.
+
+Each batch is checked as an Append is (streamwire.checked_append); one that fails gets
+its error in its result and the others go on. Those that pass are grouped by stream, in
+request order, and each stream's are written by one `Engine.append_many` (the write of
+Publish's coalesced messages: one lock, one sync under "always", one wake-up), or by one
+`Engine.append` each, in order, when one of them is conditional (expected_next_offset,
+which append_many does not take). Streams whose fsync policy does not block are written
+on the loop; the others in one thread hop, one after another.
+
+The request as a whole is checked first (`check_request`): at least one batch, at most
+max_append_many_batches of them and max_append_many_bytes. In a cluster the routing layer
+checks it too, before it splits the batches by leader (service/routing.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from streamlog.v1 import streamlog_pb2 as pb
+
+from service import streamwire, validation
+from service.callcontext import CallContext
+from service.config import Settings
+from service.errors import ServiceError, invalid_argument, limit_exceeded, status_for, translate_errors
+from service.serving import Serving
+from service.streamwire import Producer
+from storage import AppendBatch, AppendResult, Engine, StorageError
+
+# What a batch gets: its result, or the error that refused it.
+Outcome = AppendResult | BaseException
+# A stream's checked batches, in request order: (index in the request, batch, producer, expected end).
+_Writes = list[tuple[int, AppendBatch, Producer, int | None]]
+
+
+def check_request(request: pb.AppendManyRequest, settings: Settings) -> None:
+    """Refuse a request that is wrong as a whole: no batches, or past a bound on the whole."""
+    count = len(request.batches)
+    if not count:
+        raise invalid_argument("batches: at least one batch is required")
+    limit = settings.max_append_many_batches
+    if count > limit:
+        raise limit_exceeded("max_append_many_batches", limit, f"batches: the request has {count} batches")
+    limit = settings.max_append_many_bytes
+    size = request.ByteSize()
+    if size > limit:
+        raise limit_exceeded("max_append_many_bytes", limit, f"batches: the request has {size} bytes")
+
+
+def error_result(code: grpc.StatusCode, message: str) -> pb.AppendManyResult:
+    """The result of a batch that was not appended: the status an Append of it would end with."""
+    return pb.AppendManyResult(error=pb.PublishError(code=code.value[0], message=message))
+
+
+def _result(outcome: Outcome) -> pb.AppendManyResult:
+    if isinstance(outcome, AppendResult):
+        return pb.AppendManyResult(**streamwire.appended(outcome))
+    return error_result(*status_for(outcome))
+
+
+def _write(engine: Engine, stream: str, writes: _Writes, outcomes: list[Any]) -> None:
+    """Write one stream's batches, each outcome into its slot."""
+    try:
+        if all(expected is None for *_, expected in writes):
+            written = engine.append_many(stream, [(batch, producer) for _, batch, producer, _ in writes])
+            for (i, *_), outcome in zip(writes, written, strict=True):
+                outcomes[i] = outcome
+            return
+        for i, batch, producer, expected in writes:
+            try:
+                outcomes[i] = engine.append(stream, batch, producer=producer, expected_end=expected)
+            except StorageError as exc:
+                outcomes[i] = exc
+    except StorageError as exc:  # the stream as a whole refused the write (deleted, failed sync)
+        for i, *_ in writes:
+            outcomes[i] = exc
+
+
+def _write_all(engine: Engine, streams: list[tuple[str, _Writes]], outcomes: list[Any]) -> None:
+    for stream, writes in streams:
+        _write(engine, stream, writes, outcomes)
+
+
+class AppendManyCalls:
+    """The AppendMany RPC."""
+
+    def __init__(self, serving: Serving) -> None:
+        self._serving = serving
+
+    @translate_errors
+    async def AppendMany(self, request: pb.AppendManyRequest, context: CallContext) -> pb.AppendManyResponse:
+        serving = self._serving
+        engine = serving.ready()
+        settings = serving.settings
+        check_request(request, settings)
+        outcomes: list[Any] = [None] * len(request.batches)
+        by_stream: dict[str, _Writes] = {}
+        for i, batch_request in enumerate(request.batches):
+            try:
+                stream, batch, producer = streamwire.checked_append(
+                    batch_request, settings.max_batch_entries, "batch"
+                )
+                expected = None
+                if batch_request.HasField("expected_next_offset"):
+                    expected = validation.non_negative(
+                        "expected_next_offset", batch_request.expected_next_offset
+                    )
+            except (ServiceError, StorageError) as exc:
+                outcomes[i] = exc
+                continue
+            by_stream.setdefault(stream, []).append((i, batch, producer, expected))
+        blocking: list[tuple[str, _Writes]] = []
+        for stream, writes in by_stream.items():
+            if engine.fsync_policy(stream).blocks:
+                blocking.append((stream, writes))
+            else:
+                _write(engine, stream, writes, outcomes)
+        if blocking:
+            await serving.in_thread(_write_all, engine, blocking, outcomes)
+        return pb.AppendManyResponse(results=list(map(_result, outcomes)))

@@ -1,0 +1,172 @@
+"""AppendMany: batches for many streams in one call, end to end against real servers.
+
+Each batch is atomic on its own and gets its own result, in request order; a batch that
+fails (bad input, a limit, a refused permission) does not fail the others.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from streamlog.v1 import streamlog_pb2 as pb
+from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
+
+from service import auth
+from tests.cluster.nodes import eventually
+from tests.service.helpers import ServerThread
+from tests.service.test_auth import ACL_TOML, TOKENS_TOML, bearer, write
+from tests.service.test_metrics import free_port, scrape, value
+
+TIMEOUT = 20
+PERMISSION_DENIED = grpc.StatusCode.PERMISSION_DENIED.value[0]
+INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+
+
+def batch(stream: str, *payloads: bytes, **fields: Any) -> pb.AppendRequest:
+    return pb.AppendRequest(stream=stream, payloads=list(payloads), **fields)
+
+
+def append_many(
+    server: ServerThread, batches: list[pb.AppendRequest], metadata: tuple[tuple[str, str], ...] = ()
+) -> list[pb.AppendManyResult]:
+    with grpc.insecure_channel(server.target) as channel:
+        reply = pb_grpc.StreamLogServiceStub(channel).AppendMany(
+            pb.AppendManyRequest(batches=batches), timeout=TIMEOUT, metadata=metadata
+        )
+    return list(reply.results)
+
+
+def offsets(results: list[pb.AppendManyResult]) -> list[tuple[int, int]]:
+    return [(r.first_offset, r.last_offset) for r in results]
+
+
+def payloads(server: ServerThread, stream: str) -> list[bytes]:
+    return [e.payload for e in server.server.engine.read(stream, 0, 1000).entries()]
+
+
+def test_results_come_in_request_order_and_batches_of_a_stream_in_order(start_server):
+    server = start_server()
+    batches = [
+        batch("a", b"a0", b"a1"),
+        batch("b", b"b0"),
+        pb.AppendRequest(stream="a", entries=[pb.Entry(payload=b"a2", tag="t")]),
+        batch("c", *[b"c"] * 5),
+        batch("b", b"b1", b"b2"),
+    ]
+    results = append_many(server, batches)
+    assert not any(r.HasField("error") for r in results)
+    assert offsets(results) == [(0, 1), (0, 0), (2, 2), (0, 4), (1, 2)]
+    assert results[0].timestamp_ms > 0
+    assert payloads(server, "a") == [b"a0", b"a1", b"a2"]
+    assert payloads(server, "b") == [b"b0", b"b1", b"b2"]
+    assert server.server.engine.read("a", 2, 1).entries()[0].tag == "t"
+
+
+def test_a_bad_batch_gets_its_error_and_writes_nothing_while_the_others_are_written(start_server):
+    server = start_server(fsync="always")  # written in the thread pool: the same outcomes
+    limit = server.settings.max_batch_entries
+    batches = [
+        batch("s", b"ok"),
+        batch("", b"x"),  # no stream name
+        pb.AppendRequest(stream="s"),  # no entries
+        batch("s", *[b"x"] * (limit + 1)),  # past max_batch_entries: none of it written
+        batch("s", b"y" * (server.settings.max_entry_bytes + 1)),
+        batch("s", b"z", producer_id="p", producer_sequence=-1),
+        batch("t", b"t0"),
+    ]
+    results = append_many(server, batches)
+    codes = [r.error.code for r in results]
+    bad_name = no_entries = bad_sequence = INVALID_ARGUMENT
+    assert codes == [0, bad_name, no_entries, RESOURCE_EXHAUSTED, RESOURCE_EXHAUSTED, bad_sequence, 0]
+    assert "max_batch_entries" in results[3].error.message
+    assert "max_entry_bytes" in results[4].error.message
+    assert offsets([results[0], results[6]]) == [(0, 0), (0, 0)]
+    assert payloads(server, "s") == [b"ok"]  # each refused batch wrote nothing of itself
+
+
+def test_per_batch_options_idempotence_and_conditions(start_server):
+    server = start_server()
+    first = append_many(
+        server,
+        [
+            batch("s", b"a", producer_id="p", producer_sequence=1),
+            batch("s", b"b", expected_next_offset=1),
+            batch("s", b"c", expected_next_offset=7),  # wrong: refused, the others go on
+            batch("new", b"n", expected_next_offset=0),
+        ],
+    )
+    assert [r.error.code for r in first] == [0, 0, FAILED_PRECONDITION, 0]
+    assert "2" in first[2].error.message  # the stream's actual next offset
+    again = append_many(server, [batch("s", b"a", producer_id="p", producer_sequence=1), batch("s", b"d")])
+    assert again[0].duplicate and (again[0].first_offset, again[0].last_offset) == (0, 0)
+    assert offsets(again[1:]) == [(2, 2)]
+    assert payloads(server, "s") == [b"a", b"b", b"d"]
+    assert payloads(server, "new") == [b"n"]
+
+
+def test_a_malformed_request_or_one_past_its_bounds_is_refused_whole(start_server):
+    server = start_server(max_append_many_batches=3, max_append_many_bytes=1000)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        cases = [
+            ([], grpc.StatusCode.INVALID_ARGUMENT, "at least one batch"),
+            ([batch("s", b"x")] * 4, grpc.StatusCode.RESOURCE_EXHAUSTED, "max_append_many_batches=3"),
+            ([batch("s", b"x" * 1000)], grpc.StatusCode.RESOURCE_EXHAUSTED, "max_append_many_bytes=1000"),
+        ]
+        for batches, code, text in cases:
+            with pytest.raises(grpc.RpcError) as info:
+                stub.AppendMany(pb.AppendManyRequest(batches=batches), timeout=TIMEOUT)
+            assert info.value.code() == code
+            assert text in info.value.details()
+    assert not server.server.engine.exists("s")
+
+
+def test_each_batch_needs_write_on_its_stream(start_server, tmp_path: Path):
+    server = start_server(
+        tokens_file=write(tmp_path / "tokens.toml", TOKENS_TOML),
+        acl_file=write(tmp_path / "acl.toml", ACL_TOML),
+    )
+    batches = [batch("s1", b"a"), batch("x", b"b"), batch("s2", b"c")]
+    results = append_many(server, batches, bearer("writer"))  # may write s*, not x
+    assert [r.error.code for r in results] == [0, PERMISSION_DENIED, 0]
+    assert "may not AppendMany on stream 'x'" in results[1].error.message
+    assert not server.server.engine.exists("x")
+    refused = append_many(server, batches, bearer("reader"))  # may write nowhere
+    assert {r.error.code for r in refused} == {PERMISSION_DENIED}
+    with pytest.raises(grpc.RpcError) as info:
+        append_many(server, batches)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert auth.METHOD_ACCESS["AppendMany"].permission == auth.WRITE
+
+
+def test_written_batches_count_as_appends_and_max_streams_refuses_a_batch_only(start_server):
+    server = start_server(metrics_port=free_port(), max_streams=1)
+    results = append_many(server, [batch("s", b"a"), batch("s", b"bc", b"d"), batch("new", b"x")])
+    assert results[2].error.code == RESOURCE_EXHAUSTED  # max_streams, this one only
+    assert "max_streams" in results[2].error.message
+    assert offsets(results[:2]) == [(0, 0), (1, 2)]
+    samples = scrape(server)
+    assert value(samples, "streamlog_append_requests_total", stream="s") == 2
+    assert value(samples, "streamlog_appended_entries_total", stream="s") == 3
+    assert value(samples, "streamlog_refusals_total", kind="limit", reason="max_streams") == 1
+    assert value(samples, "streamlog_rpc_duration_seconds_count", method="AppendMany", code="OK") == 1
+
+
+def test_appends_wake_blocked_readers_of_every_stream(start_server):
+    server = start_server()
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        reads = [
+            stub.Read.future(pb.ReadRequest(stream=name, offset=0, block_ms=10_000), timeout=TIMEOUT)
+            for name in ("r1", "r2")
+        ]
+        # Both reads are waiting once the server counts them (no sleep: bounded by the deadline).
+        waiters = server.server._servicer._serving.waiters
+        eventually(lambda: server.call(waiters.count) >= 2)
+        stub.AppendMany(pb.AppendManyRequest(batches=[batch("r1", b"1"), batch("r2", b"2")]), timeout=TIMEOUT)
+        assert [[e.payload for e in r.result().entries] for r in reads] == [[b"1"], [b"2"]]
