@@ -1,9 +1,12 @@
 """A node's cluster figures on /metrics and its readiness, on real `streamlog serve --cluster`
 processes: replication lag of a paused follower, under-replicated streams, forwarded calls,
-leader changes, and a restarted node that is not ready until its copies have caught up."""
+leader changes, a restarted node that is not ready until its copies have caught up; and the
+Grafana dashboard (deploy/grafana), whose every query names metrics the nodes expose."""
 
 from __future__ import annotations
 
+import json
+import re
 import signal
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -21,6 +24,7 @@ from tests.cluster.etcd_server import EtcdCluster
 from tests.cluster.helpers import TEST_TTL_MS
 from tests.cluster.nodes import ClusterNodes, eventually, free_port, leader_of
 from tests.cluster.test_failover import Links
+from tests.ops.helpers import ROOT
 from tests.service.processes import ServerProcess
 
 NODES = ("n1", "n2", "n3")
@@ -31,6 +35,10 @@ SETTLE_S = TEST_TTL_MS / 1000 + 55
 pytestmark = pytest.mark.timeout(300)
 
 Stubs = Callable[[str], pb_grpc.StreamLogServiceStub]
+DASHBOARD = ROOT / "deploy" / "grafana" / "streamlog.json"
+METRIC = re.compile(r"\bstreamlog_[a-z0-9_]+")
+# The sample names each type of family exposes, besides the name its TYPE line gives.
+SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum")}
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
@@ -173,3 +181,33 @@ def test_a_restarted_node_is_alive_but_not_ready_until_its_copies_catch_up(
         ),
         SETTLE_S,
     )
+
+
+def exposed_names(nodes: Nodes, name: str) -> set[str]:
+    """Every sample name node `name`'s /metrics declares (with or without samples now)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{nodes.metrics_ports[name]}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    names = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, family, kind = line.split(" ")
+            names.update(family + suffix for suffix in ("", *SUFFIXES.get(kind, ())))
+    return names
+
+
+def test_every_metric_the_dashboard_queries_is_one_the_nodes_expose(
+    cluster_nodes: Nodes, stubs: Stubs
+) -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    queries += [
+        variable["definition"] for variable in dashboard["templating"]["list"] if "definition" in variable
+    ]
+    assert queries and all(METRIC.search(query) for query in queries)
+    stubs("n1").Append(pb.AppendRequest(stream="d", payloads=[b"a"]), timeout=10)
+    exposed = set().union(*(exposed_names(cluster_nodes, name) for name in NODES))
+    queried = {name for query in queries for name in METRIC.findall(query)}
+    assert queried - exposed == set()
+    assert {"streamlog_cluster_replication_lag_entries", "streamlog_rpc_duration_seconds_bucket"} <= queried
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
