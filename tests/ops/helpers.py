@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import kubernetes_validate
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,6 +35,18 @@ def compose_schema_errors(spec: dict[str, Any]) -> list[str]:
     schema = json.loads(schema_file.read_text())
     validator = jsonschema.validators.validator_for(schema)(schema)
     return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(spec)]
+
+
+def kubernetes_errors(docs: Sequence[dict[str, Any]], version: str) -> list[str]:
+    """Where Kubernetes objects break the schemas of `version` (kubernetes-validate's, offline)."""
+    errors = []
+    for doc in docs:
+        try:
+            # strict: unknown fields (typos) are errors, as `kubectl apply --validate=strict` makes them.
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            errors.append(f"{doc.get('kind')} {doc.get('metadata', {}).get('name')}: {exc.message}")
+    return errors
 
 
 def free_port() -> int:

@@ -13,14 +13,13 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
 import pytest
 import yaml
 
 from cluster.addresses import parse_endpoints
 from service.config import load_settings
 from service.server import SERVICE_NAME
-from tests.ops.helpers import K8S, ROOT
+from tests.ops.helpers import K8S, ROOT, kubernetes_errors
 from tests.ops.test_k8s import KUBERNETES_VERSIONS
 
 OVERLAY = ROOT / "deploy" / "k8s-cluster"
@@ -87,13 +86,7 @@ def port(statefulset: dict[str, Any], name: str) -> int:
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_the_rendered_cluster_is_valid_for_kubernetes(version: str) -> None:
-    errors = []
-    for doc in render(OVERLAY):
-        try:
-            kubernetes_validate.validate(doc, version, strict=True)
-        except kubernetes_validate.ValidationError as exc:
-            errors.append(f"{doc['kind']} {doc['metadata']['name']}: {exc.message}")
-    assert errors == []
+    assert kubernetes_errors(render(OVERLAY), version) == []
 
 
 def test_the_base_stays_a_single_server_and_the_overlay_adds_the_cluster() -> None:
