@@ -21,17 +21,19 @@ from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
 from service.server import SERVICE_NAME
 from tests.cluster.etcd_server import EtcdCluster
-from tests.cluster.helpers import TEST_TTL_MS
 from tests.cluster.nodes import ClusterNodes, eventually, free_port, leader_of
 from tests.cluster.test_failover import Links
 from tests.ops.helpers import ROOT
 from tests.service.processes import ServerProcess
 
 NODES = ("n1", "n2", "n3")
-REPLICATED = {"default_replication_factor": "3", "replica_lag_ms": "1000"}
+# Leases longer than the other cluster tests' (2 s): these tests read one leader's figures over
+# several steps, and on a loaded machine a 2 s lease may lapse and move the leader meanwhile.
+LEASE_TTL_MS = 6000
+REPLICATED = {"default_replication_factor": "3", "replica_lag_ms": "1000", "lease_ttl_ms": str(LEASE_TTL_MS)}
 # A paused node's lease expires within its TTL, then the controller elects; a loaded machine
 # takes several times what an idle one does (see test_failover.py).
-SETTLE_S = TEST_TTL_MS / 1000 + 55
+SETTLE_S = LEASE_TTL_MS / 1000 + 55
 pytestmark = pytest.mark.timeout(300)
 
 Stubs = Callable[[str], pb_grpc.StreamLogServiceStub]
