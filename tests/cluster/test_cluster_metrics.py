@@ -119,7 +119,19 @@ def test_lag_under_replication_and_forwarding_per_node(cluster_nodes: Nodes, stu
 
     # A paused follower falls behind: entries and time, then out of the in-sync set.
     nodes.signal(paused, signal.SIGSTOP)
-    stubs(leader).Append(pb.AppendRequest(stream="m", payloads=[b"c"] * 5), timeout=10)
+    # Acknowledged once the other follower holds it: retried (idempotent, written once) while a
+    # loaded machine has that follower briefly out of the in-sync set too.
+    request = pb.AppendRequest(stream="m", payloads=[b"c"] * 5, producer_id="lag", producer_sequence=0)
+
+    def appended() -> bool:
+        try:
+            stubs(leader).Append(request, timeout=10)
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+            return False
+        return True
+
+    eventually(appended, SETTLE_S)
 
     def lagging() -> bool:
         samples = scrape(nodes, leader)
