@@ -8,7 +8,11 @@ ReplicaService onto the server); started after the engine has recovered: the nod
 starts its replica manager (cluster/replication/manager.py: copies and roles), registers
 in etcd, loads the cluster's records (the manager creates the copies it lacks and takes
 its role in each stream), takes part in the controller election, and only then routes
-calls (until then they get UNAVAILABLE, and health says NOT_SERVING). When the server
+calls (until then they get UNAVAILABLE, and health says NOT_SERVING). Health says
+StreamLogService is SERVING only once the node has caught up (`wait_caught_up`): each copy
+it follows is in its stream's in-sync set, or the stream has no leader to copy from; a
+restarted node thus stays out of a Kubernetes Service, and a rolling update waits, until
+its streams are fully replicated again. When the server
 drains, it forwards no more calls and ends those it relays; it is stopped after the gRPC
 server has drained, so that calls in flight finish as leader: then replication stops,
 then the coordinator, revoking the lease last, so that the node's keys go at once and
@@ -21,6 +25,7 @@ a member: `failed` is set, and the server shuts down (service/server.py).
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -38,6 +43,7 @@ from cluster.replication.service import PEER_SECRET, REPLICA_STATE, REPLICATE, R
 from cluster.replication.service import add_to_server as add_replica_service
 from service.config import Settings
 from service.forwarding import Forwarder
+from service.metrics import ClusterState
 from service.opencalls import OpenCalls
 from service.peers import PeerChannels
 from service.replicas import LocalReplicas, Role
@@ -91,6 +97,12 @@ class ClusterNode:
         # Listeners added now hear the records that exist when the coordinator starts.
         placement.add_listener(self.replicas.on_placement)
         placement.add_listener(self._on_catalog_change)
+        placement.add_listener(self._track_catch_up)
+        # Streams whose copy here is out of their in-sync set while they have a leader to copy.
+        self._behind: set[str] = set()
+        self._caught_up = asyncio.Event()
+        # Times this node became the leader of a stream it followed, and stopped leading one.
+        self._leader_changes: collections.Counter[str] = collections.Counter()
         self.routing = RoutingInterceptor(service.full_name, self)
         self.engine: Engine | None = None
         self.started = False
@@ -218,7 +230,56 @@ class ClusterNode:
         if old is None or new is None:
             self._names = None
 
-    def _on_role(self, name: str, _before: Role, after: Role, record: StreamPlacement | None) -> None:
+    async def wait_caught_up(self) -> None:
+        """Return once no copy here is behind (see the module docstring): health's readiness."""
+        while self._behind:
+            self._caught_up.clear()
+            await self._caught_up.wait()
+
+    def _track_catch_up(self, name: str, _old: StreamPlacement | None, new: StreamPlacement | None) -> None:
+        me = self.node_id
+        if new is not None and new.leader and me in new.replicas and me not in new.isr:
+            self._behind.add(name)
+        else:
+            self._behind.discard(name)
+        if not self._behind:
+            self._caught_up.set()
+
+    def metrics_state(self) -> ClusterState:
+        """What /metrics reports of this node's part in the cluster (on the event loop)."""
+        led: collections.Counter[tuple[int, int]] = collections.Counter()
+        under_replicated: dict[str, int] = {}
+        lag_entries: dict[str, int] = {}
+        lag_seconds: dict[str, float] = {}
+        leaders = self._replication.leaders if self._replication is not None else {}
+        for name, leader in leaders.items():
+            if not leader.leading:
+                continue
+            replicas, in_sync = len(leader.record.replicas), len(leader.record.isr)
+            led[(replicas, in_sync)] += 1
+            if in_sync < replicas:
+                under_replicated[name] = in_sync
+            _hw, progress = leader.progress()
+            (_me, end, _), *followers = progress
+            for node, log_end, lag_ms in followers:
+                lag_entries[node] = lag_entries.get(node, 0) + end - log_end
+                lag_seconds[node] = max(lag_seconds.get(node, 0.0), lag_ms / 1000)
+        return ClusterState(
+            live_nodes=len(self.coordinator.nodes.live()) if self.started else 0,
+            copies_behind=len(self._behind),
+            led_streams=dict(led),
+            under_replicated=under_replicated,
+            lag_entries=lag_entries,
+            lag_seconds=lag_seconds,
+            leader_changes=dict(self._leader_changes),
+            forwarded=dict(self.forwarder.forwarded),
+        )
+
+    def _on_role(self, name: str, before: Role, after: Role, record: StreamPlacement | None) -> None:
+        if record is not None and before is Role.FOLLOWER and after is Role.LEADER:
+            self._leader_changes["gained"] += 1
+        elif record is not None and before is Role.LEADER and after is not Role.LEADER:
+            self._leader_changes["lost"] += 1
         # Calls served here on a stream this node does not lead (any more, or at all: a wait
         # on a stream that did not exist yet) end, to be routed to the leader again. A
         # deleted stream's calls end as on a single server (NOT_FOUND), by the deletion.

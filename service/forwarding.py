@@ -16,6 +16,7 @@ unknown, exactly as for a caller whose own connection broke.
 
 from __future__ import annotations
 
+import collections
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from typing import Any
@@ -64,6 +65,8 @@ class Forwarder:
     ) -> None:
         self._node_id = node_id
         self._peers = peers
+        # Calls relayed to a leader, per method (read by /metrics, service/metrics.py).
+        self.forwarded: collections.Counter[str] = collections.Counter()
         raw = frozenset(raw_reply_methods)
         # method name -> (path, channel method, serializers): requests are the parsed messages
         # the server read; replies stay bytes for the RPCs whose handlers return bytes.
@@ -81,6 +84,7 @@ class Forwarder:
 
     def _call(self, method: str, leader: str, address: str) -> Any:
         path, kind, serializers = self._methods[method]
+        self.forwarded[method] += 1
         return self._peers.method(leader, address, path, kind, **serializers)
 
     def _metadata(self, context: CallContext) -> tuple[tuple[str, Any], ...]:

@@ -12,6 +12,12 @@ Two sources:
   and per stream; per consumer group its lag, pending, scheduled, consumers and
   counters (deliveries, redeliveries, acks, expiries, dead letters); active
   subscriptions and blocked reads.
+- **Cluster** (a node run with `--cluster`), sampled by `ClusterCollector` on the
+  event loop at scrape time from `ClusterState` (service/clusternode.py): live nodes,
+  copies not yet in sync, the streams led here by replication factor and in-sync
+  count, under-replicated streams (named: those only, so that the series stay few at
+  many streams), replication lag per follower (entries summed, seconds the worst over
+  the streams led here), leader changes, calls forwarded to leaders per method.
 
 The engine does not expose the time of its fdatasync calls. The closest figure
 the service sees is `streamlog_durable_append_seconds`: appends to `always`
@@ -30,14 +36,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import math
 import socket
 import threading
 import time
 import wsgiref.simple_server
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
@@ -575,6 +583,121 @@ class LoopLagCollector(Collector):
             "Time the event loop took to run a callback at the last scrape (capped at 5 s).",
             lag,
         )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClusterState:
+    """A cluster node's figures at one moment (built on the event loop, read by a scrape)."""
+
+    live_nodes: int
+    copies_behind: int  # copies here out of their stream's in-sync set (readiness waits for 0)
+    led_streams: dict[tuple[int, int], int]  # (replicas, in sync) -> streams led here
+    under_replicated: dict[str, int]  # stream led here -> its in-sync replicas, when short
+    lag_entries: dict[str, int]  # follower -> entries behind, summed over the streams led here
+    lag_seconds: dict[str, float]  # follower -> time since caught up, the worst stream led here
+    leader_changes: dict[str, int]  # "gained" (a follower here elected) or "lost" -> count
+    forwarded: dict[str, int]  # method -> calls relayed to a leader
+
+
+class ClusterCollector(Collector):
+    """The cluster node's state: taken on the event loop (where it changes), reported here."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, state: Callable[[], ClusterState], timeout_s: float = 5.0
+    ) -> None:
+        self._loop, self._state, self._timeout_s = loop, state, timeout_s
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        taken: concurrent.futures.Future[ClusterState] = concurrent.futures.Future()
+
+        def take() -> None:
+            try:
+                taken.set_result(self._state())
+            except Exception as exc:
+                taken.set_exception(exc)
+
+        try:
+            self._loop.call_soon_threadsafe(take)
+            state = taken.result(self._timeout_s)
+        except RuntimeError:  # the loop is closed: the server is stopping
+            return
+        except Exception as exc:  # a loop too busy to answer in time, or a bug: never a 500 loop
+            log.warning("metrics: cluster state unavailable: %s", exc)
+            return
+        yield from _cluster_families(state)
+
+
+def _cluster_families(state: ClusterState) -> Iterator[Any]:
+    prefix = "streamlog_cluster_"
+    yield GaugeMetricFamily(
+        f"{prefix}live_nodes", "Nodes registered in etcd, as this node sees.", state.live_nodes
+    )
+    yield GaugeMetricFamily(
+        f"{prefix}copies_behind",
+        "Copies on this node out of their stream's in-sync set while it has a leader (the node is "
+        "not ready until 0).",
+        state.copies_behind,
+    )
+    led = GaugeMetricFamily(
+        f"{prefix}led_streams",
+        "Streams this node leads, by replication factor and in-sync replicas.",
+        labels=["replicas", "in_sync"],
+    )
+    for (replicas, in_sync), count in sorted(state.led_streams.items()):
+        led.add_metric([str(replicas), str(in_sync)], count)
+    yield led
+    yield GaugeMetricFamily(
+        f"{prefix}under_replicated_streams",
+        "Streams this node leads with fewer in-sync replicas than replicas.",
+        len(state.under_replicated),
+    )
+    yield _labelled(
+        GaugeMetricFamily,
+        f"{prefix}stream_in_sync_replicas",
+        "In-sync replicas of each under-replicated stream this node leads (no series when in sync).",
+        "stream",
+        state.under_replicated.items(),
+    )
+    yield _labelled(
+        GaugeMetricFamily,
+        f"{prefix}replication_lag_entries",
+        "Entries each follower lacks, summed over the streams this node leads.",
+        "follower",
+        sorted(state.lag_entries.items()),
+    )
+    yield _labelled(
+        GaugeMetricFamily,
+        f"{prefix}replication_lag_seconds",
+        "Time since each follower last caught up, the worst of the streams this node leads.",
+        "follower",
+        sorted(state.lag_seconds.items()),
+    )
+    yield _labelled(
+        CounterMetricFamily,
+        f"{prefix}leader_changes",
+        "Leadership changes on this node: gained (a follower here elected) or lost (a stream led here "
+        "moved on).",
+        "change",
+        [(change, state.leader_changes.get(change, 0)) for change in ("gained", "lost")],
+    )
+    yield _labelled(
+        CounterMetricFamily,
+        f"{prefix}forwarded_calls",
+        "Calls this node relayed to their stream's leader, per method.",
+        "method",
+        sorted(state.forwarded.items()),
+    )
+
+
+def _labelled(kind: Any, name: str, help_text: str, label: str, values: Iterable[tuple[str, float]]) -> Any:
+    """A family of one label, a sample per (label value, value)."""
+    family = kind(name, help_text, labels=[label])
+    for key, value in values:
+        family.add_metric([key], value)
+    return family
 
 
 # Which streams a scraper may see (by name).

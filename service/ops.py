@@ -127,6 +127,11 @@ class Operations:
         if settings.reload_interval_ms and (self.security.tls or self.security.auth):
             self._watch = asyncio.create_task(self._watch_files(settings.reload_interval_ms / 1000))
 
+    def watch_cluster(self, state: Callable[[], metrics.ClusterState]) -> None:
+        """Report a cluster node's state on /metrics (after `start`, on the event loop)."""
+        if self.metrics is not None:
+            self.metrics.registry.register(metrics.ClusterCollector(asyncio.get_running_loop(), state))
+
     async def _watch_files(self, interval_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)

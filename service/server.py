@@ -11,7 +11,8 @@ UNAVAILABLE, in-flight calls given `shutdown_grace_ms` to finish, then the engin
 synced and closed.
 
 In a cluster (`--cluster`, service/clusternode.py), the node joins after its engine
-has recovered and before health turns SERVING, and leaves after the calls have
+has recovered and before health turns SERVING (the overall health, ""; StreamLogService's
+once its copies have caught up: readiness), and leaves after the calls have
 drained, before the engine closes. A node that can no longer act as a member (its id
 taken while it was cut off from etcd) shuts down like this and exits with an error.
 """
@@ -140,6 +141,7 @@ class StreamLogServer:
         self.ops: Operations | None = None
         self.http: HttpGateway | None = None
         self.cluster: ClusterNode | None = None
+        self._ready_task: asyncio.Task[None] | None = None
 
     @property
     def address(self) -> str:
@@ -206,6 +208,8 @@ class StreamLogServer:
         log.info("listening on %s (data %s, fsync %s)", self.address, settings.data_dir, settings.fsync)
         try:
             await ops.start(self._health, _address)
+            if self.cluster is not None:
+                ops.watch_cluster(self.cluster.metrics_state)
             if settings.http_port:
                 # The HTTP API runs every call through these same handlers and interceptors.
                 dispatcher = Dispatcher(SERVICE, handlers, ops.interceptors())
@@ -231,8 +235,19 @@ class StreamLogServer:
                 raise
         if self.http is not None:
             await self.http.attach(self.engine)
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        if self.cluster is None:
+            await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        else:
+            # Alive and a member (liveness: the overall health); ready (StreamLogService) once
+            # its copies have caught up (service/clusternode.py).
+            await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+            self._ready_task = asyncio.create_task(self._serve_once_caught_up(self.cluster))
         log.info("serving %d streams", len(self.engine.list_streams()))
+
+    async def _serve_once_caught_up(self, cluster: ClusterNode) -> None:
+        await cluster.wait_caught_up()
+        log.info("caught up: every copy on this node is in sync; ready")
+        await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
 
     def _open_engine(self) -> Engine:
         engine = Engine(self.settings.data_dir, config=engine_config(self.settings), fs=self._fs)
@@ -259,6 +274,8 @@ class StreamLogServer:
         started = self._server is not None
         if started:
             log.info("draining")
+        if self._ready_task is not None:
+            self._ready_task.cancel()
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self._servicer is not None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
+from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
 from tests.cluster.etcd_server import EtcdCluster
 from tests.cluster.nodes import ClusterNodes
@@ -56,3 +58,12 @@ def three_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterNod
         nodes.stop_all()
         nodes.print_logs()
         etcd.stop()
+
+
+@pytest.fixture
+def stubs(cluster_nodes: ClusterNodes) -> Iterator[Callable[[str], pb_grpc.StreamLogServiceStub]]:
+    """A StreamLogService stub for node `name` of `cluster_nodes`; channels closed at teardown."""
+    channels: list[grpc.Channel] = []
+    yield lambda name: cluster_nodes.stub(name, channels)
+    for channel in channels:
+        channel.close()

@@ -34,14 +34,6 @@ pytestmark = pytest.mark.timeout(300)  # several SETTLE_S waits in a row, on a b
 Stubs = Callable[[str], pb_grpc.StreamLogServiceStub]
 
 
-@pytest.fixture
-def stubs(cluster_nodes: ClusterNodes) -> Iterator[Stubs]:
-    channels: list[grpc.Channel] = []
-    yield lambda name: cluster_nodes.stub(name, channels)
-    for channel in channels:
-        channel.close()
-
-
 def payloads(batch: int, size: int = 10) -> list[bytes]:
     return [b"batch-%03d-entry-%02d" % (batch, i) for i in range(size)]
 

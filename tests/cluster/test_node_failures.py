@@ -14,7 +14,6 @@ import base64
 import json
 import signal
 import urllib.request
-from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -31,14 +30,6 @@ NODES = ("n1", "n2", "n3")
 LEADER_TRAILERS = {"streamlog-leader-id", "streamlog-leader-address", "streamlog-leader-epoch"}
 # A dead or paused node's lease expires within its TTL, plus etcd's expiry check and the election.
 EXPIRY_S = TEST_TTL_MS / 1000 + 5
-
-
-@pytest.fixture
-def stubs(cluster_nodes: ClusterNodes) -> Iterator[Callable[[str], pb_grpc.StreamLogServiceStub]]:
-    channels: list[grpc.Channel] = []
-    yield lambda name: cluster_nodes.stub(name, channels)
-    for channel in channels:
-        channel.close()
 
 
 def test_a_killed_leaders_streams_have_no_leader_until_it_comes_back(

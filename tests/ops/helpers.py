@@ -1,7 +1,10 @@
-"""Shared by the deployment tests: paths, YAML loading, free ports, `streamlog serve` as a process."""
+"""Shared by the deployment tests: paths, YAML loading, the Compose schema, free ports, commands run
+as processes."""
 
 from __future__ import annotations
 
+import importlib.resources
+import json
 import os
 import signal
 import socket
@@ -11,6 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import jsonschema
+import kubernetes_validate
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,6 +26,27 @@ START_TIMEOUT_S = 30
 def load_yaml_documents(path: Path) -> list[dict[str, Any]]:
     with path.open() as handle:
         return [doc for doc in yaml.safe_load_all(handle) if doc is not None]
+
+
+def compose_schema_errors(spec: dict[str, Any]) -> list[str]:
+    """Where a compose file breaks the Compose Specification (the schema check-jsonschema ships,
+    so no network is needed)."""
+    schema_file = importlib.resources.files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json"
+    schema = json.loads(schema_file.read_text())
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(spec)]
+
+
+def kubernetes_errors(docs: Sequence[dict[str, Any]], version: str) -> list[str]:
+    """Where Kubernetes objects break the schemas of `version` (kubernetes-validate's, offline)."""
+    errors = []
+    for doc in docs:
+        try:
+            # strict: unknown fields (typos) are errors, as `kubectl apply --validate=strict` makes them.
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            errors.append(f"{doc.get('kind')} {doc.get('metadata', {}).get('name')}: {exc.message}")
+    return errors
 
 
 def free_port() -> int:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import fnmatch
 import importlib
-import importlib.resources
 import importlib.util
 import inspect
 import json
@@ -18,11 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import dockerfile
-import jsonschema
 import pytest
 import yaml
 
-from tests.ops.helpers import ROOT, Process, free_port, wait_until
+from tests.ops.helpers import ROOT, Process, compose_schema_errors, free_port, wait_until
 
 DOCKERFILE = ROOT / "Dockerfile"
 COMPOSE = ROOT / "docker-compose.yml"
@@ -216,11 +214,7 @@ def compose() -> dict[str, Any]:
 
 
 def test_compose_file_follows_the_compose_specification() -> None:
-    schema_file = importlib.resources.files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json"
-    schema = json.loads(schema_file.read_text())
-    validator = jsonschema.validators.validator_for(schema)(schema)
-    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(compose())]
-    assert errors == []
+    assert compose_schema_errors(compose()) == []
 
 
 def test_compose_runs_the_server_and_the_demo_against_it() -> None:

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.config import load_settings
 from service.server import SERVICE_NAME
-from tests.ops.helpers import K8S, Process, free_port, load_yaml_documents, wait_until
+from tests.ops.helpers import K8S, Process, free_port, kubernetes_errors, load_yaml_documents, wait_until
 
 # The oldest release whose schemas we check (native gRPC probes are GA from 1.27), and the newest.
 KUBERNETES_VERSIONS = ("1.30.0", kubernetes_validate.utils.latest_version())
@@ -55,15 +55,7 @@ def config_toml() -> str:
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_every_manifest_is_valid_for_kubernetes(version: str) -> None:
-    errors = []
-    for name, docs in manifests().items():
-        for doc in docs:
-            try:
-                # strict: unknown fields (typos) are errors, as `kubectl apply --validate=strict` makes them.
-                kubernetes_validate.validate(doc, version, strict=True)
-            except kubernetes_validate.ValidationError as exc:
-                errors.append(f"{name} {doc.get('kind')}: {exc.message}")
-    assert errors == []
+    assert kubernetes_errors(documents(), version) == []
 
 
 def test_kustomization_lists_every_manifest() -> None:
