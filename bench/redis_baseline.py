@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ __all__ = [
     "find_redis_server",
     "hiredis_in_use",
     "memory_per_entry",
+    "primary_with_replica",
     "run",
     "xadd_pipelined",
     "xrange_read",
@@ -360,6 +361,35 @@ class RedisServer:
         client = redis.Redis(host=self.host, port=self.port, **kwargs)
         self._clients.append(client)
         return client
+
+
+@contextlib.contextmanager
+def primary_with_replica(
+    appendfsync: str | None, link_timeout_s: float = 30.0, **kwargs: Any
+) -> Iterator[tuple[RedisServer, RedisServer]]:
+    """Two servers with the same AOF policy: a primary and a ``--replicaof`` replica of it,
+    yielded once the replica's link is up and the primary counts it (so ``WAIT 1`` can be
+    answered). The replica stops first."""
+    extra_args = list(kwargs.pop("extra_args", ()))
+    # The primary would wait 5 s for more replicas to share one sync: there is only one.
+    primary_args = [*extra_args, "--repl-diskless-sync-delay", "0"]
+    with RedisServer(appendfsync, extra_args=primary_args, **kwargs) as primary:
+        assert primary.port is not None
+        replica_args = [*extra_args, "--replicaof", primary.host, str(primary.port)]
+        with RedisServer(appendfsync, extra_args=replica_args, **kwargs) as replica:
+            on_replica, on_primary = replica.client(), primary.client()
+            deadline = time.monotonic() + link_timeout_s
+            while (
+                on_replica.info("replication").get("master_link_status") != "up"
+                or int(on_primary.info("replication").get("connected_slaves", 0)) < 1
+            ):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the replica did not link to its primary within {link_timeout_s} s; "
+                        f"replica log tail:\n{replica._log_tail()}"
+                    )
+                time.sleep(0.05)  # another process's state: nothing here can wake us
+            yield primary, replica
 
 
 # --------------------------------------------------------------------------

@@ -60,14 +60,6 @@ def _assert_gone(pid: int, port: int) -> None:
         pass
 
 
-@pytest.fixture(scope="module")
-def redis_exe() -> str:
-    try:
-        return rb.ensure_redis_server()
-    except rb.RedisUnavailable as exc:
-        pytest.skip(f"redis-server not installed and not installable here: {exc}")
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _no_server_left_behind() -> Iterator[None]:
     yield
