@@ -47,9 +47,10 @@ def test_redis_with_a_replica_waits_for_it_and_the_replica_holds_every_entry(
     with rb.primary_with_replica("everysec", executable=redis_exe) as (primary, replica):
         assert replica.client().info("replication")["role"] == "slave"
         assert replica.client().config_get("appendfsync")["appendfsync"] == "everysec"
-        redis_wait = cluster.RedisWait(primary.client(), replica.client())
-        unary, batched = cluster.redis_calls(redis_wait)
+        redis_wait = cluster.RedisWait(primary, replica)
+        unary, batched = redis_wait.call([b"x" * 100]), redis_wait.call([b"y" * 100] * 1000)
         cluster.measure({cluster.REDIS_ROUTE: unary}, {cluster.REDIS_ROUTE: batched}, calls=30, batches=3)
+        redis_wait.close()
         assert redis_wait.check() == 30 + 3 + 3 * 1000  # warm-up, unary calls, batches
         emitted = records(capsys)
         for percentile in ("50", "99"):
@@ -64,7 +65,7 @@ def test_redis_with_a_replica_waits_for_it_and_the_replica_holds_every_entry(
             rb.RedisServer("everysec", executable=redis_exe) as stranger,
             pytest.raises(AssertionError, match="XLEN on the primary, the replica"),
         ):
-            cluster.RedisWait(primary.client(), stranger.client()).check()
+            cluster.RedisWait(primary, stranger).check()
 
 
 @pytest.mark.timeout(120)
