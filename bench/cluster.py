@@ -25,7 +25,7 @@ must count the replica, and at the end XLEN on the replica must equal what was a
 Then, with the figures' servers stopped, the failover run (bench/failover.py): a
 three-node cluster on the same etcd, its stream's leader killed N times (default 20).
 
-One JSON object per line (bench.common.emit), about five minutes (--quick: about a minute).
+One JSON object per line (bench.common.emit), about five minutes (--quick: one or two).
 """
 
 from __future__ import annotations
