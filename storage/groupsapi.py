@@ -113,9 +113,7 @@ class GroupCalls:
     ) -> list[tuple[int, bytes]] | None:
         """The op batches after `op_seq` as (seq, encoded ops), oldest first, within about
         `max_bytes` (at least one); None when they are not retained: send a snapshot."""
-        store = self._groups.stores.get(stream)
-        with store.lock:
-            return store.batches_since(op_seq, max_bytes)
+        return self._groups.stores.get(stream).batches_since(op_seq, max_bytes)
 
     def group_snapshot(self, stream: str) -> tuple[int, bytes]:
         """(op seq, encoded ops that rebuild the groups). Batches made from now on are retained

@@ -240,15 +240,20 @@ class GroupStore:
 
     def batches_since(self, op_seq: int, max_bytes: int) -> list[tuple[int, bytes]] | None:
         """The batches after `op_seq`, oldest first, within about `max_bytes` (at least one);
-        None when they are not all retained (or `op_seq` is not one of this store's)."""
-        if op_seq == self.op_seq:
-            return []
+        None when they are not all retained (or `op_seq` is not one of this store's). Lock-free
+        (a fetch asks on the event loop): it reads one copy of the retained batches."""
         retained = self.retained
-        if retained is None or not retained or not retained[0][0] - 1 <= op_seq < self.op_seq:
+        batches = list(retained) if retained is not None else []  # one C-level copy, under the GIL
+        if not batches:
+            return [] if op_seq == self.op_seq else None
+        first, last = batches[0][0], batches[-1][0]
+        if op_seq == last:
+            return []
+        if not first - 1 <= op_seq < last:
             return None
         out: list[tuple[int, bytes]] = []
         size = 0
-        for batch in list(retained)[op_seq - retained[0][0] + 1 :]:
+        for batch in batches[op_seq - first + 1 :]:
             if out and size + len(batch[1]) > max_bytes:
                 break
             out.append(batch)
