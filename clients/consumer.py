@@ -115,7 +115,8 @@ class Consumer:
     waits for entries as long as it takes (stop() ends the wait at once).
     retry_ms / claim_idle_ms: the session's read options (see ReadRequest). create:
     create the group (at `start`) if it does not exist, and again if a leader's failover
-    loses it (groups are not replicated yet).
+    loses it (group state is replicated, so only on an acks=leader stream whose leader died
+    before its followers applied the group's creation).
     extend_every_s: re-claim the message in hand this often; None derives it from
     retry_ms, 0 turns it off. give_up_after_s: how long transient errors (server down)
     may last before iteration raises.
@@ -283,8 +284,8 @@ class Consumer:
             except NotFoundError:
                 if not (self._create and failure is not None):
                     raise
-                # The failover's new leader has no copy of the group (groups are not replicated
-                # yet: docs/CLUSTER.md): created again at `start`, delivering from there again.
+                # The failover's new leader has no copy of the group (acks=leader: its creation
+                # died with the old leader, docs/CLUSTER.md): created again at `start`.
                 log.warning(
                     "consumer %s: group %s is not on the stream's new leader; created again at %r",
                     self.name,

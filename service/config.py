@@ -599,4 +599,5 @@ def engine_config(settings: Settings, *, background: bool = True) -> EngineConfi
         cache_nodes=settings.cache_nodes,
         max_open_streams=settings.max_open_streams,
         background=background,
+        groups_passive=bool(settings.cluster),
     )

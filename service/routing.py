@@ -44,6 +44,14 @@ SetGroupConfig with a dead-letter stream place that stream beside the group's (t
 engine writes dead letters into its local copy), and refuse one led elsewhere.
 ListStreams lists placement (the cluster's catalog) and DescribeCluster describes the
 cluster, from this node's copy of etcd.
+
+Served here, a call that changes a stream answers once the change is replicated (the
+barrier, cluster/replication/leader.py; acks=quorum streams, at once for acks=leader):
+Append and each Publish answer once their entries are committed; a group call that may
+change group state (Ack, Nack, Claim, AutoClaim, group and consumer admin, and each
+reply of a group Read, Subscribe or Consume) once every in-sync replica applied the
+stream's group ops up to its own, so a failover never takes back a delivery or an ack
+(a read that changed nothing finds them applied already, and does not wait).
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
@@ -79,6 +87,7 @@ from service.interceptors import (
 from service.opencalls import current_call
 from service.paging import page_of_names
 from service.resume import GROUP_RESUME, PUBLISH_RESUME, SubscribePosition
+from storage import StreamNotFoundError
 
 if TYPE_CHECKING:
     from service.clusternode import ClusterNode
@@ -92,6 +101,20 @@ LEADER_EPOCH = "streamlog-leader-epoch"
 _DEAD_LETTER_METHODS = frozenset({"CreateGroup", "SetGroupConfig"})
 # Streams of one AppendMany located (and placed, when new) at once.
 _PLACING = 64
+# Unary calls that may change group state (and a group Read).
+_GROUP_CHANGES = frozenset(
+    {
+        "Ack",
+        "Nack",
+        "Claim",
+        "AutoClaim",
+        "CreateGroup",
+        "DeleteGroup",
+        "SetGroupOffset",
+        "SetGroupConfig",
+        "DeleteConsumer",
+    }
+)
 # How long a call waits for this node to take over a stream placement says it now leads.
 _READY_WAIT_S = 2.0
 
@@ -268,7 +291,10 @@ class RoutingInterceptor(WrappingInterceptor):
                 relayed = node.forwarder.stream(method, request, context, *leader)
                 replies = _marked(method, request, relayed, relayed=True)
             else:
-                replies = _marked(method, request, iterate(behavior, request, context), relayed=False)
+                served = iterate(behavior, request, context)
+                if method == "Subscribe" and request.group:
+                    served = self._committed(request.stream, served, context, self._group_barrier_of)
+                replies = _marked(method, request, served, relayed=False)
             async with contextlib.aclosing(replies):
                 async for reply in replies:
                     yield reply
@@ -304,7 +330,9 @@ class RoutingInterceptor(WrappingInterceptor):
                     served_requests = checked(served_requests, functools.partial(_same_stream, stream))
                 served = behavior(served_requests, context)
                 if method == "Publish":
-                    served = self._committed(stream, served, context)
+                    served = self._committed(stream, served, context, _publish_barrier_of)
+                elif method == "Consume":
+                    served = self._committed(stream, served, context, self._group_barrier_of)
                 replies = _marked(method, request_of(opening), served, relayed=False)
             async with contextlib.aclosing(replies):
                 async for reply in replies:
@@ -440,7 +468,49 @@ class RoutingInterceptor(WrappingInterceptor):
             _mark_read(request, relayed=False)
         if method == "Append" and self._placement.locate(request.stream) is not None:
             return await self._append(request, context, behavior)
+        if (method in _GROUP_CHANGES or (method == "Read" and request.group)) and self._placement.locate(
+            request.stream
+        ) is not None:
+            return await self._group_call(method, request, context, behavior)
         return await behavior(request, context)
+
+    def _quorum(self, stream: str) -> bool:
+        record = self._placement.locate(stream)
+        return record is None or record.config.get("acks", self._node.settings.default_acks) != "leader"
+
+    async def _group_call(
+        self, method: str, request: Any, context: CallContext, behavior: UnaryBehavior
+    ) -> Any:
+        """A group call served here: refused before it changes anything when too few replicas are
+        in sync; its reply once every in-sync replica applied the group ops up to its own."""
+        stream, replication = request.stream, self._node.replication
+        quorum = self._quorum(stream)
+        try:
+            replication.check_quorum(stream, quorum=quorum)
+        except (NotEnoughReplicasError, NotLeadingError) as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; nothing was changed: retry")
+        reply = await behavior(request, context)
+        try:
+            await replication.barrier(stream, 0, quorum=quorum, group_seq=self._group_seq(stream))
+        except (NotEnoughReplicasError, NotLeadingError) as exc:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{exc}; the change was made on this node but may not be replicated: retry",
+            )
+        return reply
+
+    def _group_seq(self, stream: str) -> int | None:
+        """The stream's group op seq now (None: the stream was deleted meanwhile)."""
+        engine = self._node.engine
+        assert engine is not None  # set once the node started
+        try:
+            return engine.group_seq(stream)
+        except StreamNotFoundError:
+            return None
+
+    def _group_barrier_of(self, stream: str, _reply: Any) -> tuple[int, int | None] | None:
+        """What a group read's reply waits for: the group ops made so far."""
+        return 0, self._group_seq(stream)
 
     async def _append(self, request: Any, context: CallContext, behavior: UnaryBehavior) -> Any:
         """An Append served here: refused before it writes when too few replicas are in sync for
@@ -467,23 +537,30 @@ class RoutingInterceptor(WrappingInterceptor):
         return reply
 
     async def _committed(
-        self, stream: str, replies: AsyncGenerator[Any, None], context: CallContext
+        self,
+        stream: str,
+        replies: AsyncGenerator[Any, None],
+        context: CallContext,
+        barrier_of: Callable[[str, Any], tuple[int, int | None] | None],
     ) -> AsyncGenerator[Any, None]:
-        """A Publish session's answers, each once its entries are committed, as an Append's
-        (acks=quorum; at once for acks=leader). The session ends UNAVAILABLE when this node stops
-        leading or its lease lapses: its client resends what was not answered (an idempotent
-        producer's resend is not written twice)."""
+        """A streaming call's replies, each once what it changed is replicated, as a unary call's
+        (acks=quorum; at once for acks=leader): `barrier_of(stream, reply)` says what it waits
+        for, (end, group seq), or None. The call ends UNAVAILABLE when this node stops leading or
+        its lease lapses: a Publish client resends what was not answered (an idempotent
+        producer's resend is not written twice); a group reader resumes, and what it was not
+        sent comes back to it or another consumer (at-least-once)."""
         replication = self._node.replication
         quorum = self._quorum(stream)
         async with contextlib.aclosing(replies):
             async for reply in replies:
-                if not reply.error.code:
+                target = barrier_of(stream, reply)
+                if target is not None:
                     try:
-                        await replication.barrier(stream, reply.last_offset + 1, quorum=quorum)
+                        await replication.barrier(stream, target[0], quorum=quorum, group_seq=target[1])
                     except (NotEnoughReplicasError, NotLeadingError) as exc:
                         await context.abort(
                             grpc.StatusCode.UNAVAILABLE,
-                            f"{exc}; messages not answered may not be replicated: resend them",
+                            f"{exc}; what was not answered may not be replicated: resend it, or resume",
                         )
                 yield reply
 
@@ -558,6 +635,11 @@ class RoutingInterceptor(WrappingInterceptor):
         except ServiceError as exc:
             await context.abort(exc.code, exc.message)
             raise  # not reached: abort raises
+
+
+def _publish_barrier_of(stream: str, reply: Any) -> tuple[int, int | None] | None:
+    """What a Publish reply waits for: its entries committed (none for a refused message)."""
+    return None if reply.error.code else (reply.last_offset + 1, None)
 
 
 def _same_stream(stream: str, request: Any) -> tuple[grpc.StatusCode, str] | None:

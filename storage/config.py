@@ -47,6 +47,9 @@ class EngineConfig:
     dedup_window_ms: int = 600_000
     dedup_batches_per_producer: int = 32
     dedup_max_producers: int = 10_000
+    # Consumer groups start passive (a cluster node's: they serve calls only where it leads,
+    # storage/groupstore.py); False: active (a single server).
+    groups_passive: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fsync", _fsync_policy(self.fsync))

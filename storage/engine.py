@@ -109,7 +109,11 @@ class Engine(GroupCalls, ReplicaCalls):
         self._load()
         # Consumer groups (storage/groupmanager.py): their state lives beside each stream's segments.
         self._groups = GroupManager(
-            self, self._fs, self._clock, journal_bytes=min(self.config.segment_bytes, GROUP_JOURNAL_BYTES)
+            self,
+            self._fs,
+            self._clock,
+            journal_bytes=min(self.config.segment_bytes, GROUP_JOURNAL_BYTES),
+            passive=self.config.groups_passive,
         )
         self.retention_floor = self._groups.retention_floor
         self._closed = False

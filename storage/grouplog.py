@@ -2,7 +2,8 @@
 
 Files, in the stream's directory (see docs/FORMAT.md, "Consumer groups"):
 
-    groups.snapshot                    every group as ops that rebuild it (the journal, compacted)
+    groups.snapshot                    every group as ops that rebuild it (the journal, compacted),
+                                       and the op sequence number it stands at
     groups-<20-digit generation>.journal   ops applied since that snapshot, one checksummed record per call
 
 Recovery reads the snapshot, then replays the journal of the snapshot's
@@ -22,6 +23,11 @@ like segments: a full disk fails when it is created, and a fault-injecting
 file system sees every record write and sync.
 
 Records and the snapshot hold ops encoded by `storage.groupops.encode_ops`.
+
+The op sequence number (`op_seq`) counts the op batches a stream's groups ever
+made (a replica's: the ones it applied): one journal record is one batch, so
+a snapshot records the number it stands at and recovery adds the records
+replayed after it. Replication names batches by it (storage.groupstore).
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ SNAPSHOT_FILE = "groups.snapshot"
 JOURNAL_PREFIX = "groups-"
 JOURNAL_SUFFIX = ".journal"
 FORMAT_VERSION = 1
+# Version 2 snapshots begin their body with the op sequence number (version 1: 0).
+SNAPSHOT_VERSION = 2
 HEADER_SIZE = 32
 RECORD_HEADER_SIZE = 8
 # A journal is at least twice the size of the snapshot before it, so the cost of rewriting a big
@@ -57,6 +65,7 @@ _SNAPSHOT_HEADER = struct.Struct("<4sHHQQI")
 # magic, version, zero, generation, 12 zero bytes (+ header CRC)
 _JOURNAL_HEADER = struct.Struct("<4sHHQ12x")
 _U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
 _RECORD = struct.Struct("<II")  # body length, CRC32C of the length's 4 bytes + body
 
 
@@ -67,25 +76,30 @@ def journal_name(generation: int) -> str:
 # ---------------------------------------------------------------------- files
 
 
-def encode_snapshot(generation: int, ops: Sequence[GroupOp]) -> bytes:
-    body = encode_ops(ops)
-    head = _SNAPSHOT_HEADER.pack(_SNAPSHOT_MAGIC, FORMAT_VERSION, 0, generation, len(body), crc32c(body))
+def encode_snapshot(generation: int, ops: Sequence[GroupOp], op_seq: int = 0) -> bytes:
+    body = _U64.pack(op_seq) + encode_ops(ops)
+    head = _SNAPSHOT_HEADER.pack(_SNAPSHOT_MAGIC, SNAPSHOT_VERSION, 0, generation, len(body), crc32c(body))
     return head + _U32.pack(crc32c(head)) + body
 
 
-def decode_snapshot(raw: bytes) -> tuple[int, list[GroupOp]]:
+def decode_snapshot(raw: bytes) -> tuple[int, list[GroupOp], int]:
+    """(generation, ops, op sequence number) of a snapshot image."""
     if len(raw) < HEADER_SIZE:
         raise CorruptionError("group snapshot is shorter than its header")
     head = raw[: HEADER_SIZE - 4]
     if _U32.unpack_from(raw, HEADER_SIZE - 4)[0] != crc32c(head):
         raise CorruptionError("group snapshot header CRC mismatch")
     magic, version, _, generation, length, body_crc = _SNAPSHOT_HEADER.unpack(head)
-    if magic != _SNAPSHOT_MAGIC or version != FORMAT_VERSION:
+    if magic != _SNAPSHOT_MAGIC or version not in (FORMAT_VERSION, SNAPSHOT_VERSION):
         raise CorruptionError(f"group snapshot has magic {magic!r} version {version}")
     body = raw[HEADER_SIZE : HEADER_SIZE + length]
     if len(body) != length or crc32c(body) != body_crc:
         raise CorruptionError("group snapshot body CRC mismatch")
-    return generation, decode_ops(body)
+    if version == FORMAT_VERSION:
+        return generation, decode_ops(body), 0
+    if length < _U64.size:
+        raise CorruptionError("group snapshot body is shorter than its op sequence number")
+    return generation, decode_ops(body[_U64.size :]), _U64.unpack_from(body)[0]
 
 
 def encode_journal_header(generation: int) -> bytes:
@@ -151,6 +165,7 @@ class GroupLog:
         self.journal_bytes = journal_bytes
         self.generation = 0
         self.seq = 0  # records appended since open (checkpoints cover every one before them)
+        self.op_seq = 0  # the op sequence number the last load found (module doc)
         self.synced_seq = 0
         self.replayed = 0  # records the last load replayed
         self.cut: str | None = None  # why the last load cut the journal, if it did
@@ -172,7 +187,7 @@ class GroupLog:
         of stale bytes of a cut tail.
         """
         fs, directory = self.fs, self.directory
-        generation, ops = decode_snapshot(fs.read_file(directory / SNAPSHOT_FILE))
+        generation, ops, self.op_seq = decode_snapshot(fs.read_file(directory / SNAPSHOT_FILE))
         self.generation = generation
         path = directory / journal_name(generation)
         if fs.exists(path):
@@ -188,6 +203,7 @@ class GroupLog:
             if self.cut is not None:
                 log.warning("%s: %s; cut there (%d records kept)", path, self.cut, self.replayed)
             ops.extend(journal_ops)
+            self.op_seq += self.replayed
         else:
             self.cut = f"journal {path.name} is missing"
             log.error("%s: the snapshot names a journal that does not exist", directory)
@@ -218,9 +234,10 @@ class GroupLog:
     def dirty(self) -> bool:
         return self.synced_seq < self.seq
 
-    def append(self, ops: Sequence[GroupOp]) -> int:
-        """Write one record holding `ops` (not synced); returns its seq. JournalFullError if it cannot fit."""
-        record = encode_record(encode_ops(ops))
+    def append(self, body: bytes) -> int:
+        """Write one record holding `body`, ops as `encode_ops` gives them (not synced); returns
+        its seq. JournalFullError if it cannot fit."""
+        record = encode_record(body)
         with self._lock:
             file = self._file
             # Keep 8 zero bytes after the last record: the end marker a reader stops at.
@@ -231,9 +248,10 @@ class GroupLog:
             self.seq += 1
             return self.seq
 
-    def checkpoint(self, state_ops: Sequence[GroupOp]) -> None:
-        """Write `state_ops` as the snapshot of a new generation, with an empty journal (module doc)."""
-        body = encode_snapshot(self.generation + 1, state_ops)
+    def checkpoint(self, state_ops: Sequence[GroupOp], op_seq: int) -> None:
+        """Write `state_ops` as the snapshot of a new generation standing at op batch `op_seq`,
+        with an empty journal (module doc)."""
+        body = encode_snapshot(self.generation + 1, state_ops, op_seq)
         with self._lock:
             fs, directory = self.fs, self.directory
             generation = self.generation + 1

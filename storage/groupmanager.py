@@ -38,11 +38,17 @@ class GroupManager:
     reads, claims, acks and nacks go to `delivery`."""
 
     def __init__(
-        self, streams: GroupStreams, fs: FileSystem, clock: Callable[[], int], *, journal_bytes: int
+        self,
+        streams: GroupStreams,
+        fs: FileSystem,
+        clock: Callable[[], int],
+        *,
+        journal_bytes: int,
+        passive: bool = False,
     ) -> None:
         self._streams = streams
         self._clock = clock
-        self.stores = GroupStores(streams, fs, journal_bytes=journal_bytes)
+        self.stores = GroupStores(streams, fs, journal_bytes=journal_bytes, passive=passive)
         self.delivery = GroupDelivery(self.stores, streams, DeadLetters(streams), self._now)
 
     def _now(self) -> int:
@@ -65,16 +71,18 @@ class GroupManager:
             store.sync()
 
     def maintain(self) -> None:
-        """Retire expired entries (dead letters included), sync everysec journals, compact big journals."""
+        """Retire expired entries (dead letters included; not in passive stores: their leader's
+        calls do it), sync everysec journals, compact big journals."""
         now = self._now()
         for store in self.stores.all():
             if store.closed or store.broken is not None:
                 continue
             name = store.name
             try:
-                with self.stores.writing(name) as st:
-                    for group in list(st.state.groups.values()):
-                        self.delivery.settle(name, group, now)
+                if not store.passive:
+                    with self.stores.writing(name) as st:
+                        for group in list(st.state.groups.values()):
+                            self.delivery.settle(name, group, now)
                 store.maintain_journal(self._streams.fsync_policy(name))
             except StorageError as exc:
                 log.error("maintenance of the consumer groups of stream %r failed: %s", name, exc)
@@ -162,7 +170,11 @@ class GroupManager:
             return out
 
     def group_streams(self) -> list[str]:
-        return [store.name for store in self.stores.all() if store.state.groups and not store.closed]
+        return [
+            store.name
+            for store in self.stores.all()
+            if store.state.groups and not store.closed and not store.passive
+        ]
 
     def group_info(self, stream: str, group: str) -> GroupInfo:
         with self.stores.writing(stream) as store:
@@ -229,6 +241,8 @@ class GroupManager:
             return store.state.group(group).delete_consumer(consumer, self._now())
 
     def dump(self, stream: str) -> dict:
-        """The stream's group state as plain data (tests compare it across restarts)."""
-        with self.stores.writing(stream) as store:
+        """The stream's group state as plain data (tests compare it across restarts and replicas)."""
+        store = self.stores.get(stream)
+        with store.lock:
+            store.check_open()
             return store.state.dump()

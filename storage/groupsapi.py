@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from storage.errors import InvalidArgumentError
 from storage.groupmanager import GroupListener, GroupManager
+from storage.groupops import decode_ops
+from storage.groupstore import BatchListener
 from storage.grouptypes import (
     AckResult,
     GroupConfig,
@@ -98,3 +101,49 @@ class GroupCalls:
 
     def add_group_listener(self, listener: GroupListener) -> None:
         self._groups.add_listener(listener)
+
+    # -- replication of group state (storage/groupstore.py's module doc)
+
+    def group_seq(self, stream: str) -> int:
+        """The op sequence number of the stream's groups: op batches made (or applied) so far."""
+        return self._groups.stores.get(stream).op_seq
+
+    def group_ops_since(
+        self, stream: str, op_seq: int, max_bytes: int = 1 << 20
+    ) -> list[tuple[int, bytes]] | None:
+        """The op batches after `op_seq` as (seq, encoded ops), oldest first, within about
+        `max_bytes` (at least one); None when they are not retained: send a snapshot."""
+        return self._groups.stores.get(stream).batches_since(op_seq, max_bytes)
+
+    def group_snapshot(self, stream: str) -> tuple[int, bytes]:
+        """(op seq, encoded ops that rebuild the groups). Batches made from now on are retained
+        for `group_ops_since` (a node that never ships a snapshot keeps none)."""
+        store = self._groups.stores.get(stream)
+        with store.lock:
+            store.check_open()
+            return store.snapshot()
+
+    def apply_group_ops(self, stream: str, op_seq: int, body: bytes) -> None:
+        """A follower applies its leader's op batch `op_seq` (the one after `group_seq`), durably.
+        CorruptionError for bytes that do not decode or ops that do not apply, PreconditionError
+        for a batch out of sequence."""
+        ops = decode_ops(body)
+        if not ops:
+            raise InvalidArgumentError("a group op batch holds at least one op")
+        self._groups.stores.apply_batch(stream, op_seq, ops)
+
+    def install_group_snapshot(self, stream: str, op_seq: int, body: bytes) -> None:
+        """A follower replaces the stream's groups with its leader's snapshot at `op_seq`, durably."""
+        if not isinstance(op_seq, int) or op_seq < 0:
+            raise InvalidArgumentError("a group op seq must be a non-negative integer")
+        self._groups.stores.install(stream, op_seq, decode_ops(body))
+
+    def set_groups_active(self, stream: str, active: bool) -> None:
+        """Active: the stream's groups serve calls (this node leads it, or there is no cluster).
+        Passive: they only follow a leader's ops; no deliveries, redeliveries, expiry or dead
+        letters. Stores start as `EngineConfig.groups_passive` says."""
+        self._groups.stores.set_active(stream, active)
+
+    def add_group_batch_listener(self, listener: BatchListener) -> None:
+        """`listener(stream, op_seq)` after a stream whose batches are retained made one."""
+        self._groups.stores.add_batch_listener(listener)

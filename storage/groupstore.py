@@ -19,6 +19,17 @@ A store's state is rebuilt by applying ops, whoever made them: its own
 journal at start-up, or (for a replica) another node's ops through
 `apply_ops`, or a snapshot of them (`snapshot_ops`).
 
+Replication (cluster/replication/) names each op batch (one call's ops, one
+journal record) by the store's op sequence number, `op_seq`, durable with the
+journal (storage.grouplog). A leader's store keeps its recent batches
+(`retain`, bounded by bytes; started by the first snapshot a follower takes,
+so a node with no followers keeps none) to ship "the batches after N", or
+says they are gone (send a snapshot). A follower's store is *passive*: it
+applies the leader's batches (`apply_batch`, each at the next seq) and
+snapshots (`install`), journaled like its own ops, and serves no group call:
+no deliveries, no redelivery, no expiry, no dead letters, until the node
+leads the stream and makes it active again, from the state it holds.
+
 Locking: a store's lock is taken before any stream lock (group calls read
 the stream). A stream asks for its retention floor while holding its own
 lock, so the floor is published as a precomputed tuple (`GroupStore.holds`)
@@ -29,15 +40,32 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 from storage.durability import SyncGate
-from storage.errors import CorruptionError, DurabilityError, StorageError, StreamNotFoundError
+from storage.errors import (
+    CorruptionError,
+    DurabilityError,
+    PreconditionError,
+    StorageError,
+    StreamNotFoundError,
+)
 from storage.fs import FileSystem
 from storage.grouplog import JOURNAL_PREFIX, JOURNAL_SUFFIX, GroupLog, JournalFullError
-from storage.groupops import DeleteConsumer, GroupOp, Release, Remove, RemoveReason, Seek, Seen, SetConfig
+from storage.groupops import (
+    DeleteConsumer,
+    GroupOp,
+    Release,
+    Remove,
+    RemoveReason,
+    Seek,
+    Seen,
+    SetConfig,
+    encode_ops,
+)
 from storage.groupstate import GroupSet
 from storage.groupstreams import GroupStreams
 from storage.layout import stream_directory
@@ -47,6 +75,10 @@ from storage.types import FsyncPolicy
 log = logging.getLogger("streamlog.storage")
 
 GroupListener = Callable[[str, str], None]
+BatchListener = Callable[[str, int], None]  # (stream, op seq of the batch just made)
+
+# Recent op batches a leader's store keeps for its followers (beyond: a snapshot).
+RETAINED_BATCH_BYTES = 4 << 20
 
 # Ops after which a reader waiting on the group may find something new (room, a release, a new cursor).
 _WAKING = frozenset({Remove, Release, Seek, SetConfig, DeleteConsumer})
@@ -57,7 +89,9 @@ _SOFT = frozenset({Seen})
 class GroupStore:
     """One stream's groups: state, journal, lock, sync gate, and its published retention holds."""
 
-    def __init__(self, name: str, directory: Path, fs: FileSystem, journal_bytes: int) -> None:
+    def __init__(
+        self, name: str, directory: Path, fs: FileSystem, journal_bytes: int, *, passive: bool = False
+    ) -> None:
         self.name = name
         self.directory = directory
         self._fs = fs
@@ -70,6 +104,11 @@ class GroupStore:
         self.holds: tuple[tuple[int, int, int | None, str], ...] = ()
         self.closed = False
         self.broken: StorageError | None = None  # set when state and disk can no longer be trusted to agree
+        self.op_seq = 0  # op batches made (or applied, by a follower): see the module doc
+        self.passive = passive
+        # (op seq, encoded ops) of recent batches, oldest first, while a follower may ask for them.
+        self.retained: deque[tuple[int, bytes]] | None = None
+        self.retained_bytes = 0
 
     # ------------------------------------------------------------------ recovery
 
@@ -85,6 +124,7 @@ class GroupStore:
             self.broken = CorruptionError(f"consumer groups of stream {self.name!r} are unreadable: {exc}")
             return
         self.log = journal
+        self.op_seq = journal.op_seq
         changed = self._clamp(end_offset)
         self.state.drain()  # the checkpoint below holds these changes
         if not self.state.groups:
@@ -92,7 +132,7 @@ class GroupStore:
             self.log = None
         elif journal.replayed or journal.cut is not None or changed:
             # Appends must never land in front of stale bytes of a cut tail: start a fresh journal.
-            journal.checkpoint(self.state.snapshot_ops())
+            journal.checkpoint(self.state.snapshot_ops(), self.op_seq)
         self.refresh_holds()
 
     def _clamp(self, end: int) -> bool:
@@ -121,6 +161,13 @@ class GroupStore:
         if self.closed:
             raise StreamNotFoundError(f"stream {self.name!r} does not exist")
 
+    def check_active(self) -> None:
+        if self.passive:
+            raise PreconditionError(
+                f"the consumer groups of stream {self.name!r} are served by its leader: this node's copy "
+                "follows the leader's"
+            )
+
     def check_writable(self) -> None:
         if self.closed:
             raise StreamNotFoundError(f"stream {self.name!r} does not exist")
@@ -138,54 +185,124 @@ class GroupStore:
         """
         journal = self.log
         if journal is not None and journal.free_bytes < journal.capacity_bytes // 4:
-            journal.checkpoint(self.state.snapshot_ops())
+            journal.checkpoint(self.state.snapshot_ops(), self.op_seq)
 
     def persist(self) -> tuple[int | None, set[str]]:
-        """Journal the ops applied since the last call; returns the journal seq to wait for (None:
-        nothing to sync) and the groups a waiting reader may now find something new in."""
+        """Journal the ops applied since the last call, as op batch `op_seq` + 1; returns the
+        journal seq to wait for (None: nothing to sync) and the groups a waiting reader may now
+        find something new in."""
         ops = self.state.drain()
         if not ops:
             return None, set()
         changed = {op.group for op in ops if type(op) in _WAKING}
         if self.closed:
             return None, changed  # the stream was deleted during the call
+        body = encode_ops(ops)
+        self.op_seq += 1
         seq = None
         if self.log is None:  # the first group: snapshot and journal
             journal = GroupLog(self._fs, self.directory, self._journal_bytes)
             try:
-                journal.checkpoint(self.state.snapshot_ops())
+                journal.checkpoint(self.state.snapshot_ops(), self.op_seq)
             except StorageError:
                 # Nothing was on disk before, nor in memory (no files means no groups): forget the call.
                 self.state = GroupSet()
+                self.op_seq -= 1
                 self.refresh_holds()
                 raise
             self.log = journal
+            self._retain(body)
             return None, changed
-        try:
+        with self._saving():
             try:
-                seq = self.log.append(ops)
+                seq = self.log.append(body)
             except JournalFullError:
-                self.log.checkpoint(self.state.snapshot_ops())
+                self.log.checkpoint(self.state.snapshot_ops(), self.op_seq)
             if not self.state.groups:
                 self.log.destroy()
                 self.log = None
                 seq = None
+        self._retain(body)
+        if seq is not None and all(type(op) in _SOFT for op in ops):
+            seq = None
+        return seq, changed
+
+    # ------------------------------------------------------------------ replication
+
+    def _retain(self, body: bytes) -> None:
+        retained = self.retained
+        if retained is None:
+            return
+        retained.append((self.op_seq, body))
+        self.retained_bytes += len(body)
+        while self.retained_bytes > RETAINED_BATCH_BYTES and len(retained) > 1:
+            self.retained_bytes -= len(retained.popleft()[1])
+
+    def batches_since(self, op_seq: int, max_bytes: int) -> list[tuple[int, bytes]] | None:
+        """The batches after `op_seq`, oldest first, within about `max_bytes` (at least one);
+        None when they are not all retained (or `op_seq` is not one of this store's). Lock-free
+        (a fetch asks on the event loop): it reads one copy of the retained batches."""
+        retained = self.retained
+        batches = list(retained) if retained is not None else []  # one C-level copy, under the GIL
+        if not batches:
+            return [] if op_seq == self.op_seq else None
+        first, last = batches[0][0], batches[-1][0]
+        if op_seq == last:
+            return []
+        if not first - 1 <= op_seq < last:
+            return None
+        out: list[tuple[int, bytes]] = []
+        size = 0
+        for batch in batches[op_seq - first + 1 :]:
+            if out and size + len(batch[1]) > max_bytes:
+                break
+            out.append(batch)
+            size += len(batch[1])
+        return out
+
+    def snapshot(self) -> tuple[int, bytes]:
+        """(op seq, encoded ops that rebuild the groups) now; from here on, batches are retained."""
+        if self.retained is None:
+            self.retained = deque()
+        return self.op_seq, encode_ops(self.state.snapshot_ops())
+
+    def install(self, op_seq: int, ops: Sequence[GroupOp]) -> None:
+        """Replace the groups with a leader's snapshot standing at `op_seq`, durably."""
+        state = GroupSet()
+        try:
+            state.apply_ops(ops)
+        except (KeyError, ValueError, TypeError) as exc:
+            raise CorruptionError(f"a group snapshot of stream {self.name!r} does not apply: {exc}") from exc
+        state.drain()
+        self.check_open()
+        if self.gate.error is not None or isinstance(self.broken, DurabilityError):
+            self.check_writable()  # (an unreadable state, though, is what a snapshot replaces)
+        self.state, self.op_seq = state, op_seq
+        self.retained, self.retained_bytes = None, 0
+        with self._saving():
+            if not state.groups:
+                if self.log is not None:
+                    self.log.destroy()
+                    self.log = None
+                return
+            if self.log is None:
+                self.log = GroupLog(self._fs, self.directory, self._journal_bytes)
+            self.log.checkpoint(state.snapshot_ops(), op_seq)
+            self.broken = None
+
+    @contextmanager
+    def _saving(self) -> Iterator[None]:
+        """Write what memory now holds; if that fails, memory holds changes the disk does not:
+        refuse further changes until a restart recovers."""
+        try:
+            yield
         except BaseException as exc:
-            # Memory holds changes the disk does not: refuse further changes until a restart recovers.
             self.broken = DurabilityError(
                 f"consumer group state of stream {self.name!r} could not be saved: {exc}"
             )
             raise
         finally:
             self.refresh_holds()
-        if seq is not None and all(type(op) in _SOFT for op in ops):
-            seq = None
-        return seq, changed
-
-    def apply_ops(self, ops: Sequence[GroupOp]) -> None:
-        """Apply ops made elsewhere (another node's, or a snapshot of them); the enclosing
-        `GroupStores.writing` journals them like the store's own."""
-        self.state.apply_ops(ops)
 
     def snapshot_ops(self) -> list[GroupOp]:
         """Ops that rebuild the stream's groups from nothing."""
@@ -207,7 +324,7 @@ class GroupStore:
             self.gate.wait(journal.seq, journal.sync)
         with self.lock:
             if self.log is not None and self.log.used_bytes > self.log.capacity_bytes // 2:
-                self.log.checkpoint(self.state.snapshot_ops())
+                self.log.checkpoint(self.state.snapshot_ops(), self.op_seq)
 
     def close(self, *, sync: bool) -> None:
         with self.lock:
@@ -246,19 +363,29 @@ class GroupStore:
 class GroupStores:
     """Every stream's group store: found by stream name, loaded at start-up, changed through `writing`."""
 
-    def __init__(self, streams: GroupStreams, fs: FileSystem, *, journal_bytes: int) -> None:
+    def __init__(
+        self, streams: GroupStreams, fs: FileSystem, *, journal_bytes: int, passive: bool = False
+    ) -> None:
+        """`passive`: stores start passive (a cluster node's: active only where it leads)."""
         self._streams = streams
         self._fs = fs
         self._journal_bytes = journal_bytes
+        self._passive = passive
+        self._modes: dict[str, bool] = {}  # stream -> active, as `set_active` last said
         self._stores: dict[str, GroupStore] = {}
         self._lock = threading.Lock()
         self._listeners: list[GroupListener] = []
+        self._batch_listeners: list[BatchListener] = []
         for name in streams.list_streams():
             self._load(name)
 
     def _new(self, stream: str) -> GroupStore:
         return GroupStore(
-            stream, stream_directory(self._streams.data_dir, stream), self._fs, self._journal_bytes
+            stream,
+            stream_directory(self._streams.data_dir, stream),
+            self._fs,
+            self._journal_bytes,
+            passive=not self._modes.get(stream, not self._passive),
         )
 
     def _load(self, name: str) -> None:
@@ -302,14 +429,22 @@ class GroupStores:
         """
         self._listeners.append(listener)
 
+    def add_batch_listener(self, listener: BatchListener) -> None:
+        """`listener(stream, op_seq)` runs after a store that retains batches (a leader's, with
+        followers) made one, durable as the fsync policy says; the same rules as `add_listener`."""
+        self._batch_listeners.append(listener)
+
     @contextmanager
-    def writing(self, stream: str) -> Iterator[GroupStore]:
-        """Run a group call under the stream's group lock; journal its ops and honour the fsync policy."""
+    def writing(self, stream: str, *, replica: bool = False) -> Iterator[GroupStore]:
+        """Run a group call under the stream's group lock; journal its ops and honour the fsync
+        policy. A passive store refuses calls (PreconditionError) but a `replica`'s apply."""
         store = self.get(stream)
         seq: int | None = None
         changed: set[str] = set()
         with store.lock:
             store.check_writable()
+            if not replica:
+                store.check_active()
             store.reserve()
             try:
                 yield store
@@ -323,18 +458,59 @@ class GroupStores:
             except BaseException:
                 store.broken = DurabilityError(f"consumer groups of stream {stream!r} were interrupted")
                 raise
+            before = store.op_seq
             seq, changed = store.persist()
+            made = store.op_seq if store.retained is not None and store.op_seq != before else None
         journal = store.log
         if seq is not None and journal is not None and self._streams.fsync_policy(stream).blocks:
             store.gate.wait(seq, journal.sync)
         for changed_group in sorted(changed):
             for listener in self._listeners:
                 listener(stream, changed_group)
+        if made is not None:
+            for batch_listener in self._batch_listeners:
+                batch_listener(stream, made)
 
     def apply_ops(self, stream: str, ops: Sequence[GroupOp]) -> None:
         """Apply another node's ops (or a snapshot of them) to the stream's groups, durably."""
-        with self.writing(stream) as store:
-            store.apply_ops(ops)
+        with self.writing(stream, replica=True) as store:
+            store.state.apply_ops(ops)
+
+    def apply_batch(self, stream: str, op_seq: int, ops: Sequence[GroupOp]) -> None:
+        """Apply the leader's op batch `op_seq`, which must be the one after this store's, durably
+        (PreconditionError otherwise; CorruptionError if the ops do not apply to this state: the
+        follower then takes a snapshot)."""
+        with self.writing(stream, replica=True) as store:
+            if op_seq != store.op_seq + 1:
+                raise PreconditionError(
+                    f"stream {stream!r}: group op batch {op_seq} does not follow batch {store.op_seq}"
+                )
+            try:
+                store.state.apply_ops(ops)
+            except (KeyError, ValueError, TypeError) as exc:
+                raise CorruptionError(
+                    f"group op batch {op_seq} of stream {stream!r} does not apply: {exc}"
+                ) from exc
+
+    def install(self, stream: str, op_seq: int, ops: Sequence[GroupOp]) -> None:
+        """Replace the stream's groups with a leader's snapshot standing at `op_seq`, durably."""
+        store = self.get(stream)
+        with store.lock:
+            store.install(op_seq, ops)
+        for listener in self._listeners:
+            for group in sorted(store.state.groups):
+                listener(stream, group)
+
+    def set_active(self, stream: str, active: bool) -> None:
+        """Make the stream's groups active (this node leads it) or passive (module doc)."""
+        with self._lock:
+            self._modes[stream] = active
+            store = self._stores.get(stream)
+        if store is not None:
+            with store.lock:
+                store.passive = not active
+                if store.passive:
+                    store.retained, store.retained_bytes = None, 0
 
     def snapshot_ops(self, stream: str) -> list[GroupOp]:
         """Ops that rebuild the stream's groups from nothing (what a new replica starts from)."""
@@ -346,6 +522,7 @@ class GroupStores:
         """The stream is being deleted: forget its groups (its directory, files included, goes next)."""
         with self._lock:
             store = self._stores.pop(stream, None)
+            self._modes.pop(stream, None)
         if store is not None:
             store.close(sync=False)
 

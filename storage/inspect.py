@@ -160,7 +160,7 @@ def _side_file_problems(directory: Path) -> list[str]:
     snapshot = directory / grouplog.SNAPSHOT_FILE
     if snapshot.exists():
         try:
-            generation, _ = grouplog.decode_snapshot(snapshot.read_bytes())
+            generation, _, _ = grouplog.decode_snapshot(snapshot.read_bytes())
         except CorruptionError as exc:
             return [*problems, f"{snapshot.name}: {exc} (consumer groups of this stream are unreadable)"]
         journal = directory / grouplog.journal_name(generation)

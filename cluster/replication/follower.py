@@ -13,7 +13,9 @@ its fsync policy, acknowledges what it holds. The leader's answers:
   the copy is rebuilt empty from the leader's first offset.
 - `data`: record the epoch that starts here, append the records at the offsets they
   carry (storage's append_replica, in a thread: it may sync), and follow the HW with
-  the commit cap (what this node serves if it becomes leader).
+  the commit cap (what this node serves if it becomes leader); then the consumer
+  groups: install the leader's group snapshot if one came, apply the op batches
+  (storage's passive group store, journaled), and acknowledge them with `group_seq`.
 
 A broken call (leader gone, refused, malformed data) is retried with bounded
 exponential backoff.
@@ -105,6 +107,7 @@ class StreamFollower:
             follower_id=self._ctx.node_id,
             log_end=self._ctx.engine.log_end(self.name),
             last_epoch=self._last_epoch(),
+            group_seq=self._ctx.engine.group_seq(self.name),
             max_bytes=self._ctx.max_bytes,
         )
 
@@ -120,10 +123,11 @@ class StreamFollower:
                     return progressed
                 body = response.WhichOneof("body")
                 if body == "data":
-                    if self._ctx.engine.fsync_policy(self.name).blocks:
-                        await asyncio.to_thread(self._locked, self._apply, response.data)
+                    data = response.data
+                    if self._ctx.engine.fsync_policy(self.name).blocks or data.HasField("group_snapshot"):
+                        await asyncio.to_thread(self._locked, self._apply, data)
                     else:  # no sync to wait for: a thread hop would cost more than the append
-                        self._locked(self._apply, response.data)
+                        self._locked(self._apply, data)
                 elif body == "diverging":
                     await asyncio.to_thread(self._locked, self._truncate, response.diverging)
                 elif body == "reset":
@@ -162,6 +166,10 @@ class StreamFollower:
             self.hw = hw
             engine.set_commit(name, hw)
             self._ctx.committed(name, hw)
+        if data.HasField("group_snapshot"):
+            engine.install_group_snapshot(name, data.group_snapshot.seq, data.group_snapshot.ops)
+        for batch in data.group_ops:
+            engine.apply_group_ops(name, batch.seq, batch.ops)
 
     def _truncate(self, diverging: rpb.Diverging) -> None:
         engine, name = self._ctx.engine, self.name
@@ -193,6 +201,7 @@ class StreamFollower:
         )
         engine.delete_stream(name)
         engine.create_stream(name, incarnation=self.record.incarnation)
+        engine.set_groups_active(name, False)
         engine.set_commit(name, reset.log_start)
         engine.reset(name, reset.log_start)
         if reset.epoch >= 0:

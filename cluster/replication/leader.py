@@ -17,10 +17,17 @@ One `StreamLeader` per led stream and epoch (Kafka's partition leader):
   epoch): a follower not caught up for `replica_lag_s` leaves it; one whose log end
   reached the HW (and this epoch's start) joins it again. A CAS that finds another epoch
   or leader means this node was deposed: it stops at once.
-- **Barrier.** A mutating call's reply waits until the HW covers the call's end, and
-  only while this node's lease is valid; it fails (outcome unknown) when the node stops
-  leading or its lease lapses, and is refused up front when the in-sync set is smaller
-  than a majority of the replicas (acks=quorum).
+- **Group state.** Each session's first group data is a snapshot of the stream's
+  consumer groups (a follower's op seq names a batch of one leader's history only),
+  then the op batches after the follower's `group_seq` (a snapshot again if they are
+  no longer retained). Group data goes only in a response that brings the follower's
+  log to the HW, so the entries the ops name are there first. A follower's `group_seq`
+  acknowledges the batches it applied, once it took this session's snapshot.
+- **Barrier.** A mutating call's reply waits until the HW covers the call's end and
+  every other in-sync replica applied the call's group ops, and only while this node's
+  lease is valid; it fails (outcome unknown) when the node stops leading or its lease
+  lapses, and is refused up front when the in-sync set is smaller than a majority of
+  the replicas (acks=quorum).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from streamlog.internal.v1 import replication_pb2 as rpb
 
 from cluster.placement import PlacementTable, StreamPlacement
 from cluster.replication.wire import to_data
-from storage import Engine
+from storage import Engine, StreamNotFoundError
 
 log = logging.getLogger("streamlog.cluster.replication")
 
@@ -73,6 +80,7 @@ class _Progress:
 
     log_end: int  # acknowledged (-1: not yet, in this epoch)
     caught_up_at: float  # monotonic time it was last known caught up
+    group_seq: int = -1  # group op batches applied, acknowledged in a session after its snapshot
     shown_end: int = -1  # the leader's log end when it last answered this follower
     answered_at: float = 0.0
     sent_hw: int = -1  # the HW it was last told
@@ -80,6 +88,15 @@ class _Progress:
 
 def majority(replicas: int) -> int:
     return replicas // 2 + 1
+
+
+@dataclasses.dataclass
+class _Session:
+    """One fetch session's group replication: whether its snapshot went out, and the op seq of the
+    last group data sent."""
+
+    snapshot_sent: bool = False
+    sent_seq: int = -1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,6 +127,9 @@ class StreamLeader:
         self._progress: dict[str, _Progress] = {}
         self._wake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []  # heap of (end, n, future)
+        # The op seq of group batches every other in-sync replica applied, and its waiters.
+        self.group_hw = -1
+        self._group_waiters: list[tuple[int, int, asyncio.Future[None]]] = []
         self._count = itertools.count()
         self._isr_task: asyncio.Task[None] | None = None
         self._lag_task = asyncio.get_running_loop().create_task(self._watch_lag())
@@ -132,10 +152,11 @@ class StreamLeader:
             return
         self.leading = False
         log.info("stream %r: no longer leading epoch %d: %s", self.name, self.epoch, reason)
-        for _, _, future in self._waiters:
+        for _, _, future in self._waiters + self._group_waiters:
             if not future.done():
                 future.set_exception(NotLeadingError(f"{reason}; the outcome is unknown", self.epoch))
         self._waiters.clear()
+        self._group_waiters.clear()
         self._lag_task.cancel()
         if self._isr_task is not None:
             self._isr_task.cancel()
@@ -150,9 +171,11 @@ class StreamLeader:
             self._notify()
 
     def advance(self) -> None:
-        """Move the HW as far as every in-sync replica has acknowledged."""
+        """Move the HW as far as every in-sync replica has acknowledged, and the group HW as far
+        as every other in-sync replica has applied group ops."""
         if not self.leading:
             return
+        self._advance_groups()
         hw = self._engine.log_end(self.name)
         for node in self.record.isr:
             if node != self._ctx.node_id:
@@ -162,34 +185,34 @@ class StreamLeader:
             return
         self.hw = hw
         self._engine.set_commit(self.name, hw)
-        waiters = self._waiters
-        while waiters and waiters[0][0] <= hw:
-            future = heapq.heappop(waiters)[2]
-            if not future.done():
-                future.set_result(None)
+        _release(self._waiters, hw)
         self._notify()
 
-    async def barrier(self, end: int, *, quorum: bool) -> None:
-        """Return once the HW covers `end` (acks=quorum) while the lease is valid; NotLeadingError
-        when this node stops leading or its lease lapses first, NotEnoughReplicasError at once when
-        the in-sync set is below a majority of the replicas."""
+    def _advance_groups(self) -> None:
+        try:
+            group_hw = self._engine.group_seq(self.name)
+        except StreamNotFoundError:  # deleted: this leader is about to stop
+            return
+        for node in self.record.isr:
+            if node != self._ctx.node_id:
+                progress = self._progress.get(node)
+                group_hw = min(group_hw, progress.group_seq if progress is not None else -1)
+        if group_hw > self.group_hw:
+            self.group_hw = group_hw
+            _release(self._group_waiters, group_hw)
+
+    async def barrier(self, end: int, *, quorum: bool, group_seq: int | None = None) -> None:
+        """Return once the HW covers `end` and every other in-sync replica applied the group op
+        batches up to `group_seq` (acks=quorum), while the lease is valid; NotLeadingError when
+        this node stops leading or its lease lapses first, NotEnoughReplicasError at once when the
+        in-sync set is below a majority of the replicas."""
         self.check_quorum(quorum)
         if quorum:
             self.advance()
             if self.hw < end:
-                future = asyncio.get_running_loop().create_future()
-                heapq.heappush(self._waiters, (end, next(self._count), future))
-                while not future.done():
-                    remaining = self._ctx.lease_valid_until() - LEASE_MARGIN_S - time.monotonic()
-                    if remaining <= 0:
-                        future.cancel()
-                        raise NotLeadingError(
-                            f"stream {self.name!r}: this node's cluster lease lapsed while waiting for "
-                            "replication; the outcome is unknown",
-                            self.epoch,
-                        )
-                    await asyncio.wait([future], timeout=remaining)
-                future.result()
+                await self._wait(self._waiters, end)
+            if group_seq is not None and self.group_hw < group_seq:
+                await self._wait(self._group_waiters, group_seq)
             self.check_quorum(quorum)  # the in-sync set may have shrunk while it waited
         if not self.leading:
             raise NotLeadingError(f"stream {self.name!r}: this node stopped leading; the outcome is unknown")
@@ -198,6 +221,21 @@ class StreamLeader:
                 f"stream {self.name!r}: this node cannot confirm its cluster lease; the outcome is unknown",
                 self.epoch,
             )
+
+    async def _wait(self, waiters: list[tuple[int, int, asyncio.Future[None]]], target: int) -> None:
+        future = asyncio.get_running_loop().create_future()
+        heapq.heappush(waiters, (target, next(self._count), future))
+        while not future.done():
+            remaining = self._ctx.lease_valid_until() - LEASE_MARGIN_S - time.monotonic()
+            if remaining <= 0:
+                future.cancel()
+                raise NotLeadingError(
+                    f"stream {self.name!r}: this node's cluster lease lapsed while waiting for "
+                    "replication; the outcome is unknown",
+                    self.epoch,
+                )
+            await asyncio.wait([future], timeout=remaining)
+        future.result()
 
     def check_quorum(self, quorum: bool) -> None:
         if not self.leading:
@@ -244,6 +282,7 @@ class StreamLeader:
     async def serve(self, requests: AsyncIterator[rpb.FetchRequest]) -> AsyncIterator[rpb.FetchResponse]:
         """Answer one follower's fetch session (its requests already validated for shape)."""
         checked = False
+        session = _Session()
         async for request in requests:
             self.check(request)
             if not checked:
@@ -252,7 +291,7 @@ class StreamLeader:
                     yield answer
                     continue
                 checked = True
-            yield await self._answer(request)
+            yield await self._answer(request, session)
 
     def _divergence(self, request: rpb.FetchRequest) -> rpb.FetchResponse | None:
         """KIP-279: None when the follower's log is a prefix of this one; else where to cut it, or
@@ -279,15 +318,25 @@ class StreamLeader:
             found = epoch
         return found
 
-    async def _answer(self, request: rpb.FetchRequest) -> rpb.FetchResponse:
+    async def _answer(self, request: rpb.FetchRequest, session: _Session) -> rpb.FetchResponse:
         follower, log_end = request.follower_id, request.log_end
         if log_end > self._engine.log_end(self.name):
             raise FetchRefusedError(f"log_end {log_end} is past the leader's end", self.epoch)
-        self._acknowledged(follower, log_end)
+        if session.snapshot_sent and request.group_seq != session.sent_seq:
+            raise FetchRefusedError(
+                f"group_seq {request.group_seq} is not the group data last sent ({session.sent_seq})",
+                self.epoch,
+            )
+        self._acknowledged(follower, log_end, request.group_seq if session.snapshot_sent else -1)
         progress = self._progress[follower]
         sent_hw = progress.sent_hw
         deadline = time.monotonic() + self._ctx.heartbeat_s
-        while self.leading and self._engine.log_end(self.name) <= log_end and self.hw <= sent_hw:
+        while (
+            self.leading
+            and self._engine.log_end(self.name) <= log_end
+            and self.hw <= sent_hw
+            and not self._group_news(session, log_end)
+        ):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -295,10 +344,40 @@ class StreamLeader:
         if not self.leading:
             raise FetchRefusedError(f"this node no longer leads stream {self.name!r}", self.epoch)
         response = self._data(log_end, request.max_bytes)
-        progress.shown_end = response.data.log_end
+        data = response.data
+        reach = data.first_offset + len(data.positions) // 4 - 1 if data.runs else log_end
+        if reach >= self.hw:  # the follower will hold every entry the group ops name
+            await self._add_group_data(data, session, request.max_bytes)
+        progress.shown_end = data.log_end
         progress.answered_at = time.monotonic()
-        progress.sent_hw = response.data.high_watermark
+        progress.sent_hw = data.high_watermark
         return response
+
+    def _group_news(self, session: _Session, log_end: int) -> bool:
+        """Whether there is group data to send a follower whose log ends at `log_end` now."""
+        if log_end < self.hw:
+            return False
+        return not session.snapshot_sent or self._engine.group_seq(self.name) > session.sent_seq
+
+    async def _add_group_data(self, data: rpb.ReplicaData, session: _Session, max_bytes: int) -> None:
+        """The session's snapshot first, then the batches after what was last sent (a snapshot
+        again when they are no longer retained)."""
+        engine, name = self._engine, self.name
+        batches = engine.group_ops_since(name, session.sent_seq, max_bytes) if session.snapshot_sent else None
+        if batches is None:
+            seq, body = await asyncio.to_thread(engine.group_snapshot, name)  # it may encode a big state
+            data.group_snapshot.seq, data.group_snapshot.ops = seq, body
+            session.snapshot_sent, session.sent_seq = True, seq
+            return
+        for seq, body in batches:
+            data.group_ops.add(seq=seq, ops=body)
+        if batches:
+            session.sent_seq = batches[-1][0]
+
+    def on_group_batch(self) -> None:
+        """This stream's groups made an op batch: wake the fetches waiting to send it."""
+        if self.leading:
+            self._notify()
 
     def _data(self, offset: int, max_bytes: int) -> rpb.FetchResponse:
         """The records from `offset`, up to where the next epoch starts and no further than this log
@@ -327,11 +406,12 @@ class StreamLeader:
 
     # -- follower progress and the in-sync set
 
-    def _acknowledged(self, follower: str, log_end: int) -> None:
+    def _acknowledged(self, follower: str, log_end: int, group_seq: int) -> None:
         now = time.monotonic()
         progress = self._progress.get(follower)
         if progress is None:
             progress = self._progress[follower] = _Progress(log_end, self._started_at)
+        progress.group_seq = group_seq
         if log_end < progress.log_end or (follower in self.record.isr and log_end < self.hw):
             # It lost entries it had acknowledged (a wiped disk, unsynced writes lost in a power
             # cut): it may lack committed ones, so it leaves the in-sync set now, not after a lag.
@@ -342,14 +422,21 @@ class StreamLeader:
             self._change_isr()
         progress.log_end = log_end
         # Caught up: it has everything the leader had when it last answered (Kafka's rule), or
-        # everything the leader has now.
-        if log_end >= self._engine.log_end(self.name):
+        # everything the leader has now, and it applied the group data this session sent it (a
+        # follower that cannot apply group ops keeps losing its session, and leaves the set).
+        synced = group_seq >= 0
+        if synced and log_end >= self._engine.log_end(self.name):
             progress.caught_up_at = now
-        elif progress.shown_end >= 0 and log_end >= progress.shown_end:
+        elif synced and progress.shown_end >= 0 and log_end >= progress.shown_end:
             progress.caught_up_at = progress.answered_at
         self.advance()
-        if follower not in self.record.isr and log_end >= max(self.hw, self._epoch_start):
+        if follower not in self.record.isr and self._may_join(progress):
             self._change_isr()
+
+    def _may_join(self, progress: _Progress) -> bool:
+        """A follower joins the in-sync set once it holds everything committed: entries up to the
+        HW (and this epoch's start), and the group ops every in-sync replica applied."""
+        return progress.log_end >= max(self.hw, self._epoch_start) and progress.group_seq >= self.group_hw
 
     async def _watch_lag(self) -> None:
         """Take followers that stopped keeping up out of the in-sync set (a timer, not a poll of
@@ -375,7 +462,7 @@ class StreamLeader:
         joining = {
             node
             for node, progress in self._progress.items()
-            if node not in self.record.isr and progress.log_end >= max(self.hw, self._epoch_start)
+            if node not in self.record.isr and self._may_join(progress)
         }
         isr = (set(self.record.isr) - lagging) | joining | {self._ctx.node_id}
         return tuple(node for node in self.record.replicas if node in isr)
@@ -404,3 +491,11 @@ class StreamLeader:
             if outcome.applied:
                 log.info("stream %r: in-sync replicas %s -> %s", self.name, list(record.isr), list(wanted))
             self.update(current)
+
+
+def _release(waiters: list[tuple[int, int, asyncio.Future[None]]], reached: int) -> None:
+    """Complete the waiters (a heap of (target, n, future)) whose target is reached."""
+    while waiters and waiters[0][0] <= reached:
+        future = heapq.heappop(waiters)[2]
+        if not future.done():
+            future.set_result(None)

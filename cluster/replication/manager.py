@@ -14,11 +14,14 @@ stream at a time and in order (a task per stream while it has changes to apply):
   ends the calls waiting on it).
 - **Leader** (the record names this node): the follower role stops first (its disk
   work finished), then `begin_epoch`, the commit cap set to the last HW this node
-  knew (never serve past what was committed), and only then does `ready()` let the
-  service accept writes. A new record at the same epoch (the in-sync set, the config)
-  just updates the leader.
+  knew (never serve past what was committed), the stream's consumer groups made
+  active (from the state it holds), and only then does `ready()` let the service
+  accept writes. A new record at the same epoch (the in-sync set, the config) just
+  updates the leader.
 - **Follower**: fetches from the leader the record names at its epoch; a new epoch or
-  leader restarts it. No leader (offline): no role, the copy stays.
+  leader restarts it. No leader (offline): no role, the copy stays. Either way its
+  consumer groups are passive (the engine starts them so in a cluster): they follow
+  the leader's ops and act on nothing themselves.
 
 Every replicated copy carries a commit cap, so its readers never see past the HW.
 """
@@ -101,6 +104,7 @@ class ReplicaManager:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
         engine.add_log_listener(self._on_log)
+        engine.add_group_batch_listener(self._on_group_batch)
 
     # -- what the service asks
 
@@ -136,12 +140,13 @@ class ReplicaManager:
             raise NotLeadingError(f"stream {name!r}: this node does not lead it now")
         leader.check_quorum(quorum)
 
-    async def barrier(self, name: str, end: int, *, quorum: bool) -> None:
-        """Wait until `end` is committed (acks=quorum); see StreamLeader.barrier."""
+    async def barrier(self, name: str, end: int, *, quorum: bool, group_seq: int | None = None) -> None:
+        """Wait until `end` is committed and the group op batches up to `group_seq` are applied
+        by the in-sync replicas (acks=quorum); see StreamLeader.barrier."""
         leader = self.leader(name)
         if leader is None:
             raise NotLeadingError(f"stream {name!r}: this node does not lead it now; the outcome is unknown")
-        await leader.barrier(end, quorum=quorum)
+        await leader.barrier(end, quorum=quorum, group_seq=group_seq)
 
     # -- lifecycle
 
@@ -216,6 +221,8 @@ class ReplicaManager:
             leader.stop("placement moved the stream on")
             self._hw[name] = max(self._hw.get(name, 0), leader.hw)
             del self.leaders[name]
+            if self._engine.exists(name):  # its groups act no more: the next leader's ops rule them
+                await asyncio.to_thread(self._engine.set_groups_active, name, False)
         follower = self.followers.get(name)
         if follower is not None:
             same = record is not None and (follower.record.epoch, follower.record.leader) == (
@@ -297,6 +304,8 @@ class ReplicaManager:
                 )
             engine.create_stream(name, incarnation=record.incarnation)
             engine.set_commit(name, engine.bounds(name).first_offset)
+        if record.leader != self.node_id:
+            engine.set_groups_active(name, False)  # (a node that led it before: no longer)
 
     def _drop_copy(self, name: str) -> None:
         if self._engine.exists(name):
@@ -306,19 +315,26 @@ class ReplicaManager:
         engine, name = self._engine, record.name
         engine.set_commit(name, hw)
         engine.begin_epoch(name, record.epoch)
+        engine.set_groups_active(name, True)
 
     # -- engine and follower callbacks
 
     def _on_log(self, name: str, _end: int) -> None:
-        # On the appending thread: hop to the loop.
+        self._tell(name, StreamLeader.on_log)
+
+    def _on_group_batch(self, name: str, _seq: int) -> None:
+        self._tell(name, StreamLeader.on_group_batch)
+
+    def _tell(self, name: str, news: Callable[[StreamLeader], None]) -> None:
+        # On the engine's calling thread: hop to the loop.
         loop = self._loop
         if loop is not None and name in self.leaders:
-            loop.call_soon_threadsafe(self._logged, name)
+            loop.call_soon_threadsafe(self._told, name, news)
 
-    def _logged(self, name: str) -> None:
+    def _told(self, name: str, news: Callable[[StreamLeader], None]) -> None:
         leader = self.leaders.get(name)
         if leader is not None:
-            leader.on_log()
+            news(leader)
 
     def _committed(self, name: str, hw: int) -> None:
         # From a follower's thread: a plain dict write of an int.

@@ -210,3 +210,49 @@ def test_a_publish_session_answers_only_what_is_committed(cluster_nodes: Cluster
     resent = iter([pb.PublishRequest(stream="s", payloads=[b"resent"], request_id=2)])
     (answer,) = list(stubs(leader).Publish(resent, timeout=30))
     assert answer.request_id == 2 and not answer.error.code and answer.last_offset >= 1
+
+
+def until_answered(call: Callable[[], Any]) -> Any:
+    """A call retried (bounded) while no node can answer it: the failover is under way."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        try:
+            return call()
+        except grpc.RpcError as exc:
+            assert exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), exc
+        assert time.monotonic() < deadline, "no node answered"
+        time.sleep(0.1)
+
+
+def test_a_killed_leaders_consumer_group_carries_on_on_the_new_leader(
+    cluster_nodes: ClusterNodes, stubs: Stubs
+) -> None:
+    """The same pending list, nothing acknowledged delivered again, and the group drains."""
+    cluster_nodes.start(*NODES, **REPLICATED)
+    stubs("n1").Append(pb.AppendRequest(stream="s", payloads=payloads(0, 30)), timeout=10)
+    old = leader_of(stubs("n1"), "s").leader
+    stub = stubs(old)
+    config = pb.GroupConfig(retry_ms=600_000)  # nothing comes back by itself during the test
+    stub.CreateGroup(pb.CreateGroupRequest(stream="s", group="g", config=config), timeout=10)
+    read = stub.Read(pb.ReadRequest(stream="s", group="g", consumer="a", count=20), timeout=10)
+    assert [e.offset for e in read.entries] == list(range(20))
+    stub.Ack(pb.AckRequest(stream="s", group="g", ranges=[pb.OffsetRange(start_offset=0, end_offset=10)]))
+    pending = pb.GetPendingRequest(stream="s", group="g", count=100)
+    before = [(e.offset, e.consumer, e.delivery_count) for e in stub.GetPending(pending, timeout=10).entries]
+    assert [offset for offset, _, _ in before] == list(range(10, 20))
+    cluster_nodes.kill(old)  # kill -9: no lease revoked
+    others = tuple(n for n in NODES if n != old)
+    after = until_answered(lambda: stubs(others[0]).GetPending(pending, timeout=5))
+    assert [(e.offset, e.consumer, e.delivery_count) for e in after.entries] == before
+    assert leader_of(stubs(others[0]), "s").leader in others
+    delivered: list[int] = []
+    read_more = pb.ReadRequest(stream="s", group="g", consumer="b", count=7, claim_idle_ms=0)
+    while True:  # claim-on-read takes the pending entries at once; each batch acknowledged
+        got = [e.offset for e in until_answered(lambda: stubs(others[0]).Read(read_more, timeout=5)).entries]
+        if not got:
+            break
+        delivered += got
+        ack = pb.AckRequest(stream="s", group="g", offsets=got)
+        until_answered(lambda ack=ack: stubs(others[0]).Ack(ack, timeout=5))
+    assert sorted(delivered) == list(range(10, 30))  # each once: nothing acknowledged came back
+    assert until_answered(lambda: stubs(others[0]).GetPending(pending, timeout=5)).count == 0

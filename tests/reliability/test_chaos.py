@@ -17,7 +17,6 @@ runs prove the harness and the configurations it runs today:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 
 import pytest
@@ -64,9 +63,8 @@ def test_the_bench_fails_and_says_why_when_acknowledged_entries_are_lost(tmp_pat
 def test_a_three_node_cluster_under_every_fault_it_survives_loses_nothing_acknowledged(tmp_path):
     """Streams on three replicas (acks=quorum): a stream whose leader is killed, paused, cut off or
     wiped gets a new leader from its in-sync replicas, and nothing acknowledged is lost. Calls go
-    through any node: routed to the stream's leader or forwarded there. No consumer group: group
-    state is not replicated yet (docs/CLUSTER.md, limits), so a failover takes a group back to the
-    new leader's own copy and the group cannot drain; the single-server run covers groups."""
+    through any node: routed to the stream's leader or forwarded there. Each stream's consumer
+    group carries on across failovers (its state replicated): no ack undone, and it drains."""
     kinds = kinds_for(nodes=3, replication_factor=3, fsync="always")
     assert {
         "partition",
@@ -76,15 +74,8 @@ def test_a_three_node_cluster_under_every_fault_it_survives_loses_nothing_acknow
         "power-all",
         "wipe",
     } <= set(kinds)
-    result = run_chaos(
-        tmp_path,
-        75,
-        nodes=3,
-        seed=15,
-        interval_s=(0.5, 1.5),
-        replication_factor=3,
-        workload=dataclasses.replace(WORKLOAD, workers_per_stream=0),
-    )
+    result = run_chaos(tmp_path, 75, nodes=3, seed=15, interval_s=(0.5, 1.5), replication_factor=3)
     assert result.ok, result.summary()
     assert sum(result.faults.values()) >= 12
     assert result.report.stats["entries_acked"] > 1000
+    assert result.history.counts()["drain"] == {"ok": len(WORKLOAD.streams)}  # each group drained

@@ -14,6 +14,7 @@ import random
 from pathlib import Path
 
 import pytest
+from crc32c import crc32c
 
 import storage.engine
 from storage import (
@@ -24,6 +25,7 @@ from storage import (
     GroupConfig,
     GroupCounters,
     GroupReadOptions,
+    grouplog,
 )
 from storage import groupops as o
 from storage.fs import FileSystem
@@ -146,9 +148,9 @@ def test_malformed_op_bytes_raise_corruption_error():
 
 
 def test_snapshot_round_trip_and_damage():
-    raw = encode_snapshot(4, EVERY_OP)
-    generation, ops = decode_snapshot(raw)
-    assert (generation, ops) == (4, [normalise(op) for op in EVERY_OP])
+    raw = encode_snapshot(4, EVERY_OP, 77)
+    generation, ops, op_seq = decode_snapshot(raw)
+    assert (generation, ops, op_seq) == (4, [normalise(op) for op in EVERY_OP], 77)
     for pos in (0, 9, HEADER_SIZE - 1, HEADER_SIZE, len(raw) - 1):
         damaged = bytearray(raw)
         damaged[pos] ^= 0x10
@@ -156,6 +158,14 @@ def test_snapshot_round_trip_and_damage():
             decode_snapshot(bytes(damaged))
     with pytest.raises(CorruptionError):
         decode_snapshot(raw[:-1])
+
+
+def test_a_version_1_snapshot_stands_at_op_seq_0():
+    """Snapshots written before the op sequence number existed still load."""
+    body = encode_ops(EVERY_OP)
+    head = grouplog._SNAPSHOT_HEADER.pack(b"SLGS", 1, 0, 3, len(body), crc32c(body))
+    raw = head + grouplog._U32.pack(crc32c(head)) + body
+    assert decode_snapshot(raw) == (3, [normalise(op) for op in EVERY_OP], 0)
 
 
 # ---------------------------------------------------------------------- the journal's valid prefix
@@ -168,7 +178,7 @@ def build_journal(tmp_path: Path) -> tuple[GroupLog, list[dict], list[int]]:
     state = GroupSet()
     journal = GroupLog(FileSystem(), directory, 8192)
     group = state.create("g", GroupConfig(retry_ms=100, max_deliveries=3), 0, 0, 1000)
-    journal.checkpoint(state.snapshot_ops())
+    journal.checkpoint(state.snapshot_ops(), 0)
     state.drain()
     states = [state.dump()]
     starts = []
@@ -182,14 +192,14 @@ def build_journal(tmp_path: Path) -> tuple[GroupLog, list[dict], list[int]]:
     for call in calls:
         call()
         starts.append(journal.used_bytes)
-        journal.append(state.drain())
+        journal.append(encode_ops(state.drain()))
         states.append(state.dump())
     starts.append(journal.used_bytes)
     return journal, states, starts
 
 
 def recover(snapshot: bytes, journal_raw: bytes) -> dict:
-    generation, ops = decode_snapshot(snapshot)
+    generation, ops, _ = decode_snapshot(snapshot)
     journal_ops, _, _, _ = scan_journal(journal_raw, generation)
     state = GroupSet()
     for op in ops + journal_ops:
@@ -379,7 +389,7 @@ def test_a_journal_is_at_least_twice_the_snapshot_before_it(tmp_path):
     group = state.create("g", GroupConfig(), 0, 0, 1000)
     group.deliver("a", 1000, 5, 60_000, list(range(0, 20_000, 3)))
     journal = GroupLog(FileSystem(), tmp_path, 2048)
-    journal.checkpoint(state.snapshot_ops())
+    journal.checkpoint(state.snapshot_ops(), 0)
     snapshot_bytes = (tmp_path / SNAPSHOT_FILE).stat().st_size
     assert snapshot_bytes > 2048
     assert journal.capacity_bytes >= 2 * (snapshot_bytes - HEADER_SIZE)

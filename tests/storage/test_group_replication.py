@@ -1,0 +1,192 @@
+"""Storage's side of replicating consumer-group state (storage/groupstore.py, issue 15).
+
+A leader's groups number their op batches (`group_seq`, durable with the journal),
+keep recent batches once a follower took a snapshot (`group_ops_since`), and a
+follower's passive groups apply them (`apply_group_ops`, `install_group_snapshot`)
+without acting on their own until they are made active.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from storage import AppendBatch, Engine, EngineConfig, GroupConfig, GroupReadOptions, groupstore
+from storage.errors import CorruptionError, InvalidArgumentError, PreconditionError
+from storage.groupops import encode_ops
+
+from .conftest import SMALL
+
+
+def _engine(path, clock, **overrides) -> Engine:
+    return Engine(path, EngineConfig(**{**SMALL, **overrides}), clock=clock)
+
+
+def _calls(engine: Engine) -> None:
+    """A few group calls of every kind that changes state."""
+    engine.read_group("s", "g", GroupReadOptions("a", 8))
+    engine.ack("s", "g", ranges=[(0, 3)])
+    engine.nack("s", "g", [4], delay_ms=10)
+    engine.claim("s", "g", "b", 0, [5, 6])
+    engine.delete_consumer("s", "g", "a")
+    engine.set_group_config("s", "g", GroupConfig(retry_ms=70, max_deliveries=4))
+
+
+@pytest.fixture
+def leader(tmp_path, clock):
+    engine = _engine(tmp_path / "leader", clock)
+    engine.append("s", AppendBatch([b"x"] * 20))
+    engine.create_group("s", "g", config=GroupConfig(retry_ms=50, max_deliveries=3))
+    yield engine
+    engine.close()
+
+
+def test_the_op_seq_counts_batches_and_survives_restart_and_checkpoints(tmp_path, clock):
+    engine = _engine(tmp_path / "d", clock)
+    engine.append("s", AppendBatch([b"x"] * 20))
+    assert engine.group_seq("s") == 0
+    engine.create_group("s", "g")
+    assert engine.group_seq("s") == 1
+    _calls(engine)
+    assert engine.group_seq("s") == 7
+    engine.close()
+    engine = _engine(tmp_path / "d", clock)
+    assert engine.group_seq("s") == 7  # snapshot (1) + 6 journal records replayed
+    engine._groups.stores.get("s").maintain_journal(engine.fsync_policy("s"))
+    engine._groups.stores.get("s").log.checkpoint(engine._groups.stores.snapshot_ops("s"), 7)
+    engine.read_group("s", "g", GroupReadOptions("c", 2))
+    engine.close()
+    engine = _engine(tmp_path / "d", clock)
+    assert engine.group_seq("s") == 8
+    engine.close()
+
+
+def test_a_full_journal_checkpoints_and_the_seq_goes_on(tmp_path, clock):
+    engine = _engine(tmp_path / "d", clock)
+    engine.append("s", AppendBatch([b"x"] * 60))
+    engine.create_group("s", "g")
+    for i in range(400):  # each read a record; the journal (segment_bytes caps it) fills and checkpoints
+        engine.read_group("s", "g", GroupReadOptions(f"consumer-{i}-{'x' * 200}", 1))
+    assert engine._groups.stores.get("s").log.generation > 1
+    assert engine.group_seq("s") == 401
+    engine.close()
+    engine = _engine(tmp_path / "d", clock)
+    assert engine.group_seq("s") == 401
+    engine.close()
+
+
+def test_no_batch_is_retained_until_a_follower_takes_a_snapshot(leader):
+    """The single-node path keeps nothing for followers it does not have."""
+    _calls(leader)
+    assert leader._groups.stores.get("s").retained is None
+    assert leader.group_ops_since("s", 3) is None
+    assert leader.group_ops_since("s", leader.group_seq("s")) == []
+
+
+def test_a_follower_follows_snapshot_then_batches_and_restarts_at_the_same_seq(leader, tmp_path, clock):
+    follower = _engine(tmp_path / "follower", clock, groups_passive=True)
+    follower.append("s", AppendBatch([b"x"] * 20))
+    seq, body = leader.group_snapshot("s")
+    follower.install_group_snapshot("s", seq, body)
+    assert follower.group_seq("s") == seq == 1
+    _calls(leader)
+    batches = leader.group_ops_since("s", seq)
+    assert [n for n, _ in batches] == list(range(2, 8))
+    assert leader.group_ops_since("s", 4) == batches[3:]
+    for n, ops in batches:
+        follower.apply_group_ops("s", n, ops)
+    expected = leader._groups.dump("s")
+    assert follower._groups.dump("s") == expected
+    assert follower.group_seq("s") == 7
+    follower.close()
+    follower = _engine(tmp_path / "follower", clock, groups_passive=True)
+    assert follower.group_seq("s") == 7
+    assert follower._groups.dump("s") == expected
+    follower.close()
+
+
+def test_batches_out_of_sequence_or_malformed_are_refused(leader, tmp_path, clock):
+    follower = _engine(tmp_path / "follower", clock, groups_passive=True)
+    follower.append("s", AppendBatch([b"x"] * 20))
+    follower.install_group_snapshot("s", *leader.group_snapshot("s"))
+    _calls(leader)
+    batches = leader.group_ops_since("s", 1)
+    with pytest.raises(PreconditionError):
+        follower.apply_group_ops("s", *batches[1])  # batch 3 before batch 2
+    with pytest.raises(CorruptionError):
+        follower.apply_group_ops("s", 2, b"\x01\x63")  # unknown op code
+    with pytest.raises(InvalidArgumentError):
+        follower.apply_group_ops("s", 2, encode_ops([]))
+    with pytest.raises(CorruptionError):
+        follower.install_group_snapshot("s", 9, b"\xff\xff")
+    assert follower.group_seq("s") == 1
+    follower.apply_group_ops("s", *batches[0])
+    assert follower.group_seq("s") == 2
+    follower.close()
+
+
+def test_a_snapshot_replaces_whatever_the_follower_held(leader, tmp_path, clock):
+    follower = _engine(tmp_path / "follower", clock)
+    follower.append("s", AppendBatch([b"x"] * 20))
+    follower.create_group("s", "stale")
+    follower.create_group("s", "other")
+    follower.set_groups_active("s", False)
+    _calls(leader)
+    follower.install_group_snapshot("s", *leader.group_snapshot("s"))
+    assert follower._groups.dump("s") == leader._groups.dump("s")
+    assert follower.group_seq("s") == leader.group_seq("s")
+    leader.delete_group("s", "g")
+    follower.install_group_snapshot("s", *leader.group_snapshot("s"))  # no groups: the files go
+    assert follower._groups.dump("s") == {}
+    follower.close()
+    follower = _engine(tmp_path / "follower", clock)
+    assert follower._groups.dump("s") == {}
+    follower.close()
+
+
+def test_retention_is_bounded_by_bytes_then_a_snapshot_is_needed(leader, monkeypatch):
+    monkeypatch.setattr(groupstore, "RETAINED_BATCH_BYTES", 200)
+    start, _ = leader.group_snapshot("s")
+    for i in range(40):
+        leader.read_group("s", "g", GroupReadOptions(f"c{i}", 1))
+    store = leader._groups.stores.get("s")
+    assert store.retained_bytes <= 200 and len(store.retained) < 40
+    assert leader.group_ops_since("s", start) is None
+    first = store.retained[0][0]
+    assert [n for n, _ in leader.group_ops_since("s", first - 1)] == list(range(first, start + 41))
+    assert len(leader.group_ops_since("s", first - 1, max_bytes=1)) == 1  # at least one
+    assert leader.group_ops_since("s", start + 40) == []
+    assert leader.group_ops_since("s", start + 41) is None  # not one of its seqs
+
+
+def test_a_passive_store_acts_on_nothing_until_made_active(leader, tmp_path, clock):
+    """No deliveries, no expiry, no dead letters on a follower; active, it carries on from its state."""
+    leader.set_group_config(
+        "s", "g", GroupConfig(retry_ms=50, expire_ms=1000, max_deliveries=3, dead_letter_stream="dead")
+    )
+    leader.read_group("s", "g", GroupReadOptions("a", 5))
+    follower = _engine(tmp_path / "follower", clock, groups_passive=True)
+    follower.append("s", AppendBatch([b"x"] * 20))
+    follower.install_group_snapshot("s", *leader.group_snapshot("s"))
+    clock.advance(5000)  # past every entry's expiry
+    follower._groups.maintain()
+    assert follower._groups.dump("s") == leader._groups.dump("s")
+    assert not follower.exists("dead")
+    assert follower.group_streams() == []
+    for call in (
+        lambda: follower.read_group("s", "g", GroupReadOptions("a", 5)),
+        lambda: follower.ack("s", "g", [0]),
+        lambda: follower.list_groups("s"),
+        lambda: follower.create_group("s", "h"),
+    ):
+        with pytest.raises(PreconditionError):
+            call()
+    follower.set_groups_active("s", True)
+    assert follower.group_streams() == ["s"]
+    follower._groups.maintain()  # now it expires them, dead-lettering them as the leader would
+    assert follower.group_info("s", "g").pending == 0
+    assert follower.read("dead", 0, 10).count == 5
+    follower.close()
+    follower = _engine(tmp_path / "follower", clock, groups_passive=True)
+    with pytest.raises(PreconditionError):  # passive again after a restart: the cluster says when it leads
+        follower.ack("s", "g", [0])
+    follower.close()
