@@ -474,10 +474,6 @@ class RoutingInterceptor(WrappingInterceptor):
             return await self._group_call(method, request, context, behavior)
         return await behavior(request, context)
 
-    def _quorum(self, stream: str) -> bool:
-        record = self._placement.locate(stream)
-        return record is None or record.config.get("acks", self._node.settings.default_acks) != "leader"
-
     async def _group_call(
         self, method: str, request: Any, context: CallContext, behavior: UnaryBehavior
     ) -> Any:
