@@ -252,12 +252,15 @@ class StreamLeader:
 
     def progress(self) -> tuple[int, list[tuple[str, int, int]]]:
         """(the HW, each replica's (node, log end, ms since it was last caught up)), for operators."""
-        now, me = time.monotonic(), self._ctx.node_id
-        replicas = [(me, self._engine.log_end(self.name), 0)]
+        now, me, end = time.monotonic(), self._ctx.node_id, self._engine.log_end(self.name)
+        replicas = [(me, end, 0)]
         for node in self.record.replicas:
             known = self._progress.get(node)
             if node != me and known is not None:
-                lag = 0 if known.log_end >= self._engine.log_end(self.name) else now - known.caught_up_at
+                since = now - known.caught_up_at
+                # At the end and heard from lately: no lag. A silent one (down) lags however full.
+                caught_up = known.log_end >= end and since <= self._ctx.replica_lag_s
+                lag = 0 if caught_up else since
                 replicas.append((node, known.log_end, int(min(lag, 1e12) * 1000)))
         return self.hw, replicas
 
@@ -435,8 +438,14 @@ class StreamLeader:
 
     def _may_join(self, progress: _Progress) -> bool:
         """A follower joins the in-sync set once it holds everything committed: entries up to the
-        HW (and this epoch's start), and the group ops every in-sync replica applied."""
-        return progress.log_end >= max(self.hw, self._epoch_start) and progress.group_seq >= self.group_hw
+        HW (and this epoch's start), and the group ops every in-sync replica applied, and only
+        while it keeps fetching: a follower that went silent (down) after catching up does not
+        come back with the next change of the set, which would hold the HW until it lags out."""
+        return (
+            progress.log_end >= max(self.hw, self._epoch_start)
+            and progress.group_seq >= self.group_hw
+            and time.monotonic() - progress.caught_up_at <= self._ctx.replica_lag_s
+        )
 
     async def _watch_lag(self) -> None:
         """Take followers that stopped keeping up out of the in-sync set (a timer, not a poll of

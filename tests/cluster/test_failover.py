@@ -256,3 +256,26 @@ def test_a_killed_leaders_consumer_group_carries_on_on_the_new_leader(
         until_answered(lambda ack=ack: stubs(others[0]).Ack(ack, timeout=5))
     assert sorted(delivered) == list(range(10, 30))  # each once: nothing acknowledged came back
     assert until_answered(lambda: stubs(others[0]).GetPending(pending, timeout=5)).count == 0
+
+
+def test_a_stopped_follower_of_an_idle_stream_leaves_the_in_sync_set_for_good_until_it_returns(
+    cluster_nodes: ClusterNodes, stubs: Stubs
+) -> None:
+    # Caught up when it stopped (the stream takes nothing), the follower still leaves the set once
+    # it stops fetching, and must not come back with the next change of the set: a member that is
+    # down holds the high watermark of every acks=quorum append until it lags out again.
+    cluster_nodes.start(*NODES, **REPLICATED)
+    stubs("n1").Append(pb.AppendRequest(stream="idle", payloads=[b"one"]), timeout=SETTLE_S)
+    leader = leader_of(stubs("n1"), "idle").leader
+    gone = next(name for name in reversed(NODES) if name != leader)
+    eventually(lambda: isr(stubs, leader, "idle") == set(NODES), timeout_s=SETTLE_S)
+    cluster_nodes.stop(gone)
+    eventually(lambda: gone not in isr(stubs, leader, "idle"), timeout_s=SETTLE_S)
+    for _ in range(20):  # five replica_lag_ms periods: it stays out
+        placement = leader_of(stubs(leader), "idle")
+        assert gone not in placement.in_sync_replicas
+        [progress] = [p for p in placement.progress if p.node == gone]
+        assert progress.lag_ms > 0  # at the end of the log, yet lagging: it is silent
+        time.sleep(0.25)
+    cluster_nodes.start(gone, **REPLICATED)
+    eventually(lambda: isr(stubs, leader, "idle") == set(NODES), timeout_s=SETTLE_S)
