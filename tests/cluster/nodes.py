@@ -45,12 +45,18 @@ class ClusterNodes:
         self.settings = {**SETTINGS, **settings}
         self.processes: dict[str, ServerProcess] = {}
         self.ports: dict[str, int] = {}
+        self.paused: set[str] = set()  # stopped with SIGSTOP: they answer nothing
         self._all: list[ServerProcess] = []
 
     def start(self, *names: str, **settings: str) -> None:
-        """Start these nodes (at once) and wait until each serves; `settings` for them all."""
+        """Start these nodes (at once) and wait until each serves and every running node sees them
+        live; `settings` for them all."""
         for name in names:
             self.spawn(name, **settings)
+        self._wait_for_serving(names, settings)
+        self._wait_until_seen(names)
+
+    def _wait_for_serving(self, names: tuple[str, ...], settings: dict[str, str]) -> None:
         for name in names:
             for attempt in range(_ATTEMPTS):
                 outcome = self.processes[name].wait_for(r"serving \d+ streams|cannot run the server")
@@ -61,6 +67,22 @@ class ClusterNodes:
                     raise AssertionError(f"node {name} did not start (exit {code}):\n{log}")
                 del self.ports[name]
                 self.spawn(name, **settings)
+
+    def _wait_until_seen(self, names: tuple[str, ...]) -> None:
+        """Wait until every running node (but a paused one) sees `names` live: a node places a new
+        stream on the members it sees, so one that has not yet seen the others would give a stream
+        fewer replicas than its replication factor."""
+        for watcher, process in self.processes.items():
+            if process.process.poll() is not None or watcher in self.paused:
+                continue
+            with grpc.insecure_channel(self.target(watcher)) as channel:
+                stub = pb_grpc.StreamLogServiceStub(channel)
+
+                def sees_them(stub: pb_grpc.StreamLogServiceStub = stub) -> bool:
+                    reply = stub.DescribeCluster(pb.DescribeClusterRequest(), timeout=10)
+                    return set(names) <= {node.id for node in reply.nodes if node.alive}
+
+                eventually(sees_them, timeout_s=60)
 
     def spawn(self, name: str, node_id: str | None = None, **settings: str) -> ServerProcess:
         """Start node `name` (its id: `node_id`, default the name) without waiting; it keeps its
@@ -94,6 +116,10 @@ class ClusterNodes:
 
     def signal(self, name: str, signum: signal.Signals) -> None:
         self.processes[name].process.send_signal(signum)
+        if signum == signal.SIGSTOP:
+            self.paused.add(name)
+        elif signum in (signal.SIGCONT, signal.SIGTERM, signal.SIGKILL):
+            self.paused.discard(name)
 
     def stop(self, name: str) -> tuple[int, str]:
         self.signal(name, signal.SIGTERM)
