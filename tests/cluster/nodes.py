@@ -46,6 +46,7 @@ class ClusterNodes:
         self.processes: dict[str, ServerProcess] = {}
         self.ports: dict[str, int] = {}
         self.paused: set[str] = set()  # stopped with SIGSTOP: they answer nothing
+        self.node_ids: dict[str, str] = {}  # a node's id, by its name here
         self._all: list[ServerProcess] = []
 
     def start(self, *names: str, **settings: str) -> None:
@@ -80,7 +81,8 @@ class ClusterNodes:
 
                 def sees_them(stub: pb_grpc.StreamLogServiceStub = stub) -> bool:
                     reply = stub.DescribeCluster(pb.DescribeClusterRequest(), timeout=10)
-                    return set(names) <= {node.id for node in reply.nodes if node.alive}
+                    live = {node.id for node in reply.nodes if node.alive}
+                    return {self.node_ids[name] for name in names} <= live
 
                 eventually(sees_them, timeout_s=60)
 
@@ -88,6 +90,7 @@ class ClusterNodes:
         """Start node `name` (its id: `node_id`, default the name) without waiting; it keeps its
         port and data directory across restarts."""
         port = self.ports.setdefault(name, free_port())
+        self.node_ids[name] = node_id or name
         overrides = [f"--set={key}={value}" for key, value in {**self.settings, **settings}.items()]
         process = ServerProcess(
             f"--port={port}",
