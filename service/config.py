@@ -600,4 +600,5 @@ def engine_config(settings: Settings, *, background: bool = True) -> EngineConfi
         max_open_streams=settings.max_open_streams,
         background=background,
         groups_passive=bool(settings.cluster),
+        retention_passive=bool(settings.cluster),
     )

@@ -52,6 +52,8 @@ change group state (Ack, Nack, Claim, AutoClaim, group and consumer admin, and e
 reply of a group Read, Subscribe or Consume) once every in-sync replica applied the
 stream's group ops up to its own, so a failover never takes back a delivery or an ack
 (a read that changed nothing finds them applied already, and does not wait).
+SetStreamConfig writes the stream's settings into its placement record first
+(cluster/replication/copies.py), so that every replica has them.
 """
 
 from __future__ import annotations
@@ -67,8 +69,9 @@ from streamlog.v1 import streamlog_pb2 as pb
 
 from cluster.errors import ClusterError
 from cluster.placement import StreamPlacement
+from cluster.replication import copies
 from cluster.replication.leader import NotEnoughReplicasError, NotLeadingError
-from service import batchparts, describe, validation
+from service import batchparts, describe, streamwire, validation
 from service.appendmany import check_request, error_result
 from service.callcontext import CallContext
 from service.errors import ServiceError
@@ -117,6 +120,8 @@ _GROUP_CHANGES = frozenset(
 )
 # How long a call waits for this node to take over a stream placement says it now leads.
 _READY_WAIT_S = 2.0
+# Compare-and-swaps a SetStreamConfig tries while placement changes under it (the in-sync set).
+_CONFIG_ATTEMPTS = 5
 
 
 class _Refusal(NamedTuple):
@@ -461,6 +466,8 @@ class RoutingInterceptor(WrappingInterceptor):
     ) -> Any:
         if method == "DeleteStream":
             return await self._delete_stream(request, context, behavior)
+        if method == "SetStreamConfig" and self._placement.locate(request.stream) is not None:
+            return await self._set_stream_config(request, context, behavior)
         if method in _DEAD_LETTER_METHODS and request.config.dead_letter_stream:
             await self._place_dead_letters(request, context)
         if method == "Read" and request.block_ms > 0:
@@ -581,6 +588,36 @@ class RoutingInterceptor(WrappingInterceptor):
             if self._node.engine is not None and self._node.engine.exists(stream):
                 return await behavior(request, context)
         return pb.DeleteStreamResponse()
+
+    async def _set_stream_config(
+        self, request: pb.SetStreamConfigRequest, context: CallContext, behavior: UnaryBehavior
+    ) -> Any:
+        """The settings go into the stream's placement record first (compare-and-swap on the record
+        of this node's epoch: a deposed leader's write fails), so that every replica applies them
+        and a new leader enforces them; then into this node's copy, which answers."""
+        try:
+            config = streamwire.config_from_proto(request.config)
+        except ServiceError as exc:
+            await context.abort(exc.code, exc.message)
+        for _ in range(_CONFIG_ATTEMPTS):  # the in-sync set may change meanwhile: decide again
+            record = self._placement.locate(request.stream)
+            if record is None or record.leader != self._me:
+                break
+            try:
+                outcome = await self._placement.cas(record, copies.with_settings(record, config))
+            except ClusterError as exc:
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"stream {request.stream!r}: its config cannot be written to the cluster now: {exc}; "
+                    "nothing was changed: retry",
+                )
+            if outcome.applied:
+                return await behavior(request, context)
+        await context.abort(
+            grpc.StatusCode.UNAVAILABLE,
+            f"stream {request.stream!r}: this node stopped leading it, or its placement kept changing; "
+            "the config may not be set: retry",
+        )
 
     async def _place_dead_letters(self, request: Any, context: CallContext) -> None:
         """The engine writes a group's dead letters into its own copy of the dead-letter stream,

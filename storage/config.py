@@ -50,6 +50,9 @@ class EngineConfig:
     # Consumer groups start passive (a cluster node's: they serve calls only where it leads,
     # storage/groupstore.py); False: active (a single server).
     groups_passive: bool = False
+    # Streams start with retention and compaction passive (a cluster node's: a follower's copy
+    # changes only as its leader's log does, storage/replicaapi.py); False: maintenance runs them.
+    retention_passive: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fsync", _fsync_policy(self.fsync))

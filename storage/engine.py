@@ -93,6 +93,8 @@ class Engine(GroupCalls, ReplicaCalls):
         self._log_listeners: list[AppendListener] = []
         # Consumer groups install a floor here: retention never evicts at or above it.
         self.retention_floor: Callable[[str], int | None] = lambda name: None
+        # Streams whose retention and compaction run as EngineConfig.retention_passive does not say.
+        self._retention_switched: set[str] = set()
         self._ctx = EngineContext(
             self._fs,
             self.config,
@@ -334,6 +336,7 @@ class Engine(GroupCalls, ReplicaCalls):
     def delete_stream(self, name: str) -> None:
         with self._use(name) as stream:
             self._groups.drop_stream(name)  # a stream's groups go with it
+            self._retention_switched.discard(name)  # a new copy starts as the config says
             self._catalog.remove(name)
             self._open.discard(name)
         stream.close(clean=False)
@@ -554,10 +557,12 @@ class Engine(GroupCalls, ReplicaCalls):
         """A stream's packing, retention, producer snapshot and due compaction (maintenance)."""
         seq = stream.write_seq
         stream.cleaner.pack_pending()
-        stream.retention.apply(now)
+        retains = self.retention_active(stream.name)
+        if retains:
+            stream.retention.apply(now)
         stream.save_producers(now)
         due = now - stream.cleaner.last_compaction_ms >= self.config.compaction_interval_ms
-        if stream.config.compaction and due:
+        if retains and stream.config.compaction and due:
             stream.cleaner.compact(now)
         stream.upkept_seq, stream.upkept_ms = seq, now
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from storage.context import EngineContext
 from storage.dedup import BatchRecord, ProducerTable
 from storage.errors import CorruptionError
-from storage.format import NODE_PREFIX_SIZE, NODE_PRODUCER, SEGMENT_HEADER_SIZE
+from storage.format import NODE_PREFIX_SIZE, NODE_PRODUCER, SEGMENT_HEADER_SIZE, SegmentHeader
 from storage.growing import GrowingNode
 from storage.index import NodeIndex
 from storage.layout import DAMAGED_SUFFIX, PRODUCERS_FILE, SEGMENT_SUFFIX, TMP_SUFFIX, segment_base
@@ -104,12 +104,14 @@ class LogLoader:
         for leftover in (f for f in files if f.endswith(TMP_SUFFIX)):
             fs.remove(self.directory / leftover)  # a rewrite that crashed before its rename
         names = [f for f in files if f.endswith(SEGMENT_SUFFIX)]
-        # A trailing segment in which no node was ever written holds no entry: remove it. It may
-        # be a creation that a crash cut short (header torn or missing, preallocation lost), and
-        # a new segment of the same name must be creatable at the same base offset.
+        # A trailing growing segment in which no node was ever written holds no entry: remove it.
+        # It may be a creation that a crash cut short (header torn or missing, preallocation
+        # lost), and a new segment of the same name must be creatable at the same base offset. A
+        # packed one is written whole (renamed into place): without nodes it covers a hole that a
+        # follower copied from its leader (storage/replica.py), and its end counts.
         while names:
             head = fs.read_head(self.directory / names[-1], SEGMENT_HEADER_SIZE + NODE_PREFIX_SIZE)
-            if any(head[SEGMENT_HEADER_SIZE:]):
+            if any(head[SEGMENT_HEADER_SIZE:]) or _packed_header(head):
                 break
             fs.remove(self.directory / names.pop())
         return names
@@ -224,3 +226,11 @@ class LogLoader:
 
 def _or(value: int | None, default: int) -> int:
     return default if value is None else value
+
+
+def _packed_header(head: bytes) -> bool:
+    """Whether these bytes start with a sound header of a packed segment."""
+    try:
+        return SegmentHeader.decode(head).packed
+    except CorruptionError:
+        return False

@@ -5,6 +5,9 @@ from `ReplicaCalls`, so the engine's own file stays about streams.
   `set_commit` caps what readers see at the high watermark, and wakes them when it moves up.
 - Follower side: `append_replica` writes a chunk at the offsets it carries; `truncate` drops a
   diverged suffix (KIP-101).
+- Follower side too: `set_retention_active(name, False)` keeps maintenance from applying the
+  stream's own retention and compaction to a follower's copy (it follows its leader's first
+  offset and holes instead).
 - Both: the leader-epoch history (`epochs`, `begin_epoch`, `epoch_end`) and the stream's
   `incarnation` (storage/epochs.py), and `log_end`, the end a replica vouches for.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from storage.config import EngineConfig
 from storage.errors import InvalidArgumentError, PreconditionError
 from storage.fs import FileSystem
 from storage.layout import stream_directory, write_meta
@@ -23,6 +27,8 @@ from storage.stream import Stream
 
 
 class ReplicaCalls:
+    config: EngineConfig
+    _retention_switched: set[str]
     _listeners: list[Callable[[str, int], None]]  # set by the engine
     _stream: Callable[[str], Stream]
     _fs: FileSystem
@@ -61,6 +67,20 @@ class ReplicaCalls:
             write_meta(stream.ctx.fs, stream.directory, name, first_offset, stream.config)
             stream.first_offset = stream.end_offset = first_offset
             stream.publish(first_offset)
+
+    def set_retention_active(self, name: str, active: bool) -> None:
+        """Active: maintenance applies the stream's retention limits and compaction (this node leads
+        it, or there is no cluster). Passive: it does neither (a follower's copy removes a prefix and
+        gets holes only as its leader's log did). Streams start as `EngineConfig.retention_passive`
+        says; explicit trims and compactions are the caller's, either way."""
+        validate_name(name)
+        if active == self.config.retention_passive:  # not as streams start
+            self._retention_switched.add(name)
+        else:
+            self._retention_switched.discard(name)
+
+    def retention_active(self, name: str) -> bool:
+        return (name in self._retention_switched) == self.config.retention_passive
 
     def wipe_damaged(self, name: str) -> bool:
         """Remove the stream's damaged copy (its directory failed its checks at start-up and is

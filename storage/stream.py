@@ -21,6 +21,8 @@ from itertools import repeat
 from operator import add
 from pathlib import Path
 
+import zstandard
+
 from storage.catalog import StreamSummary
 from storage.cleaner import Cleaner
 from storage.config import StreamConfig
@@ -37,7 +39,7 @@ from storage.errors import (
     OffsetMismatchError,
     StorageError,
 )
-from storage.format import NODE_DELAYED, NODE_PREFIX_SIZE, NODE_PRODUCER, SEGMENT_HEADER_SIZE
+from storage.format import NODE_DELAYED, NODE_PREFIX_SIZE, NODE_PRODUCER, SEGMENT_HEADER_SIZE, NodeBody
 from storage.fs import SegmentFile
 from storage.growing import GrowingNode
 from storage.index import NodeIndex
@@ -49,10 +51,11 @@ from storage.layout import (
     PRODUCERS_FILE,
     decode_meta,
     encode_meta,
+    segment_name,
     write_meta,
 )
 from storage.loader import LogLoader, new_producer_table
-from storage.packed import compression_ratio, decompressor
+from storage.packed import compression_ratio, decompressor, encode_packed_node, write_packed_segment
 from storage.reader import count_entries, read_backward, seek_time
 from storage.records import attach_producer, encode_batch
 from storage.results import AppendResult, EntriesMeta, Gap, ReadResult, StreamInfo
@@ -255,6 +258,34 @@ class Stream:
             positions = array("I", map(add, positions, repeat(start, n + 1)))
         node.append(blob, positions, first_ts, last_ts, flags)
         self._wrote(node, self.end_offset + n, last_ts)
+
+    def write_packed(self, bodies: Sequence[tuple[NodeBody, int, int, int]], end_offset: int) -> None:
+        """Write stored records with holes (replication of a compacted log, storage/replica.py; call
+        with `lock` held) as a sealed packed segment from end_offset up to `end_offset`, durable when
+        this returns: `bodies` are its nodes (body, min and max timestamp, carried flags), sparse
+        where offsets are missing. The growing tail is sealed first (synced, queued for packing),
+        so that the next append starts a new segment after this one."""
+        tail = self.segments[-1] if self.segments else None
+        if tail is not None and not tail.packed:
+            tail.file.sync()  # complete on disk before the next segment exists, as _roll does
+            if self.ctx.config.compression:
+                self.pack_queue.append(tail)
+        self.active = None
+        cfg = self.ctx.config
+        compressor = zstandard.ZstdCompressor(level=cfg.compression_level) if cfg.compression else None
+        path = self.directory / segment_name(self.end_offset)
+        nodes = (encode_packed_node(body, lo, hi, flags, compressor) for body, lo, hi, flags in bodies)
+        write_packed_segment(self.ctx.fs, path, self.end_offset, end_offset, self.ctx.clock(), nodes)
+        segment, cut = Segment.open(self.ctx.fs, path, writable=False, verify=False)
+        if cut:
+            raise CorruptionError(f"replicated segment {path.name} does not read back: {cut}")
+        self.segments.append(segment)
+        for ref in segment.nodes:
+            self.index.append(ref)
+        self.end_offset = end_offset
+        if bodies:
+            self.last_ts = bodies[-1][2]  # timestamps never decrease along a stream
+        self.write_seq += 1
 
     def _wrote(self, node: GrowingNode, end_offset: int, last_ts: int) -> None:
         self.index.grew(last_ts)

@@ -12,8 +12,10 @@ its fsync policy, acknowledges what it holds. The leader's answers:
 - `reset`: this node's end is before the leader's first offset (retention moved it):
   the copy is rebuilt empty from the leader's first offset.
 - `data`: record the epoch that starts here, append the records at the offsets they
-  carry (storage's append_replica, in a thread: it may sync), and follow the HW with
-  the commit cap (what this node serves if it becomes leader); then the consumer
+  carry with the holes between them (storage's append_replica, in a thread: it may
+  sync), remove the prefix below the leader's first offset (KIP-107: its trims and
+  retention), and follow the HW with the commit cap (what this node serves if it
+  becomes leader); then the consumer
   groups: install the leader's group snapshot if one came, apply the op batches
   (storage's passive group store, journaled), and acknowledge them with `group_seq`.
 
@@ -34,6 +36,7 @@ import grpc
 from streamlog.internal.v1 import replication_pb2 as rpb
 
 from cluster.placement import StreamPlacement
+from cluster.replication import copies
 from cluster.replication.wire import from_data
 from storage import Engine
 
@@ -124,7 +127,7 @@ class StreamFollower:
                 body = response.WhichOneof("body")
                 if body == "data":
                     data = response.data
-                    if self._ctx.engine.fsync_policy(self.name).blocks or data.HasField("group_snapshot"):
+                    if self._waits_on_disk(data):
                         await asyncio.to_thread(self._locked, self._apply, data)
                     else:  # no sync to wait for: a thread hop would cost more than the append
                         self._locked(self._apply, data)
@@ -145,6 +148,19 @@ class StreamFollower:
         finally:
             call.cancel()
 
+    def _waits_on_disk(self, data: rpb.ReplicaData) -> bool:
+        """Whether applying `data` may wait on the disk: a sync (the fsync policy), a group snapshot,
+        a prefix removal (the meta file), or holes (a packed segment, written whole and synced)."""
+        engine, name = self._ctx.engine, self.name
+        count = len(data.positions) // 4 - 1
+        return (
+            engine.fsync_policy(name).blocks
+            or data.HasField("group_snapshot")
+            or data.end_offset != data.first_offset + count
+            or (count > 0 and data.runs[0].first_offset != data.first_offset)
+            or data.log_start > engine.bounds(name).first_offset
+        )
+
     def _locked(self, work: Callable[[Any], None], message: Any) -> None:
         with self._apply_lock:
             work(message)
@@ -154,13 +170,17 @@ class StreamFollower:
     def _apply(self, data: rpb.ReplicaData) -> None:
         engine, name = self._ctx.engine, self.name
         end = engine.log_end(name)
-        if data.HasField("epoch_start") and data.runs:  # an epoch is recorded with its first entry
+        moves = data.end_offset > data.first_offset  # records, or a hole the leader's compaction left
+        if data.HasField("epoch_start") and moves:  # an epoch is recorded with its first offset
             start = data.epoch_start
             epochs = engine.epochs(name)
             if start.start_offset == end and (not epochs or start.epoch > epochs[-1][0]):
                 engine.begin_epoch(name, start.epoch)
-        if data.runs:
+        if moves:
             end = engine.append_replica(name, from_data(data))
+        if data.log_start > engine.bounds(name).first_offset:
+            # The leader's first offset moved (a trim, its retention): this copy follows (KIP-107).
+            engine.trim(name, min(data.log_start, end))
         hw = min(data.high_watermark, end)
         if hw > self.hw:
             self.hw = hw
@@ -201,7 +221,8 @@ class StreamFollower:
         )
         engine.delete_stream(name)
         engine.create_stream(name, incarnation=self.record.incarnation)
-        engine.set_groups_active(name, False)
+        copies.apply_settings(engine, self.record)
+        copies.set_leading(engine, name, False)
         engine.set_commit(name, reset.log_start)
         engine.reset(name, reset.log_start)
         if reset.epoch >= 0:

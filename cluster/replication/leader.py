@@ -300,14 +300,17 @@ class StreamLeader:
         """KIP-279: None when the follower's log is a prefix of this one; else where to cut it, or
         (its end is before this log's first offset) a reset."""
         engine, name = self._engine, self.name
-        first = self._first_offset()
-        if request.log_end < first:
-            epoch = self._epoch_at(first)
-            return rpb.FetchResponse(reset=rpb.Reset(log_start=first, epoch=epoch))
+        if request.log_end < self._first_offset():
+            return self._reset()
         epoch, end = engine.epoch_end(name, request.last_epoch)
         if epoch == request.last_epoch and request.log_end <= end:
             return None
         return rpb.FetchResponse(diverging=rpb.Diverging(end_offset=end, epoch=epoch))
+
+    def _reset(self) -> rpb.FetchResponse:
+        """Tell a follower whose end is before this log's first offset to rebuild from there."""
+        first = self._first_offset()
+        return rpb.FetchResponse(reset=rpb.Reset(log_start=first, epoch=self._epoch_at(first)))
 
     def _first_offset(self) -> int:
         return self._engine.bounds(self.name).first_offset
@@ -346,10 +349,12 @@ class StreamLeader:
             await asyncio.wait([self._wake], timeout=remaining)
         if not self.leading:
             raise FetchRefusedError(f"this node no longer leads stream {self.name!r}", self.epoch)
-        response = self._data(log_end, request.max_bytes)
+        first = self._first_offset()
+        if log_end < first:  # retention or a trim moved past it meanwhile
+            return self._reset()
+        response = self._data(log_end, request.max_bytes, first)
         data = response.data
-        reach = data.first_offset + len(data.positions) // 4 - 1 if data.runs else log_end
-        if reach >= self.hw:  # the follower will hold every entry the group ops name
+        if data.end_offset >= self.hw:  # the follower will hold every entry the group ops name
             await self._add_group_data(data, session, request.max_bytes)
         progress.shown_end = data.log_end
         progress.answered_at = time.monotonic()
@@ -382,9 +387,10 @@ class StreamLeader:
         if self.leading:
             self._notify()
 
-    def _data(self, offset: int, max_bytes: int) -> rpb.FetchResponse:
-        """The records from `offset`, up to where the next epoch starts and no further than this log
-        vouches for (synced, under fsync "always"), with the bounds."""
+    def _data(self, offset: int, max_bytes: int, first: int) -> rpb.FetchResponse:
+        """The records from `offset` with the holes between them, up to where the next epoch starts
+        and no further than this log vouches for (synced, under fsync "always"), with the bounds
+        (`first`: this log's first offset, which the follower's copy follows)."""
         engine, name = self._engine, self.name
         epoch_start = None
         stop = engine.log_end(name)
@@ -395,14 +401,14 @@ class StreamLeader:
                 stop = min(stop, start)
                 break
         chunk = engine.read_replica(name, offset, max_bytes, stop)
-        if chunk.count and chunk.first_offset != offset:
+        if chunk.end_offset == offset < stop:
             log.error(
-                "stream %r: a follower's end %d falls in a hole of this log (compacted or damaged): it "
-                "cannot be replicated past it",
+                "stream %r: a follower's end %d falls in a range of this log lost to damage: it cannot "
+                "be replicated past it",
                 name,
                 offset,
             )
-        data = to_data(chunk, high_watermark=self.hw, log_start=self._first_offset())
+        data = to_data(chunk, high_watermark=self.hw, log_start=first)
         if epoch_start is not None:
             data.epoch_start.CopyFrom(epoch_start)
         return rpb.FetchResponse(data=data)

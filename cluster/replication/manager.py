@@ -35,6 +35,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 
 from cluster.placement import PlacementTable, StreamPlacement
+from cluster.replication import copies
 from cluster.replication.follower import Connect, FollowerContext, StreamFollower
 from cluster.replication.handover import AskState, hand_over
 from cluster.replication.leader import LeaderContext, NotLeadingError, StreamLeader
@@ -213,16 +214,18 @@ class ReplicaManager:
     async def _apply(self, name: str, record: StreamPlacement | None) -> None:
         mine = record is not None and self.node_id in record.replicas
         leading = mine and record is not None and record.leader == self.node_id
+        lock = self._apply_locks.setdefault(name, threading.Lock())
         leader = self.leaders.get(name)
         if leader is not None and leading and record is not None and leader.epoch == record.epoch:
             leader.update(record)
+            await self._follow_settings(record, lock)
             return
         if leader is not None:
             leader.stop("placement moved the stream on")
             self._hw[name] = max(self._hw.get(name, 0), leader.hw)
             del self.leaders[name]
-            if self._engine.exists(name):  # its groups act no more: the next leader's ops rule them
-                await asyncio.to_thread(self._engine.set_groups_active, name, False)
+            if self._engine.exists(name):  # it acts no more: the next leader's ops and log rule it
+                await asyncio.to_thread(copies.set_leading, self._engine, name, False)
         follower = self.followers.get(name)
         if follower is not None:
             same = record is not None and (follower.record.epoch, follower.record.leader) == (
@@ -231,10 +234,10 @@ class ReplicaManager:
             )
             if same and mine and not leading:
                 follower.record = record  # type: ignore[assignment]
+                await self._follow_settings(record, lock)  # type: ignore[arg-type]
                 return
             await follower.stop()
             del self.followers[name]
-        lock = self._apply_locks.setdefault(name, threading.Lock())
         if record is None:  # deleted: the service deletes the copy (and ends its waiting readers)
             self._hw.pop(name, None)
             self._apply_locks.pop(name, None)
@@ -273,6 +276,11 @@ class ReplicaManager:
         elif record.leader:
             self.followers[name] = StreamFollower(self._follower_ctx, record, hw, lock)
 
+    async def _follow_settings(self, record: StreamPlacement, lock: threading.Lock) -> None:
+        """Give this node's copy the stream settings placement holds, when they changed."""
+        if copies.differs(self._engine, record):
+            await asyncio.to_thread(self._locked, lock, copies.apply_settings, self._engine, record)
+
     @staticmethod
     def _locked(lock: threading.Lock, work: Callable[..., None], *args: object) -> None:
         with lock:
@@ -304,8 +312,9 @@ class ReplicaManager:
                 )
             engine.create_stream(name, incarnation=record.incarnation)
             engine.set_commit(name, engine.bounds(name).first_offset)
+        copies.apply_settings(engine, record)
         if record.leader != self.node_id:
-            engine.set_groups_active(name, False)  # (a node that led it before: no longer)
+            copies.set_leading(engine, name, False)  # (a node that led it before: no longer)
 
     def _drop_copy(self, name: str) -> None:
         if self._engine.exists(name):
@@ -315,7 +324,7 @@ class ReplicaManager:
         engine, name = self._engine, record.name
         engine.set_commit(name, hw)
         engine.begin_epoch(name, record.epoch)
-        engine.set_groups_active(name, True)
+        copies.set_leading(engine, name, True)
 
     # -- engine and follower callbacks
 

@@ -56,6 +56,7 @@ def to_data(chunk: ReplicaChunk, *, high_watermark: int, log_start: int) -> rpb.
             for p in chunk.producers
         ],
         log_end=chunk.log_end,
+        end_offset=chunk.end_offset,
         high_watermark=high_watermark,
         log_start=log_start,
     )
@@ -76,7 +77,11 @@ def from_data(data: rpb.ReplicaData) -> ReplicaChunk:
     runs = tuple(ReplicaRun(r.first_offset, r.count, r.first_ts, r.last_ts, r.flags) for r in data.runs)
     if any(r.count < 1 or r.first_ts < 0 or r.last_ts < 0 for r in runs):
         raise BadChunkError("a run must hold a record and carry non-negative timestamps")
+    if not data.first_offset <= data.end_offset <= _MAX_OFFSET:
+        raise BadChunkError(f"end_offset {data.end_offset} is out of range")
     producers = tuple(
         ProducerMark(p.producer_id, p.sequence, p.last_offset, p.timestamp_ms) for p in data.producers
     )
-    return ReplicaChunk(data.first_offset, data.records, positions, runs, producers, data.log_end)
+    return ReplicaChunk(
+        data.first_offset, data.records, positions, runs, producers, data.log_end, data.end_offset
+    )

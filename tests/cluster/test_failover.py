@@ -103,6 +103,32 @@ def test_a_killed_leaders_acknowledged_entries_are_all_on_the_new_leader(
     assert {offset: payload for offset, _, _, payload in replicas[old]} == acknowledged
 
 
+def test_a_streams_config_and_trim_set_on_the_leader_are_in_force_on_the_next_leader(
+    cluster_nodes: ClusterNodes, stubs: Stubs
+) -> None:
+    cluster_nodes.start(*NODES, **REPLICATED)
+    for batch in range(10):
+        stubs("n1").Append(pb.AppendRequest(stream="s", payloads=payloads(batch)), timeout=10)
+    old = leader_of(stubs("n1"), "s").leader
+    via = next(n for n in NODES if n != old)  # forwarded to the leader
+    config = pb.StreamConfig(max_entries=1000, compaction=True, fsync=pb.FSYNC_POLICY_ALWAYS)
+    set_reply = stubs(via).SetStreamConfig(pb.SetStreamConfigRequest(stream="s", config=config), timeout=10)
+    trimmed = stubs(via).Trim(pb.TrimRequest(stream="s", trim_to_offset=42), timeout=10).first_offset
+    assert trimmed == 42
+    eventually(lambda: isr(stubs, old, "s") == set(NODES), timeout_s=SETTLE_S)
+    # Acknowledged at quorum: every in-sync follower applied a fetch answer that carried the new
+    # entry, and with it the leader's first offset.
+    stubs(via).Append(pb.AppendRequest(stream="s", payloads=[b"after the trim"]), timeout=10)
+    placement = leader_of(stubs(old), "s")
+    cluster_nodes.stop(old)
+    others = tuple(n for n in NODES if n != old)
+    eventually(lambda: leader_of(stubs(others[0]), "s").leader_epoch > placement.leader_epoch, SETTLE_S)
+    info = stubs(others[0]).GetStreamInfo(pb.GetStreamInfoRequest(stream="s"), timeout=10).info
+    assert info.config == set_reply.config
+    assert (info.config.max_entries, info.config.compaction) == (1000, True)
+    assert info.first_offset == 42
+
+
 class Links:
     """A fault proxy in front of each node, on an event loop of its own (a thread): the nodes dial
     one another through them (`peer_addresses`), so a test can cut a node off from its peers."""

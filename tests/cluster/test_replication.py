@@ -10,6 +10,7 @@ import shutil
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -55,9 +56,10 @@ class Node:
 
 
 class Cluster:
-    def __init__(self, etcd: EtcdCluster, root: Path, lag_ms: int) -> None:
+    def __init__(self, etcd: EtcdCluster, root: Path, lag_ms: int, engine: dict[str, Any]) -> None:
         self._etcd = etcd
         self._lag_ms = lag_ms
+        self._engine = engine
         self._root = root
         self.nodes: dict[str, Node] = {}
         self.ports: dict[str, int] = {}
@@ -86,7 +88,7 @@ class Cluster:
 
     async def start(self, node_id: str) -> Node:
         data = self._root / node_id
-        engine = Engine(data, EngineConfig(background=False))
+        engine = Engine(data, EngineConfig(background=False, **self._engine))
         server = grpc.aio.server()
         port = self.ports.get(node_id) or 0
         port = server.add_insecure_port(f"127.0.0.1:{port}")
@@ -124,9 +126,10 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def cluster(
-    etcd: EtcdCluster, root: Path, *node_ids: str, lag_ms: int = LAG_MS
+    etcd: EtcdCluster, root: Path, *node_ids: str, lag_ms: int = LAG_MS, **engine: Any
 ) -> AsyncIterator[Cluster]:
-    nodes = Cluster(etcd, root, lag_ms)
+    """Nodes started in turn; `engine`: EngineConfig settings for every node."""
+    nodes = Cluster(etcd, root, lag_ms, engine)
     try:
         for node_id in node_ids:
             await nodes.start(node_id)

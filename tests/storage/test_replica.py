@@ -31,7 +31,7 @@ def replicate(leader: Engine, follower: Engine, name: str, sizes) -> None:
     sizes = iter(sizes)
     while follower.log_end(name) < leader.log_end(name):
         chunk = leader.read_replica(name, follower.log_end(name), next(sizes, 1 << 20))
-        assert chunk.count >= 1
+        assert chunk.end_offset > chunk.first_offset  # records, or a hole the leader's compaction left
         assert follower.append_replica(name, chunk) == chunk.end_offset
 
 
@@ -56,6 +56,7 @@ step = st.one_of(
     ),
     st.tuples(st.just("replicate"), st.lists(st.integers(1, 3000), min_size=1, max_size=5), st.none()),
     st.tuples(st.just("tick"), st.integers(0, 5000), st.none()),
+    st.tuples(st.just("compact"), st.none(), st.none()),
 )
 
 
@@ -82,6 +83,8 @@ def test_a_follower_reads_back_byte_identical_to_its_leader(steps, final):
                     batches[producer] = (batch, result.first_offset, result.last_offset)
             elif kind == "replicate":
                 replicate(leader, follower, "s", arg)
+            elif kind == "compact":  # holes: the follower's copy gets them too
+                leader.compact("s")
             else:
                 leader_clock.advance(arg)
             if kind != "append" or not arg:
@@ -99,6 +102,63 @@ def test_a_follower_reads_back_byte_identical_to_its_leader(steps, final):
             assert (again.duplicate, again.first_offset) == (True, first)
         leader.close()
         follower.close()
+
+
+def compacted_leader(open_engine) -> Engine:
+    """A leader whose sealed segments compaction left with holes: whole nodes gone and, inside
+    nodes, every third entry kept (three tags, only the latest of each survives a segment)."""
+    leader = open_engine()
+    for i in range(150):
+        leader.append("s", AppendBatch([b"v%d-" % i * 40] * 3, tags=[f"k{j}" for j in range(3)]))
+        leader.append("s", AppendBatch([b"plain-%d" % i * 20, b""], tags=["", f"k{i % 5}"]))
+    leader.maintain()
+    assert leader.compact("s") > 0 and leader.read("s", 0, 10).next_offset > 10
+    return leader
+
+
+@pytest.mark.parametrize("budget", [1, 300, 5000, 1 << 20])
+def test_a_follower_copies_a_compacted_leaders_holes(open_engine, tmp_path, budget):
+    leader = compacted_leader(open_engine)
+    follower = Engine(tmp_path / "f", EngineConfig(**SMALL))
+    replicate(leader, follower, "s", [budget] * 10_000)
+    assert everything(follower, "s") == everything(leader, "s")
+    assert follower.read("s", 0, 5).gap == leader.read("s", 0, 5).gap is not None  # same gaps, same reasons
+    follower.close()
+    follower = Engine(tmp_path / "f", EngineConfig(**SMALL))
+    assert everything(follower, "s") == everything(leader, "s")
+    leader.append("s", AppendBatch([b"after"] * 3))  # copied after the holes, into a new segment
+    replicate(leader, follower, "s", [budget] * 10_000)
+    assert everything(follower, "s") == everything(leader, "s")
+    follower.close()
+
+
+def test_a_chunk_up_to_a_stop_inside_a_hole_covers_the_hole_and_survives_a_restart(open_engine, tmp_path):
+    leader = compacted_leader(open_engine)
+    first_kept = leader.read("s", 0, 1).entries()[0].offset
+    assert first_kept > 2
+    chunk = leader.read_replica("s", 0, 1 << 20, stop=first_kept - 1)  # an epoch starting in the hole
+    assert (chunk.count, chunk.end_offset) == (0, first_kept - 1)
+    follower = Engine(tmp_path / "f", EngineConfig(**SMALL))
+    follower.create_stream("s")
+    assert follower.append_replica("s", chunk) == first_kept - 1
+    follower.begin_epoch("s", 3)
+    follower.close()
+    follower = Engine(tmp_path / "f", EngineConfig(**SMALL))
+    assert follower.log_end("s") == first_kept - 1 and follower.epochs("s") == [(3, first_kept - 1)]
+    replicate(leader, follower, "s", [700] * 10_000)
+    assert everything(follower, "s") == everything(leader, "s")
+    follower.close()
+
+
+def test_a_chunk_whose_end_is_before_its_last_record_is_refused(open_engine, tmp_path):
+    leader = compacted_leader(open_engine)
+    chunk = leader.read_replica("s", 0, 1 << 20)
+    follower = Engine(tmp_path / "f", EngineConfig(**SMALL))
+    follower.create_stream("s")
+    with pytest.raises(InvalidArgumentError):
+        follower.append_replica("s", dataclasses.replace(chunk, end_offset=chunk.runs[-1].first_offset))
+    assert follower.info("s").end_offset == 0
+    follower.close()
 
 
 def test_a_record_larger_than_the_byte_budget_still_moves(open_engine):
@@ -376,9 +436,7 @@ def test_a_damaged_copy_is_wiped_for_a_rebuild(open_engine, tmp_path):
     assert open_engine().log_end("s") == 0
 
 
-def test_a_sync_under_way_when_a_truncation_cuts_does_not_vouch_for_the_cut_entries(
-    open_engine, monkeypatch
-):
+def test_a_sync_under_way_when_a_truncation_cuts_does_not_vouch_for_the_cut_entries(open_engine, monkeypatch):
     import threading
 
     from storage.fs import SegmentFile
