@@ -7,8 +7,10 @@ One `StreamLeader` per led stream and epoch (Kafka's partition leader):
   leader answers where the follower's last epoch ends in its own history, until the
   follower's log is a prefix of its own. Then each request acknowledges the follower's
   `log_end` and is answered, as soon as there is something new (entries past it, a
-  higher watermark) or after `heartbeat_s`, with the records from there, stopping where
-  the next epoch starts so that the follower records the epoch first. The wait is woken
+  higher watermark) or after `heartbeat_s`, with the records from there and the holes
+  compaction left between them, stopping where the next epoch starts so that the
+  follower records the epoch first, and this log's first offset, which the follower's
+  copy follows (KIP-107: trims and retention happen here only). The wait is woken
   by the engine's log listener (an append under the commit cap), never by polling.
 - **High watermark.** HW = min(the leader's log end, the acknowledged log end of every
   other in-sync replica); it only grows. When it moves, `set_commit` lets readers see

@@ -16,15 +16,10 @@ from storage import AppendBatch, GroupConfig, StreamConfig
 from tests.cluster.etcd_server import EtcdCluster
 from tests.cluster.helpers import run, until
 from tests.cluster.test_replication import Cluster, Node, append, cluster, created
+from tests.storage.conftest import SMALL as STORAGE_SMALL
 
 # Small nodes and segments: a few hundred entries make many nodes and sealed segments.
-SMALL = dict(
-    segment_bytes=64 * 1024,
-    node_entries=8,
-    max_batch_entries=64,
-    max_batch_bytes=16 * 1024,
-    max_entry_bytes=4096,
-)
+SMALL = {key: value for key, value in STORAGE_SMALL.items() if key != "background"}
 
 
 def first(node: Node, name: str = "s") -> int:
