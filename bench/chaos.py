@@ -129,7 +129,11 @@ async def chaos(
     fsync: str = "always",
     interval_s: tuple[float, float] = (1.0, 3.0),
     workload: WorkloadConfig | None = None,
+    min_faults: int = 0,
+    min_acked: int = 0,
 ) -> ChaosRun:
+    """Run the workload under faults for `duration_s`, and on until at least `min_faults` faults
+    were injected and `min_acked` entries acknowledged (the tests' bounds on a loaded machine)."""
     rng = random.Random(seed)
     bed_config = TestbedConfig(nodes=nodes, fsync=fsync, replication_factor=replication_factor, seed=seed)
     kinds = faults or kinds_for(nodes, replication_factor, fsync, bed_config.etcd_members)
@@ -145,8 +149,9 @@ async def chaos(
         nemesis = Nemesis(testbed, history, kinds, rng, interval_s=interval_s)
         stop = asyncio.Event()
         load.start()
-        injecting = asyncio.ensure_future(nemesis.run(stop))
+        injecting = asyncio.ensure_future(nemesis.run(stop, min_faults))
         await asyncio.sleep(duration_s)
+        await load.wait_acked(min_acked, timeout_s=300)
         stop.set()
         await injecting  # the fault under way is healed: every node runs, every link is open
         placements = None

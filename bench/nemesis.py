@@ -127,14 +127,18 @@ class Nemesis:
             self._deck = self.rng.sample(self.kinds, len(self.kinds))
         return self._deck.pop()
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Inject faults until `stop` is set; the fault under way is healed before returning."""
+    async def run(self, stop: asyncio.Event, min_faults: int = 0) -> None:
+        """Inject faults until `stop` is set and at least `min_faults` were injected (a slow
+        machine gets through fewer in the same time); the fault under way is healed first."""
         stopped = asyncio.ensure_future(stop.wait())
         try:
             while True:
-                done, _ = await asyncio.wait({stopped}, timeout=self.rng.uniform(*self.interval_s))
+                pause = self.rng.uniform(*self.interval_s)
+                done, _ = await asyncio.wait({stopped}, timeout=pause)
                 if done:
-                    return
+                    if sum(self.injected.values()) >= min_faults:
+                        return
+                    await asyncio.sleep(pause)
                 await self.one()
         finally:
             stopped.cancel()

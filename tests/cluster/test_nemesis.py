@@ -43,6 +43,23 @@ def test_faults_come_in_rounds_that_cover_every_kind():
         Nemesis(None, History(), ["kill", "flood"], random.Random(4))
 
 
+def test_a_run_stopped_before_its_minimum_of_faults_injects_the_rest_first():
+    class Counting(Nemesis):
+        async def one(self, kind: str | None = None) -> None:
+            kind = kind or self.next_kind()
+            self.injected[kind] = self.injected.get(kind, 0) + 1
+
+    async def scenario(min_faults: int) -> int:
+        nemesis = Counting(None, History(), ["kill", "pause"], random.Random(4), interval_s=(0.001, 0.002))
+        stop = asyncio.Event()
+        stop.set()  # a slow machine: the run's time is up before any fault
+        await nemesis.run(stop, min_faults)
+        return sum(nemesis.injected.values())
+
+    assert asyncio.run(scenario(5)) == 5
+    assert asyncio.run(scenario(0)) == 0
+
+
 @pytest.mark.timeout(120)
 def test_link_and_etcd_faults_hold_exactly_their_targets_and_healing_undoes_them(tmp_path):
     async def scenario() -> None:
