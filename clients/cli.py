@@ -1296,7 +1296,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="move replicas to even out replicas, bytes and leaders per live node",
         parents=[common, moving],
     )
-    a.add_argument("--prefix", default="", help="only move streams whose name starts with this")
+    a.add_argument(
+        "--prefix",
+        default="",
+        help="even out only the streams whose name starts with this (among themselves)",
+    )
     a.set_defaults(handler=_cmd_rebalance)
     a = actions.add_parser("drain", help="move every replica off a node", parents=[common, moving])
     a.add_argument("node", help="the node's id")

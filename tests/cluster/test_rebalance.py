@@ -184,6 +184,12 @@ def test_a_drained_node_holds_no_replica_and_the_streams_stay_readable(cluster_n
     with Client(seeds(cluster_nodes), timeout=30) as client:
         kept = fill(client, streams)
         assert replica_counts(client, ["n2"])["n2"] == 3
+        code, output = cli(cluster_nodes, "drain", "n2", "--dry-run")  # the plan only
+        assert code == 0 and "3 stream(s) to move" in output, output
+        assert replica_counts(client, ["n2"])["n2"] == 3 and not any(
+            s.target_replicas for s in layout(client).values()
+        )
+        assert cli(cluster_nodes, "drain", "n9")[0] == 2  # no such node: a usage error
         code, output = cli(cluster_nodes, "drain", "n2")
         assert code == 0, output
         placed = layout(client)
