@@ -81,6 +81,7 @@ class Controller:
         self._started_at = time.monotonic()
         self._gone_since: dict[str, float] = {}  # nodes seen leaving, when (monotonic)
         self._replace_timers: dict[str, asyncio.TimerHandle] = {}
+        self._due: set[str] = set()  # gone nodes whose replicas are to be re-created now
         nodes.add_listener(self._on_node)
         placement.add_listener(self._on_placement)
 
@@ -101,6 +102,7 @@ class Controller:
         for timer in self._replace_timers.values():
             timer.cancel()
         self._replace_timers.clear()
+        self._due.clear()
 
     def _on_node(self, node: str, old: NodeInfo | None, new: NodeInfo | None) -> None:
         if new is None and old is not None:
@@ -110,35 +112,27 @@ class Controller:
             timer = self._replace_timers.pop(node, None)
             if timer is not None:
                 timer.cancel()
+            self._due.discard(node)
         self._schedule(None)
         self._arm_replacements()
 
     def _arm_replacements(self) -> None:
-        """A timer per gone node that rescans every stream once the node has been gone long enough."""
+        """A timer per gone node holding replicas (or in a move's target), which marks it due once
+        it has been gone `replace_after_s`."""
         if self._fence is None or self._replace_after_s <= 0:
             return
-        live = self._nodes.live()
+        holders = replica_load(self._placement.streams().values()).keys()
         loop = asyncio.get_running_loop()
-        for node in {
-            n for record in self._placement.streams().values() for n in record.replicas
-        } - live.keys():
-            if node not in self._replace_timers:
-                due = self._gone_since.get(node, self._started_at) + self._replace_after_s
-                self._replace_timers[node] = loop.call_later(
-                    max(0.0, due - time.monotonic()), self._schedule, None
-                )
+        for node in holders - self._nodes.live().keys() - self._replace_timers.keys():
+            due = self._gone_since.get(node, self._started_at) + self._replace_after_s
+            self._replace_timers[node] = loop.call_later(
+                max(0.0, due - time.monotonic()), self._mark_due, node
+            )
 
-    def _expired(self) -> set[str]:
-        """Nodes gone for `replace_after_s` or more (none when replacement is off)."""
-        if self._replace_after_s <= 0:
-            return set()
-        now, live = time.monotonic(), self._nodes.live()
-        return {
-            node
-            for node, timer in self._replace_timers.items()
-            if node not in live
-            and now >= self._gone_since.get(node, self._started_at) + self._replace_after_s
-        }
+    def _mark_due(self, node: str) -> None:
+        if node not in self._nodes.live():
+            self._due.add(node)
+            self._schedule(None)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -221,7 +215,7 @@ class Controller:
         update = elect(record, live)
         if update is not None:
             return update
-        dead = self._expired()
+        dead = self._due
         if dead and record.leader:  # offline: its replicas may yet return; nobody to copy from
             update = replace_dead(record, dead, live, replica_load(self._placement.streams().values()))
             if update is not None:
