@@ -315,6 +315,7 @@ def stream_placement(message: pb.StreamPlacement) -> StreamPlacement:
         acks=message.acks,
         high_watermark=_optional(message, "high_watermark"),
         progress=[ReplicaProgress(p.node, p.log_end_offset, p.lag_ms) for p in message.progress],
+        target_replicas=list(message.target_replicas),
     )
 
 

@@ -53,6 +53,7 @@ _IDEMPOTENT = frozenset(
         "SeekTime",
         "CountRange",
         "SetStreamConfig",
+        "ReassignReplicas",
         "SetGroupConfig",
         "SetGroupOffset",
         "Ack",

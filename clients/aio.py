@@ -635,6 +635,16 @@ class AsyncClient:
                 nodes = list(map(convert.cluster_node, reply.nodes))
                 return ClusterDescription(reply.cluster_name, reply.node_id, nodes, streams)
 
+    async def reassign_replicas(
+        self, stream: str, replicas: Sequence[str], *, timeout: float | None = None
+    ) -> StreamPlacement:
+        """Move the stream's replicas to these nodes (the first preferred as leader); returns its
+        placement once the move is written. The cluster carries the move out: the stream's
+        `target_replicas` (describe_cluster) stay set until it is done."""
+        request = pb.ReassignReplicasRequest(stream=stream, replicas=replicas)
+        reply = await self._unary(self._stub.ReassignReplicas, request, timeout)
+        return convert.stream_placement(reply.placement)
+
     async def info(self, stream: str, *, timeout: float | None = None) -> StreamInfo:
         reply = await self._unary(self._stub.GetStreamInfo, pb.GetStreamInfoRequest(stream=stream), timeout)
         return convert.stream_info(reply.info)

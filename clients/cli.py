@@ -4,7 +4,8 @@
     streamlog append orders '{"total": 42}'         streamlog tail -f orders
     streamlog read orders --from 0 --count 10       streamlog groups list orders
     streamlog export orders -o orders.jsonl         streamlog inspect ./data
-    streamlog cluster
+    streamlog cluster                               streamlog cluster rebalance --dry-run
+    streamlog cluster drain n3
 
 Tables for people by default (control characters in names, tags and header keys
 shown escaped), `--json` for scripts (one JSON document, or JSON Lines for
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import contextlib
 import json
 import os
 import sys
@@ -53,6 +55,7 @@ EXIT_INTERRUPTED = 130
 DEFAULT_ADDRESS = "localhost:7070"
 _END = 2**63 - 1  # an offset past any stream's end
 _PAGE = 1000  # entries per Read when the CLI pages through a stream
+_MOVE_POLL_S = 0.5  # how often rebalance and drain look at the moves' progress
 
 
 class UsageError(Exception):
@@ -761,6 +764,91 @@ def _cmd_cluster(args: argparse.Namespace, out: IO[str]) -> int:
     return EXIT_OK
 
 
+def _cmd_rebalance(args: argparse.Namespace, out: IO[str]) -> int:
+    from clients import _rebalance
+
+    with _client(args) as client:
+        cluster, sizes = _layout(client, args.prefix)
+        live = [n.id for n in cluster.nodes if n.alive]
+        moves = _rebalance.rebalance(cluster.streams, live, sizes)
+        return _carry_out(client, moves, [], args, out)
+
+
+def _cmd_drain(args: argparse.Namespace, out: IO[str]) -> int:
+    from clients import _rebalance
+
+    with _client(args) as client:
+        cluster, sizes = _layout(client, "")
+        if args.node not in {n.id for n in cluster.nodes}:
+            raise UsageError(f"no node {args.node!r} in the cluster")
+        live = [n.id for n in cluster.nodes if n.alive]
+        moves, stuck = _rebalance.drain(cluster.streams, live, sizes, args.node)
+        return _carry_out(client, moves, stuck, args, out)
+
+
+def _layout(client: Client, prefix: str) -> tuple[Any, dict[str, int]]:
+    """The cluster's layout and each led stream's bytes (asked of its leader)."""
+    from clients.errors import NotFoundError
+
+    cluster = client.describe_cluster(prefix)
+    if not cluster.cluster_name:
+        raise UsageError("the server is not in a cluster: there are no replicas to move")
+    sizes = {}
+    for stream in cluster.streams:
+        if stream.leader and not stream.target_replicas:
+            with contextlib.suppress(NotFoundError):  # deleted meanwhile
+                sizes[stream.name] = client.info(stream.name).bytes_on_disk
+    return cluster, sizes
+
+
+def _carry_out(
+    client: Client, moves: Sequence[Any], stuck: Sequence[str], args: argparse.Namespace, out: IO[str]
+) -> int:
+    """Print the plan; unless --dry-run, write each move (the cluster carries them out, a few
+    streams at a time) and report progress until all are done."""
+    if args.json:
+        _json({"moves": [asdict(m) for m in moves], "cannot_move": list(stuck)}, out)
+    else:
+        for move in moves:
+            out.write(
+                f"{_printable(move.stream)}: {','.join(move.replicas)} (leader {move.leader}) -> "
+                f"{','.join(move.target)} (leader {move.target[0]})\n"
+            )
+        for name in stuck:
+            out.write(
+                f"{_printable(name)}: cannot move now (no leader, already moving, or no node to take it)\n"
+            )
+        out.write(f"{len(moves)} stream(s) to move\n")
+    if args.dry_run or not moves:
+        return EXIT_OK if not stuck else EXIT_FAILURE
+    started = time.monotonic()
+    for move in moves:
+        client.reassign_replicas(move.stream, move.target)
+    if args.no_wait:
+        return EXIT_OK
+    waiting = {move.stream for move in moves}
+    while waiting:
+        if args.max_wait is not None and time.monotonic() - started > args.max_wait:
+            out.write(f"still moving after {args.max_wait:g} s: {', '.join(sorted(waiting))}\n")
+            return EXIT_UNAVAILABLE
+        time.sleep(_MOVE_POLL_S)
+        placement = {s.name: s for s in client.describe_cluster().streams}
+        for name in sorted(waiting):
+            record = placement.get(name)
+            if record is None or not record.target_replicas:
+                waiting.discard(name)
+                if not args.json:
+                    where = (
+                        "deleted"
+                        if record is None
+                        else f"{','.join(record.replicas)} (leader {record.leader})"
+                    )
+                    out.write(f"[{len(moves) - len(waiting)}/{len(moves)}] {_printable(name)}: {where}\n")
+    if not args.json:
+        out.write(f"done in {time.monotonic() - started:.1f} s\n")
+    return EXIT_OK if not stuck else EXIT_FAILURE
+
+
 def _cmd_trim(args: argparse.Namespace, out: IO[str]) -> int:
     with _client(args) as client:
         first = client.trim(
@@ -1194,6 +1282,29 @@ def build_parser() -> argparse.ArgumentParser:
         "cluster", "the cluster's nodes and where each stream lives (its leader, replicas)", _cmd_cluster
     )
     p.add_argument("--prefix", default="", help="only streams whose name starts with this")
+    actions = p.add_subparsers(dest="action", required=False, metavar="ACTION")
+    moving = argparse.ArgumentParser(add_help=False)
+    moving.add_argument("--dry-run", action="store_true", help="print the plan and move nothing")
+    moving.add_argument(
+        "--no-wait", action="store_true", help="write the moves and exit (the cluster carries them out)"
+    )
+    moving.add_argument(
+        "--max-wait", type=float, metavar="SECONDS", help="give up waiting after this (exit 5)"
+    )
+    a = actions.add_parser(
+        "rebalance",
+        help="move replicas to even out replicas, bytes and leaders per live node",
+        parents=[common, moving],
+    )
+    a.add_argument(
+        "--prefix",
+        default="",
+        help="even out only the streams whose name starts with this (among themselves)",
+    )
+    a.set_defaults(handler=_cmd_rebalance)
+    a = actions.add_parser("drain", help="move every replica off a node", parents=[common, moving])
+    a.add_argument("node", help="the node's id")
+    a.set_defaults(handler=_cmd_drain)
 
     p = command("inspect", "list the segments and nodes of a data directory, offline", _cmd_inspect)
     p.add_argument(

@@ -280,7 +280,8 @@ class ReplicaProgress:
 @dataclass(frozen=True, slots=True)
 class StreamPlacement:
     """Where a stream lives. `leader` is "" while it has none; `high_watermark` and `progress`
-    are None and empty until the servers report them (replication)."""
+    are None and empty until the servers report them (replication); `target_replicas` is
+    empty unless the stream is being moved."""
 
     name: str
     leader: str
@@ -291,6 +292,8 @@ class StreamPlacement:
     acks: str
     high_watermark: int | None = None
     progress: list[ReplicaProgress] = field(default_factory=list)
+    # While a move is under way (reassign_replicas): the replicas it moves the stream to.
+    target_replicas: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

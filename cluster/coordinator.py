@@ -40,6 +40,8 @@ class ClusterConfig:
     lease_ttl_ms: int = 5000
     default_replication_factor: int = 3
     default_acks: str = "quorum"
+    replica_replace_after_ms: int = 600_000
+    max_concurrent_moves: int = 4
     version: str = dataclasses.field(default_factory=lambda: importlib.metadata.version("streamlog"))
 
     @property
@@ -69,7 +71,12 @@ class Coordinator:
         )
         info = NodeInfo(config.node_id, config.advertise, int(time.time() * 1000), config.version)
         self.membership = Membership(self.etcd, keys, self.mirror, info, lease_ttl_s=config.lease_ttl_s)
-        self.controller = Controller(self.placement, self.nodes)
+        self.controller = Controller(
+            self.placement,
+            self.nodes,
+            max_moves=config.max_concurrent_moves,
+            replace_after_s=config.replica_replace_after_ms / 1000,
+        )
         self.election = ControllerElection(
             self.etcd, keys, self.mirror, self.membership, self.controller.set_fence
         )

@@ -41,15 +41,26 @@ class StreamPlacement:
     epoch: int
     isr: tuple[str, ...]
     config: Mapping[str, Any]
+    # The replicas a move (cluster/reassign.py) is taking the stream to, the preferred leader
+    # first; empty when no move is under way.
+    target: tuple[str, ...] = ()
+
+    @property
+    def replica_count(self) -> int:
+        """How many replicas the stream has once any move is done: what acks=quorum counts a
+        majority of (a move's extra replicas, still copying, must not raise the bar)."""
+        return len(self.target or self.replicas)
 
     def to_json(self) -> bytes:
-        fields = {
+        fields: dict[str, Any] = {
             "replicas": list(self.replicas),
             "leader": self.leader,
             "epoch": self.epoch,
             "isr": list(self.isr),
             "config": dict(self.config),
         }
+        if self.target:
+            fields["target"] = list(self.target)
         return json.dumps(fields, sort_keys=True).encode()
 
     @classmethod
@@ -65,6 +76,7 @@ class StreamPlacement:
                 epoch=fields["epoch"],
                 isr=tuple(fields["isr"]),
                 config=fields["config"],
+                target=tuple(fields.get("target", ())),
             )
         except (ValueError, TypeError, KeyError) as exc:
             raise PlacementError(f"stream {name!r}: not a placement record ({exc!r}): {kv.value!r}") from None
@@ -78,6 +90,10 @@ class StreamPlacement:
             problems.append("replicas must be a non-empty list of node ids")
         if len(set(self.replicas)) != len(self.replicas):
             problems.append("a replica is listed twice")
+        if not all(isinstance(node, str) and node for node in self.target):
+            problems.append("target must be a list of node ids")
+        if len(set(self.target)) != len(self.target):
+            problems.append("a target replica is listed twice")
         if not isinstance(self.epoch, int) or isinstance(self.epoch, bool) or self.epoch < 1:
             problems.append("epoch must be a positive integer")
         if not set(self.isr) <= set(self.replicas):

@@ -40,7 +40,7 @@ permissions:
   answered PERMISSION_DENIED and the session goes on), AppendMany (checked on each
   batch's stream: a batch refused gets PERMISSION_DENIED in its result, the others
   are served), and being the dead-letter stream of a group one configures.
-- `admin`: DeleteStream, Trim, SetStreamConfig; with a group: CreateGroup,
+- `admin`: DeleteStream, Trim, SetStreamConfig, ReassignReplicas; with a group: CreateGroup,
   DeleteGroup, SetGroupOffset, SetGroupConfig (what shapes the group for all its
   consumers: its existence, position and redelivery policy). `admin` includes
   the other three.
@@ -163,6 +163,7 @@ METHOD_ACCESS: dict[str, Access] = {
     "DeleteStream": Access(ADMIN),
     "Trim": Access(ADMIN),
     "SetStreamConfig": Access(ADMIN),
+    "ReassignReplicas": Access(ADMIN),
 }
 # RPCs that list streams, open to every identified caller: their replies keep only the
 # streams the caller may see, and their page tokens become handles. Each lists `streams`,

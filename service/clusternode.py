@@ -10,9 +10,10 @@ in etcd, loads the cluster's records (the manager creates the copies it lacks an
 its role in each stream), takes part in the controller election, and only then routes
 calls (until then they get UNAVAILABLE, and health says NOT_SERVING). Health says
 StreamLogService is SERVING only once the node has caught up (`wait_caught_up`): each copy
-it follows is in its stream's in-sync set, or the stream has no leader to copy from; a
-restarted node thus stays out of a Kubernetes Service, and a rolling update waits, until
-its streams are fully replicated again. When the server
+it follows is in its stream's in-sync set, or the stream has no leader to copy from, or a
+move is adding it (cluster/reassign.py: the old replicas serve meanwhile); a restarted node
+thus stays out of a Kubernetes Service, and a rolling update waits, until its streams are
+fully replicated again. When the server
 drains, it forwards no more calls and ends those it relays; it is stopped after the gRPC
 server has drained, so that calls in flight finish as leader: then replication stops,
 then the coordinator, revoking the lease last, so that the node's keys go at once and
@@ -74,6 +75,8 @@ class ClusterNode:
                 lease_ttl_ms=settings.lease_ttl_ms,
                 default_replication_factor=settings.default_replication_factor,
                 default_acks=settings.default_acks,
+                replica_replace_after_ms=settings.replica_replace_after_ms,
+                max_concurrent_moves=settings.max_concurrent_moves,
             )
         )
         # Followers copy their leaders (cluster/replication/), so new streams start with all
@@ -238,7 +241,9 @@ class ClusterNode:
 
     def _track_catch_up(self, name: str, _old: StreamPlacement | None, new: StreamPlacement | None) -> None:
         me = self.node_id
-        if new is not None and new.leader and me in new.replicas and me not in new.isr:
+        # A replica a move is adding here copies while the old ones serve: this node is not behind.
+        adding = new is not None and me in new.target
+        if new is not None and new.leader and me in new.replicas and me not in new.isr and not adding:
             self._behind.add(name)
         else:
             self._behind.discard(name)
@@ -255,7 +260,8 @@ class ClusterNode:
         for name, leader in leaders.items():
             if not leader.leading:
                 continue
-            replicas, in_sync = len(leader.record.replicas), len(leader.record.isr)
+            # A move's replicas still copying do not count: the stream is not short of any.
+            replicas, in_sync = leader.record.replica_count, len(leader.record.isr)
             led[(replicas, in_sync)] += 1
             if in_sync < replicas:
                 under_replicated[name] = in_sync

@@ -187,6 +187,10 @@ class Settings:
     cluster_secret_file: str = ""
     # About how many record bytes a follower fetches in one round.
     replica_fetch_bytes: int = 1 << 20
+    # A node gone this long has its replicas re-created on live nodes; 0: never.
+    replica_replace_after_ms: int = 600_000
+    # Streams copying to new replicas at once, for moves (rebalance, drain, replacement).
+    max_concurrent_moves: int = 4
 
 
 # name -> (lowest, highest) for integer settings; None means no bound on that side.
@@ -244,6 +248,8 @@ _INT_RANGES: dict[str, tuple[int | None, int | None]] = {
     "replica_lag_ms": (100, 600_000),
     "replica_fetch_bytes": (1 << 10, 4 << 20),
     "default_replication_factor": (1, 64),
+    "replica_replace_after_ms": (0, 2**31 - 1),
+    "max_concurrent_moves": (1, 1_000),
 }
 
 _CHOICES: dict[str, tuple[str, ...]] = {

@@ -64,12 +64,12 @@ def cluster_view(
         cluster_name=cluster_name,
         node_id=node_id,
         nodes=nodes,
-        streams=[_placement(streams[name], progress(name)) for name in page],
+        streams=[placement_to_proto(streams[name], progress(name)) for name in page],
         next_page_token=next_page_token,
     )
 
 
-def _placement(record: StreamPlacement, progress: Progress | None) -> pb.StreamPlacement:
+def placement_to_proto(record: StreamPlacement, progress: Progress | None = None) -> pb.StreamPlacement:
     config = record.config
     placement = pb.StreamPlacement(
         name=record.name,
@@ -79,6 +79,7 @@ def _placement(record: StreamPlacement, progress: Progress | None) -> pb.StreamP
         leader_epoch=record.epoch,
         replication_factor=int(config.get("replication_factor", len(record.replicas))),
         acks=str(config.get("acks", "")),
+        target_replicas=record.target,
     )
     if progress is not None:
         hw, replicas = progress

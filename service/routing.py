@@ -43,7 +43,8 @@ record, then the leader's copy. CreateGroup and
 SetGroupConfig with a dead-letter stream place that stream beside the group's (the
 engine writes dead letters into its local copy), and refuse one led elsewhere.
 ListStreams lists placement (the cluster's catalog) and DescribeCluster describes the
-cluster, from this node's copy of etcd.
+cluster, from this node's copy of etcd; ReassignReplicas writes a stream's move into
+placement (service/moves.py), all three answered by the node called.
 
 Served here, a call that changes a stream answers once the change is replicated (the
 barrier, cluster/replication/leader.py; acks=quorum streams, at once for acks=leader):
@@ -71,7 +72,7 @@ from cluster.errors import ClusterError
 from cluster.placement import StreamPlacement
 from cluster.replication import copies
 from cluster.replication.leader import NotEnoughReplicasError, NotLeadingError
-from service import batchparts, describe, streamwire, validation
+from service import batchparts, describe, moves, streamwire, validation
 from service.appendmany import check_request, error_result
 from service.callcontext import CallContext
 from service.errors import ServiceError
@@ -168,6 +169,8 @@ class RoutingInterceptor(WrappingInterceptor):
             return self._list_streams
         if method == "DescribeCluster":
             return self._describe_cluster
+        if method == "ReassignReplicas":
+            return self._reassign_replicas
         if method in batchparts.BATCH_CALLS:
             return self._wrap_batches(method, behavior)
         node = self._node
@@ -657,6 +660,17 @@ class RoutingInterceptor(WrappingInterceptor):
             next_page_token=next_page_token,
             progress=self._node.replication_progress,
         )
+
+    async def _reassign_replicas(self, request: pb.ReassignReplicasRequest, context: CallContext) -> Any:
+        if not self._node.started:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "server is starting: joining the cluster; retry shortly"
+            )
+        try:
+            record = await moves.reassign(self._placement, self._node.coordinator.nodes.live(), request)
+        except ServiceError as exc:
+            await context.abort(exc.code, exc.message)
+        return pb.ReassignReplicasResponse(placement=describe.placement_to_proto(record))
 
     async def _catalog(self, context: CallContext, request: Any) -> tuple[list[str], str]:
         if not self._node.started:

@@ -4,7 +4,7 @@ Each part has one job and its own module:
 
 - service/streams.py: Append, Read, and the streams' administration (ListStreams,
   GetStreamInfo, DeleteStream, Trim, SetStreamConfig, SeekTime, CountRange) and a
-  single server's DescribeCluster;
+  single server's DescribeCluster and ReassignReplicas;
 - service/subscriptions.py: Subscribe, plain and in group mode;
 - service/groupdelivery.py: group reads (a Read naming a group, and the reads of
   Subscribe and Consume in group mode), Ack, Nack, Claim, AutoClaim;
@@ -63,6 +63,7 @@ class StreamLogServicer:
         self.SeekTime = streams.SeekTime
         self.CountRange = streams.CountRange
         self.DescribeCluster = streams.DescribeCluster
+        self.ReassignReplicas = streams.ReassignReplicas
         self.Subscribe = Subscriptions(serving, delivery).Subscribe
         self.Consume = self._consume.Consume
         self.Ack = delivery.Ack

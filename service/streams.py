@@ -1,5 +1,5 @@
 """The stream RPCs: Append, Read, and the stream's administration (list, describe, delete, trim,
-configure, seek by time, count), and DescribeCluster as a single server answers it.
+configure, seek by time, count), and DescribeCluster and ReassignReplicas as a single server answers them.
 
 Append and Read are the hot paths: batches in, batches out (service/streamwire.py).
 An append to a stream whose fsync policy blocks runs in the thread pool, else on
@@ -13,11 +13,12 @@ import asyncio
 import logging
 from typing import Any
 
+import grpc
 from streamlog.v1 import streamlog_pb2 as pb
 
 from service import describe, paging, streamwire, validation
 from service.callcontext import CallContext
-from service.errors import invalid_argument, not_found, translate_errors
+from service.errors import ServiceError, invalid_argument, not_found, translate_errors
 from service.groupdelivery import GroupDelivery, has_group_fields
 from service.serving import Serving
 from service.waiters import Wake
@@ -143,6 +144,16 @@ class StreamCalls:
         # A single server; in a cluster, the routing layer answers instead (service/routing.py).
         self._serving.ready()
         return describe.single_server(request, self._serving.settings)
+
+    @translate_errors
+    async def ReassignReplicas(
+        self, request: pb.ReassignReplicasRequest, context: CallContext
+    ) -> pb.ReassignReplicasResponse:
+        # A single server; in a cluster, the routing layer answers instead (service/routing.py).
+        self._serving.ready()
+        raise ServiceError(
+            grpc.StatusCode.FAILED_PRECONDITION, "this server is not in a cluster: it has no replicas to move"
+        )
 
     @translate_errors
     async def GetStreamInfo(

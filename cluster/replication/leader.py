@@ -242,10 +242,11 @@ class StreamLeader:
     def check_quorum(self, quorum: bool) -> None:
         if not self.leading:
             raise NotLeadingError(f"stream {self.name!r}: this node does not lead it now", self.epoch)
-        if quorum and len(self.record.isr) < majority(len(self.record.replicas)):
+        count = self.record.replica_count  # a move's copying replicas do not raise the bar
+        if quorum and len(self.record.isr) < majority(count):
             raise NotEnoughReplicasError(
                 f"stream {self.name!r}: not enough in-sync replicas ({len(self.record.isr)} of "
-                f"{len(self.record.replicas)}, {majority(len(self.record.replicas))} needed for acks=quorum)"
+                f"{count}, {majority(count)} needed for acks=quorum)"
             )
 
     def _notify(self) -> None:

@@ -303,7 +303,9 @@ class ReplicaManager:
         if not engine.exists(name):
             if engine.wipe_damaged(name):  # lost like a missing one: rebuilt from the leader
                 log.warning("stream %r: this node's copy is damaged: rebuilding it from the leader", name)
-            if name not in self._born:  # not a new stream: its data here was lost, or it never got any
+            if self.node_id in record.target and self.node_id not in record.isr:
+                log.info("stream %r: a move adds a replica here: it copies the stream from the leader", name)
+            elif name not in self._born:  # not a new stream: its data here was lost, or it never got any
                 self._lost.add(name)
                 log.warning(
                     "stream %r: this node holds no copy of it; it starts empty%s",

@@ -226,6 +226,7 @@ EXPECTED_CLASS = {
     "DeleteStream": "a",
     "Trim": "a",
     "SetStreamConfig": "a",
+    "ReassignReplicas": "a",
 }
 # Who passes each class on stream s1 (group g1 where the call names one).
 ALLOWED = {

@@ -630,6 +630,13 @@ CASES += [
     ("DescribeCluster", pb.DescribeClusterRequest(page_size=-1), INVALID, "page_size"),
     ("DescribeCluster", pb.DescribeClusterRequest(page_token="not base64!"), INVALID, "page_token"),
     ("DescribeCluster", pb.DescribeClusterRequest(prefix="p" * 256), INVALID, "prefix"),
+    # ReassignReplicas: a single server has no replicas to move (a cluster: tests/cluster/test_rebalance.py).
+    (
+        "ReassignReplicas",
+        pb.ReassignReplicasRequest(stream=EXISTING, replicas=["n1"]),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "not in a cluster",
+    ),
     # GetStreamInfo, DeleteStream.
     ("GetStreamInfo", pb.GetStreamInfoRequest(stream="missing"), NOT_FOUND, "'missing' does not exist"),
     ("DeleteStream", pb.DeleteStreamRequest(stream="missing"), NOT_FOUND, "'missing' does not exist"),
