@@ -13,7 +13,15 @@ Issue 17's targets, measured with one Python client each:
   at a time on streams loaded first (long closed); p50 and p99.
 - `--million` streams of 1 entry (1,000,000 by default): load (as above), a clean
   restart (time until the server answers SERVING), then a kill -9 and a restart
-  with every acknowledged entry read back.
+  with every acknowledged entry read back. With `--direct` the directory is built
+  in this process instead, for a size a load through one client would take hours
+  for: one stream is written by the engine and closed cleanly, and its files are
+  copied under each name by `BUILDERS` processes (its meta file encoded with the
+  name, its segment as it is: the entry's bytes are the template's), with the
+  CLEAN marker a clean close leaves, and the catalog file a clean shutdown would
+  write. Then a start-up, one more entry appended through the server to
+  `DIRECT_APPENDS` streams, a kill -9, a restart, and those entries and as many
+  untouched streams read back.
 
 Checks the free disk before each streamlog load (about 16 KiB a stream) and removes
 every data directory it made. One JSON object per line (bench.common.emit).
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import multiprocessing
 import os
 import random
 import shutil
@@ -41,12 +50,17 @@ from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 from bench.common import Timer, emit, free_port, percentiles, serve_command, server_metrics, wait_serving
 from bench.redis_baseline import RedisServer
 from clients.aio import AsyncClient
+from storage import AppendBatch, Engine, EngineConfig, StreamConfig
+from storage.catalog import CATALOG_FILE, Catalog, StreamSummary
+from storage.layout import CLEAN_MARKER, META_FILE, encode_meta, stream_directory, streams_root
 
 PAYLOAD = 100
 PIPELINE = 1_000  # Redis commands per pipeline
 IN_FLIGHT = 1_000  # Publish messages in flight
 BYTES_PER_STREAM = 16 << 10  # disk a one-entry stream may take (directory, meta file, one page)
 LATENCY_SAMPLES = 2_000
+BUILDERS = 2  # processes copying the template stream (--direct)
+DIRECT_APPENDS = 10_000  # streams appended to through the server before the kill -9 (--direct)
 
 
 def stream_name(i: int) -> str:
@@ -157,17 +171,21 @@ async def publish_all(address: str, streams: int, entries: int) -> int:
     return sum(r.last_offset - r.first_offset + 1 for r in results)
 
 
-async def read_all(address: str, streams: int, entries: int) -> int:
-    """Read every stream back (256 reads in flight); the streams whose entries are all there."""
+async def read_all(
+    address: str, streams: int | list[int], entries: int, extra: int = 0, template: bool = False
+) -> int:
+    """Read the streams (a count: the first ones; or their numbers) back, 256 reads in flight;
+    the streams whose entries are all there (`extra`: the appends of `million_direct` after them;
+    `template`: each holds the template stream's entries, as `build_directly` copied them)."""
     good = 0
     async with AsyncClient(address, timeout=None) as client:
-        queue = iter(range(streams))
+        queue = iter(range(streams) if isinstance(streams, int) else streams)
 
         async def worker() -> None:
             nonlocal good
             for i in queue:
-                got = [e.payload for e in (await client.read(stream_name(i), 0, count=entries + 1)).entries]
-                good += got == payloads(i, entries)
+                got = [e.payload for e in (await client.read(stream_name(i), 0, count=entries + 2)).entries]
+                good += got == payloads(0 if template else i, entries) + [b"after"] * extra
 
         await asyncio.gather(*(worker() for _ in range(256)))
     return good
@@ -250,6 +268,80 @@ def million(streams: int) -> None:
             server.stop()
 
 
+def build_directly(data: Path, streams: int) -> None:
+    """`streams` one-entry streams: the first written by the engine and closed cleanly, its files
+    copied under every other name, and the catalog (see the module doc); then one `sync`."""
+    with Engine(data, EngineConfig(background=False)) as engine:
+        engine.append(stream_name(0), AppendBatch(payloads(0, 1)))
+        summary = engine.stats()["per_stream"][stream_name(0)]
+    with multiprocessing.Pool(BUILDERS) as pool:
+        chunks = [(data, first, min(streams, first + 10_000)) for first in range(1, streams, 10_000)]
+        pool.starmap(_copy_template, chunks)
+    catalog = Catalog()
+    for i in range(streams):
+        catalog.add_closed(stream_name(i), StreamSummary(1, summary.bytes_on_disk, 1, 1))
+    (data / CATALOG_FILE).write_bytes(catalog.encode(set(), {}))
+    os.sync()
+
+
+def _copy_template(data: Path, first: int, stop: int) -> None:
+    template = stream_directory(data, stream_name(0))
+    files = {f.name: f.read_bytes() for f in template.iterdir() if f.name != META_FILE}
+    root = streams_root(data)
+    for i in range(first, stop):
+        directory = root / stream_name(i)
+        directory.mkdir()
+        (directory / META_FILE).write_bytes(encode_meta(stream_name(i), 0, StreamConfig()))
+        for name, raw in files.items():
+            (directory / name).write_bytes(raw)
+        (directory / CLEAN_MARKER).touch()
+
+
+async def append_after(address: str, picks: list[int]) -> int:
+    """One more entry to each picked stream through the server; the acknowledged appends."""
+    async with AsyncClient(address, timeout=None) as client:
+        queue = iter(picks)
+        acked = 0
+
+        async def worker() -> None:
+            nonlocal acked
+            for i in queue:
+                await client.append(stream_name(i), [b"after"])
+                acked += 1
+
+        await asyncio.gather(*(worker() for _ in range(64)))
+    return acked
+
+
+def million_direct(streams: int) -> None:
+    shape = {"system": "streamlog", "streams": streams, "entries": 1, "fsync": "everysec", "built": "direct"}
+    with data_directory(streams) as data:
+        with Timer() as t:
+            build_directly(data, streams)
+        emit("many_streams_direct_build", t.elapsed, "s", **shape)
+        emit("many_streams_disk", _disk_mb(data), "MB", **shape)
+        server = Server(data, 2 * streams)
+        try:
+            emit("many_streams_start_up", server.start(), "s", **shape)
+            emit("many_streams_restarted_rss", server.rss_mb(), "MB", **shape)
+            emit("many_streams_open_fds", server.fds(), "fds", **shape)
+            rng = random.Random(17)
+            picked = rng.sample(range(streams), 2 * min(DIRECT_APPENDS, streams // 2))
+            appended, others = picked[: len(picked) // 2], picked[len(picked) // 2 :]
+            acked = asyncio.run(append_after(server.address, appended))
+            server.stop(signal.SIGKILL)
+            emit("many_streams_start_up_after_kill", server.start(), "s", **shape)
+            emit("many_streams_rss_after_kill", server.rss_mb(), "MB", **shape)
+            good = asyncio.run(read_all(server.address, appended, 1, extra=1, template=True))
+            emit("many_streams_acked_present_after_kill", good, "streams", of=acked, **shape)
+            untouched = asyncio.run(read_all(server.address, others, 1, template=True))
+            emit("many_streams_untouched_present_after_kill", untouched, "streams", of=len(others), **shape)
+            if good != acked or untouched != len(others):
+                raise SystemExit("bench.streams: entries missing after kill -9")
+        finally:
+            server.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2,000 x 10 and 5,000 x 1: a smoke run")
@@ -257,14 +349,17 @@ def main() -> None:
     parser.add_argument("--entries", type=int, default=10)
     parser.add_argument("--million", type=int, default=1_000_000, help="streams of one entry")
     parser.add_argument("--skip-redis", action="store_true")
+    parser.add_argument("--skip-load", action="store_true", help="no --streams run (Redis's nor streamlog's)")
+    parser.add_argument("--direct", action="store_true", help="--million's directory written in-process")
     args = parser.parse_args()
     if args.quick:
         args.streams, args.million = 2_000, 5_000
-    if not args.skip_redis:
+    if not args.skip_redis and not args.skip_load:
         redis_load(args.streams, args.entries)
-    streamlog_load(args.streams, args.entries)
+    if not args.skip_load:
+        streamlog_load(args.streams, args.entries)
     if args.million:
-        million(args.million)
+        (million_direct if args.direct else million)(args.million)
 
 
 if __name__ == "__main__":

@@ -242,7 +242,7 @@ class StreamLogServer:
             # its copies have caught up (service/clusternode.py).
             await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
             self._ready_task = asyncio.create_task(self._serve_once_caught_up(self.cluster))
-        log.info("serving %d streams", len(self.engine.list_streams()))
+        log.info("serving %d streams", self.engine.stream_count())
 
     async def _serve_once_caught_up(self, cluster: ClusterNode) -> None:
         await cluster.wait_caught_up()

@@ -43,6 +43,7 @@ from storage.errors import (
 from storage.fs import FileSystem
 from storage.groupmanager import GroupManager
 from storage.groupsapi import GroupCalls
+from storage.handoff import UnsyncedCloses
 from storage.layout import (
     DELETED_SUFFIX,
     EPOCHS_FILE,
@@ -106,7 +107,8 @@ class Engine(GroupCalls, ReplicaCalls):
         self._catalog = Catalog()  # every stream (storage/catalog.py)
         self._catalog_saved = time.monotonic()
         self._catalog_on_disk = True  # until a deletion removes it (_drop_catalog_file)
-        self._open = OpenStreams(self.config.max_open_streams, self._open_stream, self._closed_by_cache)
+        self._unsynced = UnsyncedCloses(self._fs)  # closed by the cache, synced by the next round
+        self._open = OpenStreams(self.config.max_open_streams, self._open_stream, self._close_by_cache)
         self.unreadable: list[str] = []  # stream directories whose metadata failed its checks
         self._load()
         # Consumer groups (storage/groupmanager.py): their state lives beside each stream's segments.
@@ -194,7 +196,7 @@ class Engine(GroupCalls, ReplicaCalls):
         """Rewrite the catalog file (atomically): at start-up when it was stale, at close, and by
         maintenance when streams came or went. Streams whose creation is not durable yet are
         left out (start-up finds them by their directories)."""
-        pending: set[str] = set()
+        pending = self._unsynced.creating()
         summaries: dict[str, StreamSummary] = {}
         for stream in self._open.values():
             if stream.closed:
@@ -223,7 +225,7 @@ class Engine(GroupCalls, ReplicaCalls):
         directory = stream_directory(self.data_dir, name)
         dirname = directory.name
         try:
-            stream = Stream.open(self._ctx, directory)
+            stream = Stream.open(self._ctx, directory, self._unsynced.take(name))
         except (CorruptionError, ValueError, KeyError, FileNotFoundError) as exc:
             log.error("stream directory %s is unreadable: %s", dirname, exc)
             with self._lock:
@@ -233,7 +235,15 @@ class Engine(GroupCalls, ReplicaCalls):
         self._catalog.opened(name)
         return stream
 
-    def _closed_by_cache(self, stream: Stream) -> None:
+    def _close_by_cache(self, stream: Stream) -> None:
+        """Close a stream the cache lets go. Under a policy that promises writes to the next round
+        its syncs are that round's, not those of the call that needed the room (storage/handoff.py)."""
+        handed = stream.close(hand_off=not stream.fsync.blocks)
+        if handed is not None:
+            self._unsynced.add(stream.name, handed)
+        self._note_closed(stream)
+
+    def _note_closed(self, stream: Stream) -> None:
         if stream.closed_summary is not None:
             self._catalog.closed(stream.name, stream.closed_summary)
 
@@ -249,9 +259,10 @@ class Engine(GroupCalls, ReplicaCalls):
         for stream in self._open.values():
             try:
                 stream.close()
-                self._closed_by_cache(stream)
+                self._note_closed(stream)
             except StorageError as exc:
                 log.error("stream %r did not close cleanly: %s", stream.name, exc)
+        self._unsynced.finish_all()
         try:
             self._save_catalog()
         except StorageError as exc:  # start-up rebuilds it from the directories
@@ -506,7 +517,8 @@ class Engine(GroupCalls, ReplicaCalls):
         self._log_listeners.append(listener)
 
     def sync(self) -> None:
-        """Sync every open stream (a closed one was synced as it closed)."""
+        """Sync every stream: the open ones, and those the cache closed unsynced."""
+        self._unsynced.finish_all()
         for stream in self._open.values():
             if self._open.hold(stream):
                 try:
@@ -522,6 +534,7 @@ class Engine(GroupCalls, ReplicaCalls):
         compaction; then up to UPKEEP_BATCH closed streams whose upkeep is due (storage/catalog.py)
         are opened for it and closed again; the catalog file is rewritten if it is due."""
         now = self._clock()
+        self._unsynced.finish_all()  # the streams the cache closed since the last round
         for stream in self._open.values():
             if not self._open.hold(stream):
                 continue  # closed by the cache meanwhile

@@ -126,20 +126,13 @@ class SegmentFile:
         if self.closed:
             return  # the segment was deleted or replaced: nothing of it needs to last
         try:
-            fd = os.open(self.path, os.O_RDONLY)
+            _fdatasync(self.path, self._times)
         except FileNotFoundError as exc:
             if self.closed:
                 return  # deleted while this sync began (it was closed first)
             raise DurabilityError(f"segment {self.path} is gone: {exc}") from exc
         except OSError as exc:
             raise DurabilityError(f"cannot open {self.path} to sync it: {exc}") from exc
-        try:
-            with self._times.timed():
-                os.fdatasync(fd)
-        except OSError as exc:
-            raise DurabilityError(f"fdatasync of {self.path} failed: {exc}") from exc
-        finally:
-            os.close(fd)
 
     def close(self) -> None:
         self._map.close()  # closing twice is harmless
@@ -299,6 +292,14 @@ class FileSystem:
             path.rmdir()
         self.sync_dir(path.parent)
 
+    def sync_file(self, path: Path) -> None:
+        """fdatasync a file by its path (a segment closed since it was written: its dirty pages
+        outlive its mapping in the page cache)."""
+        try:
+            _fdatasync(path, self.sync_times)
+        except OSError as exc:
+            raise DurabilityError(f"cannot open {path} to sync it: {exc}") from exc
+
     def sync_dir(self, path: Path) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -308,6 +309,19 @@ class FileSystem:
             raise DurabilityError(f"fsync of directory {path} failed: {exc}") from exc
         finally:
             os.close(fd)
+
+
+def _fdatasync(path: Path, times: SyncTimes) -> None:
+    """fdatasync a file by its path, timed; OSError if it cannot be opened, DurabilityError if the
+    sync fails (the GIL is released while it waits)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with times.timed():
+            os.fdatasync(fd)
+    except OSError as exc:
+        raise DurabilityError(f"fdatasync of {path} failed: {exc}") from exc
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:

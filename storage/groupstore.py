@@ -66,6 +66,7 @@ from storage.groupops import (
     SetConfig,
     encode_ops,
 )
+from storage.groupregistry import GroupRegistry
 from storage.groupstate import GroupSet
 from storage.groupstreams import GroupStreams
 from storage.layout import stream_directory
@@ -90,11 +91,19 @@ class GroupStore:
     """One stream's groups: state, journal, lock, sync gate, and its published retention holds."""
 
     def __init__(
-        self, name: str, directory: Path, fs: FileSystem, journal_bytes: int, *, passive: bool = False
+        self,
+        name: str,
+        directory: Path,
+        fs: FileSystem,
+        journal_bytes: int,
+        registry: GroupRegistry,
+        *,
+        passive: bool = False,
     ) -> None:
         self.name = name
         self.directory = directory
         self._fs = fs
+        self._registry = registry  # the stream is registered while it has group files
         self._journal_bytes = journal_bytes
         self.lock = threading.RLock()
         self.gate = SyncGate()
@@ -128,8 +137,7 @@ class GroupStore:
         changed = self._clamp(end_offset)
         self.state.drain()  # the checkpoint below holds these changes
         if not self.state.groups:
-            journal.destroy()
-            self.log = None
+            self._destroy(journal)
         elif journal.replayed or journal.cut is not None or changed:
             # Appends must never land in front of stale bytes of a cut tail: start a fresh journal.
             journal.checkpoint(self.state.snapshot_ops(), self.op_seq)
@@ -203,6 +211,7 @@ class GroupStore:
         if self.log is None:  # the first group: snapshot and journal
             journal = GroupLog(self._fs, self.directory, self._journal_bytes)
             try:
+                self._registry.add(self.name)
                 journal.checkpoint(self.state.snapshot_ops(), self.op_seq)
             except StorageError:
                 # Nothing was on disk before, nor in memory (no files means no groups): forget the call.
@@ -219,8 +228,7 @@ class GroupStore:
             except JournalFullError:
                 self.log.checkpoint(self.state.snapshot_ops(), self.op_seq)
             if not self.state.groups:
-                self.log.destroy()
-                self.log = None
+                self._destroy(self.log)
                 seq = None
         self._retain(body)
         if seq is not None and all(type(op) in _SOFT for op in ops):
@@ -282,13 +290,19 @@ class GroupStore:
         with self._saving():
             if not state.groups:
                 if self.log is not None:
-                    self.log.destroy()
-                    self.log = None
+                    self._destroy(self.log)
                 return
             if self.log is None:
+                self._registry.add(self.name)
                 self.log = GroupLog(self._fs, self.directory, self._journal_bytes)
             self.log.checkpoint(state.snapshot_ops(), op_seq)
             self.broken = None
+
+    def _destroy(self, journal: GroupLog) -> None:
+        """The stream has no groups left: their files go, then its registry entry."""
+        journal.destroy()
+        self.log = None
+        self._registry.remove(self.name)
 
     @contextmanager
     def _saving(self) -> Iterator[None]:
@@ -376,8 +390,28 @@ class GroupStores:
         self._lock = threading.Lock()
         self._listeners: list[GroupListener] = []
         self._batch_listeners: list[BatchListener] = []
-        for name in streams.list_streams():
+        self._registry = GroupRegistry(fs, streams.data_dir)
+        for name in self._registry.load(self._probe):
             self._load(name)
+
+    def _probe(self) -> list[str]:
+        """The streams whose directories hold group files: looked for in every directory, once,
+        when a data directory of an earlier version gets its registry (storage/groupregistry.py),
+        as that version did at every start-up (leftover journals removed on the way)."""
+        found = []
+        for name in self._streams.list_streams():
+            directory = stream_directory(self._streams.data_dir, name)
+            if GroupLog.exists(self._fs, directory):
+                found.append(name)
+            else:
+                self._remove_leftovers(directory)
+        return found
+
+    def _remove_leftovers(self, directory: Path) -> None:
+        """Journals without a snapshot: a first checkpoint that crashed before its snapshot."""
+        for leftover in self._fs.listdir(directory):
+            if leftover.startswith(JOURNAL_PREFIX) and leftover.endswith(JOURNAL_SUFFIX):
+                self._fs.remove(directory / leftover)
 
     def _new(self, stream: str) -> GroupStore:
         return GroupStore(
@@ -385,16 +419,16 @@ class GroupStores:
             stream_directory(self._streams.data_dir, stream),
             self._fs,
             self._journal_bytes,
+            self._registry,
             passive=not self._modes.get(stream, not self._passive),
         )
 
     def _load(self, name: str) -> None:
         store = self._new(name)
         fs, directory = self._fs, store.directory
-        if not GroupLog.exists(fs, directory):
-            for leftover in fs.listdir(directory):  # a first checkpoint that crashed before its snapshot
-                if leftover.startswith(JOURNAL_PREFIX) and leftover.endswith(JOURNAL_SUFFIX):
-                    fs.remove(directory / leftover)
+        if not self._streams.exists(name) or not GroupLog.exists(fs, directory):
+            self._remove_leftovers(directory)
+            self._registry.remove(name)  # stale: see storage/groupregistry.py
             return
         store.load(self._streams.bounds(name).end_offset)
         self._stores[name] = store
@@ -523,6 +557,7 @@ class GroupStores:
         with self._lock:
             store = self._stores.pop(stream, None)
             self._modes.pop(stream, None)
+        self._registry.forget(stream)
         if store is not None:
             store.close(sync=False)
 

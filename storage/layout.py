@@ -8,10 +8,11 @@
         producers.snap                       the idempotent-append table (storage/dedup.py)
         epochs                               leader-epoch history and incarnation (storage/epochs.py)
         TRUNCATING                           a truncation under way (storage/truncation.py)
-        CLEAN                                written by a clean shutdown, removed at start-up
+        CLEAN                                written by a clean close, removed before the next write
         *.tmp                                a file being replaced; a crash may leave one behind
         *.seg.damaged                        a segment with nothing readable, kept for the operator
     DATA/streams/<encoded name>.deleted/     a stream whose deletion a crash interrupted
+    DATA/groups/<encoded name>               the stream has consumer groups (storage/groupregistry.py)
 
 The consumer groups' files beside the segments are named in storage/grouplog.py.
 docs/FORMAT.md has the byte layout of each file.

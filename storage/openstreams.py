@@ -5,8 +5,9 @@ segment is a file descriptor and a mapping). The engine knows every stream by na
 (its catalog); this cache holds at most `max_open_streams` of them open, least
 recently used first out. A stream is opened on demand (storage/loader.py: after an
 unclean shutdown its tail is checked before it is first served) and closed cleanly
-when it leaves (synced, its CLEAN marker written), so reopening it reads no node
-body.
+when it leaves (by the engine: synced, its CLEAN marker written, or under a policy
+that promises writes to the next round, its syncs handed to that round,
+storage/handoff.py), so reopening it reads no node body.
 
 A caller uses a stream between `pin` and `unpin`; a pinned stream is never closed
 under it. `peek` hands out a stream without a pin, for callers that use it at once
@@ -34,11 +35,11 @@ HOLD_S = 0.1  # a stream handed out by peek stays open at least this long
 
 class OpenStreams:
     def __init__(
-        self, limit: int, open_stream: Callable[[str], Stream], on_close: Callable[[Stream], None]
+        self, limit: int, open_stream: Callable[[str], Stream], close_stream: Callable[[Stream], None]
     ) -> None:
         self._limit = limit
         self._open_stream = open_stream  # opens a stream of the catalog (raises if it cannot)
-        self._on_close = on_close  # told of each stream the cache closed (not of a failed close)
+        self._close_stream = close_stream  # closes a stream the cache lets go (StorageError: it cannot)
         self._lock = threading.Lock()  # guards the dict and the pin counts
         self._opening = threading.Lock()  # opens, creations and closes, one at a time
         self._streams: OrderedDict[str, Stream] = OrderedDict()
@@ -183,14 +184,13 @@ class OpenStreams:
                 return False
             del self._streams[victim.name]
         try:
-            victim.close()
+            self._close_stream(victim)
         except StorageError as exc:
             log.error("stream %r could not be closed, it stays open: %s", victim.name, exc)
             with self._lock:
                 victim.evicted = False
                 self._streams[victim.name] = victim
             return False
-        self._on_close(victim)
         return True
 
     def discard(self, name: str) -> None:

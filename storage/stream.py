@@ -42,6 +42,7 @@ from storage.errors import (
 from storage.format import NODE_DELAYED, NODE_PREFIX_SIZE, NODE_PRODUCER, SEGMENT_HEADER_SIZE, NodeBody
 from storage.fs import SegmentFile
 from storage.growing import GrowingNode
+from storage.handoff import UnsyncedClose
 from storage.index import NodeIndex
 from storage.layout import (
     CLEAN_MARKER,
@@ -91,6 +92,9 @@ class Stream:
         self.cuts = 0  # truncations so far: a sync that began before one does not publish its end
         self.dirty: set[SegmentFile] = set()
         self.creation: PendingCreation | None = None  # a new stream not yet durable
+        # Its CLEAN marker is still on disk (opened after a clean close, nothing written since):
+        # removed, durably, before the first write (`_check_writable`), so a read costs no sync.
+        self.clean_marker = False
         self.pack_queue: list[Segment] = []  # full segments waiting to be packed
         self.damaged: list[Gap] = []
         self.closed = False
@@ -130,11 +134,14 @@ class Stream:
         return stream
 
     @classmethod
-    def open(cls, ctx: EngineContext, directory: Path) -> Stream:
+    def open(cls, ctx: EngineContext, directory: Path, handed: UnsyncedClose | None = None) -> Stream:
+        """Open a stream's directory; `handed`: its last close, which left its files unsynced and
+        which it takes back (storage/handoff.py: no crash came between, so its bodies are trusted)."""
         fs = ctx.fs
-        name, first_offset, config = decode_meta(fs.read_file(directory / META_FILE))
+        meta = META_NEW if handed is not None and not fs.exists(directory / META_FILE) else META_FILE
+        name, first_offset, config = decode_meta(fs.read_file(directory / meta))
         stream = cls(ctx, name, directory, config)
-        clean = fs.exists(directory / CLEAN_MARKER)
+        clean = handed is not None or fs.exists(directory / CLEAN_MARKER)
         loaded = LogLoader(ctx, name, directory).load(first_offset, clean)
         stream.segments, stream.index, stream.active = loaded.segments, loaded.index, loaded.active
         stream.first_offset = loaded.first_offset
@@ -145,10 +152,19 @@ class Stream:
             stream.pack_queue = [s for s in stream.segments[:-1] if not s.packed]
         if fs.exists(directory / EPOCHS_FILE):
             stream.epochs = EpochHistory.decode(fs.read_file(directory / EPOCHS_FILE))
+        stream.clean_marker = clean and handed is None
         stream.truncation.finish_pending()
-        if clean:
-            fs.remove(directory / CLEAN_MARKER)  # from here on a crash must trigger the tail scan
+        if handed is not None:
+            stream._take_back(handed)
         return stream
+
+    def _take_back(self, handed: UnsyncedClose) -> None:
+        """Resume the unsynced state a close handed off (its files to sync, its creation)."""
+        self.dirty = {s.file for s in self.segments if s.file.path in handed.files}
+        self.creation = handed.creation
+        self.write_seq += 1  # a sync is due (the gate counts writes since the open)
+        if handed.error is not None:  # its sync failed after the close: refuse appends, as `gate` does
+            self.gate.error = handed.error
 
     @property
     def fsync(self) -> FsyncPolicy:
@@ -196,10 +212,20 @@ class Stream:
         return results
 
     def _check_writable(self) -> None:
+        """Before an append (call with `lock` held): refuse it if the stream cannot take it."""
         if self.closed:
             raise InvalidArgumentError(f"stream {self.name!r} was deleted")
         if self.gate.error is not None:
             raise DurabilityError(f"appends are refused after a failed sync: {self.gate.error}")
+        self.unmark_clean()
+
+    def unmark_clean(self) -> None:
+        """Before the first write into the segments since the open (call with `lock` held): remove
+        the CLEAN marker, durably, if it is still there: from here on a crash must trigger the tail
+        scan. A stream that is only read never pays for it."""
+        if self.clean_marker:
+            self.ctx.fs.remove(self.directory / CLEAN_MARKER)
+            self.clean_marker = False
 
     def _append_one(self, batch: AppendBatch, producer: tuple[str, int] | None) -> AppendResult:
         """Write one batch, or find the first attempt of a producer's retry. Call with `lock` held."""
@@ -249,6 +275,7 @@ class Stream:
     def write_records(self, blob: bytes, positions: array, first_ts: int, last_ts: int, flags: int) -> None:
         """Write stored records as they are at end_offset (replication, storage/replica.py; call with
         `lock` held). `positions`: their count+1 boundaries from 0; they fit one batch's limits."""
+        self.unmark_clean()
         n = len(positions) - 1
         node = self.active
         if node is None or node.ref.segment is not self.segments[-1] or not node.make_room(n, len(blob)):
@@ -570,18 +597,28 @@ class Stream:
             self.write_meta(self.first_offset, config)
             self.config = config
 
-    def close(self, clean: bool = True) -> None:
-        """Sync, mark a clean shutdown, and release files."""
+    def close(self, clean: bool = True, *, hand_off: bool = False) -> UnsyncedClose | None:
+        """Sync, mark a clean shutdown, and release files. With `hand_off` (the cache's close under
+        a policy that promises writes to the next round) nothing is synced: what is unsynced is
+        returned for the round to finish (storage/handoff.py), None if nothing is."""
+        handed = None
         with self.maintenance_lock:
             if self.closed:
-                return
+                return None
             if clean and self.gate.error is None:
-                self.sync()
-                self.save_producers(self.ctx.clock())
-                # The sync above is done before the marker exists, so the marker needs no sync of its
-                # own: a power loss may take it back (the next open checks the tail), never make it
-                # vouch for unsynced bytes. Its removal at the next open is durable.
-                self.ctx.fs.create_marker(self.directory / CLEAN_MARKER)
+                if hand_off and (self.dirty or self.creation is not None):
+                    with self.lock:
+                        files = [file.path for file in self.dirty]
+                        self.dirty.clear()
+                    handed = UnsyncedClose(self.directory, files, self.creation)
+                    self.creation = None
+                else:
+                    self.sync()
+                    self.save_producers(self.ctx.clock())
+                    # The sync above is done before the marker exists, so the marker needs no sync of
+                    # its own: a power loss may take it back (the next open checks the tail), never
+                    # make it vouch for unsynced bytes. Its removal before the next write is durable.
+                    self.ctx.fs.create_marker(self.directory / CLEAN_MARKER)
             with self.lock:
                 self.closed_summary = self.summary()
                 self.closed = True
@@ -589,3 +626,4 @@ class Stream:
                     self.release(segment)
                 self.segments.clear()
                 self.index.clear()
+        return handed

@@ -357,6 +357,13 @@ class FaultFS:
                 raise DurabilityError(f"cannot commit {src.name}: {exc}") from exc
             self._dir_op(parent, (dst.name, inode), (src.name, None))  # os.replace
 
+    def sync_file(self, path: Path) -> None:
+        with self._lock:
+            try:
+                self._sync_inode(self._file(path), path)
+            except (OSError, FileNotFoundError) as exc:
+                raise DurabilityError(f"fdatasync of {path} failed: {exc}") from exc
+
     def create_marker(self, path: Path) -> None:
         with self._lock:
             parent = self._dir(path.parent)

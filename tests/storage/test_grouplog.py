@@ -39,6 +39,7 @@ from storage.grouplog import (
     scan_journal,
 )
 from storage.groupops import decode_ops, encode_ops
+from storage.groupregistry import GROUPS_DIR
 from storage.groupstate import GroupSet
 from tests.storage.faultfs import FaultFS
 
@@ -375,10 +376,13 @@ def test_leftover_journals_are_removed_at_start_up(tmp_path, clock):
     engine.close()
     s_dir, t_dir = tmp_path / "streams" / "s", tmp_path / "streams" / "t"
     (s_dir / journal_name(9)).write_bytes(b"stale")  # a checkpoint that crashed part-way
-    (t_dir / journal_name(1)).write_bytes(b"stale")  # a first checkpoint that never wrote its snapshot
+    # A first checkpoint that never wrote its snapshot (its registry entry came first: groupregistry.py).
+    (t_dir / journal_name(1)).write_bytes(b"stale")
+    (tmp_path / GROUPS_DIR / "t").write_bytes(b"t")
     engine = Engine(tmp_path, config, clock=clock)
     assert sorted(p.name for p in s_dir.glob("*.journal")) == [journal_name(1)]
     assert list(t_dir.glob("*.journal")) == []
+    assert sorted(p.name for p in (tmp_path / GROUPS_DIR).iterdir()) == ["s"]
     assert [i.name for i in engine.list_groups("s")] == ["g"]
     engine.close()
 

@@ -1,0 +1,115 @@
+"""Streams the open-stream cache closed before their writes were synced (issue 17).
+
+Under `everysec` (and `no`) a write is promised durable only by the next maintenance round,
+so a stream the cache closes to make room need not be synced by the caller that needed the
+room (about 4 ms of syncs for every new stream once the cache is full). Its close hands its
+unsynced segment files and its pending creation over as an `UnsyncedClose`; the next round
+(or `Engine.sync`, or the engine's close) finishes it as a synced close would have: the
+segment files (by path: a closed mapping's dirty pages stay in the page cache), the creation
+(storage/creation.py), then the `CLEAN` marker.
+
+A stream reopened before that takes its close back (`take`): nothing was lost, its files are
+as it left them in the page cache, so it opens trusting its node bodies as after a clean
+close, with those files to sync in its own next round, and no marker was written to remove.
+If the round's sync failed, the stream reopens refusing appends, as a stream whose own sync
+failed does (after a failed fsync the kernel may have dropped the pages: PostgreSQL's fsyncgate).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from storage.creation import PendingCreation
+from storage.errors import DurabilityError
+from storage.fs import FileSystem
+from storage.layout import CLEAN_MARKER
+
+log = logging.getLogger("streamlog.storage")
+
+
+class _State(Enum):
+    PENDING = 1  # waiting for the round
+    DONE = 2  # synced, CLEAN written: an ordinary closed stream
+    FAILED = 3  # a sync failed
+    TAKEN = 4  # reopened first: the stream has its files back
+
+
+@dataclass(eq=False)
+class UnsyncedClose:
+    directory: Path
+    files: list[Path]  # segment files written since their last sync
+    creation: PendingCreation | None  # a new stream's creation, not yet durable
+    state: _State = _State.PENDING
+    error: DurabilityError | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def finish(self, fs: FileSystem) -> None:
+        """Sync what the close left unsynced, then mark the clean close (the round)."""
+        with self.lock:
+            if self.state is not _State.PENDING:
+                return
+            try:
+                for path in self.files:
+                    fs.sync_file(path)
+                if self.creation is not None:
+                    self.creation.commit(fs, self.directory, lambda: [])  # its files were synced above
+                fs.create_marker(self.directory / CLEAN_MARKER)  # after the syncs: see Stream.close
+            except DurabilityError as exc:
+                log.error("stream directory %s did not sync after its close: %s", self.directory.name, exc)
+                self.state, self.error = _State.FAILED, exc
+                return
+            self.state = _State.DONE
+
+
+class UnsyncedCloses:
+    """The closes waiting for the round, by stream name; safe to call from any thread."""
+
+    def __init__(self, fs: FileSystem) -> None:
+        self._fs = fs
+        self._lock = threading.Lock()
+        self._closes: dict[str, UnsyncedClose] = {}
+
+    def __len__(self) -> int:
+        return len(self._closes)
+
+    def add(self, name: str, close: UnsyncedClose) -> None:
+        with self._lock:
+            self._closes[name] = close
+
+    def take(self, name: str) -> UnsyncedClose | None:
+        """The stream's close if it is not finished (the stream is being reopened and takes its
+        files back), or one whose sync failed; None if there is none or it is done."""
+        with self._lock:
+            close = self._closes.pop(name, None)
+        if close is None:
+            return None
+        with close.lock:  # waits for a round finishing it now
+            if close.state is _State.DONE:
+                return None
+            close.state = _State.TAKEN if close.state is _State.PENDING else close.state
+            return close
+
+    def finish_all(self) -> None:
+        """Finish every close waiting (the round); the failed ones stay for their reopening."""
+        with self._lock:
+            closes = list(self._closes.items())
+        for name, close in closes:
+            close.finish(self._fs)
+            if close.state is _State.DONE:
+                with self._lock:
+                    if self._closes.get(name) is close:
+                        del self._closes[name]
+
+    def creating(self) -> set[str]:
+        """The streams whose creation is not durable yet (the catalog file leaves them out)."""
+        with self._lock:
+            return {name for name, c in self._closes.items() if c.creation is not None and c.creation.pending}
+
+    def discard(self, name: str) -> None:
+        """The stream is being deleted: nothing of it needs to last."""
+        with self._lock:
+            self._closes.pop(name, None)
