@@ -2,7 +2,8 @@
 
 These check the harness, not the speed: the Redis anchor (a primary and its replica, every XADD
 pipeline followed by WAIT 1 0, the replica's XLEN checked), the append routes of both clusters,
-and the failover run (one kill, 2 s leases, every acknowledged entry read back). Bounded by
+1 member vs 2 (both figures, not their ratio), and the failover run (one kill, 2 s leases, every
+acknowledged entry read back). Bounded by
 timeouts; about half a minute in all on an idle machine.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import cluster, failover
+from bench import cluster, failover, members
 from bench import redis_baseline as rb
 from tests.cluster.etcd_server import EtcdCluster
 from tests.cluster.helpers import TEST_TTL_MS
@@ -83,6 +84,24 @@ def test_every_route_of_both_clusters_and_redis_gets_its_figures(
     assert replica["value"] == 2 + 20 + 2 * 1000 and replica["aof"] == "everysec"
     for record in emitted:
         assert positive(record["value"]), record
+
+
+@pytest.mark.timeout(180)
+def test_one_member_and_two_each_get_an_appends_figure_and_their_ratio(
+    etcd: EtcdCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rates = cluster.member_counts(etcd, rounds=1, seconds=0.5, processes=2, concurrency=2)
+    emitted = records(capsys)
+    one, two = (by_figure(emitted, "members_appends", members=count) for count in (1, 2))
+    assert len(one) == len(two) == 1 and {one[0]["value"], two[0]["value"]} == set(rates.values())
+    # The two-member cluster placed the streams on both members, and each client called both.
+    assert one[0]["streams_led"] == {"m1": members.STREAMS}
+    assert two[0]["streams_led"] == {"m1": members.STREAMS // 2, "m2": members.STREAMS // 2}
+    for figure in (one[0], two[0]):
+        assert figure["unit"] == "appends/s" and positive(figure["value"]) and figure["appends"] > 0
+        assert positive(figure["client_cpu_us_per_append"]) and figure["client_processes"] == 2
+    [ratio] = by_figure(emitted, "members_ratio")
+    assert ratio["value"] == pytest.approx(two[0]["value"] / one[0]["value"])
 
 
 def test_the_loss_check_finds_a_lost_a_moved_and_a_doubled_entry() -> None:
