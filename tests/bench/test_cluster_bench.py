@@ -120,7 +120,10 @@ def test_the_loss_check_finds_a_lost_a_moved_and_a_doubled_entry() -> None:
 def test_a_killed_leader_is_timed_replaced_and_rejoins_and_nothing_acknowledged_is_lost(
     etcd: EtcdCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    summary = failover.run(etcd.endpoints, tmp_path / "nodes", failovers=1, lease_ttl_ms=TEST_TTL_MS)
+    plot = tmp_path / "plots" / "failover.png"
+    summary = failover.run(
+        etcd.endpoints, tmp_path / "nodes", failovers=1, lease_ttl_ms=TEST_TTL_MS, plot=plot
+    )
     emitted = records(capsys)
     [kill] = by_figure(emitted, "failover", kill=1)
     assert kill["killed"] in failover.NODES and kill["new_leader"] in failover.NODES
@@ -133,3 +136,13 @@ def test_a_killed_leader_is_timed_replaced_and_rejoins_and_nothing_acknowledged_
     [checked] = by_figure(emitted, "failover_acknowledged_entries")
     assert checked["value"] > 0 and checked["lost"] == checked["duplicated"] == 0
     assert checked["stream_entries"] >= checked["value"]
+    # The throughput plot: a PNG of the whole run, one bin per 100 ms.
+    [drawn] = by_figure(emitted, "failover_plot")
+    assert drawn["path"] == str(plot) and drawn["bin_ms"] == 100 and drawn["value"] > kill["value"] * 10
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+
+
+def test_acknowledged_appends_are_counted_in_the_100_ms_bin_they_came_in() -> None:
+    acks = [failover.Ack(i, i, 0.0, at) for i, at in enumerate([10.0, 10.05, 10.31, 10.99, 11.2])]
+    assert failover.acknowledged_per_bin(acks, 10.0, 11.0) == [2, 0, 0, 1, 0, 0, 0, 0, 0, 1]
+    assert failover.acknowledged_per_bin(acks, 10.3, 10.45) == [1, 0]
