@@ -281,30 +281,54 @@ class Client {
   }
 
   // Follows a stream: `for await (const batch of client.subscribe('s', {start: 'oldest'}))`.
-  // start: an offset, 'oldest' or 'latest'. Breaking out of the loop cancels the call.
+  // start: an offset, 'oldest' or 'latest'. Breaking out of the loop cancels the call. In a
+  // cluster, after a leader change it reopens on the new leader from where it was.
   subscribe(stream, options = {}) {
     const start = options.start === undefined ? 'oldest' : options.start;
     const request = { stream, count: options.count || 0 };
     if (start === 'oldest') request.start = 'START_POSITION_OLDEST';
     else if (start === 'latest') request.start = 'START_POSITION_LATEST';
     else Object.assign(request, { start: 'START_POSITION_OFFSET', offset: String(start) });
-    const { stub, metadata } = this.sessionRoute(stream);
-    return this.follow(stub.Subscribe(request, metadata));
+    return this.follow(request);
   }
 
+  // A consumer's subscription; in a cluster it reopens as it was opened after a leader change
+  // (the group keeps its place).
   subscribeGroup(stream, group, consumer, options = {}) {
-    const request = { stream, group, consumer, count: options.count || 0 };
-    const { stub, metadata } = this.sessionRoute(stream);
-    return this.follow(stub.Subscribe(request, metadata));
+    return this.follow({ stream, group, consumer, count: options.count || 0 });
   }
 
-  async* follow(call) {
-    try {
-      for await (const reply of call) yield toBatch(reply);
-    } catch (error) {
-      if (error.code !== grpc.status.CANCELLED) throw new StreamlogError(error);
-    } finally {
-      call.cancel();
+  // The batches of a Subscribe call, opened on the stream's leader when known. In a cluster, a
+  // call that ends with UNAVAILABLE (the leader changed or went down) is opened again, with backoff,
+  // within timeoutMs of the last batch: a plain subscription from the next offset it had not seen.
+  async* follow(request) {
+    let attempts = null; // since the last batch
+    for (;;) {
+      const { stub, metadata } = this.sessionRoute(request.stream);
+      const call = stub.Subscribe(request, metadata);
+      try {
+        for await (const reply of call) {
+          attempts = null;
+          const batch = toBatch(reply);
+          if (!request.group) {
+            Object.assign(request, { start: 'START_POSITION_OFFSET', offset: String(batch.nextOffset) });
+          }
+          yield batch;
+        }
+        return;
+      } catch (error) {
+        if (error.code === grpc.status.CANCELLED) return;
+        if (!(this.routes.cluster === true && error.code === grpc.status.UNAVAILABLE)) {
+          throw new StreamlogError(error);
+        }
+        attempts = attempts || new Attempts(this.timeoutMs);
+        const pause = attempts.pause(this.routes.failed(request.stream, error));
+        if (pause === null) throw new StreamlogError(error);
+        await sleep(pause);
+        await this.route(request.stream);
+      } finally {
+        call.cancel();
+      }
     }
   }
 

@@ -37,7 +37,7 @@ test('calls go straight to the stream\'s leader; a stale route is redirected the
   assert.deepEqual(batch.entries.map((e) => e.payload.toString()), ['first', 'second']);
 });
 
-test('appends and reads keep going through a kill -9 of the leader; nothing acknowledged is lost',
+test('appends, reads and a subscription keep going through a kill -9 of the leader; nothing acknowledged is lost',
   { timeout: 120000 }, async () => {
     const stream = 'node-failover';
     const client = new Client(seeds, { timeoutMs: 60000 });
@@ -55,12 +55,26 @@ test('appends and reads keep going through a kill -9 of the leader; nothing ackn
       assert.equal(batch.entries[0].payload.toString(), payload);
     }
     for (let i = 0; i < 20; i += 1) await appendAndReadBack();
+    // A subscription from the start, open on the leader: it reopens on the new one after the kill,
+    // from where it was, until it sees the entry appended last.
+    const delivered = [];
+    const subscription = (async () => {
+      for await (const batch of client.subscribe(stream, { start: 'oldest' })) {
+        delivered.push(...batch.entries);
+        if (delivered.some((e) => e.payload.toString() === 'last')) return null;
+      }
+      return new Error('the subscription ended');
+    })().catch((error) => error);
     const leader = await leaderOf(client, stream);
     const lookups = client.routes.lookups;
     const before = acknowledged.length;
     process.kill(leader.pid, 'SIGKILL');
     // The loop goes on: the first append after the kill waits out the election, inside its call.
     while (acknowledged.length < before + 20) await appendAndReadBack();
+    sequence += 1;
+    const last = await client.append(stream, 'last', { producerId: 'node-failover', producerSequence: sequence });
+    acknowledged.push({ offset: last.firstOffset, payload: 'last' });
+    assert.equal(await subscription, null);
     const now = await client.route(stream);
     assert.notEqual(now, leader.address);
     assert.ok(client.routes.lookups > lookups, 'the client looked the layout up again');
@@ -77,4 +91,7 @@ test('appends and reads keep going through a kill -9 of the leader; nothing ackn
     const payloads = stored.map((e) => e.payload.toString());
     assert.equal(new Set(payloads).size, payloads.length, 'a payload was written twice');
     assert.equal(stored.length, acknowledged.length);
+    // The subscription delivered every entry once, in order, across the failover.
+    assert.deepEqual(delivered.map((e) => [e.offset, e.payload.toString()]),
+      stored.map((e) => [e.offset, e.payload.toString()]));
   });
