@@ -20,6 +20,8 @@ import multiprocessing
 import os
 import time
 from collections import Counter
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Barrier
 
 from bench.common import emit
 from clients import Client
@@ -49,7 +51,7 @@ def create_streams(addresses: list[str]) -> Counter[str]:
 
 
 async def _append_for(
-    addresses: list[str], concurrency: int, seconds: float, barrier
+    addresses: list[str], concurrency: int, seconds: float, barrier: Barrier
 ) -> tuple[int, float, float]:
     payload = os.urandom(PAYLOAD)
     streams = stream_names()
@@ -73,7 +75,9 @@ async def _append_for(
         return acknowledged, time.monotonic() - started, time.process_time() - cpu
 
 
-def client_process(addresses: list[str], concurrency: int, seconds: float, barrier, results) -> None:
+def client_process(
+    addresses: list[str], concurrency: int, seconds: float, barrier: Barrier, results: Queue
+) -> None:
     """One client process: (appends acknowledged, seconds taken, CPU seconds used) onto `results`."""
     results.put(asyncio.run(_append_for(addresses, concurrency, seconds, barrier)))
 
