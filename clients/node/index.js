@@ -243,8 +243,7 @@ class Client {
   }
 
   // The stub and metadata to open a session on `stream` with: its leader's, with a redirect asked
-  // for, when the layout knows it (sessions open without waiting for a lookup); else the seed's,
-  // which serves or forwards it.
+  // for, when the layout knows it; else the seed's, which serves or forwards it.
   sessionRoute(stream) {
     const address = this.routes.cluster === true ? this.routes.leader(stream) : null;
     if (!address) return { stub: this.stub, metadata: this.metadata() };
@@ -298,12 +297,14 @@ class Client {
     return this.follow({ stream, group, consumer, count: options.count || 0 });
   }
 
-  // The batches of a Subscribe call, opened on the stream's leader when known. In a cluster, a
-  // call that ends with UNAVAILABLE (the leader changed or went down) is opened again, with backoff,
-  // within timeoutMs of the last batch: a plain subscription from the next offset it had not seen.
+  // The batches of a Subscribe call, opened on the stream's leader (looked up first). In a
+  // cluster, a call that ends with UNAVAILABLE (the leader changed or went down) is opened again,
+  // with backoff, within timeoutMs of the last batch: a plain subscription from the next offset it
+  // had not seen.
   async* follow(request) {
     let attempts = null; // since the last batch
     for (;;) {
+      await this.route(request.stream);
       const { stub, metadata } = this.sessionRoute(request.stream);
       const call = stub.Subscribe(request, metadata);
       try {
@@ -325,7 +326,6 @@ class Client {
         const pause = attempts.pause(this.routes.failed(request.stream, error));
         if (pause === null) throw new StreamlogError(error);
         await sleep(pause);
-        await this.route(request.stream);
       } finally {
         call.cancel();
       }

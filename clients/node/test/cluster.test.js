@@ -55,11 +55,14 @@ test('appends, reads and a subscription keep going through a kill -9 of the lead
       assert.equal(batch.entries[0].payload.toString(), payload);
     }
     for (let i = 0; i < 20; i += 1) await appendAndReadBack();
-    // A subscription from the start, open on the leader: it reopens on the new one after the kill,
-    // from where it was, until it sees the entry appended last.
+    // A subscription from the start, the first call of a client of its own (it looks the leader up
+    // and opens there): it reopens on the new leader after the kill, from where it was, until it
+    // sees the entry appended last.
+    const reader = new Client(seeds, { timeoutMs: 60000 });
+    after(() => reader.close());
     const delivered = [];
     const subscription = (async () => {
-      for await (const batch of client.subscribe(stream, { start: 'oldest' })) {
+      for await (const batch of reader.subscribe(stream, { start: 'oldest' })) {
         delivered.push(...batch.entries);
         if (delivered.some((e) => e.payload.toString() === 'last')) return null;
       }
@@ -75,6 +78,7 @@ test('appends, reads and a subscription keep going through a kill -9 of the lead
     const last = await client.append(stream, 'last', { producerId: 'node-failover', producerSequence: sequence });
     acknowledged.push({ offset: last.firstOffset, payload: 'last' });
     assert.equal(await subscription, null);
+    assert.equal(reader.routes.cluster, true);
     const now = await client.route(stream);
     assert.notEqual(now, leader.address);
     assert.ok(client.routes.lookups > lookups, 'the client looked the layout up again');
