@@ -96,7 +96,8 @@ def test_one_member_and_two_each_get_an_appends_figure_and_their_ratio(
     assert len(one) == len(two) == 1 and {one[0]["value"], two[0]["value"]} == set(rates.values())
     # The two-member cluster placed the streams on both members, and each client called both.
     assert one[0]["streams_led"] == {"m1": members.STREAMS}
-    assert two[0]["streams_led"] == {"m1": members.STREAMS // 2, "m2": members.STREAMS // 2}
+    led = two[0]["streams_led"]
+    assert set(led) == {"m1", "m2"} and sum(led.values()) == members.STREAMS
     for figure in (one[0], two[0]):
         assert figure["unit"] == "appends/s" and positive(figure["value"]) and figure["appends"] > 0
         assert positive(figure["client_cpu_us_per_append"]) and figure["client_processes"] == 2
