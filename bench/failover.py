@@ -14,12 +14,15 @@ so never written twice) to the next node. N times:
    back in the stream's in-sync set (the rejoin time, from the restart).
 
 At the end the stream is read back: every acknowledged entry must be at the offset
-its acknowledgement gave, and no payload may be there twice. Runs from a checkout
-(the nodes are the cluster tests' own, tests/cluster/nodes.py).
+its acknowledgement gave, and no payload may be there twice. With `plot`, the
+producer's acknowledged appends per 100 ms over the whole run, the kills marked, go
+to a PNG (`--plot docs/failover-throughput.png`). Runs from a checkout (the nodes are
+the cluster tests' own, tests/cluster/nodes.py).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter
@@ -41,6 +44,7 @@ CALL_TIMEOUT_S = 2.0
 RETRY_PAUSE_S = 0.01  # after a failed attempt: the next node, without spinning on dead ones
 FAILOVER_LIMIT_S = 60.0  # a failover slower than this fails the run (the target is 10 s)
 REJOIN_LIMIT_S = 120.0
+PLOT_BIN_S = 0.1
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # gRPC waits up to 2 min (growing backoff) before it dials a node that refused it again: a
 # restarted node would stay out of reach long after it serves. Dial again within half a second.
@@ -180,15 +184,72 @@ def wait_all_in_sync(stub: pb_grpc.StreamLogServiceStub) -> None:
     eventually(lambda: set(leader_of(stub, STREAM).in_sync_replicas) == set(NODES), REJOIN_LIMIT_S)
 
 
+@dataclass(frozen=True)
+class Kill:
+    node: str
+    at: float  # time.monotonic() of the kill
+    failover_s: float  # to the first acknowledged append sent after it
+
+
+def acknowledged_per_bin(acks: list[Ack], start: float, end: float, bin_s: float = PLOT_BIN_S) -> list[int]:
+    """How many appends were acknowledged in each `bin_s` from `start` to `end` (the last bin may
+    be partial); acknowledgements outside are not counted."""
+    bins = [0] * math.ceil((end - start) / bin_s)
+    for ack in acks:
+        if start <= ack.acknowledged < end:
+            bins[int((ack.acknowledged - start) / bin_s)] += 1
+    return bins
+
+
+def plot_throughput(acks: list[Ack], kills: list[Kill], path: Path, rate: float, lease_ttl_ms: int) -> int:
+    """Acknowledged appends per PLOT_BIN_S over the run, each kill a dashed line, to a PNG at `path`;
+    returns the number of bins."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    start, end = acks[0].acknowledged, acks[-1].acknowledged + PLOT_BIN_S
+    bins = acknowledged_per_bin(acks, start, end)
+    fig, ax = plt.subplots(figsize=(10, 3.2))
+    ax.step([i * PLOT_BIN_S for i in range(len(bins))], bins, where="post", linewidth=0.8)
+    for kill in kills:
+        ax.axvline(kill.at - start, color="tab:red", linestyle="--", linewidth=0.8)
+        ax.annotate(
+            f"kill -9 {kill.node}\n{kill.failover_s:.1f} s",
+            (kill.at - start, max(bins)),
+            xytext=(3, -2),
+            textcoords="offset points",
+            fontsize=7,
+            va="top",
+            color="tab:red",
+        )
+    ax.set_xlabel("seconds")
+    ax.set_ylabel(f"appends acknowledged per {PLOT_BIN_S * 1000:.0f} ms")
+    ax.set_title(
+        f"One producer, {rate:.0f} idempotent appends/s, 3 replicas (acks=quorum), "
+        f"lease {lease_ttl_ms / 1000:g} s: the stream's leader killed {len(kills)} times",
+        fontsize=9,
+    )
+    ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return len(bins)
+
+
 def run(
     endpoints: list[tuple[str, int]],
     directory: Path,
     failovers: int,
     lease_ttl_ms: int = 5000,
     rate: float = 100.0,
+    plot: Path | None = None,
 ) -> dict[str, float]:
     """Kill the stream's leader `failovers` times; emits one figure per kill, then p50/p99/max and
-    the loss check; returns the summary figures (seconds)."""
+    the loss check, and with `plot` draws the throughput to that PNG; returns the summary figures
+    (seconds)."""
     nodes = ClusterNodes(
         endpoints,
         directory,
@@ -209,7 +270,10 @@ def run(
         producer.first_ack_after(0.0, FAILOVER_LIMIT_S)  # the first append creates the stream
         witness = stubs["n1"]  # a node that was not restarted last: asked who leads, and the ISR
         wait_all_in_sync(witness)
+        if plot is not None:  # a second of steady appends before the first kill, for the plot
+            producer.first_ack_after(time.monotonic() + 1.0, FAILOVER_LIMIT_S)
         times: list[float] = []
+        kills: list[Kill] = []
         for kill in range(1, failovers + 1):
             killed = leader_of(witness, STREAM).leader
             witness = stubs[next(name for name in NODES if name != killed)]
@@ -217,6 +281,7 @@ def run(
             nodes.kill(killed)
             ack = producer.first_ack_after(killed_at, FAILOVER_LIMIT_S)
             times.append(ack.acknowledged - killed_at)
+            kills.append(Kill(killed, killed_at, times[-1]))
             new = successor(witness, killed)
             nodes.start(killed)
             restarted_at = time.monotonic()
@@ -247,6 +312,9 @@ def run(
             **labels,
         )
         checked.raise_if_broken()
+        if plot is not None:
+            bins = plot_throughput(producer.acks, kills, plot, rate, lease_ttl_ms)
+            emit("failover_plot", bins, "bins", bin_ms=PLOT_BIN_S * 1000, path=str(plot), **labels)
         if not times:
             return {}
         p50, p99 = percentiles(times, (50, 99))

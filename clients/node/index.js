@@ -1,7 +1,8 @@
 'use strict';
 // A small streamlog client for Node.js: @grpc/grpc-js with @grpc/proto-loader, which
 // reads protos/streamlog/v1/streamlog.proto at run time (no generated code to keep in
-// step). Promises for unary calls, an async iterator for subscriptions.
+// step). Promises for unary calls, an async iterator for subscriptions. In a cluster, calls on
+// a stream go straight to its leader (routing.js).
 //
 // Offsets are int64 on the wire. They are loaded as strings (so nothing is rounded)
 // and handed to you as Numbers, which hold every integer below 2^53; a larger offset
@@ -10,6 +11,9 @@
 const path = require('node:path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
+const {
+  Attempts, LOOKUP_TIMEOUT_MS, ROUTE_KEY, ROUTE_REDIRECT, Routes, retryable, seedAddresses, transient,
+} = require('./routing');
 
 const PROTO = process.env.STREAMLOG_PROTO
   || path.join(__dirname, '..', '..', 'protos', 'streamlog', 'v1', 'streamlog.proto');
@@ -19,7 +23,7 @@ function loadService() {
   if (!service) {
     const definition = protoLoader.loadSync(PROTO, {
       keepCase: true,
-    longs: String,
+      longs: String,
       enums: String,
       bytes: Buffer,
       defaults: true,
@@ -102,9 +106,19 @@ class StreamlogError extends Error {
   }
 }
 
+// gRPC dials a node that refused it again only after a backoff growing to 2 min: a restarted
+// node would stay out of reach long after it serves. Dial again within a second.
+const CHANNEL_OPTIONS = { 'grpc.initial_reconnect_backoff_ms': 100, 'grpc.max_reconnect_backoff_ms': 1000 };
+
+function sleep(ms) {
+  return new Promise((resolve) => { setTimeout(resolve, ms); });
+}
+
 class Client {
-  // address: "host:port". options: token (sent as `authorization: Bearer ...`),
-  // rootCerts / certChain / privateKey (Buffers; any of them turns TLS on), timeoutMs.
+  // address: "host:port", or several (an array, or comma-separated): seeds, of which the first
+  // that answers is used; in a cluster, each call on a stream goes to the stream's leader.
+  // options: token (sent as `authorization: Bearer ...`), rootCerts / certChain / privateKey
+  // (Buffers; any of them turns TLS on), timeoutMs (each call's deadline, its retries included).
   constructor(address, options = {}) {
     const Service = loadService();
     const tls = options.rootCerts || options.certChain || options.tls;
@@ -112,29 +126,128 @@ class Client {
       ? grpc.credentials.createSsl(options.rootCerts || null, options.privateKey || null,
         options.certChain || null)
       : grpc.credentials.createInsecure();
-    this.stub = new Service(address, credentials);
+    const seeds = seedAddresses(address);
+    this.address = seeds.join(',');
+    this.routes = new Routes(seeds, (node) => new Service(node, credentials, CHANNEL_OPTIONS));
     this.token = options.token || null;
     this.timeoutMs = options.timeoutMs || 30000;
   }
 
-  close() {
-    this.stub.close();
+  // The stub of the seed that answered (the first, until one did not).
+  get stub() {
+    return this.routes.stub(this.routes.defaultAddress);
   }
 
-  metadata() {
+  close() {
+    this.routes.close();
+  }
+
+  // routed: ask a node that does not lead the stream to name its leader rather than forward.
+  metadata(routed = false) {
     const metadata = new grpc.Metadata();
     if (this.token) metadata.set('authorization', `Bearer ${this.token}`);
+    if (routed) metadata.set(ROUTE_KEY, ROUTE_REDIRECT);
     return metadata;
   }
 
-  unary(method, request, waitMs = 0) {
-    const deadline = new Date(Date.now() + this.timeoutMs + waitMs);
+  // One attempt; rejects with the grpc-js error (its trailers kept for the redirect).
+  static attempt(stub, method, request, metadata, deadline) {
     return new Promise((resolve, reject) => {
-      this.stub[method](request, this.metadata(), { deadline }, (error, reply) => {
-        if (error) reject(new StreamlogError(error));
+      stub[method](request, metadata, { deadline }, (error, reply) => {
+        if (error) reject(error);
         else resolve(reply);
       });
     });
+  }
+
+  // A unary call; one on a stream in a cluster goes to its leader, and again (after a redirect,
+  // or where sending it twice is safe) until it is answered or its deadline passes.
+  async unary(method, request, waitMs = 0) {
+    const attempts = new Attempts(this.timeoutMs + waitMs);
+    const stream = request.stream;
+    if (!stream || this.routes.cluster === false) {
+      try {
+        return await Client.attempt(this.stub, method, request, this.metadata(), attempts.attemptDeadline());
+      } catch (error) {
+        throw new StreamlogError(error);
+      }
+    }
+    for (;;) {
+      const address = await this.route(stream); // after a failure: where failed() below pointed
+      const routed = this.routes.cluster === true;
+      try {
+        return await Client.attempt(this.routes.stub(address), method, request, this.metadata(routed),
+          attempts.attemptDeadline());
+      } catch (error) {
+        if (!(routed && retryable(method, request, error))) throw new StreamlogError(error);
+        const pause = attempts.pause(this.routes.failed(stream, error));
+        if (pause === null) throw new StreamlogError(error);
+        await sleep(pause);
+      }
+    }
+  }
+
+  // The address calls on `stream` go to: its leader's in a cluster (looked up with
+  // DescribeCluster once, then cached), the server's otherwise (one DescribeCluster, ever).
+  // When no node can say, the first seed that answered.
+  async route(stream) {
+    const { routes } = this;
+    const known = routes.leader(stream);
+    if (known) return known;
+    for (const candidate of routes.describers()) {
+      let description;
+      try {
+        description = await this.describePages(routes.stub(candidate), stream, LOOKUP_TIMEOUT_MS);
+      } catch (error) {
+        if (transient(error)) continue; // down or not ready: ask another
+        if (routes.cluster === null) routes.cluster = false; // DescribeCluster refused: not routable
+        break;
+      }
+      routes.learn(candidate, description);
+      return routes.leader(stream) || candidate;
+    }
+    return routes.defaultAddress;
+  }
+
+  // A DescribeClusterResponse with the streams of every page (each page's deadline: timeoutMs).
+  async describePages(stub, prefix, timeoutMs) {
+    const streams = [];
+    let token = '';
+    for (;;) {
+      const reply = await Client.attempt(stub, 'DescribeCluster', { prefix, page_token: token },
+        this.metadata(), new Date(Date.now() + timeoutMs));
+      streams.push(...reply.streams);
+      token = reply.next_page_token;
+      if (!token) return { ...reply, streams };
+    }
+  }
+
+  // The cluster's nodes and where its streams starting with `prefix` live, as the seed that
+  // answered sees it. A single server answers as one node, with an empty clusterName.
+  async describeCluster(prefix = '') {
+    let reply;
+    try {
+      reply = await this.describePages(this.stub, prefix, this.timeoutMs);
+    } catch (error) {
+      throw new StreamlogError(error);
+    }
+    return {
+      clusterName: reply.cluster_name,
+      nodeId: reply.node_id,
+      nodes: reply.nodes.map((n) => ({ id: n.id, address: n.address, alive: n.alive, controller: n.controller })),
+      streams: reply.streams.map((s) => ({
+        name: s.name, leader: s.leader, replicas: s.replicas, inSyncReplicas: s.in_sync_replicas,
+        leaderEpoch: toNumber(s.leader_epoch),
+      })),
+    };
+  }
+
+  // The stub and metadata to open a session on `stream` with: its leader's, with a redirect asked
+  // for, when the layout knows it; else the seed's, which serves or forwards it.
+  sessionRoute(stream) {
+    const address = this.routes.cluster === true ? this.routes.leader(stream) : null;
+    if (!address) return { stub: this.stub, metadata: this.metadata() };
+    return { stub: this.routes.stub(address), metadata: this.metadata(true) };
   }
 
   // payloads: Buffers/strings (the fast `payloads` form), or entries {payload, tag, headers}.
@@ -167,28 +280,55 @@ class Client {
   }
 
   // Follows a stream: `for await (const batch of client.subscribe('s', {start: 'oldest'}))`.
-  // start: an offset, 'oldest' or 'latest'. Breaking out of the loop cancels the call.
+  // start: an offset, 'oldest' or 'latest'. Breaking out of the loop cancels the call. In a
+  // cluster, after a leader change it reopens on the new leader from where it was.
   subscribe(stream, options = {}) {
     const start = options.start === undefined ? 'oldest' : options.start;
     const request = { stream, count: options.count || 0 };
     if (start === 'oldest') request.start = 'START_POSITION_OLDEST';
     else if (start === 'latest') request.start = 'START_POSITION_LATEST';
     else Object.assign(request, { start: 'START_POSITION_OFFSET', offset: String(start) });
-    return this.follow(this.stub.Subscribe(request, this.metadata()));
+    return this.follow(request);
   }
 
+  // A consumer's subscription; in a cluster it reopens as it was opened after a leader change
+  // (the group keeps its place).
   subscribeGroup(stream, group, consumer, options = {}) {
-    const request = { stream, group, consumer, count: options.count || 0 };
-    return this.follow(this.stub.Subscribe(request, this.metadata()));
+    return this.follow({ stream, group, consumer, count: options.count || 0 });
   }
 
-  async* follow(call) {
-    try {
-      for await (const reply of call) yield toBatch(reply);
-    } catch (error) {
-      if (error.code !== grpc.status.CANCELLED) throw new StreamlogError(error);
-    } finally {
-      call.cancel();
+  // The batches of a Subscribe call, opened on the stream's leader (looked up first). In a
+  // cluster, a call that ends with UNAVAILABLE (the leader changed or went down) is opened again,
+  // with backoff, within timeoutMs of the last batch: a plain subscription from the next offset it
+  // had not seen.
+  async* follow(request) {
+    let attempts = null; // since the last batch
+    for (;;) {
+      await this.route(request.stream);
+      const { stub, metadata } = this.sessionRoute(request.stream);
+      const call = stub.Subscribe(request, metadata);
+      try {
+        for await (const reply of call) {
+          attempts = null;
+          const batch = toBatch(reply);
+          if (!request.group) {
+            Object.assign(request, { start: 'START_POSITION_OFFSET', offset: String(batch.nextOffset) });
+          }
+          yield batch;
+        }
+        return;
+      } catch (error) {
+        if (error.code === grpc.status.CANCELLED) return;
+        if (!(this.routes.cluster === true && error.code === grpc.status.UNAVAILABLE)) {
+          throw new StreamlogError(error);
+        }
+        attempts = attempts || new Attempts(this.timeoutMs);
+        const pause = attempts.pause(this.routes.failed(request.stream, error));
+        if (pause === null) throw new StreamlogError(error);
+        await sleep(pause);
+      } finally {
+        call.cancel();
+      }
     }
   }
 

@@ -2,7 +2,8 @@
 
 These check the harness, not the speed: the Redis anchor (a primary and its replica, every XADD
 pipeline followed by WAIT 1 0, the replica's XLEN checked), the append routes of both clusters,
-and the failover run (one kill, 2 s leases, every acknowledged entry read back). Bounded by
+1 member vs 2 (both figures, not their ratio), and the failover run (one kill, 2 s leases, every
+acknowledged entry read back). Bounded by
 timeouts; about half a minute in all on an idle machine.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import cluster, failover
+from bench import cluster, failover, members
 from bench import redis_baseline as rb
 from tests.cluster.etcd_server import EtcdCluster
 from tests.cluster.helpers import TEST_TTL_MS
@@ -85,6 +86,25 @@ def test_every_route_of_both_clusters_and_redis_gets_its_figures(
         assert positive(record["value"]), record
 
 
+@pytest.mark.timeout(180)
+def test_one_member_and_two_each_get_an_appends_figure_and_their_ratio(
+    etcd: EtcdCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rates = cluster.member_counts(etcd, rounds=1, seconds=0.5, processes=2, concurrency=2)
+    emitted = records(capsys)
+    one, two = (by_figure(emitted, "members_appends", members=count) for count in (1, 2))
+    assert len(one) == len(two) == 1 and {one[0]["value"], two[0]["value"]} == set(rates.values())
+    # The two-member cluster placed the streams on both members, and each client called both.
+    assert one[0]["streams_led"] == {"m1": members.STREAMS}
+    led = two[0]["streams_led"]
+    assert set(led) == {"m1", "m2"} and sum(led.values()) == members.STREAMS
+    for figure in (one[0], two[0]):
+        assert figure["unit"] == "appends/s" and positive(figure["value"]) and figure["appends"] > 0
+        assert positive(figure["client_cpu_us_per_append"]) and figure["client_processes"] == 2
+    [ratio] = by_figure(emitted, "members_ratio")
+    assert ratio["value"] == pytest.approx(two[0]["value"] / one[0]["value"])
+
+
 def test_the_loss_check_finds_a_lost_a_moved_and_a_doubled_entry() -> None:
     acks = [failover.Ack(sequence, sequence, 0.0, 0.0) for sequence in range(4)]
     stored = {offset: failover.payload(offset) for offset in range(4)}
@@ -101,7 +121,10 @@ def test_the_loss_check_finds_a_lost_a_moved_and_a_doubled_entry() -> None:
 def test_a_killed_leader_is_timed_replaced_and_rejoins_and_nothing_acknowledged_is_lost(
     etcd: EtcdCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    summary = failover.run(etcd.endpoints, tmp_path / "nodes", failovers=1, lease_ttl_ms=TEST_TTL_MS)
+    plot = tmp_path / "plots" / "failover.png"
+    summary = failover.run(
+        etcd.endpoints, tmp_path / "nodes", failovers=1, lease_ttl_ms=TEST_TTL_MS, plot=plot
+    )
     emitted = records(capsys)
     [kill] = by_figure(emitted, "failover", kill=1)
     assert kill["killed"] in failover.NODES and kill["new_leader"] in failover.NODES
@@ -114,3 +137,13 @@ def test_a_killed_leader_is_timed_replaced_and_rejoins_and_nothing_acknowledged_
     [checked] = by_figure(emitted, "failover_acknowledged_entries")
     assert checked["value"] > 0 and checked["lost"] == checked["duplicated"] == 0
     assert checked["stream_entries"] >= checked["value"]
+    # The throughput plot: a PNG of the whole run, one bin per 100 ms.
+    [drawn] = by_figure(emitted, "failover_plot")
+    assert drawn["path"] == str(plot) and drawn["bin_ms"] == 100 and drawn["value"] > kill["value"] * 10
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+
+
+def test_acknowledged_appends_are_counted_in_the_100_ms_bin_they_came_in() -> None:
+    acks = [failover.Ack(i, i, 0.0, at) for i, at in enumerate([10.0, 10.05, 10.31, 10.99, 11.2])]
+    assert failover.acknowledged_per_bin(acks, 10.0, 11.0) == [2, 0, 0, 1, 0, 0, 0, 0, 0, 1]
+    assert failover.acknowledged_per_bin(acks, 10.3, 10.45) == [1, 0]

@@ -19,7 +19,6 @@ import json
 import os
 import queue
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -31,12 +30,11 @@ from pathlib import Path
 import pytest
 
 from service.config import Settings, load_settings
+from tests.clients.nodejs import NODE, NPM, npm_install
 from tests.docs.snippets import DOCUMENTS, REPO, Block, blocks, commands
 from tests.ops.helpers import free_port
 from tests.service.helpers import ServerThread
 
-NODE = shutil.which("node")
-NPM = shutil.which("npm")
 # Where examples keep files that outlive a command (Spark's output and checkpoints): a directory
 # of each document's own in the test, as Spark resolves paths from its own working directory.
 EXAMPLES_DIR = "/tmp/streamlog-examples"
@@ -141,7 +139,7 @@ class Runner:
         if NODE is None or NPM is None:
             self.not_run.append(f"{block.where} (needs Node.js 20 and npm)")
             return
-        install_node_client()
+        npm_install()
         # From the repository's root, as the block says (require('./clients/node')).
         self.check(block, [NODE, "-e", self.code(block)], cwd=REPO)
 
@@ -227,25 +225,6 @@ def normalized(text: str) -> str:
     with contextlib.suppress(json.JSONDecodeError):
         return json.dumps(json.loads(text), indent=2, sort_keys=True)
     return "\n".join(line.rstrip() for line in text.strip().splitlines())
-
-
-_installed = False
-
-
-def install_node_client() -> None:
-    """`npm install` in clients/node once per run (its README's first step)."""
-    global _installed
-    if not _installed:
-        assert NPM is not None
-        install = subprocess.run(
-            [NPM, "install", "--no-audit", "--no-fund", "--loglevel=error"],
-            cwd=REPO / "clients" / "node",
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert install.returncode == 0, install.stderr
-        _installed = True
 
 
 @pytest.fixture
