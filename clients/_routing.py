@@ -9,6 +9,15 @@ that does not lead the stream answers UNAVAILABLE naming the leader (service/rou
 instead of forwarding the call, so a stale layout costs one refused call, not a hop on
 every call.
 
+Reads from in-sync replicas (`read_from="replica"`): a plain read or subscription of a stream
+goes to one of its live in-sync replicas, with `streamlog-read-from: replica` (the leader is
+one of them), which serves it from its copy, committed entries only. The client chooses a
+replica for each stream the first time it reads it, in turn among the stream's in-sync
+replicas in node id order (a client starts its turns at a random place, so that clients
+spread), and keeps it. When a read there fails (the node is down, or no longer serves the
+stream in sync: it redirects to the leader), the client looks the layout up again and
+chooses again; with no in-sync replica known it reads from the leader.
+
 What is retried after UNAVAILABLE (the caller's deadline permitting): any call refused
 with a redirect (the node refused it before serving it); otherwise (a node went down, the
 leader changed under the call) only calls that may run twice: reads, idempotent admin
@@ -31,6 +40,8 @@ from clients.types import ClusterDescription
 
 _METHODS = [method.name for method in pb.DESCRIPTOR.services_by_name["StreamLogService"].methods]
 ROUTE_METADATA = ("streamlog-route", "redirect")
+READ_FROM_METADATA = ("streamlog-read-from", "replica")
+READ_FROM = ("leader", "replica")  # where a client's plain reads and subscriptions go
 LEADER_ADDRESS = "streamlog-leader-address"
 
 # A layout lookup (DescribeCluster of one stream's prefix) is quick: a node that takes longer is
@@ -118,6 +129,9 @@ class Routes:
         self._leaders: dict[str, str] = {}  # stream -> its leader's address
         self._nodes: list[str] = []  # live nodes' addresses, as last described
         self._suspects: set[str] = set()  # addresses that failed since the last description
+        self._in_sync: dict[str, list[str]] = {}  # stream -> its live in-sync replicas, by node id
+        self._replicas: dict[str, str] = {}  # stream -> the in-sync replica its reads go to
+        self._turn = random.randrange(1 << 16)  # the next choice of a replica (random: clients spread)
         # Counters, for tests and monitoring: redirects followed, layouts learned.
         self.redirects = 0
         self.lookups = 0
@@ -153,6 +167,21 @@ class Routes:
             return self.default
         return self._leaders.get(stream)
 
+    def replica(self, stream: str) -> str | None:
+        """Where reads of `stream` from an in-sync replica go: the client's only server, or the
+        replica chosen for the stream (the next in turn among its in-sync replicas, the first time);
+        None when no in-sync replica is known: look the layout up first."""
+        if self.cluster is False:
+            return self.default
+        chosen = self._replicas.get(stream)
+        if chosen is None:
+            candidates = self._in_sync.get(stream)
+            if not candidates:
+                return None
+            chosen = self._replicas[stream] = candidates[self._turn % len(candidates)]
+            self._turn += 1
+        return chosen
+
     def describers(self) -> list[str]:
         """Addresses to ask for the layout, in order: nodes not seen failing, then the others."""
         known = list(dict.fromkeys([self.default, *self._nodes, *self.seeds]))
@@ -170,11 +199,16 @@ class Routes:
         self._nodes = list(addresses.values())
         self._suspects.clear()
         for placement in description.streams:
+            name = placement.name
             address = addresses.get(placement.leader, "")
             if address:
-                self._leaders[placement.name] = address
+                self._leaders[name] = address
             else:  # no leader now (an election): look again next time
-                self._leaders.pop(placement.name, None)
+                self._leaders.pop(name, None)
+            in_sync = [addresses[node] for node in sorted(placement.in_sync_replicas) if node in addresses]
+            self._in_sync[name] = in_sync if address else []
+            if self._replicas.get(name) not in self._in_sync[name]:
+                self._replicas.pop(name, None)
 
     def failed(self, stream: str, error: BaseException) -> bool:
         """A call or session on `stream` failed with `error`: follow its redirect if it named the
@@ -188,6 +222,21 @@ class Routes:
         previous = self._leaders.pop(stream, None)
         if previous is not None:
             self._suspects.add(previous)
+        return False
+
+    def failed_replica(self, stream: str, error: BaseException) -> bool:
+        """A read of `stream` from its chosen replica failed with `error`: its replicas are looked
+        up again and chosen anew. True if the node named the leader (a redirect: it does not serve
+        the stream in sync now), whose address is then known."""
+        chosen = self._replicas.pop(stream, None)
+        self._in_sync.pop(stream, None)
+        address = redirect_address(error)
+        if address is not None:
+            self.redirects += 1
+            self._leaders[stream] = address
+            return True
+        if chosen is not None:
+            self._suspects.add(chosen)
         return False
 
 

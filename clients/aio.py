@@ -41,6 +41,8 @@ from clients._connection import (
 )
 from clients._routing import (
     LOOKUP_TIMEOUT_S,
+    READ_FROM,
+    READ_FROM_METADATA,
     ROUTE_METADATA,
     Attempts,
     Routes,
@@ -80,7 +82,11 @@ class AsyncClient:
     address: host:port, or several (a list, or comma-separated): seeds, of which the first that
     answers is used. In a cluster the client learns the layout (DescribeCluster) and sends each
     call on a stream to the stream's leader, following leader changes (see clients/_routing.py
-    for what is retried). token: sent as `authorization: Bearer <token>` on every call.
+    for what is retried). read_from: "leader" (the default), or "replica" to send plain reads
+    and subscriptions (not a group's) to one of the stream's in-sync replicas, which serves
+    committed entries only: each stream's reads go to one replica, chosen in turn among them
+    (the leader when none other is known); against a single server it changes nothing.
+    token: sent as `authorization: Bearer <token>` on every call.
     TLS: `tls=True` (system roots), or `root_certificates` (PEM bytes or a file path),
     plus `certificate_chain` and `private_key` for a client certificate; `server_name`
     overrides the name checked in the server's certificate. `channel`: use this channel
@@ -101,12 +107,17 @@ class AsyncClient:
         timeout: float | None = DEFAULT_TIMEOUT_S,
         options: Sequence[tuple[str, Any]] = (),
         channel: grpc.aio.Channel | None = None,
+        read_from: str = "leader",
     ) -> None:
+        if read_from not in READ_FROM:
+            raise ValueError(f"read_from must be one of {', '.join(READ_FROM)}, not {read_from!r}")
         seeds = seed_addresses(address)
         self.address = ",".join(seeds)
         self.timeout = timeout
+        self.read_from = read_from
         self._metadata = auth_metadata(token)
         self._routed_metadata = (*self._metadata, ROUTE_METADATA)
+        self._replica_metadata = (*self._routed_metadata, READ_FROM_METADATA)
         self._owns_channel = channel is None
         opener = functools.partial(
             open_channel,
@@ -140,7 +151,13 @@ class AsyncClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    async def _unary(self, method: Any, request: Any, timeout: float | None, block_ms: int = 0) -> Any:
+    @property
+    def _replica_reads(self) -> bool:
+        return self.read_from == "replica"
+
+    async def _unary(
+        self, method: Any, request: Any, timeout: float | None, block_ms: int = 0, replica: bool = False
+    ) -> Any:
         deadline = call_timeout(self.timeout, timeout, block_ms)
         stream = stream_of(request)
         if stream is None or self._routes.cluster is False:
@@ -148,23 +165,31 @@ class AsyncClient:
                 return await method(request, timeout=deadline, metadata=self._metadata)
             except grpc.RpcError as exc:
                 raise from_rpc_error(exc) from exc
-        return await self._routed(self._routes.method_name(method), stream, request, Attempts(deadline))
+        name = self._routes.method_name(method)
+        return await self._routed(name, stream, request, Attempts(deadline), replica)
 
-    async def _routed(self, name: str, stream: str, request: Any, attempts: Attempts) -> Any:
-        """A call on `stream`, sent to its leader, and again (after a redirect or where retrying
-        is safe) until it is answered or its time is up."""
+    async def _routed(
+        self, name: str, stream: str, request: Any, attempts: Attempts, replica: bool = False
+    ) -> Any:
+        """A call on `stream`, sent to its leader (`replica`: to its chosen in-sync replica), and
+        again (after a redirect or where retrying is safe) until it is answered or its time is up."""
+        routes = self._routes
         while True:
-            address = await self.route(stream)  # after a failure: where failed() below pointed
-            routed = self._routes.cluster is True
-            call = getattr(self._routes.stub(address), name)
-            metadata = self._routed_metadata if routed else self._metadata
+            # After a failure: where failed() or failed_replica() below pointed.
+            address = await (self._replica_route(stream) if replica else self.route(stream))
+            routed = routes.cluster is True
+            call = getattr(routes.stub(address), name)
+            metadata = self._metadata
+            if routed:
+                metadata = self._replica_metadata if replica else self._routed_metadata
             try:
                 return await call(request, timeout=attempts.remaining(), metadata=metadata)
             except grpc.RpcError as exc:
                 failure = from_rpc_error(exc)
                 if not (routed and retryable(name, request, exc)):
                     raise failure from exc
-                pause = attempts.pause(redirected=self._routes.failed(stream, failure))
+                failed = routes.failed_replica if replica else routes.failed
+                pause = attempts.pause(redirected=failed(stream, failure))
                 if pause is None:
                     raise failure from exc
             await sleep(pause)
@@ -181,8 +206,24 @@ class AsyncClient:
         if isinstance(failure, TransientError):
             routes.failed(stream, failure)
         address = routes.leader(stream)
-        if address is not None:
-            return address
+        if address is None:
+            await self._look_up(stream)
+            address = routes.leader(stream)
+        return address or routes.default
+
+    async def _replica_route(self, stream: str) -> str:
+        """The address reads of `stream` from an in-sync replica go to (read_from="replica"): the
+        replica chosen for it (the layout looked up when none is known), else its leader's."""
+        address = self._routes.replica(stream)
+        if address is None:
+            await self._look_up(stream)
+            address = self._routes.replica(stream)
+        return address or await self.route(stream)
+
+    async def _look_up(self, stream: str) -> None:
+        """Learn where `stream` lives (DescribeCluster of its name as prefix) from the first node
+        that answers; the layout stays as it was when none can say."""
+        routes = self._routes
         for candidate in routes.describers():
             try:
                 description = await self._describe(routes.stub(candidate), stream, 0, LOOKUP_TIMEOUT_S)
@@ -190,21 +231,24 @@ class AsyncClient:
                 continue  # down or not ready: ask another
             except StreamlogError:
                 routes.cluster = routes.cluster or False  # DescribeCluster refused: not routable
-                break
+                return
             routes.learn(candidate, description)
-            return routes.leader(stream) or candidate
-        return routes.default
+            return
 
     def _session_route(
-        self, stream: str | None
+        self, stream: str | None, replica: bool = False
     ) -> tuple[pb_grpc.StreamLogServiceStub, tuple[tuple[str, str], ...]]:
-        """The stub and metadata to open a session on `stream` with: its leader's, with a redirect
-        asked for, when the layout knows it (route() looks it up; sessions open without waiting);
-        else the default node's, which serves or forwards it."""
-        address = self._routes.leader(stream) if stream is not None else None
-        if address is None or self._routes.cluster is not True:
+        """The stub and metadata to open a session on `stream` with: its leader's (`replica`: its
+        chosen in-sync replica's), with a redirect asked for, when the layout knows it (route()
+        looks it up; sessions open without waiting); else the default node's, which serves or
+        forwards it."""
+        routes = self._routes
+        if stream is None or routes.cluster is not True:
             return self._stub, self._metadata
-        return self._routes.stub(address), self._routed_metadata
+        address = routes.replica(stream) if replica else routes.leader(stream)
+        if address is None:
+            return self._stub, (*self._metadata, READ_FROM_METADATA) if replica else self._metadata
+        return routes.stub(address), self._replica_metadata if replica else self._routed_metadata
 
     # ------------------------------------------------------------------ data
 
@@ -276,7 +320,8 @@ class AsyncClient:
         yet. reverse: newest first, from `offset` down (a huge offset starts at the end).
         """
         request = convert.read_request(stream, offset, count, block_ms, reverse, max_bytes)
-        return convert.read_result(await self._unary(self._stub.Read, request, timeout, block_ms))
+        reply = await self._unary(self._stub.Read, request, timeout, block_ms, self._replica_reads)
+        return convert.read_result(reply)
 
     def subscribe(
         self,
@@ -365,7 +410,7 @@ class AsyncClient:
         return self._subscription(request, timeout)
 
     def _subscription(self, request: pb.SubscribeRequest, timeout: float | None) -> AsyncSubscription:
-        stub, metadata = self._session_route(request.stream)
+        stub, metadata = self._session_route(request.stream, self._replica_reads and not request.group)
         call = stub.Subscribe(request, timeout=timeout, metadata=metadata)
         return AsyncSubscription(call, functools.partial(self._resubscribe, request, timeout))
 
@@ -387,16 +432,18 @@ class AsyncClient:
             await self.route(request.stream)
         if routes.cluster is not True:
             return None
-        pause = attempts.pause(redirected=routes.failed(request.stream, failure))
+        replica = self._replica_reads and not request.group
+        failed = routes.failed_replica if replica else routes.failed
+        pause = attempts.pause(redirected=failed(request.stream, failure))
         if pause is None:
             return None
         await sleep(pause)
-        await self.route(request.stream)
+        await (self._replica_route(request.stream) if replica else self.route(request.stream))
         if next_offset is not None and not request.group:
             request = convert.subscribe_request(
                 request.stream, next_offset, None, request.count, request.max_bytes
             )
-        stub, metadata = self._session_route(request.stream)
+        stub, metadata = self._session_route(request.stream, replica)
         return stub.Subscribe(request, timeout=timeout, metadata=metadata)
 
     def consume(

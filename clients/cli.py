@@ -10,7 +10,8 @@
 Tables for people by default (control characters in names, tags and header keys
 shown escaped), `--json` for scripts (one JSON document, or JSON Lines for
 entries). Connection: `--address` (or STREAMLOG_ADDRESS, default localhost:7070),
-`--token` (or STREAMLOG_TOKEN), `--tls`/`--tls-ca`/`--tls-cert`/`--tls-key`.
+`--token` (or STREAMLOG_TOKEN), `--tls`/`--tls-ca`/`--tls-cert`/`--tls-key`;
+in a cluster, `--read-from replica` reads (read, tail, export) from in-sync replicas.
 `serve` replaces this process with `python -m service.cli serve ...`,
 so the client package never imports the server.
 
@@ -258,6 +259,7 @@ def _client(args: argparse.Namespace) -> Client:
             private_key=args.tls_key,
             server_name=args.tls_server_name,
             timeout=args.timeout,
+            read_from=args.read_from,
         )
     except (ValueError, OSError) as exc:
         raise UsageError(str(exc)) from None
@@ -1065,6 +1067,13 @@ def _connection_options() -> argparse.ArgumentParser:
         metavar="HOST:PORT[,HOST:PORT...]",
         help="server address, or a cluster's nodes comma-separated "
         f"(default: $STREAMLOG_ADDRESS or {DEFAULT_ADDRESS})",
+    )
+    group.add_argument(
+        "--read-from",
+        choices=("leader", "replica"),
+        default="leader",
+        help="in a cluster, read (read, tail, export) from the stream's leader, or from one of its "
+        "in-sync replicas, which serve committed entries only (default: leader)",
     )
     group.add_argument("--token", help="bearer token (default: $STREAMLOG_TOKEN)")
     group.add_argument("--tls", action="store_true", help="use TLS with the system's root certificates")

@@ -287,9 +287,19 @@ class ClusterNode:
         elif record is not None and before is Role.LEADER and after is not Role.LEADER:
             self._leader_changes["lost"] += 1
         # Calls served here on a stream this node does not lead (any more, or at all: a wait
-        # on a stream that did not exist yet) end, to be routed to the leader again. A
-        # deleted stream's calls end as on a single server (NOT_FOUND), by the deletion.
-        if record is not None and after is not Role.LEADER:
-            for call in self._calls.on_stream(name):
-                if not call.relayed:
+        # on a stream that did not exist yet) end, to be routed to the leader again; reads
+        # served here as an in-sync follower end when the epoch they follow changes or this
+        # node leaves the in-sync set. A deleted stream's calls end as on a single server
+        # (NOT_FOUND), by the deletion.
+        if record is None:
+            return
+        for call in self._calls.on_stream(name):
+            if call.relayed:
+                continue
+            if call.in_sync_epoch is None:
+                if after is not Role.LEADER:
                     end_to_resume(call, "leader changed")
+            elif after is not Role.FOLLOWER or record.epoch != call.in_sync_epoch:
+                end_to_resume(call, "leader changed")
+            elif self.node_id not in record.isr:
+                end_to_resume(call, "this replica left the in-sync set")

@@ -14,9 +14,10 @@ The layers inside see the call end with that status, not as cancelled.
 
 In a cluster, the routing layer (service/routing.py) finds the OpenCall of the
 call it routes with `current_call`, and marks it: relayed to another node or
-served here, and where its client resumes (service/resume.py). The cluster node
-then ends by stream (`on_stream`) the calls served here on a stream it stops
-leading, and on shutdown the calls it relays.
+served here (as the leader, or as an in-sync follower of one epoch), and where its
+client resumes (service/resume.py). The cluster node then ends by stream
+(`on_stream`) the calls served here on a stream it stops leading (or, as a
+follower, stops following in sync), and on shutdown the calls it relays.
 
 What ending cannot do: grpc.aio has no way for a server to reset one call (no
 RST_STREAM from Python). A reply already handed to gRPC stays in its buffers,
@@ -54,7 +55,7 @@ from service.interceptors import (
 class OpenCall:
     """One open call: what it asked for, and a way to end it."""
 
-    __slots__ = ("_task", "context", "ending", "method", "relayed", "request", "resume")
+    __slots__ = ("_task", "context", "ending", "in_sync_epoch", "method", "relayed", "request", "resume")
 
     def __init__(self, method: str, request: Any, context: CallContext) -> None:
         self.method = method
@@ -65,6 +66,9 @@ class OpenCall:
         # its client resumes if it is ended to be made again (service/resume.py).
         self.relayed = False
         self.resume: Callable[[], str] | None = None
+        # Set by a cluster's routing when the call is served here as an in-sync follower (a read
+        # from a replica): the leader epoch it follows. None: served as the leader (or relayed).
+        self.in_sync_epoch: int | None = None
         self._task = asyncio.current_task()
 
     def end(self, code: grpc.StatusCode, message: str) -> None:

@@ -46,6 +46,14 @@ ListStreams lists placement (the cluster's catalog) and DescribeCluster describe
 cluster, from this node's copy of etcd; ReassignReplicas writes a stream's move into
 placement (service/moves.py), all three answered by the node called.
 
+Reads from in-sync replicas: a plain Read (blocking or not) or Subscribe whose caller sent
+`streamlog-read-from: replica` is served by a follower that is in the stream's in-sync set,
+follows its leader at the epoch placement names and has learned the high watermark from it
+(its copy shows committed entries only: storage's commit cap, at the HW the leader sent), while
+its lease is valid. Such a call is marked with that epoch (`OpenCall.in_sync_epoch`): it ends
+when the epoch changes or the node leaves the in-sync set (service/clusternode.py). Any other
+node routes it to the leader as above; group calls, appends and admin calls always go there.
+
 Served here, a call that changes a stream answers once the change is replicated (the
 barrier, cluster/replication/leader.py; acks=quorum streams, at once for acks=leader):
 Append and each Publish answer once their entries are committed; a group call that may
@@ -98,6 +106,8 @@ if TYPE_CHECKING:
 
 ROUTE = "streamlog-route"
 REDIRECT = "redirect"
+READ_FROM = "streamlog-read-from"
+REPLICA = "replica"
 LEADER_ID = "streamlog-leader-id"
 LEADER_ADDRESS = "streamlog-leader-address"
 LEADER_EPOCH = "streamlog-leader-epoch"
@@ -198,13 +208,13 @@ class RoutingInterceptor(WrappingInterceptor):
                 check_request(request, node.settings)
             except ServiceError as exc:
                 await context.abort(exc.code, exc.message)
-            metadata = self._routing_metadata(context)
+            forwarded_by, redirect, _replica = self._routing_metadata(context)
             streams = list(dict.fromkeys(batch.stream for batch in request.batches))
             placing = asyncio.Semaphore(_PLACING)
 
             async def place(stream: str) -> tuple[str, str] | _Refusal | None:
                 async with placing:  # new streams each create a record in etcd: a few at a time
-                    return await self._where(stream, True, *metadata)
+                    return await self._where(stream, True, forwarded_by, redirect)
 
             places = await asyncio.gather(*map(place, streams))
             where = dict(zip(streams, places, strict=True))
@@ -353,9 +363,13 @@ class RoutingInterceptor(WrappingInterceptor):
     async def _route(self, method: str, request: Any, context: CallContext) -> tuple[str, str] | None:
         """(leader id, its advertised address) to forward the call to; None to serve it here.
         Refusals abort the call."""
-        where = self._not_serving() or await self._where(
-            request.stream, _creates_stream(method, request), *self._routing_metadata(context)
-        )
+        where = self._not_serving()
+        if where is None:
+            forwarded_by, redirect, replica = self._routing_metadata(context)
+            if replica and _reads_entries(method, request) and self._serves_in_sync(request.stream):
+                return None
+            creates = _creates_stream(method, request)
+            where = await self._where(request.stream, creates, forwarded_by, redirect)
         if isinstance(where, _Refusal):
             await context.abort(where.code, where.message, where.trailers)
         return where
@@ -439,9 +453,28 @@ class RoutingInterceptor(WrappingInterceptor):
             )
         return leader, info.address
 
-    def _routing_metadata(self, context: CallContext) -> tuple[str | None, bool]:
-        """(the node that forwarded the call, if any; whether to answer with the leader's address)."""
-        forwarded_by, redirect, token = None, False, False
+    def _serves_in_sync(self, stream: str) -> bool:
+        """Whether this node serves a read of `stream` as an in-sync follower now (see the module
+        docstring); if so, the call it serves is marked with the epoch it follows."""
+        record = self._placement.locate(stream)
+        node = self._node
+        if (
+            record is None
+            or record.leader in ("", self._me)
+            or self._me not in record.isr
+            or not node.replication.serves_reads(stream, record.epoch)
+            or not node.coordinator.membership.lease_valid()
+        ):
+            return False
+        call = current_call()
+        if call is not None:  # a long call: it ends when this node stops serving it so
+            call.in_sync_epoch = record.epoch
+        return True
+
+    def _routing_metadata(self, context: CallContext) -> tuple[str | None, bool, bool]:
+        """(the node that forwarded the call, if any; whether to answer with the leader's address;
+        whether the caller asked for a read from an in-sync replica)."""
+        forwarded_by, redirect, token, replica = None, False, False, False
         for key, value in context.invocation_metadata() or ():
             if key == FORWARDED_BY and isinstance(value, str):
                 forwarded_by = value
@@ -449,7 +482,9 @@ class RoutingInterceptor(WrappingInterceptor):
                 redirect = value == REDIRECT
             elif key == "authorization":
                 token = True
-        return forwarded_by, redirect or (self._certificates_identify and not token)
+            elif key == READ_FROM:
+                replica = value == REPLICA
+        return forwarded_by, redirect or (self._certificates_identify and not token), replica
 
     async def _create(self, stream: str, context: CallContext, **where: Any) -> StreamPlacement:
         try:
@@ -682,6 +717,11 @@ class RoutingInterceptor(WrappingInterceptor):
         except ServiceError as exc:
             await context.abort(exc.code, exc.message)
             raise  # not reached: abort raises
+
+
+def _reads_entries(method: str, request: Any) -> bool:
+    """Whether the call only reads entries (a plain Read or Subscribe, not a group's)."""
+    return method in ("Read", "Subscribe") and not request.group
 
 
 def _publish_barrier_of(stream: str, reply: Any) -> tuple[int, int | None] | None:

@@ -75,6 +75,7 @@ class StreamFollower:
         self.name = record.name
         self.record = record
         self.hw = hw
+        self.learned = False  # True once the leader of this epoch sent its HW (in `_apply`)
         self._apply_lock = apply_lock
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"follow {record.name}")
 
@@ -186,6 +187,7 @@ class StreamFollower:
             self.hw = hw
             engine.set_commit(name, hw)
             self._ctx.committed(name, hw)
+        self.learned = True
         if data.HasField("group_snapshot"):
             engine.install_group_snapshot(name, data.group_snapshot.seq, data.group_snapshot.ops)
         for batch in data.group_ops:

@@ -18,9 +18,11 @@ stream at a time and in order (a task per stream while it has changes to apply):
   active (from the state it holds), and only then does `ready()` let the service
   accept writes. A new record at the same epoch (the in-sync set, the config) just
   updates the leader.
-- **Follower**: fetches from the leader the record names at its epoch; a new epoch or
-  leader restarts it. No leader (offline): no role, the copy stays. Either way its
-  consumer groups are passive (the engine starts them so in a cluster): they follow
+- **Follower**: fetches from the leader the record names at its epoch, its copy capped at
+  the last HW this node knew (its first offset after a restart); a new epoch or
+  leader restarts it. Once it has heard the HW from that leader it `serves_reads`
+  (reads from in-sync replicas, service/routing.py). No leader (offline): no role, the
+  copy stays. Either way its consumer groups are passive (the engine starts them so in a cluster): they follow
   the leader's ops and act on nothing themselves.
 
 Every replicated copy carries a commit cap, so its readers never see past the HW.
@@ -133,6 +135,13 @@ class ReplicaManager:
             if waiters is not None and future in waiters:
                 waiters.remove(future)
         return self.ready(name)
+
+    def serves_reads(self, name: str, epoch: int) -> bool:
+        """Whether this node follows the stream's leader at `epoch` and has learned the high
+        watermark from it: its copy then shows committed entries only (reads from in-sync
+        replicas)."""
+        follower = self.followers.get(name)
+        return follower is not None and follower.record.epoch == epoch and follower.learned
 
     def check_quorum(self, name: str, *, quorum: bool) -> None:
         """Raise unless this node leads the stream with enough in-sync replicas for the level."""
@@ -274,6 +283,9 @@ class ReplicaManager:
                 hw,
             )
         elif record.leader:
+            # The copy's readers see what is known committed (a copy opened at start-up has no
+            # cap yet: in memory, no disk work); the follower raises it as the leader's HW comes.
+            self._engine.set_commit(name, hw)
             self.followers[name] = StreamFollower(self._follower_ctx, record, hw, lock)
 
     async def _follow_settings(self, record: StreamPlacement, lock: threading.Lock) -> None:

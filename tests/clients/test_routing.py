@@ -116,6 +116,51 @@ def test_a_failure_without_redirect_forgets_the_leader_and_asks_other_nodes_firs
     assert table.describers() == ["h1:1", "h2:2", "h3:3"]
 
 
+def in_sync(*names: str, isr: tuple[str, ...] = ("a", "b", "c")) -> ClusterDescription:
+    """Three live nodes; streams led by "a" with these in-sync replicas."""
+    nodes = [ClusterNode("a", "h1:1", True), ClusterNode("b", "h2:2", True), ClusterNode("c", "h3:3", True)]
+    streams = [StreamPlacement(name, "a", ["a", "b", "c"], list(isr), 1, 3, "quorum") for name in names]
+    return ClusterDescription("prod", "a", nodes, streams)
+
+
+def test_reads_from_replicas_go_to_each_streams_replica_chosen_in_turn_and_kept() -> None:
+    table, _ = routes("h1:1")
+    assert table.replica("s1") is None  # nothing known: look it up
+    table.learn("h1:1", in_sync("s1", "s2", "s3"))
+    chosen = [table.replica(name) for name in ("s1", "s2", "s3")]
+    assert sorted(chosen) == ["h1:1", "h2:2", "h3:3"]  # three streams, each in turn: all three nodes
+    assert [table.replica(name) for name in ("s1", "s2", "s3")] == chosen  # kept
+    assert [table.leader(name) for name in ("s1", "s2", "s3")] == ["h1:1"] * 3
+    # Only live in-sync replicas are chosen; a stream without a leader has none.
+    table.learn("h1:1", CLUSTER)
+    assert table.replica("orders") in ("h1:1", "h2:2")
+    assert table.replica("stranded") is table.replica("electing") is None
+    # A new description that leaves the chosen replica out of the in-sync set moves the reads.
+    table.learn("h1:1", in_sync("s1", isr=("a",)))
+    assert table.replica("s1") == "h1:1"
+
+
+def test_a_failed_replica_read_looks_the_replicas_up_again() -> None:
+    table, _ = routes("h1:1")
+    table.learn("h1:1", in_sync("s", isr=("a", "c")))
+    first = table.replica("s")
+    # Redirected (the node does not serve the stream in sync now): the leader is named.
+    assert table.failed_replica("s", from_rpc_error(REDIRECT)) is True
+    assert table.replica("s") is None and table.leader("s") == "h2:2" and table.redirects == 1
+    table.learn("h1:1", in_sync("s", isr=("a", "c")))
+    second = table.replica("s")
+    assert {first, second} == {"h1:1", "h3:3"}  # chosen in turn: the other one now
+    # Down: looked up again, asking the others first.
+    assert table.failed_replica("s", from_rpc_error(DOWN)) is False
+    assert table.replica("s") is None and table.describers()[-1] == second
+
+
+def test_a_single_server_takes_reads_from_replicas_too() -> None:
+    table, _ = routes("h1:1")
+    table.learn("h1:1", ClusterDescription("", "", [ClusterNode("", "h1:1", True)], []))
+    assert table.replica("orders") == "h1:1"
+
+
 def test_what_is_retried_after_unavailable() -> None:
     plain = pb.AppendRequest(stream="s", payloads=[b"x"])
     idempotent = pb.AppendRequest(stream="s", payloads=[b"x"], producer_id="p", producer_sequence=1)
@@ -146,6 +191,17 @@ def test_a_client_on_a_single_server_asks_once_and_sends_every_call_there(server
             assert client.read(f"s{i}", 0).entries[0].payload == b"x"
         assert client._routes.cluster is False and client._routes.lookups == 1
         assert client.route("s0") == server.target
+
+
+def test_a_client_reading_from_replicas_on_a_single_server_works_as_any(server: ServerThread) -> None:
+    with pytest.raises(ValueError, match="read_from must be one of leader, replica, not 'follower'"):
+        Client(server.target, read_from="follower")
+    with Client(server.target, read_from="replica") as client:
+        client.append("s", [b"x", b"y"])
+        assert [e.payload for e in client.read("s", 0).entries] == [b"x", b"y"]
+        with client.subscribe("s", 0) as subscription:
+            assert [e.payload for e in next(iter(subscription)).entries] == [b"x", b"y"]
+        assert client._routes.cluster is False and client._routes.lookups == 1
 
 
 def test_a_client_whose_first_seed_is_down_uses_the_next(server: ServerThread) -> None:

@@ -10,7 +10,8 @@ import pytest
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
 from tests.cluster.etcd_server import EtcdCluster
-from tests.cluster.nodes import ClusterNodes
+from tests.cluster.nodes import ClusterNodes, free_port
+from tests.cluster.test_failover import NODES, Links
 
 
 @pytest.fixture
@@ -67,3 +68,14 @@ def stubs(cluster_nodes: ClusterNodes) -> Iterator[Callable[[str], pb_grpc.Strea
     yield lambda name: cluster_nodes.stub(name, channels)
     for channel in channels:
         channel.close()
+
+
+@pytest.fixture
+def links(cluster_nodes: ClusterNodes) -> Iterator[Links]:
+    """A fault proxy in front of each of nodes n1, n2, n3 of `cluster_nodes` (their ports chosen
+    now); start them with `peer_addresses=links.peer_addresses()` to dial one another through them."""
+    for name in NODES:
+        cluster_nodes.ports[name] = free_port()
+    links = Links({name: cluster_nodes.ports[name] for name in NODES})
+    yield links
+    links.close()

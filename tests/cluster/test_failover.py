@@ -8,7 +8,7 @@ import asyncio
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -18,7 +18,7 @@ from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
 from bench.replicalogs import read_replica
 from tests.cluster.helpers import TEST_TTL_MS
-from tests.cluster.nodes import ClusterNodes, eventually, free_port, leader_of
+from tests.cluster.nodes import ClusterNodes, eventually, leader_of
 from tests.cluster.proxy import FaultProxy
 
 NODES = ("n1", "n2", "n3")
@@ -168,15 +168,6 @@ class Links:
             self._run(proxy.stop())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
-
-
-@pytest.fixture
-def links(cluster_nodes: ClusterNodes) -> Iterator[Links]:
-    for name in NODES:
-        cluster_nodes.ports[name] = free_port()
-    links = Links({name: cluster_nodes.ports[name] for name in NODES})
-    yield links
-    links.close()
 
 
 def test_a_leader_paused_past_its_lease_is_deposed_and_its_unreplicated_suffix_truncated(
