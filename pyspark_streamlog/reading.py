@@ -37,7 +37,10 @@ log = logging.getLogger("pyspark_streamlog")
 
 READ_ENTRIES = 10_000  # the server's default max_read_entries; it lowers larger counts anyway
 READ_BYTES = 64 << 20  # the server lowers this to its max_read_bytes: take as much as it allows
-TAIL_WAIT_S = 10.0  # how long a task waits for the end of its range before calling it lost (read_range)
+# A stream's new leader may for a moment serve less than its predecessor did (its high watermark
+# catches up within a fetch round): a stream found to end before an offset the query had seen is
+# waited for this long (at most half the call's deadline) before its entries are called lost.
+TAIL_WAIT_S = 10.0
 
 
 def spark_schema(payload_as_string: bool, include_headers: bool) -> StructType:
@@ -178,6 +181,17 @@ def data_loss(message: str, fail: bool) -> None:
     log.warning("streamlog data loss, skipped: %s", message)
 
 
+def tail_wait_ms(timeout_s: float) -> int:
+    return int(min(TAIL_WAIT_S, timeout_s / 2) * 1000)
+
+
+def stream_reaches(connection: Connection, stream: str, end: int, timeout_s: float) -> bool:
+    """Whether `stream` ends at `end` (> 0) or later, once entry end - 1 is there or the tail
+    wait is over (a blocking Read: woken as soon as it is)."""
+    reply = connection.read(stream, end - 1, 1, READ_BYTES, block_ms=tail_wait_ms(timeout_s))
+    return decode_read_response(reply).end_offset >= end
+
+
 def _gap_message(stream: str, gap: Gap) -> str:
     return (
         f"entries {gap.start_offset}..{gap.end_offset - 1} of stream {stream!r} are gone ({gap.reason}) "
@@ -189,17 +203,14 @@ def read_range(part: StreamRange) -> Iterator[pa.RecordBatch]:
     """The entries of [part.start, part.end), one record batch per Read reply."""
     connection = Connection(part.server, part.timeout_s)
     schema = to_arrow_schema(spark_schema(part.payload_as_string, part.include_headers), timezone="UTC")
-    # A stream's new leader may for a moment serve less than its predecessor did when the range was
-    # planned (its high watermark catches up within a fetch round): before calling the rest of a
-    # range lost, a task waits this long for it, woken as soon as it is there.
-    tail_wait_ms = int(min(TAIL_WAIT_S, part.timeout_s / 2) * 1000)
+    block_ms = tail_wait_ms(part.timeout_s)  # before calling the rest of the range lost (TAIL_WAIT_S)
 
     def ask(offset: int):
         return connection.read_ahead(part.stream, offset, min(READ_ENTRIES, part.end - offset), READ_BYTES)
 
     def wait(offset: int):
         count = min(READ_ENTRIES, part.end - offset)
-        return lambda: connection.read(part.stream, offset, count, READ_BYTES, block_ms=tail_wait_ms)
+        return lambda: connection.read(part.stream, offset, count, READ_BYTES, block_ms=block_ms)
 
     offset = part.start
     pending = ask(offset) if offset < part.end else None
