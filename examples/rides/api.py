@@ -31,8 +31,8 @@ class Sent:
     rides: int
     batches: int
     double_sent: int
-    entries: int  # acknowledged; the log may hold more: batches resent after an unknown outcome
-    resent: int = 0
+    entries: int  # acknowledged; the log may hold more: appends sent again after an unknown outcome
+    resent: int = 0  # appends sent again after an unknown outcome (a failover)
 
 
 def open_db(path: Path) -> sqlite3.Connection:

@@ -211,7 +211,7 @@ class Report:
     workers: dict[str, Decimal]
     worker_crashes: dict[str, int]
     spark: dict[str, Any]
-    resent_batches: int = 0  # sent again after an unknown outcome (a failover)
+    resent: int = 0  # appends sent again after an unknown outcome (a failover)
     failover: str = ""  # what was killed, and when (--cluster)
 
     @property
@@ -221,7 +221,7 @@ class Report:
         )
 
     def lines(self) -> list[str]:
-        resent = f", {self.resent_batches} resent after a failover" if self.resent_batches else ""
+        resent = f", {self.resent} appends sent again after a failover" if self.resent else ""
         out = [
             f"API: {self.rides} rides, {self.entries} log entries "
             f"({self.double_sent_batches} batches sent twice{resent}), total_distance={self.truth}"
