@@ -161,7 +161,6 @@ class Supervised:
     command: list[str]
     seed: int
     crashes: int = 0
-    restarts: int = 0  # after the servers did not answer (a failover)
     exit_code: int | None = None
     thread: threading.Thread = field(init=False)
 
@@ -183,8 +182,7 @@ class Supervised:
             command = [*self.command, "--crash-seed", f"{self.seed}-{self.name}-{self.crashes}"]
             self._process = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL)
             code = self._process.wait()
-            if code == worker.UNAVAILABLE_EXIT:
-                self.restarts += 1
+            if code == worker.UNAVAILABLE_EXIT:  # the servers did not answer (a failover): again
                 continue
             if code != worker.CRASH_EXIT:
                 self.exit_code = code
