@@ -1,12 +1,19 @@
-"""The connector's calls to a streamlog server, made with the client library, and its errors.
+"""The connector's calls to streamlog servers, made with the client library, and its errors.
 
-Channels are the client library's (`clients._connection.open_channel`: plaintext,
-TLS, mutual TLS, as `clients.Client` opens them) and every call carries the token
-as Client's do. They are opened where the work happens (executor tasks, the
-driver's planner process), never pickled, and kept per process and `Server`:
-Spark reuses its Python workers, so later tasks skip the connection set-up and the
-TLS handshake. The calls go through a `Client` on that channel, except Read,
-whose replies stay bytes for pyspark_streamlog.wire to decode straight into Arrow.
+The endpoint is one server or a cluster's seed nodes. Every call goes through a
+`clients.Client` on those seeds, which learns the cluster layout (DescribeCluster) and
+sends each call on a stream to the stream's leader, following redirects and failovers
+(clients/_routing.py); against a single server it calls that server. The exception is
+Read, whose replies stay bytes for pyspark_streamlog.wire to decode straight into Arrow:
+it is sent here, on a channel per node, to the address the Client routes the stream to,
+and retried the Client's way (a redirect followed at once, a failover waited out within
+the call's deadline).
+
+Channels (the client library's `clients._connection.open_channel`: plaintext, TLS,
+mutual TLS, as `clients.Client` opens them) carry the token on every call. They are
+opened where the work happens (executor tasks, the driver's planner process), never
+pickled, and kept per process and `Server`: Spark reuses its Python workers, so later
+tasks skip the connection set-up, the TLS handshake and the layout lookup.
 
 Reads are retried on UNAVAILABLE (they change nothing). Appends are retried
 only because every append the connector makes carries a producer id and
@@ -15,17 +22,18 @@ sequence, which makes a retry of a written batch a reported duplicate.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 from streamlog.v1 import streamlog_pb2 as pb
 
 from clients._connection import auth_metadata, open_channel
+from clients._routing import ROUTE_METADATA, Attempts, redirect_address, retryable
 from clients.client import Client
 from clients.errors import (
     DeadlineExceededError,
@@ -50,13 +58,27 @@ _ATTEMPTS = 5
 _FIRST_BACKOFF_S = 0.2
 
 
-@dataclass(frozen=True, slots=True)
 class _Link:
-    """One process's channel to a server: a Client on it, and Read with replies left as bytes."""
+    """One process's connections to a server or cluster: a routing Client on its seeds, and
+    Read with replies left as bytes, per node address (opened when first used)."""
 
-    client: Client
-    read: grpc.UnaryUnaryMultiCallable
-    metadata: tuple[tuple[str, str], ...]
+    def __init__(self, server: Server) -> None:
+        self.client = Client(server.address, token=server.token, timeout=None, **server.tls_arguments())
+        self.metadata = (*auth_metadata(server.token), ROUTE_METADATA)
+        self._open = functools.partial(open_channel, grpc, **server.tls_arguments())
+        self._reads: dict[str, grpc.UnaryUnaryMultiCallable] = {}
+        self._lock = threading.Lock()
+
+    def read(self, address: str) -> grpc.UnaryUnaryMultiCallable:
+        with self._lock:
+            found = self._reads.get(address)
+            if found is None:
+                found = self._reads[address] = self._open(address).unary_unary(
+                    _READ_METHOD,
+                    request_serializer=pb.ReadRequest.SerializeToString,
+                    response_deserializer=None,
+                )
+            return found
 
 
 _lock = threading.Lock()
@@ -64,31 +86,24 @@ _links: dict[tuple[int, Server], _Link] = {}
 
 
 def _link(server: Server) -> _Link:
-    # Keyed by pid too: a forked worker must not use its parent's channel.
+    # Keyed by pid too: a forked worker must not use its parent's channels.
     key = (os.getpid(), server)
     with _lock:
         found = _links.get(key)
         if found is None:
-            channel = open_channel(grpc, server.address, **server.tls_arguments())
-            read = channel.unary_unary(
-                _READ_METHOD, request_serializer=pb.ReadRequest.SerializeToString, response_deserializer=None
-            )
-            client = Client(server.address, channel=channel, token=server.token, timeout=None)
-            found = _links[key] = _Link(client, read, auth_metadata(server.token))
+            found = _links[key] = _Link(server)
         return found
 
 
 class Connection:
-    """The calls the connector makes, against one server, with a deadline per call."""
+    """The calls the connector makes, against one server or cluster, with a deadline per call."""
 
     def __init__(self, server: Server, timeout_s: float) -> None:
         self.server = server
         self.endpoint = server.address
         self.timeout_s = timeout_s
-        link = _link(server)
-        self._client = link.client
-        self._read_raw = link.read
-        self._metadata = link.metadata
+        self._link = _link(server)
+        self._client = self._link.client
 
     def _call(self, what: str, stream: str | None, function: Callable[[], T]) -> T:
         delay = _FIRST_BACKOFF_S
@@ -146,29 +161,52 @@ class Connection:
         )
 
     def _read_bytes(self, request: pb.ReadRequest) -> Any:
-        try:
-            return self._read_raw(request, timeout=self.timeout_s, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from exc
+        """One Read, sent where the Client routes the stream (its leader in a cluster), again after
+        a redirect or a failover until answered or the deadline passes (as the Client's calls)."""
+        attempts = Attempts(self.timeout_s)
+        while True:
+            address = self._client.route(request.stream)
+            try:
+                return self._link.read(address)(
+                    request, timeout=attempts.remaining(), metadata=self._link.metadata
+                )
+            except grpc.RpcError as exc:
+                failure = from_rpc_error(exc)
+                if not retryable("Read", request, exc):
+                    raise failure from exc
+                self._client.route(request.stream, failure)  # learn the redirect, or look again
+                pause = attempts.pause(redirected=redirect_address(failure) is not None)
+                if pause is None:
+                    raise failure from exc
+            time.sleep(pause)
 
-    def read(self, stream: str, offset: int, count: int, max_bytes: int) -> bytes:
-        request = pb.ReadRequest(stream=stream, offset=offset, count=count, max_bytes=max_bytes)
-        return self._call("Read", stream, lambda: self._read_bytes(request))
+    def read(self, stream: str, offset: int, count: int, max_bytes: int, block_ms: int = 0) -> bytes:
+        request = pb.ReadRequest(
+            stream=stream, offset=offset, count=count, max_bytes=max_bytes, block_ms=block_ms
+        )
+        try:
+            return self._read_bytes(request)  # retried within the deadline already
+        except StreamlogError as exc:
+            raise self._translate(exc, "Read", stream) from None
 
     def read_ahead(self, stream: str, offset: int, count: int, max_bytes: int) -> Callable[[], bytes]:
         """Start a Read now; the returned function waits for its reply.
 
         A task asks for its next reply before handing the current one to Spark,
         so the server prepares it meanwhile. A failed call is made again, with
-        read()'s retries and error messages.
+        read()'s routing, retries and error messages.
         """
         request = pb.ReadRequest(stream=stream, offset=offset, count=count, max_bytes=max_bytes)
-        future = self._read_raw.future(request, timeout=self.timeout_s, metadata=self._metadata)
+        address = self._client.route(stream)
+        future = self._link.read(address).future(
+            request, timeout=self.timeout_s, metadata=self._link.metadata
+        )
 
         def result() -> bytes:
             try:
                 return future.result()
-            except grpc.RpcError:
+            except grpc.RpcError as exc:
+                self._client.route(stream, from_rpc_error(exc))
                 return self.read(stream, offset, count, max_bytes)
 
         return result

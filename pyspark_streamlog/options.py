@@ -94,7 +94,8 @@ class Position:
 
 @dataclass(frozen=True, slots=True)
 class Server:
-    """A streamlog server and how to connect to it: the connection arguments of `clients.Client`.
+    """A streamlog server (or a cluster's seed nodes) and how to connect to it: the connection
+    arguments of `clients.Client`. `address`: one host:port, or several separated by commas.
 
     Hashable (tasks keep one channel per server and process) and picklable; the
     secrets stay out of its repr, which Spark may log.
@@ -158,14 +159,16 @@ def _check_names(options: dict[str, str], allowed: set[str], what: str) -> None:
 
 
 def endpoint(options: dict[str, str]) -> str:
+    """The server's address, or a cluster's seed addresses: "host:port" or "a:7070,b:7070", normalized."""
     value = options.get("endpoint") or os.environ.get(ENV_ENDPOINT, "")
-    value = value.strip()
-    if not value:
+    seeds = [seed.strip() for seed in value.split(",") if seed.strip()]
+    if not seeds:
         raise OptionError(
             f"no streamlog server given: set the endpoint option (e.g. .option('endpoint', "
-            f"'localhost:7070')) or the {ENV_ENDPOINT} environment variable"
+            f"'localhost:7070'), or a cluster's nodes 'n1:7070,n2:7070') or the {ENV_ENDPOINT} "
+            "environment variable"
         )
-    return value
+    return ",".join(dict.fromkeys(seeds))
 
 
 def _pem_file(options: dict[str, str], name: str) -> bytes | None:

@@ -37,6 +37,10 @@ log = logging.getLogger("pyspark_streamlog")
 
 READ_ENTRIES = 10_000  # the server's default max_read_entries; it lowers larger counts anyway
 READ_BYTES = 64 << 20  # the server lowers this to its max_read_bytes: take as much as it allows
+# A stream's new leader may for a moment serve less than its predecessor did (its high watermark
+# catches up within a fetch round): a stream found to end before an offset the query had seen is
+# waited for this long (at most half the call's deadline) before its entries are called lost.
+TAIL_WAIT_S = 10.0
 
 
 def spark_schema(payload_as_string: bool, include_headers: bool) -> StructType:
@@ -177,6 +181,17 @@ def data_loss(message: str, fail: bool) -> None:
     log.warning("streamlog data loss, skipped: %s", message)
 
 
+def tail_wait_ms(timeout_s: float) -> int:
+    return int(min(TAIL_WAIT_S, timeout_s / 2) * 1000)
+
+
+def stream_reaches(connection: Connection, stream: str, end: int, timeout_s: float) -> bool:
+    """Whether `stream` ends at `end` (> 0) or later, once entry end - 1 is there or the tail
+    wait is over (a blocking Read: woken as soon as it is)."""
+    reply = connection.read(stream, end - 1, 1, READ_BYTES, block_ms=tail_wait_ms(timeout_s))
+    return decode_read_response(reply).end_offset >= end
+
+
 def _gap_message(stream: str, gap: Gap) -> str:
     return (
         f"entries {gap.start_offset}..{gap.end_offset - 1} of stream {stream!r} are gone ({gap.reason}) "
@@ -188,15 +203,21 @@ def read_range(part: StreamRange) -> Iterator[pa.RecordBatch]:
     """The entries of [part.start, part.end), one record batch per Read reply."""
     connection = Connection(part.server, part.timeout_s)
     schema = to_arrow_schema(spark_schema(part.payload_as_string, part.include_headers), timezone="UTC")
+    block_ms = tail_wait_ms(part.timeout_s)  # before calling the rest of the range lost (TAIL_WAIT_S)
 
     def ask(offset: int):
         return connection.read_ahead(part.stream, offset, min(READ_ENTRIES, part.end - offset), READ_BYTES)
 
+    def wait(offset: int):
+        count = min(READ_ENTRIES, part.end - offset)
+        return lambda: connection.read(part.stream, offset, count, READ_BYTES, block_ms=block_ms)
+
     offset = part.start
     pending = ask(offset) if offset < part.end else None
-    # Every turn either moves `offset` forward or ends the loop, so there are at
-    # most (end - start) turns; the bound is a guard against a server bug.
-    for _ in range(part.end - part.start + 1):
+    waited = False
+    # Every turn either moves `offset` forward, or waits once for the range's end, or ends the
+    # loop, so there are at most 2 * (end - start) turns; the bound is a guard against a server bug.
+    for _ in range(2 * (part.end - part.start) + 1):
         if pending is None:
             return
         reply = decode_read_response(pending())
@@ -210,10 +231,13 @@ def read_range(part: StreamRange) -> Iterator[pa.RecordBatch]:
         if rows:
             yield to_batch(reply.head(rows), part, schema)
         if following <= offset:
-            # No entry and no gap: the stream now ends before `end` (deleted and
-            # recreated, or its tail lost); the rest of the range is gone.
+            if not waited:
+                pending, waited = wait(offset), True
+                continue
+            # No entry and no gap, even after waiting: the stream now ends before `end` (deleted
+            # and recreated, or its tail lost); the rest of the range is gone.
             lost = Gap(offset, part.end, f"missing: the stream now ends at {reply.end_offset}")
             data_loss(_gap_message(part.stream, lost), part.fail_on_data_loss)
             return
-        offset = following
+        offset, waited = following, False
     raise AssertionError(f"read of {part.stream!r} [{part.start}, {part.end}) made no progress")

@@ -33,6 +33,7 @@ from pyspark_streamlog.reading import (
     resolve,
     spark_schema,
     split,
+    stream_reaches,
 )
 from pyspark_streamlog.sink import StreamlogBatchWriter, StreamlogStreamWriter, check_write_schema
 
@@ -202,7 +203,9 @@ class StreamlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
             latest[stream] = following
             if self._target is not None:
                 latest[stream] = min(following, self._target.get(stream, following))
-            if following < begin[stream]:
+            if following < begin[stream] and not stream_reaches(
+                self._connection, stream, begin[stream], self.options.timeout_s
+            ):
                 data_loss(
                     f"stream {stream!r} now ends at offset {following}, before this query's position "
                     f"{begin[stream]} (was it deleted and recreated?)",

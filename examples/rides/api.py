@@ -4,7 +4,9 @@ As in the seed article's API and streamer, every ride is first recorded in the
 API's own database (here SQLite: the ground truth), then sent to the log in
 batches with plain appends, at least once: about 10% of the batches are sent
 twice, as a streamer does when it cannot tell whether its first attempt went
-through. Consumers must cope with the copies; the ride ids let them.
+through. Consumers must cope with the copies; the ride ids let them. An append
+that fails with the outcome unknown (the stream's leader died: a cluster failing
+over) is sent again, for the same reason.
 """
 
 from __future__ import annotations
@@ -12,13 +14,16 @@ from __future__ import annotations
 import json
 import random
 import sqlite3
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 
-from clients import Client, Record
+from clients import Client, Record, TransientError
 
 STREAM = "rocket-rides-log"
+SEND_ATTEMPTS = 30  # with pauses doubling to 2 s: about 50 s, well past a failover (seconds)
 
 
 @dataclass(frozen=True)
@@ -26,7 +31,8 @@ class Sent:
     rides: int
     batches: int
     double_sent: int
-    entries: int
+    entries: int  # acknowledged; the log may hold more: appends sent again after an unknown outcome
+    resent: int = 0  # appends sent again after an unknown outcome (a failover)
 
 
 def open_db(path: Path) -> sqlite3.Connection:
@@ -53,11 +59,15 @@ def simulate(
     double_send_rate: float = 0.1,
     seed: int = 0,
     stream: str = STREAM,
+    sent_so_far: Callable[[int], None] | None = None,
 ) -> Sent:
-    """Create `rides` rides (ids 1..rides) and stream them, double-sending some batches."""
+    """Create `rides` rides (ids 1..rides) and stream them, double-sending some batches.
+
+    `sent_so_far`, when given, is called after each batch with the number of rides sent.
+    """
     rng = random.Random(seed)
     db = open_db(db_path)
-    batches = double = entries = 0
+    batches = double = entries = resent = 0
     try:
         for first in range(1, rides + 1, batch_size):
             batch = []
@@ -70,10 +80,27 @@ def simulate(
                     batch.append(Record(payload, tag=str(ride_id)))
             sends = 2 if rng.random() < double_send_rate else 1
             for _ in range(sends):
-                client.append(stream, batch)  # plain appends: at-least-once on purpose
+                resent += _send(client, stream, batch)
                 entries += len(batch)
             batches += 1
             double += sends - 1
+            if sent_so_far is not None:
+                sent_so_far(min(first + batch_size - 1, rides))
     finally:
         db.close()
-    return Sent(rides, batches, double, entries)
+    return Sent(rides, batches, double, entries, resent)
+
+
+def _send(client: Client, stream: str, batch: list[Record]) -> int:
+    """Append `batch` with a plain append (at-least-once on purpose) until acknowledged; how many
+    times it was sent again after an unknown outcome."""
+    for attempt in range(SEND_ATTEMPTS):
+        try:
+            client.append(stream, batch)
+            return attempt
+        except TransientError as exc:
+            if attempt + 1 == SEND_ATTEMPTS:
+                raise
+            client.route(stream, exc)  # the leader may be gone: look the stream up again
+            time.sleep(min(0.1 * 2**attempt, 2.0))
+    raise AssertionError("unreachable: the last attempt returns or raises")

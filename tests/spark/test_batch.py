@@ -12,6 +12,7 @@ import pytest
 from streamlog.v1 import streamlog_pb2 as pb
 
 import pyspark_streamlog
+from pyspark_streamlog import reading
 from pyspark_streamlog.errors import DataLossError
 from pyspark_streamlog.options import Server
 from pyspark_streamlog.reading import StreamRange, read_range
@@ -132,6 +133,31 @@ def test_tasks_report_entries_evicted_after_planning(server, stub, caplog) -> No
         batches = list(read_range(lenient))
     assert [o for b in batches for o in b.column("offset").to_pylist()] == list(range(150, 300))
     assert "entries 0..149 of stream 'racy' are gone (evicted)" in caplog.text
+
+
+def test_a_task_waits_for_the_end_of_its_range_before_calling_it_lost(server, stub, monkeypatch) -> None:
+    # A stream's new leader may serve less than its predecessor did when the range was planned, for
+    # the moment its high watermark takes to catch up: the entries come, and are not data loss.
+    fill(stub, "tail", 100)
+    waits: list[int] = []
+
+    class CatchingUp(reading.Connection):
+        def read(self, stream, offset, count, max_bytes, block_ms=0):
+            if block_ms:
+                waits.append(offset)
+                if len(waits) == 1:  # the first wait, for offsets 100..199: they come now
+                    fill(stub, "tail", 100)
+            return super().read(stream, offset, count, max_bytes, block_ms)
+
+    monkeypatch.setattr(reading, "Connection", CatchingUp)
+    part = StreamRange(Server(server.target), "tail", 0, 200, True, False, True, 10.0)
+    assert [o for b in read_range(part) for o in b.column("offset").to_pylist()] == list(range(200))
+    assert waits == [100]
+    # Entries that never come are lost, once the wait is over (half the deadline here).
+    part = dataclasses.replace(part, end=250, timeout_s=0.4)
+    with pytest.raises(DataLossError, match=r"entries 200\.\.249 of stream 'tail' are gone \(missing"):
+        list(read_range(part))
+    assert waits == [100, 200]
 
 
 def test_register_is_one_call_and_idempotent(spark, server, stub) -> None:

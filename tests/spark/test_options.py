@@ -49,6 +49,14 @@ def test_endpoint_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
     assert parse_write({"stream": "a"}).server.address == "env-host:7070"
 
 
+def test_endpoint_takes_a_clusters_seed_addresses() -> None:
+    # Several nodes, comma-separated (as Client and the CLI's --address take them), normalized.
+    parsed = parse_read({"endpoint": " n1:7070, n2:7070 ,,n1:7070,n3:7070 ", "streams": "a"}, True)
+    assert parsed.server.address == "n1:7070,n2:7070,n3:7070"
+    with pytest.raises(OptionError, match="no streamlog server given"):
+        parse_write({"endpoint": " , "})
+
+
 def test_connection_options_are_the_clients(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("STREAMLOG_TOKEN", raising=False)
     assert parse_write({"endpoint": "h:1"}).server == Server("h:1")

@@ -36,6 +36,18 @@ def test_workers_and_spark_agree_exactly_with_the_ground_truth(spark, tmp_path) 
     assert any("spark" in text for text in progress), progress
 
 
+@pytest.mark.timeout(600)
+def test_on_a_cluster_the_totals_agree_after_the_leader_is_killed(spark, tmp_path) -> None:
+    # python -m examples.rides --cluster, shorter: 600 rides, 2 s leases for a quicker failover.
+    report = pipeline.run(600, tmp_path / "rides", spark=spark, seed=3, cluster={"lease_ttl_ms": "2000"})
+    assert re.fullmatch(
+        r"killed n[123] \(kill -9\), the leader of rocket-rides-log, after 300 rides", report.failover
+    )
+    assert report.workers == {"consumer0": report.truth, "consumer1": report.truth}
+    assert report.spark == {"total_distance": report.truth, "rides": 600, "last_ride_id": 600}
+    assert report.agreed
+
+
 @pytest.mark.parametrize("agreed", [True, False])
 def test_main_removes_its_temporary_directory_unless_the_run_failed(
     tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, agreed: bool

@@ -12,9 +12,15 @@ from pathlib import Path
 
 import pytest
 from pyspark.sql import functions as F
+from pyspark.sql.streaming.datasource import ReadAllAvailable
 from pyspark.sql.types import LongType
 from streamlog.v1 import streamlog_pb2 as pb
 
+from pyspark_streamlog import source as streamlog_source
+from pyspark_streamlog.errors import DataLossError
+from pyspark_streamlog.options import parse_read
+from pyspark_streamlog.reading import spark_schema
+from pyspark_streamlog.source import StreamlogStreamReader
 from tests.spark.helpers import fill
 
 
@@ -132,3 +138,30 @@ def test_a_starting_offset_past_the_end_is_refused(spark, server, stub, tmp_path
     frame = source(spark, server, streams="short", startingOffsets='{"short": 11}')
     with pytest.raises(Exception, match=r"startingOffsets for 'short' is 11, past the stream's end \(10\)"):
         run_available_now(frame, tmp_path / "out", tmp_path / "cp")
+
+
+def test_a_stream_behind_the_querys_position_is_waited_for_before_it_is_data_loss(
+    server, stub, monkeypatch
+) -> None:
+    # A new leader may report a shorter stream than its predecessor did when the query last planned,
+    # for the moment its high watermark takes to catch up: the planner waits, and it is not data loss.
+    fill(stub, "ticks", 100)
+    waits: list[int] = []
+
+    class CatchingUp(streamlog_source.Connection):
+        def read(self, stream, offset, count, max_bytes, block_ms=0):
+            if block_ms:
+                waits.append(offset)
+                if len(waits) == 1:  # the first wait, for offset 149: the entries come now
+                    fill(stub, "ticks", 100)
+            return super().read(stream, offset, count, max_bytes, block_ms)
+
+    monkeypatch.setattr(streamlog_source, "Connection", CatchingUp)
+    options = parse_read({"endpoint": server.target, "streams": "ticks", "timeoutMs": "400"}, streaming=True)
+    reader = StreamlogStreamReader(options, spark_schema(False, True))
+    assert reader.latestOffset({"ticks": 150}, ReadAllAvailable()) == {"ticks": 150}  # kept, not lost
+    assert waits == [149]
+    # Entries that never come are lost, once the wait is over (half the 400 ms deadline here).
+    with pytest.raises(DataLossError, match=r"now ends at offset 200, before this query's position 250"):
+        reader.latestOffset({"ticks": 250}, ReadAllAvailable())
+    assert waits == [149, 249]
