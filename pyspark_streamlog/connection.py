@@ -22,7 +22,6 @@ sequence, which makes a retry of a written batch a reported duplicate.
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 import time
@@ -65,7 +64,7 @@ class _Link:
     def __init__(self, server: Server) -> None:
         self.client = Client(server.address, token=server.token, timeout=None, **server.tls_arguments())
         self.metadata = (*auth_metadata(server.token), ROUTE_METADATA)
-        self._open = functools.partial(open_channel, grpc, **server.tls_arguments())
+        self._tls = server.tls_arguments()
         self._reads: dict[str, grpc.UnaryUnaryMultiCallable] = {}
         self._lock = threading.Lock()
 
@@ -73,7 +72,7 @@ class _Link:
         with self._lock:
             found = self._reads.get(address)
             if found is None:
-                found = self._reads[address] = self._open(address).unary_unary(
+                found = self._reads[address] = open_channel(grpc, address, **self._tls).unary_unary(
                     _READ_METHOD,
                     request_serializer=pb.ReadRequest.SerializeToString,
                     response_deserializer=None,

@@ -363,7 +363,7 @@ class RoutingInterceptor(WrappingInterceptor):
     async def _route(self, method: str, request: Any, context: CallContext) -> tuple[str, str] | None:
         """(leader id, its advertised address) to forward the call to; None to serve it here.
         Refusals abort the call."""
-        where = self._not_serving()
+        where: tuple[str, str] | _Refusal | None = self._not_serving()
         if where is None:
             forwarded_by, redirect, replica = self._routing_metadata(context)
             if replica and _reads_entries(method, request) and self._serves_in_sync(request.stream):
