@@ -19,9 +19,12 @@ stream in sync: it redirects to the leader), the client looks the layout up agai
 chooses again; with no in-sync replica known it reads from the leader.
 
 What is retried after UNAVAILABLE (the caller's deadline permitting): any call refused
-with a redirect (the node refused it before serving it); otherwise (a node went down, the
-leader changed under the call) only calls that may run twice: reads, idempotent admin
-calls, and appends that carry a producer id (the server answers a resend as a duplicate).
+with a redirect (the node refused it before serving it), and any call gRPC could not send
+(no connection to the node: "failed to connect to all addresses"); otherwise (a node went
+down, the leader changed under the call) only calls that may run twice: reads, idempotent
+admin calls, and appends that carry a producer id (the server answers a resend as a
+duplicate). A call not retried still makes the client look the layout up again on its next
+call, so a leader that went down is not called again.
 """
 
 from __future__ import annotations
@@ -103,9 +106,16 @@ def retryable(method: str, request: Any, error: grpc.RpcError) -> bool:
     """Whether a call that failed with `error` may be sent again (see the module docstring)."""
     if error.code() != grpc.StatusCode.UNAVAILABLE:
         return False
-    if redirect_address(error) is not None:
+    if redirect_address(error) is not None or _never_sent(error):
         return True
     return method in _IDEMPOTENT or (method == "Append" and bool(request.producer_id))
+
+
+def _never_sent(error: grpc.RpcError) -> bool:
+    """Whether gRPC failed the call before sending it: it found no connection to the node
+    (gRPC core's words for that case; the request never left the client)."""
+    details = error.details() if hasattr(error, "details") else None
+    return (details or "").startswith("failed to connect to all addresses")
 
 
 class Routes:

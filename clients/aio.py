@@ -186,9 +186,13 @@ class AsyncClient:
                 return await call(request, timeout=attempts.remaining(), metadata=metadata)
             except grpc.RpcError as exc:
                 failure = from_rpc_error(exc)
-                if not (routed and retryable(name, request, exc)):
+                if not routed:
                     raise failure from exc
                 failed = routes.failed_replica if replica else routes.failed
+                if not retryable(name, request, exc):
+                    if isinstance(failure, TransientError):
+                        failed(stream, failure)  # the next call looks the leader up again
+                    raise failure from exc
                 pause = attempts.pause(redirected=failed(stream, failure))
                 if pause is None:
                     raise failure from exc

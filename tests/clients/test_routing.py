@@ -19,14 +19,16 @@ from tests.service.helpers import ServerThread
 class Failed(grpc.RpcError):
     """A failed call as gRPC raises it: a status code, details and trailers."""
 
-    def __init__(self, code: grpc.StatusCode, trailers: tuple[tuple[str, str], ...] = ()) -> None:
-        self._code, self._trailers = code, trailers
+    def __init__(
+        self, code: grpc.StatusCode, trailers: tuple[tuple[str, str], ...] = (), details: str = "refused"
+    ) -> None:
+        self._code, self._trailers, self._details = code, trailers, details
 
     def code(self) -> grpc.StatusCode:
         return self._code
 
     def details(self) -> str:
-        return "refused"
+        return self._details
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._trailers
@@ -34,6 +36,10 @@ class Failed(grpc.RpcError):
 
 REDIRECT = Failed(grpc.StatusCode.UNAVAILABLE, (("streamlog-leader-address", "h2:2"),))
 DOWN = Failed(grpc.StatusCode.UNAVAILABLE)
+NOT_SENT = Failed(  # gRPC's own words when it has no connection to the node
+    grpc.StatusCode.UNAVAILABLE,
+    details="failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Connection refused",
+)
 
 
 def placement(name: str, leader: str) -> StreamPlacement:
@@ -166,6 +172,7 @@ def test_what_is_retried_after_unavailable() -> None:
     idempotent = pb.AppendRequest(stream="s", payloads=[b"x"], producer_id="p", producer_sequence=1)
     assert retryable("Append", plain, REDIRECT)  # refused before it was served
     assert not retryable("Append", plain, DOWN)  # may have been written: not blindly
+    assert retryable("Append", plain, NOT_SENT)  # never left the client
     assert retryable("Append", idempotent, DOWN)  # a resend is answered as a duplicate
     assert retryable("Read", pb.ReadRequest(stream="s"), DOWN)
     assert not retryable("CreateGroup", pb.CreateGroupRequest(stream="s", group="g"), DOWN)
