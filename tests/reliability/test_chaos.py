@@ -38,7 +38,7 @@ def run_chaos(tmp_path, duration_s: float, **options) -> chaos.ChaosRun:
 def test_a_single_server_under_every_fault_it_survives_loses_nothing_acknowledged(tmp_path):
     kinds = kinds_for(nodes=1, replication_factor=1, fsync="always")
     assert kinds == ["kill", "pause", "partition-client", "reset", "power", "disk-full"]
-    result = run_chaos(tmp_path, 50, nodes=1, seed=15, min_faults=8, min_acked=2001)
+    result = run_chaos(tmp_path, 35, nodes=1, seed=15, min_faults=8, min_acked=2001)
     assert result.ok, result.summary()
     assert set(result.faults) == set(kinds) and sum(result.faults.values()) >= 8
     assert result.report.stats["entries_acked"] > 2000
@@ -76,7 +76,7 @@ def test_a_three_node_cluster_under_every_fault_it_survives_loses_nothing_acknow
     } <= set(kinds)
     result = run_chaos(
         tmp_path,
-        75,
+        60,
         nodes=3,
         seed=15,
         interval_s=(0.5, 1.5),
