@@ -17,7 +17,9 @@ no message left in hand. A handler that raises has its message nacked with
 `nack_delay_ms`: the group redelivers it (to this or another consumer) after
 that delay, with its delivery count raised. When the session fails (the server
 restarts, say), the consumer opens a new one, resending the acknowledgements
-the old one did not confirm (a repeated acknowledgement is harmless).
+the old one did not confirm (a repeated acknowledgement is harmless), and first
+gives back to the group what it holds as delivered to this consumer but the broken
+session never brought (redelivered at once, not after the group's retry_ms).
 
 Long work: when the group redelivers unacknowledged entries after `retry_ms` (set
 on the group, or passed here), the consumer re-claims the message in hand every
@@ -52,6 +54,8 @@ from clients.types import Entry, Start
 __all__ = ["Consumer", "Message", "compress_offsets"]
 
 log = logging.getLogger(__name__)
+
+STRANDED_PAGE = 1000  # pending rows per GetPending page and offsets per Nack when giving entries back
 
 
 class Message:
@@ -159,6 +163,7 @@ class Consumer:
         self._stopping = threading.Event()
         self._closed = False
         self._session: ConsumeSession | None = None
+        self._stranded_unchecked = False  # a session failed: see _release_stranded
         self._create = create
         self._start = start
         if create:
@@ -234,6 +239,10 @@ class Consumer:
     ) -> ConsumeSession:
         # On the stream's leader; after a failure, where the cluster now says it is (a failover).
         self.client.route(self.stream, failure)
+        if failure is not None:
+            self._stranded_unchecked = True
+        if self._stranded_unchecked:
+            self._release_stranded(carried)
         session = self.client.consume(
             self.stream,
             self.group,
@@ -248,6 +257,43 @@ class Consumer:
         if self._stopping.is_set():
             session.stop()
         return session
+
+    def _release_stranded(self, carried: tuple[list[int], list[tuple[int, int]]]) -> None:
+        """Give back, for redelivery at once, what the group holds as delivered to this consumer
+        that never reached it: a batch the failed session's reply did not bring (the server sent
+        it, or assigned it, as the session broke). Without this it stays pending for this
+        consumer until the group's retry_ms, or for ever without one. Entries whose
+        acknowledgements are `carried` to the next session are kept. Done before the next session
+        opens, so nothing it delivers is taken back. If the calls fail, the next reopen tries again."""
+        acked = set(carried[0])
+        ranges = carried[1]
+        stranded: list[int] = []
+        start = 0
+        try:
+            while True:
+                rows = self.client.pending(
+                    self.stream, self.group, consumer=self.name, start_offset=start, count=STRANDED_PAGE
+                ).entries
+                if not rows:
+                    break
+                stranded.extend(
+                    row.offset
+                    for row in rows
+                    if row.offset not in acked and not any(lo <= row.offset < hi for lo, hi in ranges)
+                )
+                start = rows[-1].offset + 1
+            for at in range(0, len(stranded), STRANDED_PAGE):
+                self.client.nack(self.stream, self.group, stranded[at : at + STRANDED_PAGE])
+        except StreamlogError as exc:
+            log.warning("consumer %s: could not give back its stranded entries yet: %s", self.name, exc)
+            return
+        self._stranded_unchecked = False
+        if stranded:
+            log.info(
+                "consumer %s: %d entries a broken session never brought are redelivered",
+                self.name,
+                len(stranded),
+            )
 
     def _fetch(self) -> None:
         """The next batch from the session (its request carries the acknowledgements so far).
@@ -301,8 +347,9 @@ class Consumer:
             if batch is None:
                 if self._stopping.is_set():
                     return  # stop() ended the session; close() finishes it
-                # Ended without being asked to (not what servers do): open another.
+                # Ended without being asked to (a server shutting down may): open another.
                 self._session = None
+                self._stranded_unchecked = True
                 carried = session.pending_acks()
                 continue
             self._extensions.clear()
