@@ -13,7 +13,9 @@ where the last one left it:
 2. **finish**, once every target node is in sync: replicas = target, in-sync set =
    target, the target cleared; the leader becomes the target's first node if it lives
    (else it stays, if it is in the target, else the first live target node), at a new
-   epoch when it changes. The nodes left out drop their copies.
+   epoch when it changes. The nodes left out drop their copies. A target of another size
+   changes the stream's replica count, as in Kafka: its `replication_factor` setting becomes
+   the target's size (dead-node repair and rebalancing keep the count).
 
 Offsets, groups and producer ids are the leader's, copied as they are: nothing is
 renumbered. A leader that changes ends its waiting calls as an election does (clients
@@ -54,7 +56,10 @@ def next_step(record: StreamPlacement, live: Set[str], *, may_start: bool) -> St
     if leader is None:
         return None
     epoch = record.epoch if leader == record.leader else record.epoch + 1
-    return dataclasses.replace(record, replicas=target, isr=target, leader=leader, epoch=epoch, target=())
+    config = {**record.config, "replication_factor": len(target)}
+    return dataclasses.replace(
+        record, replicas=target, isr=target, leader=leader, epoch=epoch, target=(), config=config
+    )
 
 
 def _finishing_leader(record: StreamPlacement, live: Set[str]) -> str | None:

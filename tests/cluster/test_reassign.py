@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 
 import pytest
@@ -55,6 +56,20 @@ def test_a_move_finishes_once_the_target_is_in_sync_the_leader_moving_at_a_new_e
     # A leader only (the same replicas in another order): a preferred leader election.
     swapped = next_step(record("abc", "a", "abc", target="bac"), set("abc"), may_start=False)
     assert (swapped.replicas, swapped.leader, swapped.epoch) == (tuple("bac"), "b", 6)
+
+
+def test_a_move_to_another_replica_count_records_it_as_the_replication_factor() -> None:
+    """As kafka-reassign-partitions: the target's size is the stream's replica count from then on."""
+    config = {"replication_factor": 3, "acks": "quorum", "stream": {"max_entries": 10}}
+    growing = dataclasses.replace(record("abcde", "a", "abcde", target="abcde"[::-1]), config=config)
+    shrinking = dataclasses.replace(record("abc", "a", "a", target="a"), config=config)
+    for moving, count in ((growing, 5), (shrinking, 1)):
+        done = next_step(moving, set("abcde"), may_start=False)
+        assert done.config == {**config, "replication_factor": count}
+        assert done.replica_count == count
+    # Moving to as many replicas leaves it as it was.
+    same = dataclasses.replace(record("abcd", "a", "abcd", target="dbc"), config={"replication_factor": 3})
+    assert next_step(same, set("abcd"), may_start=False).config == {"replication_factor": 3}
 
 
 def test_a_stream_without_a_leader_does_not_move() -> None:

@@ -123,6 +123,11 @@ def test_a_move_asked_wrongly_is_refused_with_the_right_status(
         lambda: list(leader_of(stub, "s").replicas) == there and not leader_of(stub, "s").target_replicas, 60
     )
     assert [e.payload for e in stub.Read(pb.ReadRequest(stream="s"), timeout=30).entries] == [b"x"]
+    # A target of another size is the stream's replica count from then on, as in Kafka.
+    both = [*there, *here]
+    stub.ReassignReplicas(pb.ReassignReplicasRequest(stream="s", replicas=both), timeout=30)
+    eventually(lambda: not leader_of(stub, "s").target_replicas, 60)  # the move done
+    assert (list(leader_of(stub, "s").replicas), leader_of(stub, "s").replication_factor) == (both, 2)
 
 
 def test_a_rebalance_onto_a_new_node_moves_replicas_live(cluster_nodes: ClusterNodes) -> None:
