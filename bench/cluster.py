@@ -24,8 +24,9 @@ otherwise land on whichever route came next). Redis' figures are checked: every 
 must count the replica, and at the end XLEN on the replica must equal what was added.
 
 Then, with the figures' servers stopped, 1 member vs 2 (bench/members.py): a one-node
-and a two-node cluster (one replica per stream), unbatched one-entry appends from client
-processes that route by stream; appends/s of each and the ratio. Then the failover run
+and a two-node cluster (one replica per stream), unbatched one-entry appends (unary Append
+routed by stream, then a Publish session per member) from a Node.js client; calls/s of each,
+the ratio, and what each call cost the members' and the client's CPU. Then the failover run
 (bench/failover.py): a three-node cluster on the same etcd, its stream's leader killed N
 times (default 20).
 
@@ -213,9 +214,7 @@ def figures(cluster: EtcdCluster, calls: int, batches: int) -> None:
         )
 
 
-def member_counts(
-    cluster: EtcdCluster, rounds: int, seconds: float, processes: int, concurrency: int
-) -> dict[int, float]:
+def member_counts(cluster: EtcdCluster, rounds: int, seconds: float, in_flight: int) -> dict[str, float]:
     """1 member vs 2 (bench/members.py): a one-node cluster and a two-node one, one replica per
     stream, each node its own process and data directory."""
     with ExitStack() as stack:
@@ -226,7 +225,7 @@ def member_counts(
             ]
             for count in (1, 2)
         }
-        return members.measure(configurations, rounds, seconds, processes, concurrency)
+        return members.measure(configurations, rounds, seconds, in_flight)
 
 
 PARTS = ("figures", "members", "failover")
@@ -243,7 +242,7 @@ def run(
             if "figures" in parts:
                 figures(cluster, calls, batches)
             if "members" in parts:
-                member_counts(cluster, rounds, seconds, processes=4, concurrency=16)
+                member_counts(cluster, rounds, seconds, in_flight=64)
             if "failover" in parts and failovers:
                 failover.run(cluster.endpoints, directory / "failover", failovers, lease_ttl_ms, plot=plot)
     finally:

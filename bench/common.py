@@ -8,8 +8,11 @@ without parsing prose.
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import math
+import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -27,8 +30,10 @@ __all__ = [
     "cpu_steal_ticks",
     "emit",
     "free_port",
+    "node_load",
     "percentile",
     "percentiles",
+    "server_cpu_seconds",
     "server_metrics",
     "wait_serving",
 ]
@@ -189,3 +194,38 @@ def server_metrics(port: int) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             values[name.split("{")[0]] += float(value)
     return values
+
+
+NODE_LOAD = Path(__file__).with_name("publish_load.js")
+
+
+def node_load(*args: Any) -> dict[str, float]:
+    """One run of bench/publish_load.js (load from Node.js, which costs the machine's cores little
+    per call); its JSON result."""
+    node = shutil.which("node")
+    if node is None:
+        raise SystemExit("this bench needs Node.js (and `npm install` in clients/node)")
+    command = [node, str(NODE_LOAD), *map(str, args)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"publish_load.js {args} failed: {done.stderr.strip()}")
+    return json.loads(done.stdout)
+
+
+def server_cpu_seconds(port: int) -> float:
+    """The CPU time (user + system) used so far by the `streamlog serve` process listening on
+    loopback `port` (its command line says `--port PORT`), from /proc."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            arguments = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if "service.cli" in arguments and ("--port", str(port)) in itertools.pairwise(arguments):
+            # Fields after the command name (which may hold spaces): utime and stime are 14 and 15.
+            fields = stat[stat.rindex(")") + 2 :].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    raise LookupError(f"no streamlog serve process on port {port}")
+

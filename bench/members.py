@@ -3,34 +3,36 @@
 A node is one process, so a machine with N cores runs N members, one data directory each.
 bench.cluster starts two clusters on one etcd (fsync everysec, one replica per stream): one
 member, and two; this measures them. Each gets the same streams (STREAMS of them, placed
-by the cluster: half led by each member of the two), then several client processes (spawned,
-each an AsyncClient given every member's address, so it routes each call to its stream's
-leader) append one 100-byte entry per call, unbatched, each keeping `concurrency` calls in
-flight, over every stream in turn: so each client loads both members. The configurations
-take turns, round by round, so that load from elsewhere on the machine falls on both alike;
-each one's figure is its acknowledged appends over its rounds' time.
+by the cluster: half led by each member of the two). The load comes from Node.js
+(bench/publish_load.js `spread`, clients/node; `npm install` there first), whose calls cost
+the two cores the members share far less than a Python client's: one process, one 100-byte
+entry per call, `in_flight` calls unanswered, over every stream in turn, so it loads both
+members.
 
-Emits `members_appends` (appends/s) for 1 and 2 members, and `members_ratio` (2 over 1).
+- unary Append, unbatched, from one Client given every member's address (it sends each call
+  straight to its stream's leader);
+- Publish, one session per stream (in a cluster a session carries one stream), on its leader.
+
+The configurations take turns, round by round, so that load from elsewhere on the machine
+falls on both alike; each one's figure is its acknowledged calls over its rounds' time.
+
+Emits `members_appends` (calls/s) for 1 and 2 members and each RPC, with the CPU the members'
+processes and the client used per call, and `members_ratio` (2 over 1).
 """
 
 from __future__ import annotations
 
-import asyncio
-import multiprocessing
 import os
-import time
+import statistics
 from collections import Counter
-from multiprocessing.queues import Queue
-from multiprocessing.synchronize import Barrier
 
-from bench.common import emit
+from bench.common import emit, node_load, server_cpu_seconds
 from clients import Client
-from clients.aio import AsyncClient
 from tests.cluster.nodes import eventually
 
-PAYLOAD = 100
+PAYLOAD = 100  # publish_load.js's
 STREAMS = 8
-BARRIER_TIMEOUT_S = 120  # client processes start, connect and learn the layout within this
+RPCS = ("Append", "Publish")
 
 
 def stream_names() -> list[str]:
@@ -50,102 +52,61 @@ def create_streams(addresses: list[str]) -> Counter[str]:
     return leaders
 
 
-async def _append_for(
-    addresses: list[str], concurrency: int, seconds: float, barrier: Barrier
-) -> tuple[int, float, float]:
-    payload = os.urandom(PAYLOAD)
-    streams = stream_names()
-    async with AsyncClient(addresses) as client:
-        for stream in streams:  # the layout learned and a channel open to each member before timing
-            await client.append(stream, payload)
-        await asyncio.to_thread(barrier.wait, BARRIER_TIMEOUT_S)
-        started, cpu = time.monotonic(), time.process_time()
-        deadline = started + seconds
-        acknowledged = 0
-
-        async def appender(first: int) -> None:
-            nonlocal acknowledged
-            turn = first
-            while time.monotonic() < deadline:
-                await client.append(streams[turn % len(streams)], payload)
-                acknowledged += 1
-                turn += 1
-
-        await asyncio.gather(*(appender(i) for i in range(concurrency)))
-        return acknowledged, time.monotonic() - started, time.process_time() - cpu
+def servers_cpu(addresses: list[str]) -> float:
+    """The CPU seconds the members at `addresses` (loopback) used so far, together."""
+    return sum(server_cpu_seconds(int(address.rsplit(":", 1)[1])) for address in addresses)
 
 
-def client_process(
-    addresses: list[str], concurrency: int, seconds: float, barrier: Barrier, results: Queue
-) -> None:
-    """One client process: (appends acknowledged, seconds taken, CPU seconds used) onto `results`."""
-    results.put(asyncio.run(_append_for(addresses, concurrency, seconds, barrier)))
-
-
-def round_of(
-    addresses: list[str], processes: int, concurrency: int, seconds: float
-) -> tuple[int, float, float]:
-    """`processes` clients appending for `seconds` at once: appends acknowledged, the mean time the
-    clients took (the round's duration), and the CPU time they used."""
-    context = multiprocessing.get_context("spawn")  # no fork of a process holding gRPC threads
-    barrier = context.Barrier(processes)
-    results = context.Queue()
-    clients = [
-        context.Process(target=client_process, args=(addresses, concurrency, seconds, barrier, results))
-        for _ in range(processes)
-    ]
-    for process in clients:
-        process.start()
-    try:
-        outcomes = [results.get(timeout=BARRIER_TIMEOUT_S + seconds * 10) for _ in clients]
-    finally:
-        for process in clients:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-    if any(process.exitcode != 0 for process in clients):
-        raise RuntimeError(f"a client process failed: exit codes {[p.exitcode for p in clients]}")
-    counts, durations, cpu = zip(*outcomes, strict=True)
-    return sum(counts), sum(durations) / len(durations), sum(cpu)
+def round_of(addresses: list[str], rpc: str, in_flight: int, seconds: float) -> tuple[float, float, float]:
+    """One round of Node load: calls/s while counted, and the members' and the client's CPU
+    microseconds per call (the members' over the whole round, warm-up calls included)."""
+    cpu = servers_cpu(addresses)
+    got = node_load("spread", ",".join(addresses), rpc.lower(), ",".join(stream_names()), in_flight, seconds)
+    server_us = (servers_cpu(addresses) - cpu) / got["calls"] * 1e6
+    return got["calls_per_s"], server_us, got["cpu_us_per_call"]
 
 
 def measure(
-    configurations: dict[int, list[str]], rounds: int, seconds: float, processes: int, concurrency: int
-) -> dict[int, float]:
-    """Appends/s of each configuration (its members' addresses, by member count: 1 and 2), emitted
-    with their ratio."""
+    configurations: dict[int, list[str]], rounds: int, seconds: float, in_flight: int
+) -> dict[str, float]:
+    """Calls/s of each configuration (its members' addresses, by member count: 1 and 2) and RPC,
+    emitted with the ratios; returns the ratio of each RPC. Rounds are of equal length, so a
+    figure is the mean of its rounds'."""
     leaders = {count: create_streams(addresses) for count, addresses in configurations.items()}
-    appended = dict.fromkeys(configurations, 0)
-    took = dict.fromkeys(configurations, 0.0)
-    client_cpu = dict.fromkeys(configurations, 0.0)
+    samples = {(count, rpc): [] for count in configurations for rpc in RPCS}
     for _ in range(rounds):
-        for count, addresses in configurations.items():
-            acknowledged, duration, cpu = round_of(addresses, processes, concurrency, seconds)
-            appended[count] += acknowledged
-            took[count] += duration
-            client_cpu[count] += cpu
-    rates = {count: appended[count] / took[count] for count in configurations}
+        for rpc in RPCS:
+            for count, addresses in configurations.items():
+                samples[count, rpc].append(round_of(addresses, rpc, in_flight, seconds))
     labels = {
         "payload_bytes": PAYLOAD,
         "streams": STREAMS,
-        "client_processes": processes,
-        "concurrency": concurrency,
+        "in_flight": in_flight,
         "rounds": rounds,
         "round_s": seconds,
         "load_average": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count(),
     }
-    for count, rate in rates.items():
-        emit(
-            "members_appends",
-            rate,
-            "appends/s",
-            members=count,
-            appends=appended[count],
-            streams_led=dict(leaders[count]),
-            # The clients share the machine's cores with the members: what each append cost them.
-            client_cpu_us_per_append=round(client_cpu[count] / appended[count] * 1e6, 1),
-            **labels,
-        )
-    emit("members_ratio", rates[2] / rates[1], "x", **labels)
-    return rates
+    ratios = {}
+    for rpc in RPCS:
+        rates = {}
+        for count in configurations:
+            rate, server_us, client_us = (
+                statistics.fmean(column) for column in zip(*samples[count, rpc], strict=True)
+            )
+            rates[count] = rate
+            emit(
+                "members_appends",
+                rate,
+                "calls/s",
+                members=count,
+                rpc=rpc,
+                streams_led=dict(leaders[count]),
+                # The client shares the machine's cores with the members: what each call cost both.
+                server_cpu_us_per_call=round(server_us, 1),
+                client_cpu_us_per_call=round(client_us, 1),
+                **labels,
+            )
+        ratios[rpc] = rates[2] / rates[1]
+        emit("members_ratio", ratios[rpc], "x", rpc=rpc, **labels)
+    return ratios

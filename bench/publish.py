@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import re
 import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -41,23 +39,11 @@ from grpc_health.v1.health import HealthServicer
 from streamlog.v1 import streamlog_pb2 as pb
 
 from bench import redis_baseline
-from bench.common import emit, free_port, wait_serving
+from bench.common import emit, free_port, node_load, wait_serving
 from bench.service import PAYLOAD, emit_latencies, streamlog_server
 
-LOAD = Path(__file__).with_name("publish_load.js")
 IN_FLIGHT = 64
 SERVICE = "streamlog.v1.StreamLogService"
-
-
-def node_load(*args: Any) -> dict[str, float]:
-    """One run of bench/publish_load.js; its JSON result."""
-    node = shutil.which("node")
-    if node is None:
-        raise SystemExit("bench.publish needs Node.js (and `npm install` in clients/node)")
-    done = subprocess.run([node, str(LOAD), *map(str, args)], capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise RuntimeError(f"publish_load.js {args} failed: {done.stderr.strip()}")
-    return json.loads(done.stdout)
 
 
 async def _serve_bare(port: int) -> None:

@@ -3,6 +3,7 @@
 //
 //   node bench/publish_load.js rate ADDRESS publish|append CALLERS SECONDS [IN_FLIGHT]
 //   node bench/publish_load.js latency ADDRESS publish|append RATE SECONDS
+//   node bench/publish_load.js spread SEEDS publish|append STREAMS IN_FLIGHT SECONDS
 //
 // `rate`: CALLERS Publish sessions (each keeping IN_FLIGHT one-entry messages unanswered) or
 // CALLERS unary Append loops, each on its own connection, one 100-byte entry per message or
@@ -10,6 +11,12 @@
 // (per message or call, send to answer). `latency`: one entry every 1/RATE s on an absolute
 // schedule, its send time (process.hrtime) in its first 8 bytes, and a subscriber on another
 // connection; prints {"p50_us", "p99_us", "received"} of append-to-subscriber latency.
+// `spread` (for bench/members.py): a cluster's load, over the comma-separated STREAMS in turn,
+// IN_FLIGHT one-entry calls unanswered in all: `append` from one Client given the SEEDS (it sends
+// each call to its stream's leader), `publish` from one Publish session per stream (in a cluster a
+// session carries one stream), on the member that leads it. Every `rate` and `spread` result also has "cpu_us_per_call", the CPU
+// this process used per call (the client's cost, on the cores a server shares with it), and
+// "calls", every call answered (warm-up included).
 
 const { Client, Publisher } = require('../clients/node');
 
@@ -21,54 +28,106 @@ function percentile(sorted, p) {
   return sorted[Math.min(sorted.length - 1, Math.floor((p / 100) * sorted.length))];
 }
 
+// Counts the calls answered during SECONDS after a one-second warm-up of `loops(running)`, which
+// starts the callers, each calling done(started) per answer and stopping once running() is false.
+async function timed(seconds, loops) {
+  let counting = false;
+  let stop = false;
+  let count = 0;
+  let total = 0; // warm-up and wind-down included
+  const latencies = [];
+  const done = (started) => {
+    total += 1;
+    if (!counting) return;
+    count += 1;
+    if (latencies.length < 200000) latencies.push(Number(process.hrtime.bigint() - started) / 1e6);
+  };
+  const running = loops(() => !stop, done);
+  await new Promise((resolve) => { setTimeout(resolve, 1000); });
+  counting = true;
+  const t0 = process.hrtime.bigint();
+  const cpu = process.cpuUsage();
+  await new Promise((resolve) => { setTimeout(resolve, seconds * 1000); });
+  counting = false;
+  const elapsed = Number(process.hrtime.bigint() - t0) / 1e9;
+  const used = process.cpuUsage(cpu);
+  stop = true;
+  await running;
+  latencies.sort((a, b) => a - b);
+  return {
+    calls_per_s: count / elapsed,
+    p50_ms: percentile(latencies, 50),
+    p99_ms: percentile(latencies, 99),
+    cpu_us_per_call: count ? (used.user + used.system) / count : 0,
+    calls: total,
+  };
+}
+
+// Appends one entry per call to streams[turn], the turn going round from `first`, until stopped.
+async function appendLoop(client, streams, first, payload, running, done) {
+  for (let turn = first; running(); turn += 1) {
+    const started = process.hrtime.bigint();
+    await client.append(streams[turn % streams.length], payload);
+    done(started);
+  }
+}
+
+// Publishes one entry per message on `publisher` to streams[turn], keeping `inFlight` unanswered.
+async function publishLoop(publisher, streams, inFlight, payload, running, done) {
+  const pending = new Set();
+  for (let turn = 0; running(); turn += 1) {
+    const started = process.hrtime.bigint();
+    const answer = publisher.publish(streams[turn % streams.length], payload).then(() => done(started));
+    pending.add(answer);
+    answer.finally(() => pending.delete(answer));
+    if (pending.size >= inFlight) await Promise.race(pending);
+  }
+  await Promise.all(pending);
+  await publisher.close();
+}
+
 async function rate(address, mode, callers, seconds, inFlight) {
   const stream = `load-${mode}-${process.pid}`;
   const payload = Buffer.alloc(PAYLOAD, 120);
   const clients = Array.from({ length: callers }, () => new Client(address, { timeoutMs: 60000 }));
   await clients[0].append(stream, payload); // the stream exists before the clock starts
-  let counting = false;
-  let stop = false;
-  let count = 0;
-  const latencies = [];
-  const done = (started) => {
-    if (!counting) return;
-    count += 1;
-    if (latencies.length < 200000) latencies.push(Number(process.hrtime.bigint() - started) / 1e6);
-  };
-  const loops = clients.map(async (client) => {
-    if (mode === 'append') {
-      while (!stop) {
-        const started = process.hrtime.bigint();
-        await client.append(stream, payload);
-        done(started);
-      }
-      return;
-    }
-    const publisher = new Publisher(client, { maxInFlight: inFlight });
-    const pending = new Set();
-    while (!stop) {
-      const started = process.hrtime.bigint();
-      const answer = publisher.publish(stream, payload).then(() => done(started));
-      pending.add(answer);
-      answer.finally(() => pending.delete(answer));
-      if (pending.size >= inFlight) await Promise.race(pending);
-    }
-    await Promise.all(pending);
-    await publisher.close();
-  });
-  await new Promise((resolve) => { setTimeout(resolve, 1000); });
-  counting = true;
-  const t0 = process.hrtime.bigint();
-  await new Promise((resolve) => { setTimeout(resolve, seconds * 1000); });
-  counting = false;
-  const elapsed = Number(process.hrtime.bigint() - t0) / 1e9;
-  stop = true;
-  await Promise.all(loops);
+  const result = await timed(seconds, (running, done) => Promise.all(clients.map((client) => (
+    mode === 'append'
+      ? appendLoop(client, [stream], 0, payload, running, done)
+      : publishLoop(new Publisher(client, { maxInFlight: inFlight }), [stream], inFlight, payload, running, done)
+  ))));
   for (const client of clients) client.close();
-  latencies.sort((a, b) => a - b);
-  return {
-    calls_per_s: count / elapsed, p50_ms: percentile(latencies, 50), p99_ms: percentile(latencies, 99),
-  };
+  return result;
+}
+
+async function spread(seeds, mode, streamList, inFlight, seconds) {
+  const streams = streamList.split(',');
+  const payload = Buffer.alloc(PAYLOAD, 120);
+  const client = new Client(seeds, { timeoutMs: 60000 });
+  for (const stream of streams) await client.append(stream, payload); // the layout learned
+  const opened = [client];
+  let loops;
+  if (mode === 'append') {
+    loops = (running, done) => Promise.all(Array.from({ length: inFlight },
+      (_, i) => appendLoop(client, streams, i, payload, running, done)));
+  } else {
+    // In a cluster a Publish session carries one stream: one per stream, each opened on the
+    // member that leads it (one connection per member).
+    const { nodes, streams: placements } = await client.describeCluster();
+    const address = new Map(nodes.map((node) => [node.id, node.address]));
+    const members = new Map();
+    const share = Math.max(1, Math.floor(inFlight / streams.length));
+    const publishers = placements.filter((p) => streams.includes(p.name)).map(({ name, leader }) => {
+      if (!members.has(leader)) members.set(leader, new Client(address.get(leader), { timeoutMs: 60000 }));
+      return [new Publisher(members.get(leader), { maxInFlight: share }), name];
+    });
+    opened.push(...members.values());
+    loops = (running, done) => Promise.all(publishers.map(([publisher, name]) => (
+      publishLoop(publisher, [name], share, payload, running, done))));
+  }
+  const result = await timed(seconds, loops);
+  for (const each of opened) each.close();
+  return result;
 }
 
 async function latency(address, mode, perSecond, seconds) {
@@ -116,9 +175,10 @@ async function latency(address, mode, perSecond, seconds) {
 
 async function main() {
   const [command, address, mode, a, b, c] = process.argv.slice(2);
-  const result = command === 'latency'
-    ? await latency(address, mode, Number(a), Number(b))
-    : await rate(address, mode, Number(a), Number(b), Number(c || 64));
+  let result;
+  if (command === 'latency') result = await latency(address, mode, Number(a), Number(b));
+  else if (command === 'spread') result = await spread(address, mode, a, Number(b), Number(c));
+  else result = await rate(address, mode, Number(a), Number(b), Number(c || 64));
   process.stdout.write(`${JSON.stringify(result)}\n`);
 }
 
