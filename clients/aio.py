@@ -696,6 +696,15 @@ class AsyncClient:
         reply = await self._unary(self._stub.ReassignReplicas, request, timeout)
         return convert.stream_placement(reply.placement)
 
+    async def cancel_move(self, stream: str, *, timeout: float | None = None) -> StreamPlacement:
+        """Undo the stream's move in progress (`kafka-reassign-partitions --cancel`): the replicas
+        it added are dropped (they delete their copies), the replicas and leader it had kept;
+        returns its placement then. A finished move is not undone: with none in progress, the
+        placement is returned as it is."""
+        request = pb.ReassignReplicasRequest(stream=stream, cancel=True)
+        reply = await self._unary(self._stub.ReassignReplicas, request, timeout)
+        return convert.stream_placement(reply.placement)
+
     async def info(self, stream: str, *, timeout: float | None = None) -> StreamInfo:
         reply = await self._unary(self._stub.GetStreamInfo, pb.GetStreamInfoRequest(stream=stream), timeout)
         return convert.stream_info(reply.info)

@@ -788,6 +788,32 @@ def _cmd_drain(args: argparse.Namespace, out: IO[str]) -> int:
         return _carry_out(client, moves, stuck, args, out)
 
 
+def _cmd_cancel_moves(args: argparse.Namespace, out: IO[str]) -> int:
+    with _client(args) as client:
+        cluster = client.describe_cluster()
+        if not cluster.cluster_name:
+            raise UsageError("the server is not in a cluster: there are no moves to cancel")
+        targets = {s.name: s.target_replicas for s in cluster.streams if s.target_replicas}
+        results = {}
+        for name in args.streams or sorted(targets):
+            placement = client.cancel_move(name)
+            # A move that finished meanwhile is not undone: the stream is then on its target.
+            cancelled = name in targets and placement.replicas != targets[name]
+            results[name] = {
+                "cancelled": cancelled,
+                "replicas": placement.replicas,
+                "leader": placement.leader,
+            }
+    if args.json:
+        _json(results, out)
+        return EXIT_OK
+    for name, result in results.items():
+        state = "move cancelled, back on" if result["cancelled"] else "no move in progress, on"
+        out.write(f"{_printable(name)}: {state} {','.join(result['replicas'])} (leader {result['leader']})\n")
+    out.write(f"{sum(r['cancelled'] for r in results.values())} move(s) cancelled\n")
+    return EXIT_OK
+
+
 def _layout(client: Client, prefix: str) -> tuple[Any, dict[str, int]]:
     """The cluster's layout and each led stream's bytes (asked of its leader)."""
     from clients.errors import NotFoundError
@@ -1314,6 +1340,14 @@ def build_parser() -> argparse.ArgumentParser:
     a = actions.add_parser("drain", help="move every replica off a node", parents=[common, moving])
     a.add_argument("node", help="the node's id")
     a.set_defaults(handler=_cmd_drain)
+    a = actions.add_parser(
+        "cancel-moves",
+        help="undo moves in progress (kafka-reassign-partitions --cancel): the replicas they added "
+        "are dropped, the replicas and leader each stream had kept; a finished move is not undone",
+        parents=[common],
+    )
+    a.add_argument("streams", nargs="*", metavar="STREAM", help="(default: every stream moving now)")
+    a.set_defaults(handler=_cmd_cancel_moves)
 
     p = command("inspect", "list the segments and nodes of a data directory, offline", _cmd_inspect)
     p.add_argument(

@@ -44,6 +44,8 @@ class StreamPlacement:
     # The replicas a move (cluster/reassign.py) is taking the stream to, the preferred leader
     # first; empty when no move is under way.
     target: tuple[str, ...] = ()
+    # The replicas that move added so far (outside the original ones): what cancelling it drops.
+    added: tuple[str, ...] = ()
 
     @property
     def replica_count(self) -> int:
@@ -61,6 +63,8 @@ class StreamPlacement:
         }
         if self.target:
             fields["target"] = list(self.target)
+        if self.added:
+            fields["added"] = list(self.added)
         return json.dumps(fields, sort_keys=True).encode()
 
     @classmethod
@@ -77,6 +81,7 @@ class StreamPlacement:
                 isr=tuple(fields["isr"]),
                 config=fields["config"],
                 target=tuple(fields.get("target", ())),
+                added=tuple(fields.get("added", ())),
             )
         except (ValueError, TypeError, KeyError) as exc:
             raise PlacementError(f"stream {name!r}: not a placement record ({exc!r}): {kv.value!r}") from None
@@ -94,6 +99,8 @@ class StreamPlacement:
             problems.append("target must be a list of node ids")
         if len(set(self.target)) != len(self.target):
             problems.append("a target replica is listed twice")
+        if not set(self.added) <= set(self.replicas) or (self.added and not self.target):
+            problems.append("the replicas a move added must be replicas, while it is under way")
         if not isinstance(self.epoch, int) or isinstance(self.epoch, bool) or self.epoch < 1:
             problems.append("epoch must be a positive integer")
         if not set(self.isr) <= set(self.replicas):

@@ -23,6 +23,10 @@ retry on the new leader). While a move copies, acks=quorum counts a majority of 
 target's size (`StreamPlacement.replica_count`), not of the replicas old and new.
 
 A stream with no leader makes no step (no one to copy from); its election comes first.
+
+A move not finished can be cancelled (Kafka's `--cancel`): the record goes back to the
+replicas it had, the ones the move added (`added`) dropped, in one compare-and-swap; the
+nodes dropped delete their copies. A finished move has nothing left to cancel.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import collections
 import dataclasses
 from collections.abc import Iterable, Mapping, Set
 
+from cluster.errors import PlacementError
 from cluster.placement import StreamPlacement
 
 
@@ -49,7 +54,9 @@ def next_step(record: StreamPlacement, live: Set[str], *, may_start: bool) -> St
         return None
     missing = tuple(node for node in target if node not in record.replicas)
     if missing:
-        return dataclasses.replace(record, replicas=record.replicas + missing) if may_start else None
+        if not may_start:
+            return None
+        return dataclasses.replace(record, replicas=record.replicas + missing, added=record.added + missing)
     if not set(target) <= set(record.isr):
         return None  # catching up: the leader's change of the in-sync set wakes the controller
     leader = _finishing_leader(record, live)
@@ -58,7 +65,30 @@ def next_step(record: StreamPlacement, live: Set[str], *, may_start: bool) -> St
     epoch = record.epoch if leader == record.leader else record.epoch + 1
     config = {**record.config, "replication_factor": len(target)}
     return dataclasses.replace(
-        record, replicas=target, isr=target, leader=leader, epoch=epoch, target=(), config=config
+        record, replicas=target, isr=target, leader=leader, epoch=epoch, target=(), added=(), config=config
+    )
+
+
+def cancelled(record: StreamPlacement) -> StreamPlacement | None:
+    """The record with its move undone: the replicas it had before (those the move added
+    dropped, from the in-sync set too), the leader kept, or None when no move is under way.
+    Should the leader be one the move added (the original ones failed meanwhile), the first
+    in-sync original replica leads at a new epoch; PlacementError when none is in sync (undoing
+    the move would leave the stream without a replica that holds what it committed)."""
+    if not record.target:
+        return None
+    replicas = tuple(node for node in record.replicas if node not in record.added)
+    isr = tuple(node for node in record.isr if node in replicas)
+    if not isr:
+        raise PlacementError(
+            f"stream {record.name!r}: none of its replicas before the move is in sync "
+            f"(in sync: {', '.join(record.isr)}): the move cannot be undone, only finished"
+        )
+    leader, epoch = record.leader, record.epoch
+    if leader and leader not in isr:  # (no leader: the election to come picks one)
+        leader, epoch = isr[0], epoch + 1
+    return dataclasses.replace(
+        record, replicas=replicas, isr=isr, leader=leader, epoch=epoch, target=(), added=()
     )
 
 

@@ -143,7 +143,9 @@ class ClusterNode:
             live=lambda: self.coordinator.nodes.live().keys(),
             ask_state=self._ask_state,
             config=ReplicationConfig(
-                replica_lag_ms=settings.replica_lag_ms, max_fetch_bytes=settings.replica_fetch_bytes
+                replica_lag_ms=settings.replica_lag_ms,
+                max_fetch_bytes=settings.replica_fetch_bytes,
+                move_bytes_per_s=settings.move_bytes_per_s,
             ),
         )
         replication.start()

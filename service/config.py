@@ -191,6 +191,9 @@ class Settings:
     replica_replace_after_ms: int = 600_000
     # Streams copying to new replicas at once, for moves (rebalance, drain, replacement).
     max_concurrent_moves: int = 4
+    # The most bytes per second this node's new replicas (moves) fetch, together, while they
+    # catch up; in-sync followers are not throttled. 0: no throttle.
+    move_bytes_per_s: int = 0
 
 
 # name -> (lowest, highest) for integer settings; None means no bound on that side.
@@ -250,6 +253,7 @@ _INT_RANGES: dict[str, tuple[int | None, int | None]] = {
     "default_replication_factor": (1, 64),
     "replica_replace_after_ms": (0, 2**31 - 1),
     "max_concurrent_moves": (1, 1_000),
+    "move_bytes_per_s": (0, 1 << 40),
 }
 
 _CHOICES: dict[str, tuple[str, ...]] = {

@@ -5,20 +5,22 @@ the controller carries the move out (cluster/reassign.py); so the node called an
 as it answers DescribeCluster, and a stream whose leader is down can still be given a
 target (the move waits for a leader). The write is a compare-and-swap on the record's
 revision, decided again from the fresh record on a conflict (a leader changing the in-sync
-set meanwhile).
+set meanwhile). A cancel (the request's `cancel`) is such a write too: the record back to the
+replicas it had before the move (cluster/reassign.py's `cancelled`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import grpc
 from streamlog.v1 import streamlog_pb2 as pb
 
 from cluster.addresses import check_name
-from cluster.errors import ClusterError
+from cluster.errors import ClusterError, PlacementError
 from cluster.placement import PlacementTable, StreamPlacement
+from cluster.reassign import cancelled
 from service import validation
 from service.errors import ServiceError, invalid_argument
 
@@ -58,17 +60,44 @@ def _done(record: StreamPlacement, target: tuple[str, ...]) -> bool:
 async def reassign(
     placement: PlacementTable, live: Mapping[str, object], request: pb.ReassignReplicasRequest
 ) -> StreamPlacement:
-    """Write the request's target into the stream's record (see the module docstring)."""
+    """Write the request's target into the stream's record, or undo its move if it asks to cancel
+    (see the module docstring)."""
     stream = validation.stream(request.stream)
+    if request.cancel:
+        if request.replicas:
+            raise invalid_argument("replicas: a cancel names none (it restores the replicas the stream had)")
+        return await _written(placement, stream, _cancel_of)
     target = check_target(list(request.replicas), live)
+    return await _written(placement, stream, lambda record: _move_to(record, target))
+
+
+def _move_to(record: StreamPlacement, target: tuple[str, ...]) -> StreamPlacement | None:
+    return None if _done(record, target) else dataclasses.replace(record, target=target)
+
+
+def _cancel_of(record: StreamPlacement) -> StreamPlacement | None:
+    try:
+        return cancelled(record)
+    except PlacementError as exc:
+        raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+
+
+async def _written(
+    placement: PlacementTable,
+    stream: str,
+    change: Callable[[StreamPlacement], StreamPlacement | None],
+) -> StreamPlacement:
+    """The stream's record once `change` of it (None: nothing to change) is written, decided again
+    from the fresh record whenever another write came first."""
     record = placement.locate(stream)
     while True:
         if record is None:
             raise ServiceError(grpc.StatusCode.NOT_FOUND, f"stream {stream!r} is not in the cluster")
-        if _done(record, target):
+        updated = change(record)
+        if updated is None:
             return record
         try:
-            outcome = await placement.cas(record, dataclasses.replace(record, target=target))
+            outcome = await placement.cas(record, updated)
         except ClusterError as exc:
             raise ServiceError(
                 grpc.StatusCode.UNAVAILABLE, f"stream {stream!r}: the move cannot be written now: {exc}"

@@ -19,6 +19,10 @@ its fsync policy, acknowledges what it holds. The leader's answers:
   groups: install the leader's group snapshot if one came, apply the op batches
   (storage's passive group store, journaled), and acknowledge them with `group_seq`.
 
+A replica a move added, while it catches up, fetches no faster than `move_bytes_per_s` (all
+such copies on this node together; cluster/replication/pace.py): the next request waits until
+the bytes received fit the rate. In-sync followers are never throttled.
+
 A broken call (leader gone, refused, malformed data) is retried with bounded
 exponential backoff.
 """
@@ -37,6 +41,7 @@ from streamlog.internal.v1 import replication_pb2 as rpb
 
 from cluster.placement import StreamPlacement
 from cluster.replication import copies
+from cluster.replication.pace import Pace
 from cluster.replication.wire import from_data
 from storage import Engine
 
@@ -62,6 +67,7 @@ class FollowerContext:
     metadata: Sequence[tuple[str, str]]  # sent with every call (the peer secret)
     max_bytes: int
     committed: Callable[[str, int], None]  # (stream, HW) as the leader last said it
+    move_pace: Pace | None = None  # the cap on copies for moves (move_bytes_per_s); None: none
 
 
 class StreamFollower:
@@ -104,6 +110,7 @@ class StreamFollower:
         return epochs[-1][0] if epochs else -1
 
     def _request(self) -> rpb.FetchRequest:
+        pace = self._move_pace()
         return rpb.FetchRequest(
             stream=self.name,
             incarnation=self.record.incarnation,
@@ -112,8 +119,17 @@ class StreamFollower:
             log_end=self._ctx.engine.log_end(self.name),
             last_epoch=self._last_epoch(),
             group_seq=self._ctx.engine.group_seq(self.name),
-            max_bytes=self._ctx.max_bytes,
+            # Throttled: a second's worth at most per round, so that the copy paces evenly.
+            max_bytes=self._ctx.max_bytes if pace is None else min(self._ctx.max_bytes, pace.bytes_per_s),
         )
+
+    def _move_pace(self) -> Pace | None:
+        """The throttle, while this node is a replica a move added that is still catching up (an
+        in-sync follower is never throttled)."""
+        node, record = self._ctx.node_id, self.record
+        if self._ctx.move_pace is None or node not in record.added or node in record.isr:
+            return None
+        return self._ctx.move_pace
 
     async def _session(self) -> bool:
         """One Replicate call; True if it moved anything (the next one starts without backoff)."""
@@ -139,6 +155,8 @@ class StreamFollower:
                 else:
                     raise ValueError("an empty response from the leader")
                 progressed = True
+                if body == "data" and (pace := self._move_pace()) is not None:
+                    await pace.took(response.data.ByteSize())
                 await call.write(self._request())
         except asyncio.InvalidStateError:
             # The leader ended the call (refused, or stopped leading) as this node wrote: its status says why.

@@ -41,6 +41,7 @@ from cluster.replication import copies
 from cluster.replication.follower import Connect, FollowerContext, StreamFollower
 from cluster.replication.handover import AskState, hand_over
 from cluster.replication.leader import LeaderContext, NotLeadingError, StreamLeader
+from cluster.replication.pace import Pace
 from storage import Engine
 
 log = logging.getLogger("streamlog.cluster.replication")
@@ -50,6 +51,7 @@ log = logging.getLogger("streamlog.cluster.replication")
 class ReplicationConfig:
     replica_lag_ms: int = 2000
     max_fetch_bytes: int = 1 << 20
+    move_bytes_per_s: int = 0  # the throttle on copies for moves (0: none)
 
 
 class ReplicaManager:
@@ -93,6 +95,7 @@ class ReplicaManager:
             metadata=tuple(metadata),
             max_bytes=config.max_fetch_bytes,
             committed=self._committed,
+            move_pace=Pace(config.move_bytes_per_s) if config.move_bytes_per_s else None,
         )
         self.leaders: dict[str, StreamLeader] = {}
         self.followers: dict[str, StreamFollower] = {}

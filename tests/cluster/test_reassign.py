@@ -12,13 +12,18 @@ from hypothesis import strategies as st
 
 from clients import _rebalance
 from clients.types import StreamPlacement as Described
+from cluster.errors import PlacementError
 from cluster.etcd import KeyValue
 from cluster.placement import StreamPlacement
-from cluster.reassign import copying, next_step, replace_dead, replica_load
+from cluster.reassign import cancelled, copying, next_step, replace_dead, replica_load
 
 
-def record(replicas: str, leader: str, isr: str, target: str = "", epoch: int = 5) -> StreamPlacement:
-    return StreamPlacement("s", 1, 1, tuple(replicas), leader, epoch, tuple(isr), {}, tuple(target))
+def record(
+    replicas: str, leader: str, isr: str, target: str = "", epoch: int = 5, added: str = ""
+) -> StreamPlacement:
+    return StreamPlacement(
+        "s", 1, 1, tuple(replicas), leader, epoch, tuple(isr), {}, tuple(target), tuple(added)
+    )
 
 
 def test_a_target_survives_the_round_trip_through_etcd_and_an_old_record_has_none() -> None:
@@ -28,6 +33,12 @@ def test_a_target_survives_the_round_trip_through_etcd_and_an_old_record_has_non
     old = json.dumps({"replicas": ["a"], "leader": "a", "epoch": 1, "isr": ["a"], "config": {}}).encode()
     assert StreamPlacement.from_kv("s", KeyValue(b"/test/streams/s", old, 1, 1, 0)).target == ()
     assert b"target" not in record("abc", "a", "abc").to_json()  # records without a move are unchanged
+    in_progress = record("abcd", "a", "abc", target="dbc", added="d")
+    kv = KeyValue(b"/test/streams/s", in_progress.to_json(), 1, 1, 0)
+    assert StreamPlacement.from_kv("s", kv) == in_progress
+    for broken in (record("abc", "a", "abc", target="dbc", added="d"), record("abcd", "a", "abc", added="d")):
+        with pytest.raises(PlacementError, match="added"):
+            broken.check()
 
 
 def test_a_move_adds_the_new_replicas_outside_the_in_sync_set_then_waits_for_them() -> None:
@@ -35,6 +46,7 @@ def test_a_move_adds_the_new_replicas_outside_the_in_sync_set_then_waits_for_the
     assert next_step(moving, set("abcd"), may_start=False) is None  # no slot: it waits
     added = next_step(moving, set("abcd"), may_start=True)
     assert (added.replicas, added.isr, added.leader, added.epoch) == (tuple("abcd"), tuple("abc"), "a", 5)
+    assert added.added == ("d",)  # what a cancel drops
     assert copying(added) and not copying(moving)
     assert added.replica_count == 3  # acks=quorum still needs 2 of 3, not 3 of 4
     assert next_step(added, set("abcd"), may_start=True) is None  # d is catching up
@@ -70,6 +82,36 @@ def test_a_move_to_another_replica_count_records_it_as_the_replication_factor() 
     # Moving to as many replicas leaves it as it was.
     same = dataclasses.replace(record("abcd", "a", "abcd", target="dbc"), config={"replication_factor": 3})
     assert next_step(same, set("abcd"), may_start=False).config == {"replication_factor": 3}
+
+
+def test_a_cancel_drops_what_the_move_added_and_keeps_the_replicas_and_leader_it_had() -> None:
+    # Moving a,b,c to d,e,c: d and e added, d caught up, e copying; a still leads.
+    moving = record("abcde", "a", "abcd", target="dec", added="de")
+    back = cancelled(moving)
+    assert (back.replicas, back.isr, back.leader, back.epoch, back.target, back.added) == (
+        tuple("abc"),
+        tuple("abc"),
+        "a",
+        5,
+        (),
+        (),
+    )
+    # Nothing added yet (no slot): only the target goes.
+    waiting = record("abc", "a", "ab", target="dbc")
+    assert cancelled(waiting) == record("abc", "a", "ab")
+    # A move that finished (or none): nothing to undo.
+    assert cancelled(record("dec", "d", "dec")) is None
+    # The leader is one the move added (the old ones failed meanwhile): an in-sync old one leads,
+    # at a new epoch; with none in sync, undoing it would lose what is committed.
+    taken_over = cancelled(record("abd", "d", "bd", target="d", added="d"))
+    assert (taken_over.replicas, taken_over.isr, taken_over.leader, taken_over.epoch) == (
+        ("a", "b"),
+        ("b",),
+        "b",
+        6,
+    )
+    with pytest.raises(PlacementError, match="cannot be undone"):
+        cancelled(record("abd", "d", "d", target="d", added="d"))
 
 
 def test_a_stream_without_a_leader_does_not_move() -> None:

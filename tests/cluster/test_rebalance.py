@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import io
+import os
 import threading
 import time
 from typing import Any
@@ -18,6 +19,7 @@ from bench.replicalogs import read_replica
 from clients import Client, Consumer, Producer
 from clients.cli import main
 from clients.consumer import Message
+from storage.layout import stream_directory
 from tests.cluster.nodes import ClusterNodes, eventually, leader_of
 
 # 6 s leases: 2 s ones lapsed at load 20, moving leaders in the middle of the tests' set-up.
@@ -101,6 +103,12 @@ def test_a_move_asked_wrongly_is_refused_with_the_right_status(
         (pb.ReassignReplicasRequest(stream="", replicas=["n1"]), grpc.StatusCode.INVALID_ARGUMENT, "stream"),
         (pb.ReassignReplicasRequest(stream="none", replicas=["n1"]), grpc.StatusCode.NOT_FOUND, "'none'"),
         (pb.ReassignReplicasRequest(stream="s", replicas=["n9"]), grpc.StatusCode.FAILED_PRECONDITION, "n9"),
+        (
+            pb.ReassignReplicasRequest(stream="s", replicas=["n1"], cancel=True),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "cancel",
+        ),
+        (pb.ReassignReplicasRequest(stream="none", cancel=True), grpc.StatusCode.NOT_FOUND, "'none'"),
     ]
     for request, code, text in cases:
         with pytest.raises(grpc.RpcError) as refused:
@@ -283,3 +291,83 @@ def test_a_rebalance_whose_controller_dies_midway_finishes_under_the_next(
         assert max(counts.values()) - min(counts.values()) <= 1, counts
         for stream in streams:
             assert client.count(stream, 0) == kept[stream]
+
+
+# A throttled move: streams of random (incompressible) entries, so that the bytes copied are
+# about the payload's; the copy then takes about size / rate.
+THROTTLED = {"default_replication_factor": "1", "lease_ttl_ms": "6000"}
+BIG_ENTRIES = 10_000
+
+
+def fill_random(stub: Any, stream: str) -> None:
+    for _ in range(BIG_ENTRIES // 1000):
+        stub.Append(
+            pb.AppendRequest(stream=stream, payloads=[os.urandom(100) for _ in range(1000)]), timeout=30
+        )
+
+
+def copy_of(cluster_nodes: ClusterNodes, node: str, stream: str) -> bool:
+    """Whether node's data directory holds a copy of the stream (read from outside, while it runs)."""
+    return stream_directory(cluster_nodes.directory / node, stream).is_dir()
+
+
+def test_a_throttled_move_copies_at_about_the_rate_set(cluster_nodes: ClusterNodes, stubs: Any) -> None:
+    rate = 100_000  # bytes/s: about 10 s for the stream's 1 MB
+    cluster_nodes.start("n1", "n2", move_bytes_per_s=str(rate), **THROTTLED)
+    stub = stubs("n1")
+    fill_random(stub, "big")
+    [source] = leader_of(stub, "big").replicas
+    [destination] = {"n1", "n2"} - {source}
+    size = stubs(source).GetStreamInfo(pb.GetStreamInfoRequest(stream="big"), timeout=30).info.bytes_on_disk
+    assert size >= BIG_ENTRIES * 100
+    started = time.monotonic()
+    stub.ReassignReplicas(pb.ReassignReplicasRequest(stream="big", replicas=[destination]), timeout=30)
+    eventually(lambda: list(leader_of(stub, "big").replicas) == [destination], SETTLE_S)
+    took = time.monotonic() - started
+    # At least the payload's bytes at the rate (unthrottled, this copy takes well under a second);
+    # at most twice the stream's size at the rate, plus the controller's steps on a loaded machine.
+    assert BIG_ENTRIES * 100 / rate * 0.9 <= took <= 2 * size / rate + 20, (took, size)
+    reply = stubs(destination).Read(pb.ReadRequest(stream="big", offset=BIG_ENTRIES - 1), timeout=30)
+    assert [e.offset for e in reply.entries] == [BIG_ENTRIES - 1]
+
+
+def test_a_move_cancelled_midway_drops_the_new_replica_and_keeps_the_old(
+    cluster_nodes: ClusterNodes, stubs: Any
+) -> None:
+    # Throttled so that the copy takes about 20 s: the cancel comes in the middle of it.
+    cluster_nodes.start("n1", "n2", move_bytes_per_s="50000", **THROTTLED)
+    stub = stubs("n1")
+    fill_random(stub, "big")
+    before = leader_of(stub, "big")
+    [source] = before.replicas
+    [added] = {"n1", "n2"} - {source}
+    stub.ReassignReplicas(pb.ReassignReplicasRequest(stream="big", replicas=[source, added]), timeout=30)
+
+    def copying() -> bool:
+        placement = (
+            stubs(source).DescribeCluster(pb.DescribeClusterRequest(prefix="big"), timeout=10).streams[0]
+        )
+        ends = {p.node: p.log_end_offset for p in placement.progress}
+        return list(placement.replicas) == [source, added] and 0 < ends.get(added, 0) < BIG_ENTRIES
+
+    eventually(copying, SETTLE_S)
+    assert copy_of(cluster_nodes, added, "big")
+    out = io.StringIO()
+    code = main(["cluster", "cancel-moves", "--address", cluster_nodes.target("n1")], out)
+    text = out.getvalue()
+    assert code == 0 and "big: move cancelled, back on" in text and "1 move(s) cancelled" in text, text
+    after = leader_of(stub, "big")
+    assert (list(after.replicas), list(after.in_sync_replicas), after.leader, after.leader_epoch) == (
+        [source],
+        [source],
+        source,
+        before.leader_epoch,
+    )
+    assert not after.target_replicas and after.replication_factor == before.replication_factor
+    eventually(lambda: not copy_of(cluster_nodes, added, "big"), SETTLE_S)  # its copy deleted
+    reply = stub.Read(pb.ReadRequest(stream="big", offset=BIG_ENTRIES - 1), timeout=30)
+    assert [e.offset for e in reply.entries] == [BIG_ENTRIES - 1]
+    # Nothing left to cancel: the stream stays as it is.
+    out = io.StringIO()
+    assert main(["cluster", "cancel-moves", "big", "--address", cluster_nodes.target("n1")], out) == 0
+    assert "big: no move in progress" in out.getvalue() and list(leader_of(stub, "big").replicas) == [source]

@@ -193,6 +193,7 @@ def test_a_single_server_needs_no_cluster_settings_and_a_clustered_node_parses_t
         ),
         ({**CLUSTER, "replica_fetch_bytes": "10"}, "replica_fetch_bytes: must be between 1024 and 4194304"),
         ({**CLUSTER, "max_concurrent_moves": "0"}, "max_concurrent_moves: must be between 1 and 1000"),
+        ({**CLUSTER, "move_bytes_per_s": str(1 << 41)}, "move_bytes_per_s: must be between 0 and"),
         ({**CLUSTER, "replica_replace_after_ms": "2147483648"}, "replica_replace_after_ms: must be between"),
         ({**CLUSTER, "lease_ttl_ms": "2500"}, "lease_ttl_ms: etcd leases count whole seconds"),
         ({**CLUSTER, "lease_ttl_ms": "0"}, "lease_ttl_ms: must be between 1000 and 300000"),
