@@ -794,7 +794,7 @@ def _cmd_cancel_moves(args: argparse.Namespace, out: IO[str]) -> int:
         if not cluster.cluster_name:
             raise UsageError("the server is not in a cluster: there are no moves to cancel")
         targets = {s.name: s.target_replicas for s in cluster.streams if s.target_replicas}
-        results = {}
+        results: dict[str, dict[str, Any]] = {}
         for name in args.streams or sorted(targets):
             placement = client.cancel_move(name)
             # A move that finished meanwhile is not undone: the stream is then on its target.
