@@ -11,7 +11,11 @@ members.
 
 - unary Append, unbatched, from one Client given every member's address (it sends each call
   straight to its stream's leader);
-- Publish, one session per stream (in a cluster a session carries one stream), on its leader.
+- Publish, one session per stream (in a cluster a session carries one stream), on its leader;
+- unary Append from h2load (bench/h2load.py: a C HTTP/2 client, one process per stream sending
+  to its leader as the layout says), whose calls cost a few tens of microseconds of CPU where
+  grpc-js's cost about what the server's do: on two cores shared by clients and members, the
+  figure in which the members, not the clients, take the cores.
 
 The configurations take turns, round by round, so that load from elsewhere on the machine
 falls on both alike; each one's figure is its acknowledged calls over its rounds' time.
@@ -27,12 +31,13 @@ import statistics
 from collections import Counter
 
 from bench.common import emit, node_load, server_cpu_seconds
+from bench.h2load import append_load
 from clients import Client
 from tests.cluster.nodes import eventually
 
 PAYLOAD = 100  # publish_load.js's
 STREAMS = 8
-RPCS = ("Append", "Publish")
+RPCS = ("Append", "Publish", "Append/h2load")
 
 
 def stream_names() -> list[str]:
@@ -57,13 +62,27 @@ def servers_cpu(addresses: list[str]) -> float:
     return sum(server_cpu_seconds(int(address.rsplit(":", 1)[1])) for address in addresses)
 
 
+def leaders_of(addresses: list[str]) -> dict[str, str]:
+    """Each stream's leader's address, from the layout."""
+    with Client(addresses) as client:
+        cluster = client.describe_cluster("members-")
+    nodes = {node.id: node.address for node in cluster.nodes}
+    return {placement.name: nodes[placement.leader] for placement in cluster.streams}
+
+
 def round_of(addresses: list[str], rpc: str, in_flight: int, seconds: float) -> tuple[float, float, float]:
-    """One round of Node load: calls/s while counted, and the members' and the client's CPU
+    """One round of load: calls/s while counted, and the members' and the client's CPU
     microseconds per call (the members' over the whole round, warm-up calls included)."""
     cpu = servers_cpu(addresses)
-    got = node_load("spread", ",".join(addresses), rpc.lower(), ",".join(stream_names()), in_flight, seconds)
-    server_us = (servers_cpu(addresses) - cpu) / got["calls"] * 1e6
-    return got["calls_per_s"], server_us, got["cpu_us_per_call"]
+    calls: float
+    if rpc == "Append/h2load":
+        rate, client_us, calls = append_load(leaders_of(addresses), os.urandom(PAYLOAD), in_flight, seconds)
+    else:
+        streams = ",".join(stream_names())
+        got = node_load("spread", ",".join(addresses), rpc.lower(), streams, in_flight, seconds)
+        rate, client_us, calls = got["calls_per_s"], got["cpu_us_per_call"], got["calls"]
+    server_us = (servers_cpu(addresses) - cpu) / calls * 1e6
+    return rate, server_us, client_us
 
 
 def measure(

@@ -19,6 +19,7 @@ import pytest
 from bench import cluster, failover, members
 from bench import redis_baseline as rb
 from tests.cluster.etcd_server import EtcdCluster
+from tests.clients.nodejs import needs_node, npm_install
 from tests.cluster.helpers import TEST_TTL_MS
 
 
@@ -86,23 +87,27 @@ def test_every_route_of_both_clusters_and_redis_gets_its_figures(
         assert positive(record["value"]), record
 
 
-@pytest.mark.timeout(180)
-def test_one_member_and_two_each_get_an_appends_figure_and_their_ratio(
+@needs_node
+@pytest.mark.timeout(300)
+def test_one_member_and_two_each_get_a_figure_per_load_and_their_ratio(
     etcd: EtcdCluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    rates = cluster.member_counts(etcd, rounds=1, seconds=0.5, processes=2, concurrency=2)
+    npm_install()
+    ratios = cluster.member_counts(etcd, rounds=1, seconds=1.0, in_flight=8)
     emitted = records(capsys)
-    one, two = (by_figure(emitted, "members_appends", members=count) for count in (1, 2))
-    assert len(one) == len(two) == 1 and {one[0]["value"], two[0]["value"]} == set(rates.values())
-    # The two-member cluster placed the streams on both members, and each client called both.
-    assert one[0]["streams_led"] == {"m1": members.STREAMS}
-    led = two[0]["streams_led"]
-    assert set(led) == {"m1", "m2"} and sum(led.values()) == members.STREAMS
-    for figure in (one[0], two[0]):
-        assert figure["unit"] == "appends/s" and positive(figure["value"]) and figure["appends"] > 0
-        assert positive(figure["client_cpu_us_per_append"]) and figure["client_processes"] == 2
-    [ratio] = by_figure(emitted, "members_ratio")
-    assert ratio["value"] == pytest.approx(two[0]["value"] / one[0]["value"])
+    assert set(ratios) == set(members.RPCS) == {"Append", "Publish", "Append/h2load"}
+    for rpc in members.RPCS:
+        one, two = (by_figure(emitted, "members_appends", members=count, rpc=rpc) for count in (1, 2))
+        assert len(one) == len(two) == 1
+        # The two-member cluster placed the streams on both members.
+        assert one[0]["streams_led"] == {"m1": members.STREAMS}
+        led = two[0]["streams_led"]
+        assert set(led) == {"m1", "m2"} and sum(led.values()) == members.STREAMS
+        for figure in (one[0], two[0]):
+            assert figure["unit"] == "calls/s" and positive(figure["value"])
+            assert positive(figure["server_cpu_us_per_call"]) and positive(figure["client_cpu_us_per_call"])
+        [ratio] = by_figure(emitted, "members_ratio", rpc=rpc)
+        assert ratio["value"] == pytest.approx(two[0]["value"] / one[0]["value"]) == pytest.approx(ratios[rpc])
 
 
 def test_the_loss_check_finds_a_lost_a_moved_and_a_doubled_entry() -> None:
