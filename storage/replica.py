@@ -152,7 +152,10 @@ def read_chunk(stream: Stream, offset: int, max_bytes: int, stop: int | None = N
                 break
             blob = view.slice(lo, taken)
             shift = size - view.positions[lo]
-            positions.extend(map(add, view.positions[lo + 1 : taken + 1], repeat(shift, taken - lo)))
+            ends = view.positions[lo + 1 : taken + 1]
+            # A chunk that starts at a node's first record (a follower at the leader's last append)
+            # takes the node's boundaries as they are: a copy, no per-record arithmetic.
+            positions.extend(ends if not shift else map(add, ends, repeat(shift, taken - lo)))
             _, first_ts = record_offset_and_timestamp(blob, 0)
             _, last_ts = record_offset_and_timestamp(blob, view.positions[taken - 1] + shift - size)
             flags = ref.header.flags & NODE_CARRIED_FLAGS

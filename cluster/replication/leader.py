@@ -7,7 +7,8 @@ One `StreamLeader` per led stream and epoch (Kafka's partition leader):
   leader answers where the follower's last epoch ends in its own history, until the
   follower's log is a prefix of its own. Then each request acknowledges the follower's
   `log_end` and is answered, as soon as there is something new (entries past it, a
-  higher watermark) or after `heartbeat_s`, with the records from there and the holes
+  higher watermark: `hw_linger_s` after it moved, unless entries come first to go with it)
+  or after `heartbeat_s`, with the records from there and the holes
   compaction left between them, stopping where the next epoch starts so that the
   follower records the epoch first, and this log's first offset, which the follower's
   copy follows (KIP-107: trims and retention happen here only). The wait is woken
@@ -111,6 +112,8 @@ class LeaderContext:
     lease_valid_until: Callable[[], float]  # monotonic time; membership's reckoning
     replica_lag_s: float
     heartbeat_s: float
+    # How long news of a higher HW alone waits for entries to travel with (see `_answer`).
+    hw_linger_s: float
 
 
 class StreamLeader:
@@ -122,6 +125,7 @@ class StreamLeader:
         self.record = record
         self.leading = True
         self.hw = hw
+        self._hw_moved_at = 0.0
         self._engine = ctx.engine
         self._epoch_start = self._engine.log_end(self.name)
         now = time.monotonic()
@@ -186,6 +190,7 @@ class StreamLeader:
         if hw <= self.hw:
             return
         self.hw = hw
+        self._hw_moved_at = time.monotonic()
         self._engine.set_commit(self.name, hw)
         _release(self._waiters, hw)
         self._notify()
@@ -343,10 +348,13 @@ class StreamLeader:
         while (
             self.leading
             and self._engine.log_end(self.name) <= log_end
-            and self.hw <= sent_hw
             and not self._group_news(session, log_end)
         ):
-            remaining = deadline - time.monotonic()
+            # A higher HW alone waits a moment for entries to go with it: under a stream of quorum
+            # appends the next batch comes soon after the HW covered the last one, and one answer
+            # then carries both (a round per batch, not two).
+            due = min(deadline, self._hw_moved_at + self._ctx.hw_linger_s) if self.hw > sent_hw else deadline
+            remaining = due - time.monotonic()
             if remaining <= 0:
                 break
             await asyncio.wait([self._wake], timeout=remaining)

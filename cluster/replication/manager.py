@@ -52,6 +52,8 @@ class ReplicationConfig:
     replica_lag_ms: int = 2000
     max_fetch_bytes: int = 1 << 20
     move_bytes_per_s: int = 0  # the throttle on copies for moves (0: none)
+    # A higher HW alone is sent to a follower this long after it moved, unless entries come first.
+    hw_linger_ms: int = 10
 
 
 class ReplicaManager:
@@ -87,6 +89,7 @@ class ReplicaManager:
             lease_valid_until=lease_valid_until,
             replica_lag_s=lag_s,
             heartbeat_s=min(0.5, lag_s / 4),
+            hw_linger_s=config.hw_linger_ms / 1000,
         )
         self._follower_ctx = FollowerContext(
             node_id=node_id,

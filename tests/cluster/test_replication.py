@@ -19,6 +19,7 @@ from streamlog.internal.v1 import replication_pb2_grpc as rpb_grpc
 
 from cluster.coordinator import Coordinator
 from cluster.placement import StreamPlacement
+from cluster.replication.follower import StreamFollower
 from cluster.replication.leader import NotEnoughReplicasError, NotLeadingError
 from cluster.replication.manager import ReplicaManager, ReplicationConfig
 from cluster.replication.service import PEER_SECRET, ReplicaServicer, add_to_server
@@ -56,9 +57,12 @@ class Node:
 
 
 class Cluster:
-    def __init__(self, etcd: EtcdCluster, root: Path, lag_ms: int, engine: dict[str, Any]) -> None:
+    def __init__(
+        self, etcd: EtcdCluster, root: Path, lag_ms: int, engine: dict[str, Any], hw_linger_ms: int = 10
+    ) -> None:
         self._etcd = etcd
         self._lag_ms = lag_ms
+        self._hw_linger_ms = hw_linger_ms
         self._engine = engine
         self._root = root
         self.nodes: dict[str, Node] = {}
@@ -101,7 +105,9 @@ class Cluster:
             lease_valid_until=lambda: coordinator.membership.lease_valid_until,
             connect=self._connect,
             metadata=[(PEER_SECRET, SECRET)],
-            config=ReplicationConfig(replica_lag_ms=self._lag_ms, max_fetch_bytes=4096),
+            config=ReplicationConfig(
+                replica_lag_ms=self._lag_ms, max_fetch_bytes=4096, hw_linger_ms=self._hw_linger_ms
+            ),
             live=lambda: coordinator.nodes.live().keys(),
             ask_state=self._ask_state,
         )
@@ -126,10 +132,10 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def cluster(
-    etcd: EtcdCluster, root: Path, *node_ids: str, lag_ms: int = LAG_MS, **engine: Any
+    etcd: EtcdCluster, root: Path, *node_ids: str, lag_ms: int = LAG_MS, hw_linger_ms: int = 10, **engine: Any
 ) -> AsyncIterator[Cluster]:
     """Nodes started in turn; `engine`: EngineConfig settings for every node."""
-    nodes = Cluster(etcd, root, lag_ms, engine)
+    nodes = Cluster(etcd, root, lag_ms, engine, hw_linger_ms)
     try:
         for node_id in node_ids:
             await nodes.start(node_id)
@@ -433,6 +439,38 @@ def test_the_only_in_sync_replica_that_lost_its_copy_hands_the_stream_to_the_ful
             # It rebuilds from the new leader and is taken back in once caught up.
             await until(lambda: record.leader in back.placement.locate("s").isr, timeout_s=20)
             assert records(back)[: len(records(new))] == records(new)
+
+    run(scenario())
+
+
+def test_quorum_appends_in_a_row_take_one_fetch_answer_each_and_followers_learn_the_last_hw(
+    etcd: EtcdCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A higher HW alone waits (hw_linger_ms) for the next entries to go with it: one answer per
+    append to each follower, not one with the entries and another with the HW that covers them."""
+    answers: list[str] = []
+    apply = StreamFollower._apply
+
+    def counted(self: StreamFollower, data: rpb.ReplicaData) -> None:
+        answers.append(self._ctx.node_id)
+        apply(self, data)
+
+    monkeypatch.setattr(StreamFollower, "_apply", counted)
+
+    async def scenario() -> None:
+        # A heartbeat (lag / 4) and a linger far longer than the gap between two appends.
+        async with cluster(etcd, tmp_path, "a", "b", "c", lag_ms=8000, hw_linger_ms=2000) as nodes:
+            _, leader, followers = await created(nodes)
+            end = await append(leader, [b"first"])
+            answers.clear()
+            appends = 20
+            for i in range(appends):
+                end = await append(leader, [b"entry %d" % i] * 3)
+            for node_id in followers:
+                # The last append's HW has not gone out yet: at most one answer each beyond the appends.
+                assert answers.count(node_id) <= appends + 1, answers
+            # With no entries after it, the last HW reaches the followers after the linger.
+            await until(lambda: all(nodes.nodes[n].engine.bounds("s").end_offset == end for n in followers))
 
     run(scenario())
 
