@@ -7,7 +7,9 @@ then its blob follows:
 
 Each append writes the new records, then the new table entries, then the
 header slot the sequence number picks; the CRCs grow incrementally with the
-table and blob. docs/FORMAT.md has the tables.
+table and blob. The slot of the last header a sync made durable is never
+overwritten before a newer one is durable (`durable_seq`). docs/FORMAT.md has
+the tables.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from storage.fs import SegmentFile
 
 if TYPE_CHECKING:  # segment.py reads growing nodes with the functions above GrowingNode
     from storage.segment import NodeRef, Segment
+
+NO_SLOT = 2  # no header slot is kept: a node none of whose headers is durable yet
 
 
 def plausible_growing(header: NodeHeader) -> bool:
@@ -48,27 +52,48 @@ def read_growing_body(file: SegmentFile, pos: int, header: NodeHeader) -> NodeBo
 class GrowingNode:
     """The active node: entries are appended in place, then a header slot is rewritten.
 
-    The two header slots are written alternately (by sequence number), so a
-    torn header write leaves the previous header, and the prefix it
-    describes, intact. The CRCs grow incrementally with the table and blob.
+    A header goes into the slot its sequence number picks (seq % 2). While
+    no header of the node is durable the slots alternate, so a torn header
+    write leaves the previous header, and the prefix it describes, intact.
+    Once one is (`durable_seq`, set by the sync that covered it), an append
+    whose seq would land in its slot skips a number: appends between syncs
+    keep rewriting the other slot, and a power loss that keeps their
+    headers but not their bodies falls back to the durable one (recovery
+    takes the highest valid seq, whichever slot holds it). The CRCs grow
+    incrementally with the table and blob.
     """
 
-    def __init__(self, ref: NodeRef, positions: array) -> None:
+    def __init__(self, ref: NodeRef, positions: array, durable_seq: int) -> None:
         self.ref = ref
         self.positions = positions  # count+1 entries: the last is the blob length
+        self.set_durable(durable_seq)
 
     @classmethod
     def start(cls, segment: Segment, slots: int, base_offset: int) -> GrowingNode:
         header = NodeHeader(0, 0, base_offset, slots, 0, 4 * slots, 0, 0, 0, 0)
-        return cls(segment.ref_at(segment.end_pos, header), array("I", [0]))
+        return cls(segment.ref_at(segment.end_pos, header), array("I", [0]), durable_seq=0)
 
     @classmethod
     def resume(cls, ref: NodeRef) -> GrowingNode:
+        """The node `ref` as appends go on in it, its header taken as durable (the stream makes it
+        so: a clean close, a recovery, a truncation; a hand-off taken back says otherwise)."""
         table = ref.segment.file.read(ref.pos + NODE_PREFIX_SIZE, 4 * ref.header.count)
         positions = array("I")
         positions.frombytes(table)
         positions.append(ref.header.blob_len)
-        return cls(ref, positions)
+        return cls(ref, positions, ref.header.seq)
+
+    def set_durable(self, seq: int) -> None:
+        """The header with `seq` is the node's last durable one (0: none is): appends keep its slot."""
+        self.durable_seq = seq
+        self._kept_slot = seq % 2 if seq else NO_SLOT
+
+    def made_durable(self, seq: int) -> None:
+        """A sync that began when this node's header had `seq` (0: no header yet) completed. It
+        vouches for that header only if no append rewrote its slot meanwhile (the header still has
+        `seq`); otherwise the header kept so far stays the last durable one."""
+        if self.ref.header.seq == seq and seq > self.durable_seq:
+            self.set_durable(seq)
 
     @property
     def count(self) -> int:
@@ -97,8 +122,11 @@ class GrowingNode:
         table = positions[:-1].tobytes()
         file.write(self.ref.pos + NODE_PREFIX_SIZE + 4 * h.count, table)
         count = h.count + len(positions) - 1
+        seq = h.seq + 1
+        if seq % 2 == self._kept_slot:  # never over the last durable header: skip a number
+            seq += 1
         header = NodeHeader(
-            seq=h.seq + 1,
+            seq=seq,
             count=count,
             base_offset=h.base_offset,
             slots=h.slots,

@@ -10,7 +10,9 @@ segment files (by path: a closed mapping's dirty pages stay in the page cache), 
 
 A stream reopened before that takes its close back (`take`): nothing was lost, its files are
 as it left them in the page cache, so it opens trusting its node bodies as after a clean
-close, with those files to sync in its own next round, and no marker was written to remove.
+close, with those files to sync in its own next round, and no marker was written to remove;
+its growing node keeps the header slot its last sync made durable (`durable_seq`: the header it
+has now may not be, storage/growing.py).
 If the round's sync failed, the stream reopens refusing appends, as a stream whose own sync
 failed does (after a failed fsync the kernel may have dropped the pages: PostgreSQL's fsyncgate).
 """
@@ -43,6 +45,7 @@ class UnsyncedClose:
     directory: Path
     files: list[Path]  # segment files written since their last sync
     creation: PendingCreation | None  # a new stream's creation, not yet durable
+    durable_seq: int  # the seq of the last durable header of its growing node (0: none)
     state: _State = _State.PENDING
     error: DurabilityError | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)

@@ -153,6 +153,10 @@ class Stream:
         if fs.exists(directory / EPOCHS_FILE):
             stream.epochs = EpochHistory.decode(fs.read_file(directory / EPOCHS_FILE))
         stream.clean_marker = clean and handed is None
+        if not clean and stream.active is not None:
+            # After a crash the recovered tail may be in the page cache only (a kill -9): sync it, so
+            # the header appends keep (storage/growing.py) is one a power loss keeps too.
+            stream.active.ref.segment.file.sync()
         stream.truncation.finish_pending()
         if handed is not None:
             stream._take_back(handed)
@@ -161,6 +165,8 @@ class Stream:
     def _take_back(self, handed: UnsyncedClose) -> None:
         """Resume the unsynced state a close handed off (its files to sync, its creation)."""
         self.dirty = {s.file for s in self.segments if s.file.path in handed.files}
+        if self.active is not None:  # its header may not be durable: keep the one that was
+            self.active.set_durable(handed.durable_seq)
         self.creation = handed.creation
         self.write_seq += 1  # a sync is due (the gate counts writes since the open)
         if handed.error is not None:  # its sync failed after the close: refuse appends, as `gate` does
@@ -375,10 +381,14 @@ class Stream:
             seq = self.write_seq
             upto = self.end_offset
             cuts = self.cuts
+            node = self.active
+            node_seq = node.ref.header.seq if node is not None else 0
         for file in files:
             file.sync()
         self.commit_creation(synced=True)
         with self.lock:
+            if node is not None:  # its appends keep this header's slot from now on (storage/growing.py)
+                node.made_durable(node_seq)
             if self.cuts == cuts:  # else a truncation cut what `upto` counted: it is not ours to vouch for
                 self.publish(max(self.local_end, upto))
         return seq
@@ -610,7 +620,8 @@ class Stream:
                     with self.lock:
                         files = [file.path for file in self.dirty]
                         self.dirty.clear()
-                    handed = UnsyncedClose(self.directory, files, self.creation)
+                    durable_seq = self.active.durable_seq if self.active is not None else 0
+                    handed = UnsyncedClose(self.directory, files, self.creation, durable_seq)
                     self.creation = None
                 else:
                     self.sync()

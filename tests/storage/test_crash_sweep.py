@@ -1023,3 +1023,76 @@ def test_a_read_starting_in_a_compacted_range_at_the_end_reports_the_gap():
     result = engine.read(MAIN, end - 8, 10)
     assert result.count == 0
     assert result.gap is not None and (result.gap.start_offset, result.gap.reason) == (end - 8, "compacted")
+
+
+def synced_then_one_more() -> tuple[FaultFS, Engine, list[bytes], list[bytes]]:
+    """everysec: one append, a sync (an everysec tick: it is reported durable), one more append into
+    the same node. Returns the file system, the engine, what was synced and what was appended."""
+    fs, engine, _ = fresh("everysec")
+    synced: list[bytes] = []
+    ack(engine, synced, small_items(0, 2))
+    engine.sync()
+    attempted = list(synced)
+    ack(engine, attempted, small_items(2, 1))
+    return fs, engine, synced, attempted
+
+
+@pytest.mark.parametrize("body", ["drop", "torn"])
+def test_a_power_loss_after_two_unsynced_appends_keeps_every_synced_entry(body):
+    """everysec: two appends after a sync rewrite both header slots of the active node unless the
+    synced header's slot is kept; a power loss that keeps their headers but not (all of) their
+    bodies must fall back to the synced header, not lose the node."""
+    fs, engine, synced, attempted = synced_then_one_more()
+    ack(engine, attempted, small_items(3, 1))  # the same node: its two header slots both written
+    assert engine.info(MAIN).nodes == 1
+
+    def fate(write) -> str:
+        return "keep" if len(write.data) == 64 and write.data[:4] == b"SLND" else body
+
+    assert_recovers(fs.crashed_copy(random.Random(7), mode="power", fate=fate), "everysec", synced, attempted)
+
+
+def test_after_a_kill9_the_recovered_tail_is_synced_before_appends_go_on():
+    """A kill -9 leaves the last append in the page cache, not on disk; the next process recovers
+    it, and its appends must not take its header for a durable one (and overwrite the synced one)."""
+    fs, engine, synced, attempted = synced_then_one_more()
+    # kill -9: the process is gone, the page cache is not; a new process opens the same files.
+    engine = open_engine(fs, "everysec", Clock(1_750_000_000_000))
+    ack(engine, attempted, small_items(3, 1))
+    assert engine.info(MAIN).nodes == 1
+    state = fs.crashed_copy(mode="power", fate=keep_only_headers)
+    assert_recovers(state, "everysec", synced, attempted)
+
+
+def test_a_stream_taken_back_from_its_unsynced_close_keeps_its_synced_header():
+    """The open-stream cache closes a stream without syncing it (everysec) and the stream is reopened
+    before the round: its last durable header is the one its last sync covered, not its current one."""
+    fs, engine, synced, attempted = synced_then_one_more()
+    engine.append(AUX, AppendBatch([b"aux"]))  # max_open_streams is 1: main's close is handed off
+    assert len(engine._unsynced) == 1
+    ack(engine, attempted, small_items(3, 1))  # main is reopened and takes its close back
+    assert len(engine._unsynced) == 1 and engine.info(MAIN).nodes == 1  # aux's close waits now
+    state = fs.crashed_copy(mode="power", fate=keep_only_headers)
+    assert_recovers(state, "everysec", synced, attempted)
+
+
+def test_a_sync_that_an_append_overlapped_leaves_the_node_a_durable_header():
+    """An append into the node while its sync runs rewrites the slot of the header the sync began
+    with, so that sync cannot vouch for it: the header kept stays the one before. (Had it taken the
+    newer header for durable, the next append would overwrite the older one and a power loss could
+    leave the node with no valid header.)"""
+    fs, engine, synced, attempted = synced_then_one_more()
+    file = engine._stream(MAIN).segments[-1].file
+    real_sync = file.sync
+
+    def sync_then_append() -> None:
+        real_sync()
+        ack(engine, attempted, small_items(3, 1))  # lands after the flush, before the sync returns
+
+    file.sync = sync_then_append
+    engine.sync()
+    file.sync = real_sync
+    ack(engine, attempted, small_items(4, 1))
+    assert engine.info(MAIN).nodes == 1
+    state = fs.crashed_copy(mode="power", fate=keep_only_headers)
+    assert_recovers(state, "everysec", synced, attempted)
