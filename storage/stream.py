@@ -257,6 +257,7 @@ class Stream:
             node is not None
             and node.count + n <= node.ref.header.slots
             and node.ref.segment is self.segments[-1]
+            and not node.in_sync
         ):
             start = node.positions[-1]  # the batch may go on in the active node
         else:
@@ -284,7 +285,12 @@ class Stream:
         self.unmark_clean()
         n = len(positions) - 1
         node = self.active
-        if node is None or node.ref.segment is not self.segments[-1] or not node.make_room(n, len(blob)):
+        if (
+            node is None
+            or node.ref.segment is not self.segments[-1]
+            or node.in_sync
+            or not node.make_room(n, len(blob))
+        ):
             node = self._start_node(n, len(blob), self.ctx.clock())
         start = node.positions[-1]
         if start:
@@ -383,11 +389,16 @@ class Stream:
             cuts = self.cuts
             node = self.active
             node_seq = node.ref.header.seq if node is not None else 0
+            # The header the sync begins with must stay in its slot until the sync ends, or the sync
+            # cannot vouch for it; under "always" an append meanwhile would start a node per sync.
+            if node is not None and node_seq > node.durable_seq and self.fsync is not FsyncPolicy.ALWAYS:
+                node.in_sync = True
         for file in files:
             file.sync()
         self.commit_creation(synced=True)
         with self.lock:
             if node is not None:  # its appends keep this header's slot from now on (storage/growing.py)
+                node.in_sync = False
                 node.made_durable(node_seq)
             if self.cuts == cuts:  # else a truncation cut what `upto` counted: it is not ours to vouch for
                 self.publish(max(self.local_end, upto))

@@ -47,6 +47,7 @@ import itertools
 import os
 import random
 import tempfile
+import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1098,23 +1099,72 @@ def test_a_stream_taken_back_from_its_unsynced_close_keeps_its_synced_header():
     assert_recovers(state, "everysec", synced, attempted)
 
 
-def test_a_sync_that_an_append_overlapped_leaves_the_node_a_durable_header():
-    """An append into the node while its sync runs rewrites the slot of the header the sync began
-    with, so that sync cannot vouch for it: the header kept stays the one before. (Had it taken the
-    newer header for durable, the next append would overwrite the older one and a power loss could
-    leave the node with no valid header.)"""
+def test_an_append_while_a_sync_runs_goes_to_a_new_node_and_the_sync_covers_what_came_before():
+    """everysec: an append into the node while its sync runs would rewrite the slot of the header the
+    sync began with (the other slot keeps the last durable one), and the disk could then hold that
+    header without all of its body: it goes to a new node, and everything before the sync survives."""
     fs, engine, synced, attempted = synced_then_one_more()
     file = engine._stream(MAIN).segments[-1].file
     real_sync = file.sync
 
     def sync_then_append() -> None:
         real_sync()
-        ack(engine, attempted, small_items(3, 1))  # lands after the flush, before the sync returns
+        engine.append(MAIN, AppendBatch(small_items(3, 1)))  # after the flush, before the sync returns
 
     file.sync = sync_then_append
+    synced = list(attempted)
     engine.sync()
     file.sync = real_sync
+    attempted += small_items(3, 1)
     ack(engine, attempted, small_items(4, 1))
-    assert engine.info(MAIN).nodes == 1
+    assert engine.info(MAIN).nodes == 2
     state = fs.crashed_copy(mode="power", fate=keep_only_headers)
     assert_recovers(state, "everysec", synced, attempted)
+
+
+def test_under_always_a_sync_an_append_overlapped_never_leaves_the_node_without_a_durable_header():
+    """always, appends from several threads: B's append lands while the sync of A's runs (under
+    "always" it is not moved to a new node), rewriting the slot of the header that sync began with.
+    That sync cannot vouch for A's header, so the slot kept stays the one before A, and C's append
+    must not overwrite it: a power loss then keeps at least what was synced before A (A's own entry
+    may go with it: the limit docs/DURABILITY.md states), never loses the node."""
+    fs, engine, _ = fresh("always")
+    before_a: list[bytes] = []
+    ack(engine, before_a, small_items(0, 2))
+    stream = engine._stream(MAIN)
+    file = stream.segments[-1].file
+    real_sync, real_wrote = file.sync, stream._wrote
+    landed = threading.Event()  # an append has written its entries
+
+    def wrote(*args) -> None:
+        real_wrote(*args)
+        landed.set()
+
+    appenders: list[threading.Thread] = []
+
+    def append_meanwhile(i: int) -> None:
+        landed.clear()
+        appenders.append(threading.Thread(target=engine.append, args=(MAIN, AppendBatch(small_items(i, 1)))))
+        appenders[-1].start()
+        assert landed.wait(60)
+
+    images: list[FaultFS] = []
+
+    def sync() -> None:
+        if not images and not hasattr(sync, "b"):
+            real_sync()
+            sync.b = True
+            append_meanwhile(3)  # B, after A's flush, before A's sync returns
+        elif not images:
+            append_meanwhile(4)  # C, while B's sync is on its way
+            images.append(fs.crashed_copy(mode="power", fate=keep_only_headers))
+            real_sync()
+        else:
+            real_sync()
+
+    stream._wrote, file.sync = wrote, sync
+    engine.append(MAIN, AppendBatch(small_items(2, 1)))  # A: returns once its sync has
+    for appender in appenders:  # B, then C (B's sync starts C), each returning once synced
+        appender.join(60)
+    assert engine.info(MAIN).end_offset == 5 and engine.info(MAIN).nodes == 1 and images
+    assert_recovers(images[0], "always", before_a, before_a + small_items(2, 3))
