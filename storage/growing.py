@@ -66,8 +66,9 @@ class GrowingNode:
     def __init__(self, ref: NodeRef, positions: array, durable_seq: int) -> None:
         self.ref = ref
         self.positions = positions  # count+1 entries: the last is the blob length
-        # A sync (everysec, no) began while its header was not durable yet: until it ends, that
-        # header's slot and the durable one's are both kept, so the stream appends into a new node.
+        # A sync began while its header was not durable yet: until it ends, that header's slot and
+        # the durable one's are both kept, so the stream appends into a new node (everysec, no) or
+        # waits for the sync to end (always).
         self.in_sync = False
         self.set_durable(durable_seq)
 

@@ -76,6 +76,8 @@ class Stream:
         self.directory = directory
         self.config = config
         self.lock = threading.RLock()
+        # Notified when a sync ends: under "always" an append waits for the sync in flight (below).
+        self.sync_ended = threading.Condition(self.lock)
         self.maintenance_lock = threading.Lock()
         self.gate = SyncGate()
         self.segments: list[Segment] = []
@@ -218,7 +220,16 @@ class Stream:
         return results
 
     def _check_writable(self) -> None:
-        """Before an append (call with `lock` held): refuse it if the stream cannot take it."""
+        """Before an append (call with `lock` held): refuse it if the stream cannot take it.
+
+        Under "always", wait first while a sync of the active node's header runs: the append
+        would rewrite that header's slot, and the sync could then vouch for nothing newer than
+        the header before it (storage/growing.py). The append cannot be covered by the sync in
+        flight anyway, so it loses only its own write's time, and the appends that waited share
+        the next sync (group commit), in the node they fill."""
+        if self.fsync is FsyncPolicy.ALWAYS:
+            while (node := self.active) is not None and node.in_sync:
+                self.sync_ended.wait()
         if self.closed:
             raise InvalidArgumentError(f"stream {self.name!r} was deleted")
         if self.gate.error is not None:
@@ -390,18 +401,26 @@ class Stream:
             node = self.active
             node_seq = node.ref.header.seq if node is not None else 0
             # The header the sync begins with must stay in its slot until the sync ends, or the sync
-            # cannot vouch for it; under "always" an append meanwhile would start a node per sync.
-            if node is not None and node_seq > node.durable_seq and self.fsync is not FsyncPolicy.ALWAYS:
+            # cannot vouch for it: meanwhile an append goes to a new node (everysec, no) or waits
+            # (always: `_check_writable`).
+            if node is not None and node_seq > node.durable_seq:
                 node.in_sync = True
-        for file in files:
-            file.sync()
-        self.commit_creation(synced=True)
-        with self.lock:
-            if node is not None:  # its appends keep this header's slot from now on (storage/growing.py)
-                node.in_sync = False
-                node.made_durable(node_seq)
-            if self.cuts == cuts:  # else a truncation cut what `upto` counted: it is not ours to vouch for
-                self.publish(max(self.local_end, upto))
+        synced = False
+        try:
+            for file in files:
+                file.sync()
+            self.commit_creation(synced=True)
+            synced = True
+        finally:
+            with self.lock:
+                if node is not None:
+                    node.in_sync = False
+                    if synced:  # its appends keep this header's slot from now on (storage/growing.py)
+                        node.made_durable(node_seq)
+                self.sync_ended.notify_all()
+                # (A truncation meanwhile cut what `upto` counted: it is not ours to vouch for.)
+                if synced and self.cuts == cuts:
+                    self.publish(max(self.local_end, upto))
         return seq
 
     def commit_creation(self, synced: bool = False) -> None:

@@ -1122,49 +1122,55 @@ def test_an_append_while_a_sync_runs_goes_to_a_new_node_and_the_sync_covers_what
     assert_recovers(state, "everysec", synced, attempted)
 
 
-def test_under_always_a_sync_an_append_overlapped_never_leaves_the_node_without_a_durable_header():
-    """always, appends from several threads: B's append lands while the sync of A's runs (under
-    "always" it is not moved to a new node), rewriting the slot of the header that sync began with.
-    That sync cannot vouch for A's header, so the slot kept stays the one before A, and C's append
-    must not overwrite it: a power loss then keeps at least what was synced before A (A's own entry
-    may go with it: the limit docs/DURABILITY.md states), never loses the node."""
+def test_under_always_an_append_during_a_sync_waits_for_it_and_every_acknowledged_entry_survives():
+    """always, appends from several threads: B's append comes while the sync of A's runs. It waits
+    for that sync (rewriting the slot of the header the sync began with would leave the sync
+    vouching for nothing newer than the header before A), then takes the next sync with C, in the
+    same node. A power loss at any point keeps every entry whose append returned: taken while
+    B's and C's sync runs, with only the headers of what was not yet synced kept."""
     fs, engine, _ = fresh("always")
-    before_a: list[bytes] = []
-    ack(engine, before_a, small_items(0, 2))
+    acked: list[bytes] = []
+    ack(engine, acked, small_items(0, 2))
     stream = engine._stream(MAIN)
     file = stream.segments[-1].file
-    real_sync, real_wrote = file.sync, stream._wrote
-    landed = threading.Event()  # an append has written its entries
+    real_sync, real_wait = file.sync, stream.sync_ended.wait
+    waiting = threading.Semaphore(0)  # released each time an append starts waiting for a sync
 
-    def wrote(*args) -> None:
-        real_wrote(*args)
-        landed.set()
+    def wait_for_sync(*args) -> bool:
+        waiting.release()
+        return real_wait(*args)
 
     appenders: list[threading.Thread] = []
 
     def append_meanwhile(i: int) -> None:
-        landed.clear()
         appenders.append(threading.Thread(target=engine.append, args=(MAIN, AppendBatch(small_items(i, 1)))))
         appenders[-1].start()
-        assert landed.wait(60)
 
     images: list[FaultFS] = []
 
     def sync() -> None:
-        if not images and not hasattr(sync, "b"):
+        if not hasattr(sync, "a"):
+            sync.a = True  # A's sync: B and C come meanwhile, and wait
+            append_meanwhile(3)
+            append_meanwhile(4)
+            for _ in range(2):
+                assert waiting.acquire(timeout=60)
+            assert stream.end_offset == 3  # A written, neither B nor C during the sync
             real_sync()
-            sync.b = True
-            append_meanwhile(3)  # B, after A's flush, before A's sync returns
-        elif not images:
-            append_meanwhile(4)  # C, while B's sync is on its way
+        elif not images:  # B's and C's sync: the power fails before it ends
             images.append(fs.crashed_copy(mode="power", fate=keep_only_headers))
             real_sync()
         else:
             real_sync()
 
-    stream._wrote, file.sync = wrote, sync
-    engine.append(MAIN, AppendBatch(small_items(2, 1)))  # A: returns once its sync has
-    for appender in appenders:  # B, then C (B's sync starts C), each returning once synced
+    stream.sync_ended.wait, file.sync = wait_for_sync, sync
+    ack(engine, acked, small_items(2, 1))  # A: returns once its sync has
+    for appender in appenders:
         appender.join(60)
+    assert not any(appender.is_alive() for appender in appenders)
     assert engine.info(MAIN).end_offset == 5 and engine.info(MAIN).nodes == 1 and images
-    assert_recovers(images[0], "always", before_a, before_a + small_items(2, 3))
+    problems: list[str] = []
+    written = [entry.payload for entry in read_all(engine, MAIN, problems)[2]]  # B and C in either order
+    assert not problems and written[:3] == acked and sorted(written[3:]) == small_items(3, 2)
+    # B and C were not acknowledged when the power failed: A and what came before must be there.
+    assert_recovers(images[0], "always", acked, written)
