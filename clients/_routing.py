@@ -16,7 +16,12 @@ replica for each stream the first time it reads it, in turn among the stream's i
 replicas in node id order (a client starts its turns at a random place, so that clients
 spread), and keeps it. When a read there fails (the node is down, or no longer serves the
 stream in sync: it redirects to the leader), the client looks the layout up again and
-chooses again; with no in-sync replica known it reads from the leader.
+chooses again; with no in-sync replica known it reads from the leader. A read may name the
+replica it prefers (a node id: `read(..., replica=...)`, as the Spark connector's planner spreads
+its partitions): it goes there while that node is a live in-sync replica of the stream, else to
+the replica chosen in turn. A replica whose read failed (down, or redirecting: not in sync) is
+passed over for that stream's replica reads for PASS_OVER_S, preferred or not, so that a dead
+node costs a stream one failed attempt, not one per read, until the layout shows it gone.
 
 What is retried after UNAVAILABLE (the caller's deadline permitting): any call refused
 with a redirect (the node refused it before serving it), and any call gRPC could not send
@@ -52,6 +57,9 @@ LEADER_ADDRESS = "streamlog-leader-address"
 LOOKUP_TIMEOUT_S = 5.0
 # How long calls retry when they have no deadline of their own (a leader's election takes seconds).
 RETRY_WINDOW_S = 30.0
+# How long a replica whose read of a stream failed is passed over for that stream's replica reads:
+# about a lease and an election, by when the layout shows a dead node gone from the in-sync set.
+PASS_OVER_S = 10.0
 _FIRST_PAUSE_S = 0.05
 _MAX_PAUSE_S = 1.0
 
@@ -139,8 +147,11 @@ class Routes:
         self._leaders: dict[str, str] = {}  # stream -> its leader's address
         self._nodes: list[str] = []  # live nodes' addresses, as last described
         self._suspects: set[str] = set()  # addresses that failed since the last description
-        self._in_sync: dict[str, list[str]] = {}  # stream -> its live in-sync replicas, by node id
+        # stream -> its live in-sync replicas, node id -> address, in node id order
+        self._in_sync: dict[str, dict[str, str]] = {}
         self._replicas: dict[str, str] = {}  # stream -> the in-sync replica its reads go to
+        # (stream, address) -> when a replica whose read of the stream failed may be chosen again
+        self._passed_over: dict[tuple[str, str], float] = {}
         self._turn = random.randrange(1 << 16)  # the next choice of a replica (random: clients spread)
         # Counters, for tests and monitoring: redirects followed, layouts learned.
         self.redirects = 0
@@ -177,20 +188,34 @@ class Routes:
             return self.default
         return self._leaders.get(stream)
 
-    def replica(self, stream: str) -> str | None:
-        """Where reads of `stream` from an in-sync replica go: the client's only server, or the
-        replica chosen for the stream (the next in turn among its in-sync replicas, the first time);
-        None when no in-sync replica is known: look the layout up first."""
+    def replica(self, stream: str, prefer: str | None = None) -> str | None:
+        """Where reads of `stream` from an in-sync replica go: the client's only server; node
+        `prefer` (an id) while it is a live in-sync replica of the stream not passed over; else the
+        replica chosen for the stream (the next in turn among its in-sync replicas not passed over,
+        the first time); None when no in-sync replica is known: look the layout up first."""
         if self.cluster is False:
             return self.default
+        in_sync = self._in_sync.get(stream)
+        if not in_sync:
+            return None
+        preferred = in_sync.get(prefer) if prefer is not None else None
+        if preferred is not None and not self._passed(stream, preferred):
+            return preferred
         chosen = self._replicas.get(stream)
         if chosen is None:
-            candidates = self._in_sync.get(stream)
-            if not candidates:
-                return None
+            live = [a for a in in_sync.values() if not self._passed(stream, a)]
+            candidates = live or list(in_sync.values())
             chosen = self._replicas[stream] = candidates[self._turn % len(candidates)]
             self._turn += 1
         return chosen
+
+    def in_sync_nodes(self, stream: str) -> list[str]:
+        """The node ids of `stream`'s live in-sync replicas as last described, in node id order."""
+        return list(self._in_sync.get(stream, ()))
+
+    def _passed(self, stream: str, address: str) -> bool:
+        until = self._passed_over.get((stream, address))
+        return until is not None and until > time.monotonic()
 
     def describers(self) -> list[str]:
         """Addresses to ask for the layout, in order: nodes not seen failing, then the others."""
@@ -215,9 +240,9 @@ class Routes:
                 self._leaders[name] = address
             else:  # no leader now (an election): look again next time
                 self._leaders.pop(name, None)
-            in_sync = [addresses[node] for node in sorted(placement.in_sync_replicas) if node in addresses]
-            self._in_sync[name] = in_sync if address else []
-            if self._replicas.get(name) not in self._in_sync[name]:
+            in_sync = {n: addresses[n] for n in sorted(placement.in_sync_replicas) if n in addresses}
+            self._in_sync[name] = in_sync if address else {}
+            if self._replicas.get(name) not in self._in_sync[name].values():
                 self._replicas.pop(name, None)
 
     def failed(self, stream: str, error: BaseException) -> bool:
@@ -234,19 +259,27 @@ class Routes:
             self._suspects.add(previous)
         return False
 
-    def failed_replica(self, stream: str, error: BaseException) -> bool:
-        """A read of `stream` from its chosen replica failed with `error`: its replicas are looked
-        up again and chosen anew. True if the node named the leader (a redirect: it does not serve
-        the stream in sync now), whose address is then known."""
-        chosen = self._replicas.pop(stream, None)
+    def failed_replica(self, stream: str, error: BaseException, address: str | None = None) -> bool:
+        """A read of `stream` from the replica at `address` (default: the one chosen for the
+        stream) failed with `error`: that replica is passed over for the stream's replica reads
+        for PASS_OVER_S, and the replicas are looked up again and chosen anew. True if the node
+        named the leader (a redirect: it does not serve the stream in sync now), whose address is
+        then known."""
+        failed = self._replicas.get(stream) if address is None else address
+        if failed is not None and self._replicas.get(stream) == failed:
+            del self._replicas[stream]
         self._in_sync.pop(stream, None)
-        address = redirect_address(error)
-        if address is not None:
+        if failed is not None:
+            now = time.monotonic()
+            self._passed_over = {key: until for key, until in self._passed_over.items() if until > now}
+            self._passed_over[(stream, failed)] = now + PASS_OVER_S
+        leader = redirect_address(error)
+        if leader is not None:
             self.redirects += 1
-            self._leaders[stream] = address
+            self._leaders[stream] = leader
             return True
-        if chosen is not None:
-            self._suspects.add(chosen)
+        if failed is not None:
+            self._suspects.add(failed)
         return False
 
 

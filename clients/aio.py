@@ -156,7 +156,13 @@ class AsyncClient:
         return self.read_from == "replica"
 
     async def _unary(
-        self, method: Any, request: Any, timeout: float | None, block_ms: int = 0, replica: bool = False
+        self,
+        method: Any,
+        request: Any,
+        timeout: float | None,
+        block_ms: int = 0,
+        replica: bool = False,
+        prefer: str | None = None,
     ) -> Any:
         deadline = call_timeout(self.timeout, timeout, block_ms)
         stream = stream_of(request)
@@ -166,17 +172,24 @@ class AsyncClient:
             except grpc.RpcError as exc:
                 raise from_rpc_error(exc) from exc
         name = self._routes.method_name(method)
-        return await self._routed(name, stream, request, Attempts(deadline), replica)
+        return await self._routed(name, stream, request, Attempts(deadline), replica, prefer)
 
     async def _routed(
-        self, name: str, stream: str, request: Any, attempts: Attempts, replica: bool = False
+        self,
+        name: str,
+        stream: str,
+        request: Any,
+        attempts: Attempts,
+        replica: bool = False,
+        prefer: str | None = None,
     ) -> Any:
-        """A call on `stream`, sent to its leader (`replica`: to its chosen in-sync replica), and
-        again (after a redirect or where retrying is safe) until it is answered or its time is up."""
+        """A call on `stream`, sent to its leader (`replica`: to an in-sync replica, node `prefer`
+        if it is one), and again (after a redirect or where retrying is safe) until it is answered
+        or its time is up."""
         routes = self._routes
         while True:
             # After a failure: where failed() or failed_replica() below pointed.
-            address = await (self._replica_route(stream) if replica else self.route(stream))
+            address = await (self.replica_route(stream, replica=prefer) if replica else self.route(stream))
             routed = routes.cluster is True
             call = getattr(routes.stub(address), name)
             metadata = self._metadata
@@ -188,7 +201,9 @@ class AsyncClient:
                 failure = from_rpc_error(exc)
                 if not routed:
                     raise failure from exc
-                failed = routes.failed_replica if replica else routes.failed
+                failed = routes.failed
+                if replica:
+                    failed = functools.partial(routes.failed_replica, address=address)
                 if not retryable(name, request, exc):
                     if isinstance(failure, TransientError):
                         failed(stream, failure)  # the next call looks the leader up again
@@ -215,14 +230,40 @@ class AsyncClient:
             address = routes.leader(stream)
         return address or routes.default
 
-    async def _replica_route(self, stream: str) -> str:
-        """The address reads of `stream` from an in-sync replica go to (read_from="replica"): the
-        replica chosen for it (the layout looked up when none is known), else its leader's."""
-        address = self._routes.replica(stream)
+    async def replica_route(
+        self,
+        stream: str,
+        failure: BaseException | None = None,
+        *,
+        failed_at: str | None = None,
+        replica: str | None = None,
+    ) -> str:
+        """The address a read of `stream` from an in-sync replica goes to (as with
+        read_from="replica"): node `replica` (an id) while it is a live in-sync replica of the
+        stream, else the replica chosen for the stream (the layout looked up when none is known),
+        else its leader's; the server's against a single server.
+
+        `failure`: the error a read of `stream` sent to `failed_at` (default: the chosen replica)
+        just failed with; that replica is then passed over for a while and the layout looked up
+        again. For callers that send the read themselves (the Spark connector's Arrow reads).
+        """
+        routes = self._routes
+        if isinstance(failure, TransientError):
+            routes.failed_replica(stream, failure, failed_at)
+        address = routes.replica(stream, replica)
         if address is None:
             await self._look_up(stream)
-            address = self._routes.replica(stream)
+            address = routes.replica(stream, replica)
         return address or await self.route(stream)
+
+    async def in_sync_replicas(self, stream: str) -> list[str]:
+        """The node ids of `stream`'s live in-sync replicas (its leader among them), in node id
+        order, as a node describes them now (the client's layout is updated too; as last known
+        when no node answers): where read(..., replica=...) may go. [] against a single server
+        and while the stream has no leader."""
+        if self._routes.cluster is not False:
+            await self._look_up(stream)
+        return self._routes.in_sync_nodes(stream)
 
     async def _look_up(self, stream: str) -> None:
         """Learn where `stream` lives (DescribeCluster of its name as prefix) from the first node
@@ -316,15 +357,20 @@ class AsyncClient:
         block_ms: int = 0,
         reverse: bool = False,
         max_bytes: int = 0,
+        replica: str | None = None,
         timeout: float | None = None,
     ) -> ReadResult:
         """Up to `count` entries from `offset` (0: the server's default count).
 
         block_ms: wait that long for an entry at or after `offset` when there is none
         yet. reverse: newest first, from `offset` down (a huge offset starts at the end).
+        replica: in a cluster, a node id: read from that in-sync replica of the stream (whatever
+        `read_from` says); when it is not one now, or a read there fails, from another in-sync
+        replica or the leader, as with read_from="replica". Committed entries only, as ever.
         """
         request = convert.read_request(stream, offset, count, block_ms, reverse, max_bytes)
-        reply = await self._unary(self._stub.Read, request, timeout, block_ms, self._replica_reads)
+        from_replica = self._replica_reads or replica is not None
+        reply = await self._unary(self._stub.Read, request, timeout, block_ms, from_replica, replica)
         return convert.read_result(reply)
 
     def subscribe(
@@ -442,7 +488,7 @@ class AsyncClient:
         if pause is None:
             return None
         await sleep(pause)
-        await (self._replica_route(request.stream) if replica else self.route(request.stream))
+        await (self.replica_route(request.stream) if replica else self.route(request.stream))
         if next_offset is not None and not request.group:
             request = convert.subscribe_request(
                 request.stream, next_offset, None, request.count, request.max_bytes

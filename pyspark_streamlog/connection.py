@@ -5,9 +5,10 @@ The endpoint is one server or a cluster's seed nodes. Every call goes through a
 sends each call on a stream to the stream's leader, following redirects and failovers
 (clients/_routing.py); against a single server it calls that server. The exception is
 Read, whose replies stay bytes for pyspark_streamlog.wire to decode straight into Arrow:
-it is sent here, on a channel per node, to the address the Client routes the stream to,
-and retried the Client's way (a redirect followed at once, a failover waited out within
-the call's deadline).
+it is sent here, on a channel per node, to the address the Client routes the stream to
+(its leader, or with a `replica` node id the in-sync replica the Client's replica reads
+would choose with that preference), and retried the Client's way (a redirect followed at
+once, a failed replica passed over, a failover waited out within the call's deadline).
 
 Channels (the client library's `clients._connection.open_channel`: plaintext, TLS,
 mutual TLS, as `clients.Client` opens them) carry the token on every call. They are
@@ -32,7 +33,7 @@ import grpc
 from streamlog.v1 import streamlog_pb2 as pb
 
 from clients._connection import auth_metadata, open_channel
-from clients._routing import ROUTE_METADATA, Attempts, redirect_address, retryable
+from clients._routing import READ_FROM_METADATA, ROUTE_METADATA, Attempts, redirect_address, retryable
 from clients.client import Client
 from clients.errors import (
     DeadlineExceededError,
@@ -64,6 +65,7 @@ class _Link:
     def __init__(self, server: Server) -> None:
         self.client = Client(server.address, token=server.token, timeout=None, **server.tls_arguments())
         self.metadata = (*auth_metadata(server.token), ROUTE_METADATA)
+        self.replica_metadata = (*self.metadata, READ_FROM_METADATA)
         self._tls = server.tls_arguments()
         self._reads: dict[str, grpc.UnaryUnaryMultiCallable] = {}
         self._lock = threading.Lock()
@@ -159,36 +161,63 @@ class Connection:
             "SeekTime", stream, lambda: self._client.seek(stream, timestamp_ms, timeout=self.timeout_s)
         )
 
-    def _read_bytes(self, request: pb.ReadRequest) -> Any:
-        """One Read, sent where the Client routes the stream (its leader in a cluster), again after
-        a redirect or a failover until answered or the deadline passes (as the Client's calls)."""
+    def in_sync_replicas(self, stream: str) -> list[str]:
+        """The node ids of the stream's live in-sync replicas now; [] on a single server."""
+        return self._call("DescribeCluster", stream, lambda: self._client.in_sync_replicas(stream))
+
+    def _route(
+        self, stream: str, replica: str | None, failure: StreamlogError | None = None, at: str = ""
+    ) -> str:
+        """Where a Read of `stream` goes: its leader (`replica` None), else node `replica` while it
+        is a live in-sync replica of the stream, else another one. `failure`: how a Read sent to
+        address `at` just failed (a redirect is learned, a failed replica passed over)."""
+        if replica is None:
+            return self._client.route(stream, failure)
+        return self._client.replica_route(stream, failure, failed_at=at or None, replica=replica)
+
+    def _read_bytes(self, request: pb.ReadRequest, replica: str | None) -> Any:
+        """One Read, sent where _route() says, again after a redirect or a failover until answered
+        or the deadline passes (as the Client's calls)."""
         attempts = Attempts(self.timeout_s)
+        metadata = self._link.metadata if replica is None else self._link.replica_metadata
+        failure: StreamlogError | None = None
+        address = ""
         while True:
-            address = self._client.route(request.stream)
+            address = self._route(request.stream, replica, failure, address)
             try:
-                return self._link.read(address)(
-                    request, timeout=attempts.remaining(), metadata=self._link.metadata
-                )
+                return self._link.read(address)(request, timeout=attempts.remaining(), metadata=metadata)
             except grpc.RpcError as exc:
                 failure = from_rpc_error(exc)
                 if not retryable("Read", request, exc):
                     raise failure from exc
-                self._client.route(request.stream, failure)  # learn the redirect, or look again
                 pause = attempts.pause(redirected=redirect_address(failure) is not None)
                 if pause is None:
+                    self._route(request.stream, replica, failure, address)  # the next call knows
                     raise failure from exc
             time.sleep(pause)
 
-    def read(self, stream: str, offset: int, count: int, max_bytes: int, block_ms: int = 0) -> bytes:
+    def read(
+        self,
+        stream: str,
+        offset: int,
+        count: int,
+        max_bytes: int,
+        block_ms: int = 0,
+        replica: str | None = None,
+    ) -> bytes:
+        """Entries of `stream` from `offset` as Read's reply bytes, from its leader, or with
+        `replica` (a node id) from that in-sync replica (or another: Connection._route)."""
         request = pb.ReadRequest(
             stream=stream, offset=offset, count=count, max_bytes=max_bytes, block_ms=block_ms
         )
         try:
-            return self._read_bytes(request)  # retried within the deadline already
+            return self._read_bytes(request, replica)  # retried within the deadline already
         except StreamlogError as exc:
             raise self._translate(exc, "Read", stream) from None
 
-    def read_ahead(self, stream: str, offset: int, count: int, max_bytes: int) -> Callable[[], bytes]:
+    def read_ahead(
+        self, stream: str, offset: int, count: int, max_bytes: int, replica: str | None = None
+    ) -> Callable[[], bytes]:
         """Start a Read now; the returned function waits for its reply.
 
         A task asks for its next reply before handing the current one to Spark,
@@ -196,17 +225,16 @@ class Connection:
         read()'s routing, retries and error messages.
         """
         request = pb.ReadRequest(stream=stream, offset=offset, count=count, max_bytes=max_bytes)
-        address = self._client.route(stream)
-        future = self._link.read(address).future(
-            request, timeout=self.timeout_s, metadata=self._link.metadata
-        )
+        address = self._route(stream, replica)
+        metadata = self._link.metadata if replica is None else self._link.replica_metadata
+        future = self._link.read(address).future(request, timeout=self.timeout_s, metadata=metadata)
 
         def result() -> bytes:
             try:
                 return future.result()
             except grpc.RpcError as exc:
-                self._client.route(stream, from_rpc_error(exc))
-                return self.read(stream, offset, count, max_bytes)
+                self._route(stream, replica, from_rpc_error(exc), address)
+                return self.read(stream, offset, count, max_bytes, replica=replica)
 
         return result
 

@@ -26,6 +26,7 @@ from pyspark_streamlog.errors import OptionError
 
 ENV_ENDPOINT = "STREAMLOG_ADDRESS"
 ENV_TOKEN = "STREAMLOG_TOKEN"
+READ_FROM = ("replica", "leader")  # the readFrom option's values; the first is the default
 EARLIEST = -2  # in startingOffsets JSON, as in Kafka's connector
 LATEST = -1
 MAX_STREAM_NAME_BYTES = 255
@@ -48,6 +49,7 @@ _READ = _COMMON | {
     "payloadas",
     "includeheaders",
     "maxentriespertrigger",
+    "readfrom",
 }
 _STREAM_ONLY = {"maxentriespertrigger"}
 _BATCH_ONLY = {"endingoffsets", "endingtimestamp"}
@@ -76,6 +78,7 @@ _DISPLAY = {
         "payloadAs",
         "includeHeaders",
         "maxEntriesPerTrigger",
+        "readFrom",
         "stream",
         "producerId",
         "entriesPerAppend",
@@ -133,6 +136,7 @@ class ReadOptions:
     include_headers: bool
     max_entries_per_trigger: int | None
     timeout_s: float
+    read_from: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +295,9 @@ def parse_read(raw: Mapping[str, str], streaming: bool) -> ReadOptions:
     payload_as = options.get("payloadas", "binary").strip().lower()
     if payload_as not in ("binary", "string"):
         raise OptionError(f"payloadAs must be binary or string, got {options['payloadas']!r}")
+    read_from = options.get("readfrom", READ_FROM[0]).strip().lower()
+    if read_from not in READ_FROM:
+        raise OptionError(f"readFrom must be {' or '.join(READ_FROM)}, got {options['readfrom']!r}")
     starting = _positions(
         options, "startingoffsets", "startingtimestamp", streams, LATEST if streaming else EARLIEST
     )
@@ -314,6 +321,7 @@ def parse_read(raw: Mapping[str, str], streaming: bool) -> ReadOptions:
         include_headers=_bool(options, "includeheaders", True),
         max_entries_per_trigger=_int(options, "maxentriespertrigger", None, 1),
         timeout_s=_int(options, "timeoutms", 30_000, 1) / 1000,
+        read_from=read_from,
     )
 
 

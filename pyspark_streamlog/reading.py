@@ -1,7 +1,8 @@
 """Reading offset ranges of streams into Arrow record batches: planning and executor side.
 
-The driver turns options into per-stream offset ranges and splits them into
-`StreamRange` partitions; each executor task reads its range with large Read
+The driver turns options into per-stream offset ranges, splits them into
+`StreamRange` partitions and, on a cluster, gives each one of its stream's in-sync
+replicas to read from (`spread`); each executor task reads its range with large Read
 calls (up to 10,000 entries per reply) and hands Spark one record batch per
 reply. Everything a task needs travels inside its partition, since tasks run on
 a pickled copy of the reader in another process.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,7 +68,9 @@ def check_user_schema(given: StructType, expected: StructType) -> None:
 
 @dataclass(frozen=True)
 class StreamRange(InputPartition):
-    """One task's work: offsets [start, end) of one stream, and how to read them."""
+    """One task's work: offsets [start, end) of one stream, and how to read them. `replica`: the
+    node id of the in-sync replica to read from (another, or the leader, when it is no longer
+    one or fails); None: the stream's leader."""
 
     server: Server
     stream: str
@@ -77,6 +80,7 @@ class StreamRange(InputPartition):
     payload_as_string: bool
     include_headers: bool
     timeout_s: float
+    replica: str | None = None
 
 
 def resolve(connection: Connection, stream: str, position: Position, first: int, following: int) -> int:
@@ -114,6 +118,28 @@ def split(
         bounds = np.linspace(a, b, count + 1).round().astype(np.int64).tolist()
         out.extend((stream, lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo)
     return out
+
+
+def spread(
+    pieces: Sequence[tuple[str, int, int]], in_sync: Mapping[str, Sequence[str]], turn: int = 0
+) -> list[str | None]:
+    """The replica each piece (stream, start, end) is read from: of its stream's in-sync replicas
+    (node ids), the one given the fewest offsets so far in this plan (ties: in node id order,
+    starting `turn` nodes on, so that successive plans start on different nodes); None for a
+    stream with none (its leader serves it)."""
+    nodes = sorted({node for ids in in_sync.values() for node in ids})
+    rank = {node: (i - turn) % len(nodes) for i, node in enumerate(nodes)}
+    load = dict.fromkeys(nodes, 0)
+    chosen: list[str | None] = []
+    for stream, start, end in pieces:
+        candidates = in_sync.get(stream)
+        if not candidates:
+            chosen.append(None)
+            continue
+        node = min(candidates, key=lambda n: (load[n], rank[n]))
+        load[node] += end - start
+        chosen.append(node)
+    return chosen
 
 
 def _timestamp_column(timestamps_ms: np.ndarray) -> pa.Array:
@@ -206,9 +232,12 @@ def read_range(part: StreamRange) -> Iterator[pa.RecordBatch]:
     block_ms = tail_wait_ms(part.timeout_s)  # before calling the rest of the range lost (TAIL_WAIT_S)
 
     def ask(offset: int):
-        return connection.read_ahead(part.stream, offset, min(READ_ENTRIES, part.end - offset), READ_BYTES)
+        count = min(READ_ENTRIES, part.end - offset)
+        return connection.read_ahead(part.stream, offset, count, READ_BYTES, replica=part.replica)
 
     def wait(offset: int):
+        # From the leader: a replica may trail its high watermark, and lost entries are only
+        # called lost on the leader's word.
         count = min(READ_ENTRIES, part.end - offset)
         return lambda: connection.read(part.stream, offset, count, READ_BYTES, block_ms=block_ms)
 

@@ -33,6 +33,7 @@ from pyspark_streamlog.reading import (
     resolve,
     spark_schema,
     split,
+    spread,
     stream_reaches,
 )
 from pyspark_streamlog.sink import StreamlogBatchWriter, StreamlogStreamWriter, check_write_schema
@@ -67,8 +68,16 @@ class StreamlogDataSource(DataSource):
         return StreamlogStreamWriter(parse_write(self.options), check_write_schema(schema, overwrite))
 
 
-def _partitions(options: ReadOptions, bounds: dict[str, tuple[int, int]]) -> list[StreamRange]:
+def _partitions(
+    options: ReadOptions, connection: Connection, bounds: dict[str, tuple[int, int]], turn: int = 0
+) -> list[StreamRange]:
+    """The ranges cut into partitions, each given an in-sync replica of its stream to read from
+    (readFrom=replica on a cluster: the layout as a node describes it now), else the leader."""
     ranges = [(stream, start, end) for stream, (start, end) in bounds.items()]
+    pieces = split(ranges, options.entries_per_partition, options.min_partitions)
+    in_sync: dict[str, list[str]] = {}
+    if options.read_from == "replica":
+        in_sync = {stream: connection.in_sync_replicas(stream) for stream in bounds}
     return [
         StreamRange(
             options.server,
@@ -79,8 +88,9 @@ def _partitions(options: ReadOptions, bounds: dict[str, tuple[int, int]]) -> lis
             options.payload_as_string,
             options.include_headers,
             options.timeout_s,
+            replica,
         )
-        for stream, start, end in split(ranges, options.entries_per_partition, options.min_partitions)
+        for (stream, start, end), replica in zip(pieces, spread(pieces, in_sync, turn), strict=True)
     ]
 
 
@@ -127,7 +137,9 @@ class StreamlogBatchReader(DataSourceReader):
             self.bounds[stream] = (_check_start(options, stream, start, first), end)
 
     def partitions(self) -> Sequence[InputPartition]:
-        return _partitions(self.options, self.bounds)
+        # A Connection of this process (kept per process and server): the reader is pickled into
+        # the tasks, a channel does not travel.
+        return _partitions(self.options, Connection(self.options.server, self.options.timeout_s), self.bounds)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return _read(partition)
@@ -145,6 +157,7 @@ class StreamlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         self.options = options
         self._target: dict[str, int] | None = None
         self._open: Connection | None = None
+        self._plans = 0
 
     def __getstate__(self) -> dict:
         # Spark pickles the reader into its executor tasks; a channel does not travel.
@@ -224,7 +237,8 @@ class StreamlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
             begin = int(start.get(stream, stop))
             if stop > begin:
                 bounds[stream] = (begin, int(stop))
-        return _partitions(self.options, bounds)
+        self._plans += 1  # each micro-batch's partitions start their spread on another node
+        return _partitions(self.options, self._connection, bounds, self._plans)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return _read(partition)

@@ -10,7 +10,15 @@ import pytest
 from streamlog.v1 import streamlog_pb2 as pb
 
 from clients import Client
-from clients._routing import Attempts, Routes, redirect_address, retryable, seed_addresses, stream_of
+from clients._routing import (
+    PASS_OVER_S,
+    Attempts,
+    Routes,
+    redirect_address,
+    retryable,
+    seed_addresses,
+    stream_of,
+)
 from clients.errors import UnavailableError, from_rpc_error
 from clients.types import ClusterDescription, ClusterNode, StreamPlacement
 from tests.service.helpers import ServerThread
@@ -159,6 +167,35 @@ def test_a_failed_replica_read_looks_the_replicas_up_again() -> None:
     # Down: looked up again, asking the others first.
     assert table.failed_replica("s", from_rpc_error(DOWN)) is False
     assert table.replica("s") is None and table.describers()[-1] == second
+
+
+def test_a_read_may_prefer_a_replica_while_it_is_in_sync_and_has_not_failed(monkeypatch) -> None:
+    table, _ = routes("h1:1")
+    assert table.replica("s", "b") is None  # nothing known: look it up
+    table.learn("h1:1", in_sync("s", isr=("a", "b")))
+    assert [table.replica("s", node) for node in ("a", "b")] == ["h1:1", "h2:2"]
+    # Not an in-sync replica (out of the set, not a node at all): the replica chosen in turn.
+    chosen = table.replica("s")
+    assert table.replica("s", "c") == table.replica("s", "nowhere") == chosen
+    # Its read failed: passed over for the stream's replica reads (preferred or chosen), even
+    # while the layout still lists it (a node killed, its lease not yet expired).
+    assert table.failed_replica("s", from_rpc_error(DOWN), "h2:2") is False
+    table.learn("h1:1", in_sync("s", "t", isr=("a", "b")))
+    assert table.replica("s", "b") == table.replica("s") == "h1:1"
+    assert table.replica("t", "b") == "h2:2"  # for that stream only
+    # Once the pass-over is over, it is preferred again.
+    later = time.monotonic() + PASS_OVER_S + 1
+    monkeypatch.setattr(time, "monotonic", lambda: later)
+    assert table.replica("s", "b") == "h2:2"
+
+
+def test_a_replica_read_that_fails_everywhere_still_has_a_replica_to_go_to() -> None:
+    table, _ = routes("h1:1")
+    table.learn("h1:1", in_sync("s", isr=("a", "b")))
+    for address in ("h1:1", "h2:2"):
+        table.failed_replica("s", from_rpc_error(DOWN), address)
+    table.learn("h1:1", in_sync("s", isr=("a", "b")))
+    assert table.replica("s", "b") in ("h1:1", "h2:2")  # all passed over: any of them
 
 
 def test_a_single_server_takes_reads_from_replicas_too() -> None:

@@ -37,17 +37,23 @@ def start(cluster_nodes: ClusterNodes, **settings: str) -> dict[str, int]:
     return metrics
 
 
-def calls(metrics_port: int, method: str) -> float:
-    """Calls of `method` the node has handled (any status), from its Prometheus metrics."""
+def metric(metrics_port: int, family_name: str, suffix: str, **labels: str) -> float:
+    """The sum of the node's samples `<family_name><suffix>` that carry these labels, from its
+    Prometheus metrics."""
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
     return sum(
         sample.value
         for family in text_string_to_metric_families(text)
-        if family.name == "streamlog_rpc_duration_seconds"
+        if family.name == family_name
         for sample in family.samples
-        if sample.name.endswith("_count") and sample.labels.get("method") == method
+        if sample.name == family_name + suffix and labels.items() <= sample.labels.items()
     )
+
+
+def calls(metrics_port: int, method: str) -> float:
+    """Calls of `method` the node has handled (any status)."""
+    return metric(metrics_port, "streamlog_rpc_duration_seconds", "_count", method=method)
 
 
 def seeds(cluster_nodes: ClusterNodes) -> list[str]:

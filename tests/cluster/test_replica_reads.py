@@ -267,5 +267,21 @@ def test_a_client_reading_from_replicas_spreads_its_streams_over_the_in_sync_rep
             for _ in range(10):
                 assert len(client.read(stream, 0).entries) == 5
         after = {name: calls(metrics[name], "Read") for name in NODES}
-    # Each read was served where it was sent, none forwarded (a forwarded call counts twice).
-    assert {name: after[name] - before[name] for name in NODES} == {name: 10 for name in NODES}
+        # Each read was served where it was sent, none forwarded (a forwarded call counts twice).
+        assert {name: after[name] - before[name] for name in NODES} == {name: 10 for name in NODES}
+        # A read may name its replica: served there, whatever the stream's replica in turn is.
+        assert client.in_sync_replicas("s1") == list(NODES)
+        for name in NODES:
+            before = calls(metrics[name], "Read")
+            assert len(client.read("s1", 0, replica=name).entries) == 5
+            assert calls(metrics[name], "Read") == before + 1
+        # Killed (still in the in-sync set, its lease not expired): a read that prefers it fails
+        # there once and is served by another replica, and the next ones do not try it again.
+        cluster_nodes.kill("n3")
+        lookups = client._routes.lookups
+        before = {name: calls(metrics[name], "Read") for name in ("n1", "n2")}
+        for _ in range(3):
+            assert len(client.read("s1", 0, replica="n3").entries) == 5
+        after = {name: calls(metrics[name], "Read") for name in ("n1", "n2")}
+        assert sum(after.values()) - sum(before.values()) == 3
+        assert client._routes.lookups == lookups + 1  # once, after the failure

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from pyspark_streamlog.errors import OptionError
 from pyspark_streamlog.options import EARLIEST, LATEST, Position, Server, parse_read, parse_write
-from pyspark_streamlog.reading import split
+from pyspark_streamlog.reading import split, spread
 from pyspark_streamlog.source import _admit
 
 
@@ -24,6 +24,8 @@ def test_defaults_follow_the_kafka_connector() -> None:
     stream = parse_read({"endpoint": "h:1", "streams": "a"}, streaming=True)
     assert stream.starting == {"a": Position(offset=LATEST)}
     assert stream.max_entries_per_trigger is None
+    assert batch.read_from == stream.read_from == "replica"
+    assert parse_read({"endpoint": "h:1", "streams": "a", "readFrom": " Leader"}, False).read_from == "leader"
 
 
 def test_option_names_are_case_insensitive() -> None:
@@ -124,6 +126,7 @@ def test_bad_connection_options(tmp_path: Path) -> None:
         ({"streams": "a", "startingTimestamp": "-1"}, False, "at least 0"),
         ({"streams": "x" * 256}, False, "not a valid stream name"),
         ({"streams": " , "}, False, "streams option is required"),
+        ({"streams": "a", "readFrom": "follower"}, True, "readFrom must be replica or leader, got 'fol"),
     ],
 )
 def test_bad_read_options(options: dict, streaming: bool, message: str) -> None:
@@ -151,6 +154,23 @@ def test_split_by_size_then_min_partitions() -> None:
     assert len([p for p in pieces if p[0] == "big"]) == 9
     # Never more pieces than entries.
     assert split([("a", 0, 2)], 100, 5) == [("a", 0, 1), ("a", 1, 2)]
+
+
+def test_partitions_spread_over_their_streams_in_sync_replicas() -> None:
+    isr = ["n1", "n2", "n3"]
+    # One stream's partitions: one per in-sync replica, in turn.
+    pieces = split([("a", 0, 600)], 100, None)
+    assert spread(pieces, {"a": isr}) == ["n1", "n2", "n3"] * 2
+    # Several streams: the fewest offsets so far, across the streams, not each stream from n1.
+    pieces = [("a", 0, 100), ("b", 0, 100), ("c", 0, 100), ("d", 0, 300), ("e", 0, 50)]
+    assert spread(pieces, dict.fromkeys("abcde", isr)) == ["n1", "n2", "n3", "n1", "n2"]
+    # Only a stream's own in-sync replicas; a stream with none known is read from its leader.
+    pieces = [("a", 0, 100), ("b", 0, 100), ("b", 100, 200), ("c", 0, 100)]
+    assert spread(pieces, {"a": ["n1"], "b": ["n1", "n3"], "c": []}) == ["n1", "n3", "n1", None]
+    # Successive plans (a streaming query's micro-batches of one partition) start on another node.
+    assert [spread([("a", 0, 10)], {"a": isr}, turn)[0] for turn in range(4)] == ["n1", "n2", "n3", "n1"]
+    assert spread([("a", 0, 10)], {"a": ["n1", "n3"]}, 1) == ["n3"]  # turns count the nodes in sync
+    assert spread([("a", 0, 10)], {}) == [None]
 
 
 @given(
