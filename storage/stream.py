@@ -76,8 +76,10 @@ class Stream:
         self.directory = directory
         self.config = config
         self.lock = threading.RLock()
-        # Notified when a sync ends: under "always" an append waits for the sync in flight (below).
+        # Under "always" an append waits for the sync in flight (`_check_writable`): notified when
+        # a sync ends, and when the appends that waited have written (the next sync waits for them).
         self.sync_ended = threading.Condition(self.lock)
+        self.blocked_writers = 0
         self.maintenance_lock = threading.Lock()
         self.gate = SyncGate()
         self.segments: list[Segment] = []
@@ -227,9 +229,17 @@ class Stream:
         the header before it (storage/growing.py). The append cannot be covered by the sync in
         flight anyway, so it loses only its own write's time, and the appends that waited share
         the next sync (group commit), in the node they fill."""
-        if self.fsync is FsyncPolicy.ALWAYS:
-            while (node := self.active) is not None and node.in_sync:
-                self.sync_ended.wait()
+        if self.fsync is FsyncPolicy.ALWAYS and self.active is not None and self.active.in_sync:
+            self.blocked_writers += 1
+            try:
+                while (node := self.active) is not None and node.in_sync:
+                    self.sync_ended.wait()
+            finally:
+                # This append writes before it lets go of the lock: once the last one that waited
+                # has taken it, the next sync may begin.
+                self.blocked_writers -= 1
+                if not self.blocked_writers:
+                    self.sync_ended.notify_all()
         if self.closed:
             raise InvalidArgumentError(f"stream {self.name!r} was deleted")
         if self.gate.error is not None:
@@ -393,6 +403,8 @@ class Stream:
 
     def _sync_now(self) -> int:
         with self.lock:
+            while self.blocked_writers:  # appends that waited for the last sync write first: they share this
+                self.sync_ended.wait()
             files = list(self.dirty)
             self.dirty.clear()
             seq = self.write_seq
