@@ -52,7 +52,7 @@ from bench.redis_baseline import RedisServer
 from clients.aio import AsyncClient
 from storage import AppendBatch, Engine, EngineConfig, StreamConfig
 from storage.catalog import CATALOG_FILE, Catalog, StreamSummary
-from storage.layout import CLEAN_MARKER, META_FILE, encode_meta, stream_directory, streams_root
+from storage.layout import META_FILE, encode_meta, stream_directory, streams_root
 
 PAYLOAD = 100
 PIPELINE = 1_000  # Redis commands per pipeline
@@ -294,7 +294,6 @@ def _copy_template(data: Path, first: int, stop: int) -> None:
         (directory / META_FILE).write_bytes(encode_meta(stream_name(i), 0, StreamConfig()))
         for name, raw in files.items():
             (directory / name).write_bytes(raw)
-        (directory / CLEAN_MARKER).touch()
 
 
 async def append_after(address: str, picks: list[int]) -> int:
