@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from storage.fs import FileSystem
 
 CATALOG_FILE = "catalog"
+# Present after a clean shutdown wrote a complete file: start-up need not list the streams.
+CATALOG_CLEAN = "catalog.clean"
 CATALOG_VERSION = 1
 _MAGIC = b"SLCT"
 _HEAD = struct.Struct("<4sIHHII")  # magic, CRC32C of the rest, version, 0, streams, JSON bytes
