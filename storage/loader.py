@@ -33,7 +33,14 @@ from storage.errors import CorruptionError
 from storage.format import NODE_PREFIX_SIZE, NODE_PRODUCER, SEGMENT_HEADER_SIZE, SegmentHeader
 from storage.growing import GrowingNode
 from storage.index import NodeIndex
-from storage.layout import DAMAGED_SUFFIX, PRODUCERS_FILE, SEGMENT_SUFFIX, TMP_SUFFIX, segment_base
+from storage.layout import (
+    DAMAGED_SUFFIX,
+    PRODUCERS_FILE,
+    SEGMENT_SUFFIX,
+    TMP_SUFFIX,
+    segment_base,
+    segment_name,
+)
 from storage.packed import decompressor
 from storage.records import find_producers
 from storage.results import Gap
@@ -80,7 +87,10 @@ class LogLoader:
         written since a clean close (node bodies are trusted and not read), otherwise how far
         its last clean close synced it (the bodies past that are checked), and the names in
         its directory (sorted)."""
-        segments = self._open_segments(self._segment_files(files), clean, synced)
+        # The segment a SYNCED marker names held a node when it was synced: it is not a
+        # trailing segment without nodes, and reading its head again is not needed.
+        marked = segment_name(synced.base_offset) if synced is not None and synced.node_pos else None
+        segments = self._open_segments(self._segment_files(files, marked), clean, synced)
         tail = segments[-1] if segments else None
         resumed = tail.nodes[-1] if tail is not None and not tail.packed and tail.nodes else None
         # The node appends resume into stays indexed even when trimmed past, as it is live.
@@ -102,7 +112,7 @@ class LogLoader:
 
     # ------------------------------------------------------------------ segments
 
-    def _segment_files(self, files: list[str]) -> list[str]:
+    def _segment_files(self, files: list[str], marked: str | None) -> list[str]:
         fs = self.ctx.fs
         for leftover in (f for f in files if f.endswith(TMP_SUFFIX)):
             fs.remove(self.directory / leftover)  # a rewrite that crashed before its rename
@@ -112,7 +122,7 @@ class LogLoader:
         # lost), and a new segment of the same name must be creatable at the same base offset. A
         # packed one is written whole (renamed into place): without nodes it covers a hole that a
         # follower copied from its leader (storage/replica.py), and its end counts.
-        while names:
+        while names and names[-1] != marked:
             head = fs.read_head(self.directory / names[-1], SEGMENT_HEADER_SIZE + NODE_PREFIX_SIZE)
             if any(head[SEGMENT_HEADER_SIZE:]) or _packed_header(head):
                 break
