@@ -263,7 +263,7 @@ class Segment:
         fail, it is put back once its body checks out), and the nodes past it are checked.
         Raises _MarkMismatch if the chain does not reach the marked node."""
         marked = synced.node_header if synced is not None else None
-        mark_pos = synced.node_pos if marked is not None else 0
+        mark_pos = synced.node_pos if synced is not None and marked is not None else 0
         reached = not mark_pos
         pos = SEGMENT_HEADER_SIZE
         expected = self.base_offset
@@ -271,9 +271,9 @@ class Segment:
         while pos + NODE_PREFIX_SIZE <= size and (reached or pos <= mark_pos):
             prefix = self.file.read(pos, NODE_PREFIX_SIZE)
             candidates = pick_header(prefix[:NODE_HEADER_SIZE], prefix[NODE_HEADER_SIZE:])
-            at_mark = pos == mark_pos
+            at_mark = marked is not None and pos == mark_pos
             on_disk = at_mark and marked in candidates
-            if at_mark and not on_disk:
+            if marked is not None and at_mark and not on_disk:
                 # Newer slots first, then the marked state (its bytes were synced before the marker).
                 candidates = sorted([*candidates, marked], key=lambda h: h.seq, reverse=True)
             reached = reached or at_mark

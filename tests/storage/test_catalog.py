@@ -8,9 +8,10 @@ import random
 from pathlib import Path
 
 import pytest
+from crc32c import crc32c
 
-from storage import AppendBatch, Engine, EngineConfig, StreamBounds, StreamConfig
-from storage.catalog import CATALOG_CLEAN, CATALOG_FILE, decode_catalog
+from storage import AppendBatch, CorruptionError, Engine, EngineConfig, StreamBounds, StreamConfig
+from storage.catalog import CATALOG_CLEAN, CATALOG_FILE, Catalog, StreamSummary, decode_catalog
 from storage.fs import FileSystem
 from storage.layout import META_FILE, stream_directory
 from tests.storage.conftest import SMALL
@@ -277,3 +278,32 @@ def test_a_deletion_that_left_its_directory_makes_the_next_start_up_list(tmp_pat
     assert fs.stream_listings == 1 and engine.list_streams() == ["room-001"]
     assert not any(p.name.endswith(".deleted") for p in (data / "streams").iterdir())
     engine.close()
+
+
+def test_the_files_names_are_found_by_bisection_with_deletions_and_creations_since():
+    first = Catalog()
+    for name in ["a", "c", "e"]:
+        first.add_closed(name, StreamSummary(1, 10, 1, 1))
+    catalog = Catalog()
+    catalog.load(decode_catalog(first.encode(set(), {})), gone={"e"})
+    assert [n in catalog for n in ["a", "b", "c", "e", 7]] == [True, False, True, False, False]
+    catalog.remove("a")
+    catalog.add("b")  # created: a row of its own
+    catalog.add("a")  # recreated: back under its old row, open (no figures)
+    catalog.closed("a", StreamSummary(5, 50, 1, 1))
+    assert len(catalog) == 3 and catalog.names() == ["a", "b", "c"]
+    assert catalog.totals() == {"entries": 6, "bytes_on_disk": 60, "segments": 2, "nodes": 2}
+    again = decode_catalog(catalog.encode({"b"}, {}))
+    assert again.names == ["a", "c"] and list(again.columns[0]) == [5, 1]
+
+
+def test_a_catalog_whose_names_are_out_of_order_counts_as_damaged():
+    catalog = Catalog()
+    for name in ["a", "b"]:
+        catalog.add_closed(name, StreamSummary())
+    raw = bytearray(catalog.encode(set(), {}))
+    at = raw.index(b"a\0b")
+    raw[at : at + 3] = b"b\0a"
+    raw[4:8] = crc32c(bytes(raw[20:])).to_bytes(4, "little")
+    with pytest.raises(CorruptionError, match="not in order"):
+        decode_catalog(bytes(raw))
