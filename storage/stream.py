@@ -243,6 +243,7 @@ class Stream:
         remove both markers, durably, as neither would name a prefix that is still there."""
         self.unmark_clean()
         self.ctx.fs.remove(self.directory / SYNCED_MARKER)
+        self.synced_mark = None  # so the next close writes one
 
     def synced_end(self) -> SyncedEnd | None:
         """What the SYNCED marker says once every write so far is synced (call with `lock` held):

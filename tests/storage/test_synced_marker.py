@@ -228,7 +228,10 @@ def test_a_truncation_removes_the_marker_durably():
     engine.truncate("a", 2)
     assert not fs.exists(marker_path("a"))
     engine.append("a", AppendBatch([b"5", b"6", b"7"]))  # past the old marker's end, unsynced
-    _, after = new_engine(fs.crashed_copy(random.Random(4), "power"))
+    crashed = fs.crashed_copy(random.Random(4), "power")
+    engine.close()
+    assert SyncedEnd.decode(fs.file_bytes(marker_path("a"))).node_header.count == 5  # a new one
+    _, after = new_engine(crashed)
     got = contents(after, "a")
     assert got[:2] == [b"1", b"2"] and got == [b"1", b"2", b"5", b"6", b"7"][: len(got)]
     assert after.info("a").damaged == ()
