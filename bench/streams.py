@@ -18,8 +18,8 @@ Issue 17's targets, measured with one Python client each:
   for: one stream is written by the engine and closed cleanly, and its files are
   copied under each name by `BUILDERS` processes (its meta file encoded with the
   name, its segment as it is: the entry's bytes are the template's), with the
-  CLEAN marker a clean close leaves, and the catalog file a clean shutdown would
-  write. Then a start-up, one more entry appended through the server to
+  SYNCED marker a clean close leaves, and the catalog file (and `catalog.clean`) a
+  clean shutdown would write. Then a start-up, one more entry appended through the server to
   `DIRECT_APPENDS` streams, a kill -9, a restart, and those entries and as many
   untouched streams read back.
 
@@ -51,8 +51,8 @@ from bench.common import Timer, emit, free_port, percentiles, serve_command, ser
 from bench.redis_baseline import RedisServer
 from clients.aio import AsyncClient
 from storage import AppendBatch, Engine, EngineConfig, StreamConfig
-from storage.catalog import CATALOG_FILE, Catalog, StreamSummary
-from storage.layout import CLEAN_MARKER, META_FILE, encode_meta, stream_directory, streams_root
+from storage.catalog import CATALOG_CLEAN, CATALOG_FILE, Catalog, StreamSummary
+from storage.layout import META_FILE, encode_meta, stream_directory, streams_root
 
 PAYLOAD = 100
 PIPELINE = 1_000  # Redis commands per pipeline
@@ -281,6 +281,7 @@ def build_directly(data: Path, streams: int) -> None:
     for i in range(streams):
         catalog.add_closed(stream_name(i), StreamSummary(1, summary.bytes_on_disk, 1, 1))
     (data / CATALOG_FILE).write_bytes(catalog.encode(set(), {}))
+    (data / CATALOG_CLEAN).touch()  # the file is complete, as after a clean shutdown
     os.sync()
 
 
@@ -294,7 +295,6 @@ def _copy_template(data: Path, first: int, stop: int) -> None:
         (directory / META_FILE).write_bytes(encode_meta(stream_name(i), 0, StreamConfig()))
         for name, raw in files.items():
             (directory / name).write_bytes(raw)
-        (directory / CLEAN_MARKER).touch()
 
 
 async def append_after(address: str, picks: list[int]) -> int:

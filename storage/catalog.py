@@ -4,8 +4,10 @@ In memory it knows every stream by name, keeps the figures of each stream that i
 not open (entries, bytes, segments and nodes as of its last close) with running
 totals of them, so the engine's totals cover every stream with no per-stream
 work, and the names sorted (built on the first listing) for paged listings. It is
-laid out for a million streams: one dict of name -> row, the figures in columns
-of machine integers.
+laid out for a million streams: the names the file held stay the sorted list its
+one decode made (row i for name i, found by bisection: no dict of a million rows
+to build at start-up), the streams created since in a dict of name -> row, the
+figures in columns of machine integers.
 
 On disk it is one file, `DATA/catalog` (docs/FORMAT.md), replaced atomically, so
 start-up reads one file instead of a million `stream.meta` files. It is a cache of
@@ -41,6 +43,8 @@ if TYPE_CHECKING:
     from storage.fs import FileSystem
 
 CATALOG_FILE = "catalog"
+# Present after a clean shutdown wrote a complete file: start-up need not list the streams.
+CATALOG_CLEAN = "catalog.clean"
 CATALOG_VERSION = 1
 _MAGIC = b"SLCT"
 _HEAD = struct.Struct("<4sIHHII")  # magic, CRC32C of the rest, version, 0, streams, JSON bytes
@@ -90,7 +94,9 @@ class Catalog:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self._rows: dict[str, int] = {}  # name -> row of the columns
+        self._base: list[str] = []  # the file's names, sorted: name i has row i
+        self._gone: set[str] = set()  # names of _base deleted since
+        self._rows: dict[str, int] = {}  # the other names -> row of the columns
         # Per row, TOTALS of the stream if it is closed (zeros while it is open or gone).
         self._columns = [array("q") for _ in TOTALS]
         self._upkeep = array("q")  # per row: StreamSummary.upkeep_ms of a closed stream
@@ -101,10 +107,24 @@ class Catalog:
         self.changes = 0  # streams added or removed since the file was last written
 
     def __contains__(self, name: object) -> bool:
-        return name in self._rows
+        return isinstance(name, str) and self._row(name) is not None
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._base) - len(self._gone) + len(self._rows)
+
+    def _row(self, name: str) -> int | None:
+        row = self._rows.get(name)
+        if row is None:
+            i = bisect_left(self._base, name)
+            if i < len(self._base) and self._base[i] == name and name not in self._gone:
+                return i
+        return row
+
+    def _all(self) -> Iterator[str]:
+        """Every name, the file's in order first."""
+        gone = self._gone
+        yield from (n for n in self._base if n not in gone) if gone else self._base
+        yield from self._rows
 
     # ------------------------------------------------------------------ start-up
 
@@ -112,22 +132,23 @@ class Catalog:
         """Start-up: the file's streams, all closed, but for those in `gone` (no directory)."""
         with self.lock:
             n = len(listed.names)
-            self._rows = dict(zip(listed.names, range(n), strict=True))
+            self._base, self._gone, self._rows = listed.names, set(), {}
             self._columns = listed.columns
             self._upkeep = array("q", bytes(8 * n))
             for when, name in listed.due:
-                self._upkeep[self._rows[name]] = when
+                self._upkeep[bisect_left(self._base, name)] = when
             self._due = list(listed.due)
             heapq.heapify(self._due)
             self._replicated = set(listed.replicated)
-            for name in gone & self._rows.keys():
-                self._drop(name)
+            for name in gone:
+                if self._row(name) is not None:
+                    self._drop(name)
             self._totals = [sum(column) for column in self._columns]
 
     def add_closed(self, name: str, summary: StreamSummary) -> None:
         """Start-up: a stream found by its directory (closed)."""
         with self.lock:
-            if name not in self._rows:
+            if self._row(name) is None:
                 self._new_row(name)
             self._keep(name, summary)
             self.changes += 1
@@ -137,7 +158,7 @@ class Catalog:
     def add(self, name: str) -> None:
         """A stream created now (it is open)."""
         with self.lock:
-            if name in self._rows:
+            if self._row(name) is not None:
                 self._forget(name)
             else:
                 self._new_row(name)
@@ -145,40 +166,45 @@ class Catalog:
 
     def remove(self, name: str) -> None:
         with self.lock:
-            if name in self._rows:
+            if self._row(name) is not None:
                 self._drop(name)
                 self.changes += 1
 
     def opened(self, name: str) -> None:
         """The stream is open: its figures come from it now."""
         with self.lock:
-            if name in self._rows:
+            if self._row(name) is not None:
                 self._forget(name)
 
     def closed(self, name: str, summary: StreamSummary) -> None:
         """The stream closed with these figures."""
         with self.lock:
-            if name in self._rows:
+            if self._row(name) is not None:
                 self._forget(name)
                 self._keep(name, summary)
 
     def _new_row(self, name: str) -> None:
-        self._rows[name] = len(self._upkeep)
-        for column in self._columns:
-            column.append(0)
-        self._upkeep.append(0)
+        if name in self._gone:  # back under its old row (zeroed when it went)
+            self._gone.discard(name)
+        else:
+            self._rows[name] = len(self._upkeep)
+            for column in self._columns:
+                column.append(0)
+            self._upkeep.append(0)
         if self._sorted is not None:
             self._sorted.add(name)
 
     def _drop(self, name: str) -> None:
         self._forget(name)
-        del self._rows[name]  # its row stays, zeroed, until the file is next written
+        if self._rows.pop(name, None) is None:
+            self._gone.add(name)  # its row stays, zeroed, until the file is next written
         self._replicated.discard(name)
         if self._sorted is not None:
             self._sorted.remove(name)
 
     def _keep(self, name: str, summary: StreamSummary) -> None:
-        row = self._rows[name]
+        row = self._row(name)
+        assert row is not None
         for i, column in enumerate(self._columns):
             column[row] = summary[i]
             self._totals[i] += summary[i]
@@ -190,7 +216,8 @@ class Catalog:
 
     def _forget(self, name: str) -> None:
         # Its heap item, if any, goes stale: `due` skips it.
-        row = self._rows[name]
+        row = self._row(name)
+        assert row is not None
         for i, column in enumerate(self._columns):
             self._totals[i] -= column[row]
             column[row] = 0
@@ -209,7 +236,7 @@ class Catalog:
         with self.lock:
             while self._due and self._due[0][0] <= now_ms and len(found) < limit:
                 when, name = heapq.heappop(self._due)
-                row = self._rows.get(name)
+                row = self._row(name)
                 if row is not None and self._upkeep[row] == when and name not in found:
                     found.append(name)
         return found
@@ -229,7 +256,7 @@ class Catalog:
 
     def _names(self) -> SortedList:
         if self._sorted is None:
-            self._sorted = SortedList(self._rows)
+            self._sorted = SortedList(self._all())
         return self._sorted
 
     # ------------------------------------------------------------------ the file
@@ -238,8 +265,12 @@ class Catalog:
         """The file's bytes: every stream but `skip` (streams whose creation is not durable yet),
         with the figures of the closed ones and, for the open ones, `summaries` (else UNKNOWN)."""
         with self.lock:
-            names = sorted(n for n in self._rows if n not in skip)
-            rows = [self._rows[n] for n in names]
+            # The file's names are in order already: merge the few created since into them.
+            left = self._gone | skip
+            base = [(n, i) for i, n in enumerate(self._base) if n not in left]
+            added = sorted((n, r) for n, r in self._rows.items() if n not in skip)
+            merged = list(heapq.merge(base, added)) if added else base
+            names, rows = [n for n, _ in merged], [r for _, r in merged]
             columns = [array("q", (column[r] for r in rows)) for column in self._columns]
             due = {n: when for n, r in zip(names, rows, strict=True) if (when := self._upkeep[r])}
             replicated = self._replicated - skip
@@ -288,6 +319,8 @@ def decode_catalog(raw: bytes) -> CatalogFile:
         raise CorruptionError(f"catalog is malformed: {exc}") from exc
     if len(names) != n:
         raise CorruptionError(f"catalog lists {len(names)} names, not {n}")
+    if names != sorted(names):  # the catalog finds them by bisection (linear on a sorted list)
+        raise CorruptionError("catalog names are not in order")
     return listed
 
 

@@ -26,7 +26,15 @@ from pathlib import Path
 
 from storage.admission import check_batch, check_expected_end, check_producer
 from storage.cache import NodeCache
-from storage.catalog import CATALOG_FILE, UNKNOWN, Catalog, SortedNames, StreamSummary, read_catalog
+from storage.catalog import (
+    CATALOG_CLEAN,
+    CATALOG_FILE,
+    UNKNOWN,
+    Catalog,
+    SortedNames,
+    StreamSummary,
+    read_catalog,
+)
 from storage.config import EngineConfig, StreamConfig
 from storage.context import EngineContext
 from storage.creation import recover_creation
@@ -107,6 +115,7 @@ class Engine(GroupCalls, ReplicaCalls):
         self._catalog = Catalog()  # every stream (storage/catalog.py)
         self._catalog_saved = time.monotonic()
         self._catalog_on_disk = True  # until a deletion removes it (_drop_catalog_file)
+        self._leftovers = False  # a deletion left its directory: the next start-up must list
         self._unsynced = UnsyncedCloses(self._fs)  # closed by the cache, synced by the next round
         self._open = OpenStreams(self.config.max_open_streams, self._open_stream, self._close_by_cache)
         self.unreadable: list[str] = []  # stream directories whose metadata failed its checks
@@ -146,13 +155,22 @@ class Engine(GroupCalls, ReplicaCalls):
     def _load(self) -> None:
         """Learn every stream from the catalog file, and the streams it does not name from their
         meta files (created since it was written, or all of them when it is missing or damaged);
-        open none (they open on first use)."""
+        open none (they open on first use). After a clean shutdown the file is complete
+        (`CATALOG_CLEAN`) and the streams directory is not listed."""
         root = streams_root(self.data_dir)
+        listed = read_catalog(self._fs, self.data_dir)
+        clean = self._fs.exists(self.data_dir / CATALOG_CLEAN)
+        if clean:
+            # Durably gone before any stream is created: from here on the file may go stale.
+            self._fs.remove(self.data_dir / CATALOG_CLEAN)
+        if listed is not None and clean:
+            self._catalog.load(listed, set())
+            self._check_replicated(listed.replicated, set())
+            return
         on_disk = self._fs.entries(root)
         for dirname in [d for d in on_disk if d.endswith(DELETED_SUFFIX)]:
             self._fs.remove_tree(root / dirname)  # a delete that crashed half-way
             on_disk.discard(dirname)
-        listed = read_catalog(self._fs, self.data_dir)
         unlisted = on_disk
         if listed is not None:
             in_file = listed.dirnames()
@@ -161,16 +179,21 @@ class Engine(GroupCalls, ReplicaCalls):
             gone = {name_of.get(dirname, dirname) for dirname in in_file - on_disk}
             self._catalog.load(listed, gone)
             self._catalog.changes += len(gone)
-            for replicated in listed.replicated:  # a few: their meta and epochs checked as before
-                directory = stream_directory(self.data_dir, replicated)
-                if replicated not in gone and self._read_stream_dir(directory) is None:
-                    self._catalog.remove(replicated)
+            self._check_replicated(listed.replicated, gone)
         for dirname in sorted(unlisted):
             name = self._read_stream_dir(root / dirname)
             if name is not None:
                 self._catalog.add_closed(name, UNKNOWN)
         if self._catalog.changes or listed is None:
             self._save_catalog()
+
+    def _check_replicated(self, replicated: list[str], gone: set[str]) -> None:
+        """A few streams: their meta and epoch files are checked at start-up, as replication may
+        ask for them before their first use."""
+        for name in replicated:
+            directory = stream_directory(self.data_dir, name)
+            if name not in gone and self._read_stream_dir(directory) is None:
+                self._catalog.remove(name)
 
     def _read_stream_dir(self, directory: Path) -> str | None:
         """The name of the stream in `directory`, from its meta file; None (the directory removed,
@@ -192,10 +215,10 @@ class Engine(GroupCalls, ReplicaCalls):
             return None
         return name
 
-    def _save_catalog(self) -> None:
+    def _save_catalog(self) -> bool:
         """Rewrite the catalog file (atomically): at start-up when it was stale, at close, and by
         maintenance when streams came or went. Streams whose creation is not durable yet are
-        left out (start-up finds them by their directories)."""
+        left out (start-up finds them by their directories): True if there were none."""
         pending = self._unsynced.creating()
         summaries: dict[str, StreamSummary] = {}
         for stream in self._open.values():
@@ -209,6 +232,7 @@ class Engine(GroupCalls, ReplicaCalls):
         self._fs.write_file_atomic(self.data_dir / CATALOG_FILE, raw)
         self._catalog_saved = time.monotonic()
         self._catalog_on_disk = True
+        return not pending
 
     def _drop_catalog_file(self) -> None:
         """Remove the catalog file (durably) before a stream it may name is deleted: start-up
@@ -264,7 +288,10 @@ class Engine(GroupCalls, ReplicaCalls):
                 log.error("stream %r did not close cleanly: %s", stream.name, exc)
         self._unsynced.finish_all()
         try:
-            self._save_catalog()
+            complete = self._save_catalog()
+            if complete and not self.unreadable and not self._leftovers:
+                # After the file is durable; not synced itself: lost, the next start-up lists.
+                self._fs.create_marker(self.data_dir / CATALOG_CLEAN)
         except StorageError as exc:  # start-up rebuilds it from the directories
             log.error("the catalog could not be saved: %s", exc)
         if self._lock_fd is not None:
@@ -354,8 +381,10 @@ class Engine(GroupCalls, ReplicaCalls):
         self._drop_catalog_file()
         # Rename first so a crash mid-delete leaves a directory that start-up finishes removing.
         doomed = stream.directory.with_name(stream.directory.name + DELETED_SUFFIX)
+        self._leftovers = True  # until the directory is gone: start-up would finish the removal
         self._fs.rename(stream.directory, doomed)
         self._fs.remove_tree(doomed)
+        self._leftovers = False
 
     # ------------------------------------------------------------------ data
 

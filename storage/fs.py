@@ -218,8 +218,18 @@ class FileSystem:
 
     def write_file(self, path: Path, data: bytes) -> None:
         """Create `path` holding `data`, with no sync (a new stream's meta file: storage/creation.py)."""
+        self._write_unsynced(path, data, os.O_TRUNC)
+
+    def overwrite_file(self, path: Path, data: bytes) -> None:
+        """Write `data` at the start of `path` (created if need be) in place, with no truncation
+        and no sync: a small record of fixed size (a stream's SYNCED marker) that its checksum
+        guards against a torn write. Cheaper than O_TRUNC, which makes the file system drop and
+        reallocate the file's blocks."""
+        self._write_unsynced(path, data, 0)
+
+    def _write_unsynced(self, path: Path, data: bytes, flags: int) -> None:
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
             try:
                 _write_all(fd, data)
             finally:

@@ -6,7 +6,7 @@ room (about 4 ms of syncs for every new stream once the cache is full). Its clos
 unsynced segment files and its pending creation over as an `UnsyncedClose`; the next round
 (or `Engine.sync`, or the engine's close) finishes it as a synced close would have: the
 segment files (by path: a closed mapping's dirty pages stay in the page cache), the creation
-(storage/creation.py), then the `CLEAN` marker.
+(storage/creation.py), then the `SYNCED` marker (storage/cleanmark.py).
 
 A stream reopened before that takes its close back (`take`): nothing was lost, its files are
 as it left them in the page cache, so it opens trusting its node bodies as after a clean
@@ -25,17 +25,17 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from storage.cleanmark import SyncedEnd, write_synced_end
 from storage.creation import PendingCreation
 from storage.errors import DurabilityError
 from storage.fs import FileSystem
-from storage.layout import CLEAN_MARKER
 
 log = logging.getLogger("streamlog.storage")
 
 
 class _State(Enum):
     PENDING = 1  # waiting for the round
-    DONE = 2  # synced, CLEAN written: an ordinary closed stream
+    DONE = 2  # synced, SYNCED written: an ordinary closed stream
     FAILED = 3  # a sync failed
     TAKEN = 4  # reopened first: the stream has its files back
 
@@ -46,6 +46,7 @@ class UnsyncedClose:
     files: list[Path]  # segment files written since their last sync
     creation: PendingCreation | None  # a new stream's creation, not yet durable
     durable_seq: int  # the seq of the last durable header of its growing node (0: none)
+    synced: SyncedEnd | None  # the SYNCED marker to write once the files are synced
     state: _State = _State.PENDING
     error: DurabilityError | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -60,7 +61,8 @@ class UnsyncedClose:
                     fs.sync_file(path)
                 if self.creation is not None:
                     self.creation.commit(fs, self.directory, lambda: [])  # its files were synced above
-                fs.create_marker(self.directory / CLEAN_MARKER)  # after the syncs: see Stream.close
+                if self.synced is not None:  # after the syncs: see Stream.close
+                    write_synced_end(fs, self.directory, self.synced)
             except DurabilityError as exc:
                 log.error("stream directory %s did not sync after its close: %s", self.directory.name, exc)
                 self.state, self.error = _State.FAILED, exc

@@ -6,8 +6,9 @@ must, in this order (docs/FORMAT.md, "Recovery rules"):
 
 - `*.tmp` files (a rewrite that crashed before its rename) are removed;
 - trailing segments in which no node was ever written are removed;
-- each segment's node headers are read; after an unclean shutdown the last
-  segment's node bodies are checked too, and a torn tail is cut (durably);
+- each segment's node headers are read; the last segment's node bodies are
+  checked too, but for the prefix its `SYNCED` marker names (storage/cleanmark.py;
+  all of it after a version-2 `CLEAN` marker), and a torn tail is cut (durably);
 - a segment whose header is damaged is salvaged from its node chain;
 - a segment that the packed segment before it covers entirely is what a
   merge of small segments left behind when a crash came before its removal:
@@ -25,13 +26,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from storage.cleanmark import SyncedEnd
 from storage.context import EngineContext
 from storage.dedup import BatchRecord, ProducerTable
 from storage.errors import CorruptionError
 from storage.format import NODE_PREFIX_SIZE, NODE_PRODUCER, SEGMENT_HEADER_SIZE, SegmentHeader
 from storage.growing import GrowingNode
 from storage.index import NodeIndex
-from storage.layout import DAMAGED_SUFFIX, PRODUCERS_FILE, SEGMENT_SUFFIX, TMP_SUFFIX, segment_base
+from storage.layout import (
+    DAMAGED_SUFFIX,
+    PRODUCERS_FILE,
+    SEGMENT_SUFFIX,
+    TMP_SUFFIX,
+    segment_base,
+    segment_name,
+)
 from storage.packed import decompressor
 from storage.records import find_producers
 from storage.results import Gap
@@ -73,10 +82,15 @@ class LogLoader:
         self.directory = directory
         self.damaged: list[Gap] = []  # an end of -1: "up to the next retained node"
 
-    def load(self, meta_first: int, clean: bool) -> LoadedLog:
-        """The stream's state, from the first offset its meta file holds and whether it was closed
-        cleanly (with a CLEAN marker, node bodies are trusted and not read)."""
-        segments = self._open_segments(self._segment_files(), clean)
+    def load(self, meta_first: int, clean: bool, synced: SyncedEnd | None, files: list[str]) -> LoadedLog:
+        """The stream's state, from the first offset its meta file holds, whether nothing was
+        written since a clean close (node bodies are trusted and not read), otherwise how far
+        its last clean close synced it (the bodies past that are checked), and the names in
+        its directory (sorted)."""
+        # The segment a SYNCED marker names held a node when it was synced: it is not a
+        # trailing segment without nodes, and reading its head again is not needed.
+        marked = segment_name(synced.base_offset) if synced is not None and synced.node_pos else None
+        segments = self._open_segments(self._segment_files(files, marked), clean, synced)
         tail = segments[-1] if segments else None
         resumed = tail.nodes[-1] if tail is not None and not tail.packed and tail.nodes else None
         # The node appends resume into stays indexed even when trimmed past, as it is live.
@@ -93,14 +107,13 @@ class LogLoader:
             for g in self.damaged
         ]
         active = GrowingNode.resume(resumed) if resumed is not None else None
-        producers = self._load_producers(index.nodes, active, end_offset, damaged)
+        producers = self._load_producers(index.nodes, active, end_offset, damaged, PRODUCERS_FILE in files)
         return LoadedLog(segments, index, active, max(meta_first, 0), end_offset, damaged, producers)
 
     # ------------------------------------------------------------------ segments
 
-    def _segment_files(self) -> list[str]:
+    def _segment_files(self, files: list[str], marked: str | None) -> list[str]:
         fs = self.ctx.fs
-        files = fs.listdir(self.directory)
         for leftover in (f for f in files if f.endswith(TMP_SUFFIX)):
             fs.remove(self.directory / leftover)  # a rewrite that crashed before its rename
         names = [f for f in files if f.endswith(SEGMENT_SUFFIX)]
@@ -109,20 +122,21 @@ class LogLoader:
         # lost), and a new segment of the same name must be creatable at the same base offset. A
         # packed one is written whole (renamed into place): without nodes it covers a hole that a
         # follower copied from its leader (storage/replica.py), and its end counts.
-        while names:
+        while names and names[-1] != marked:
             head = fs.read_head(self.directory / names[-1], SEGMENT_HEADER_SIZE + NODE_PREFIX_SIZE)
             if any(head[SEGMENT_HEADER_SIZE:]) or _packed_header(head):
                 break
             fs.remove(self.directory / names.pop())
         return names
 
-    def _open_segments(self, names: list[str], clean: bool) -> list[Segment]:
+    def _open_segments(self, names: list[str], clean: bool, synced: SyncedEnd | None) -> list[Segment]:
         fs = self.ctx.fs
         segments: list[Segment] = []
         expected = segment_base(names[0]) if names else None
         for i, fname in enumerate(names):
             last = i == len(names) - 1
-            opened = self._open_segment(self.directory / fname, verify=last and not clean)
+            verify = last and not clean
+            opened = self._open_segment(self.directory / fname, verify, synced if verify else None)
             if opened is None:
                 continue
             segment, cut = opened
@@ -164,10 +178,12 @@ class LogLoader:
             expected = segment.end_offset()
         return segments
 
-    def _open_segment(self, path: Path, verify: bool) -> tuple[Segment, str | None] | None:
+    def _open_segment(
+        self, path: Path, verify: bool, synced: SyncedEnd | None
+    ) -> tuple[Segment, str | None] | None:
         """Open one segment; salvage it if its header is damaged; None if nothing can be read."""
         try:
-            return Segment.open(self.ctx.fs, path, writable=True, verify=verify)
+            return Segment.open(self.ctx.fs, path, writable=True, verify=verify, synced=synced)
         except CorruptionError as exc:
             log.error("stream %r: segment %s has a damaged header (%s)", self.name, path.name, exc)
         base = segment_base(path.name)
@@ -192,13 +208,19 @@ class LogLoader:
     # ------------------------------------------------------------------ idempotent appends
 
     def _load_producers(
-        self, nodes: Sequence[NodeRef], active: GrowingNode | None, end_offset: int, damaged: list[Gap]
+        self,
+        nodes: Sequence[NodeRef],
+        active: GrowingNode | None,
+        end_offset: int,
+        damaged: list[Gap],
+        snapshot: bool,
     ) -> ProducerTable:
-        """The idempotent-append table: its snapshot, then the batches written after it."""
+        """The idempotent-append table: its snapshot (if `snapshot`: the file is there), then the
+        batches written after it."""
         fs = self.ctx.fs
         path = self.directory / PRODUCERS_FILE
         producers = new_producer_table(self.ctx)
-        if fs.exists(path):
+        if snapshot:
             try:
                 producers.load(fs.read_file(path))
             except CorruptionError as exc:

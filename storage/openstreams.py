@@ -5,7 +5,7 @@ segment is a file descriptor and a mapping). The engine knows every stream by na
 (its catalog); this cache holds at most `max_open_streams` of them open, least
 recently used first out. A stream is opened on demand (storage/loader.py: after an
 unclean shutdown its tail is checked before it is first served) and closed cleanly
-when it leaves (by the engine: synced, its CLEAN marker written, or under a policy
+when it leaves (by the engine: synced, its SYNCED marker written, or under a policy
 that promises writes to the next round, its syncs handed to that round,
 storage/handoff.py), so reopening it reads no node body.
 

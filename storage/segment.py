@@ -21,6 +21,7 @@ from pathlib import Path
 
 import zstandard
 
+from storage.cleanmark import SyncedEnd
 from storage.errors import CorruptionError
 from storage.format import (
     NODE_HEADER_SIZE,
@@ -48,6 +49,10 @@ PAGE = 4096  # growing files are sized in whole pages: the disk allocates no les
 
 def _pages(nbytes: int) -> int:
     return -(-nbytes // PAGE) * PAGE
+
+
+class _MarkMismatch(Exception):
+    """The SYNCED marker does not describe this segment's node chain."""
 
 
 class NodeRef:
@@ -198,12 +203,16 @@ class Segment:
         return cls(file, header)
 
     @classmethod
-    def open(cls, fs: FileSystem, path: Path, *, writable: bool, verify: bool) -> tuple[Segment, str | None]:
+    def open(
+        cls, fs: FileSystem, path: Path, *, writable: bool, verify: bool, synced: SyncedEnd | None = None
+    ) -> tuple[Segment, str | None]:
         """Open a segment and index its node headers.
 
         With `verify`, every node body is checked against its CRCs too (the
-        tail scan after an unclean shutdown). Returns the segment and, when
-        the node chain stopped before the end of the written data, why.
+        tail scan after an unclean shutdown), except the prefix that `synced`
+        (the SYNCED marker, storage/cleanmark.py) names if it is this segment's
+        and agrees with the chain. Returns the segment and, when the node chain
+        stopped before the end of the written data, why.
         """
         file = fs.open_segment(path, writable)
         try:
@@ -212,6 +221,19 @@ class Segment:
             file.close()
             raise
         segment = cls(file, header)
+        if synced is not None and (synced.base_offset, synced.created_ms) == (
+            header.base_offset,
+            header.created_ms,
+        ):
+            if header.packed:
+                return segment, segment._scan(verify=False)  # written whole and synced: as marked
+            try:
+                return segment, segment._scan(verify, synced)
+            except _MarkMismatch as exc:
+                log.warning(
+                    "segment %s: the SYNCED marker is not trusted (%s): checking every node", path, exc
+                )
+                segment.nodes.clear()
         return segment, segment._scan(verify)
 
     @classmethod
@@ -235,35 +257,59 @@ class Segment:
         file.close()
         return None
 
-    def _scan(self, verify: bool) -> str | None:
+    def _scan(self, verify: bool, synced: SyncedEnd | None = None) -> str | None:
+        """Index the node chain (checking bodies with `verify`); with `synced`, the nodes before
+        its node are trusted, its header too where a slot still holds it (else, if the slots
+        fail, it is put back once its body checks out), and the nodes past it are checked.
+        Raises _MarkMismatch if the chain does not reach the marked node."""
+        marked = synced.node_header if synced is not None else None
+        mark_pos = synced.node_pos if synced is not None and marked is not None else 0
+        reached = not mark_pos
         pos = SEGMENT_HEADER_SIZE
         expected = self.base_offset
         size = self.file.size
-        while pos + NODE_PREFIX_SIZE <= size:
+        while pos + NODE_PREFIX_SIZE <= size and (reached or pos <= mark_pos):
             prefix = self.file.read(pos, NODE_PREFIX_SIZE)
             candidates = pick_header(prefix[:NODE_HEADER_SIZE], prefix[NODE_HEADER_SIZE:])
+            at_mark = marked is not None and pos == mark_pos
+            on_disk = at_mark and marked in candidates
+            if marked is not None and at_mark and not on_disk:
+                # Newer slots first, then the marked state (its bytes were synced before the marker).
+                candidates = sorted([*candidates, marked], key=lambda h: h.seq, reverse=True)
+            reached = reached or at_mark
             self.end_pos = pos  # where a cut, if any, falls: the end of the valid prefix
             if not candidates:
-                if any(prefix):
+                if any(prefix) and reached:
                     return f"unreadable node header at byte {pos}"
-                break  # zeros: the end of what was written
+                break  # zeros: the end of what was written (or a marker not to trust: below)
             chosen = None
             for header in candidates:
-                if self._plausible(header, pos, expected) and (not verify or self._body_ok(pos, header)):
+                trusted = pos < mark_pos or (on_disk and header == marked)
+                if self._plausible(header, pos, expected) and (
+                    trusted or not verify or self._body_ok(pos, header)
+                ):
                     chosen = header
                     break
             if chosen is None:
+                if pos <= mark_pos:
+                    raise _MarkMismatch(f"the node at byte {pos} fails its checks")
                 return f"node at byte {pos} (offset {expected}) failed its checks"
-            if chosen is not candidates[0] and self.file.writable:
+            if (
+                chosen is not candidates[0] or (at_mark and not on_disk and chosen is marked)
+            ) and self.file.writable:
                 # The newer slot describes an append that never fully landed. Erase it (durably),
-                # or a later start that skips body checks would trust it.
-                rejected = candidates[0].seq % 2
-                self.file.write(pos + NODE_HEADER_SIZE * rejected, bytes(NODE_HEADER_SIZE))
+                # or a later start that skips body checks would trust it; a marked header that no
+                # slot holds any more goes back into its own.
+                mine = chosen.seq % 2
+                self.file.write(pos + NODE_HEADER_SIZE * (1 - mine), bytes(NODE_HEADER_SIZE))
+                self.file.write(pos + NODE_HEADER_SIZE * mine, chosen.encode())
                 self.file.sync()
             ref = NodeRef(self, pos, chosen)
             self.nodes.append(ref)
             expected = ref.end_offset
             pos += chosen.disk_size
+        if not reached:
+            raise _MarkMismatch(f"the node chain does not reach byte {mark_pos}")
         self.end_pos = pos
         return None
 

@@ -25,6 +25,7 @@ import zstandard
 
 from storage.catalog import StreamSummary
 from storage.cleaner import Cleaner
+from storage.cleanmark import SYNCED_MARKER, SyncedEnd, read_synced_end, write_synced_end
 from storage.config import StreamConfig
 from storage.context import EngineContext
 from storage.creation import PendingCreation
@@ -50,6 +51,7 @@ from storage.layout import (
     META_FILE,
     META_NEW,
     PRODUCERS_FILE,
+    TRUNCATE_MARKER,
     decode_meta,
     encode_meta,
     segment_name,
@@ -96,9 +98,11 @@ class Stream:
         self.cuts = 0  # truncations so far: a sync that began before one does not publish its end
         self.dirty: set[SegmentFile] = set()
         self.creation: PendingCreation | None = None  # a new stream not yet durable
-        # Its CLEAN marker is still on disk (opened after a clean close, nothing written since):
-        # removed, durably, before the first write (`_check_writable`), so a read costs no sync.
+        # A version-2 CLEAN marker is still on disk (opened after a clean close by an earlier
+        # version, nothing written since): removed, durably, before the first write
+        # (`_check_writable`). The SYNCED marker that replaced it stays (storage/cleanmark.py).
         self.clean_marker = False
+        self.synced_mark: SyncedEnd | None = None  # the SYNCED marker as the open found it
         self.pack_queue: list[Segment] = []  # full segments waiting to be packed
         self.damaged: list[Gap] = []
         self.closed = False
@@ -142,11 +146,15 @@ class Stream:
         """Open a stream's directory; `handed`: its last close, which left its files unsynced and
         which it takes back (storage/handoff.py: no crash came between, so its bodies are trusted)."""
         fs = ctx.fs
-        meta = META_NEW if handed is not None and not fs.exists(directory / META_FILE) else META_FILE
+        files = fs.listdir(directory)  # one listing answers every "is it there?" below
+        present = set(files)
+        meta = META_NEW if handed is not None and META_FILE not in present else META_FILE
         name, first_offset, config = decode_meta(fs.read_file(directory / meta))
         stream = cls(ctx, name, directory, config)
-        clean = handed is not None or fs.exists(directory / CLEAN_MARKER)
-        loaded = LogLoader(ctx, name, directory).load(first_offset, clean)
+        old_clean = CLEAN_MARKER in present
+        clean = handed is not None or old_clean
+        synced = read_synced_end(fs, directory) if not clean and SYNCED_MARKER in present else None
+        loaded = LogLoader(ctx, name, directory).load(first_offset, clean, synced, files)
         stream.segments, stream.index, stream.active = loaded.segments, loaded.index, loaded.active
         stream.first_offset = loaded.first_offset
         stream.end_offset = stream.local_end = stream.visible_end = loaded.end_offset
@@ -154,14 +162,17 @@ class Stream:
         stream.last_ts = stream.index.max_ts[-1] if len(stream.index) else 0
         if ctx.config.compression:
             stream.pack_queue = [s for s in stream.segments[:-1] if not s.packed]
-        if fs.exists(directory / EPOCHS_FILE):
+        if EPOCHS_FILE in present:
             stream.epochs = EpochHistory.decode(fs.read_file(directory / EPOCHS_FILE))
-        stream.clean_marker = clean and handed is None
-        if not clean and stream.active is not None:
+        stream.clean_marker = old_clean
+        stream.synced_mark = synced
+        if not clean and stream.active is not None and not _vouched_for(synced, stream.active):
             # After a crash the recovered tail may be in the page cache only (a kill -9): sync it, so
-            # the header appends keep (storage/growing.py) is one a power loss keeps too.
+            # the header appends keep (storage/growing.py) is one a power loss keeps too. A tail the
+            # SYNCED marker names as it stands was synced at the close.
             stream.active.ref.segment.file.sync()
-        stream.truncation.finish_pending()
+        if TRUNCATE_MARKER in present:
+            stream.truncation.finish_pending()
         if handed is not None:
             stream._take_back(handed)
         return stream
@@ -248,11 +259,33 @@ class Stream:
 
     def unmark_clean(self) -> None:
         """Before the first write into the segments since the open (call with `lock` held): remove
-        the CLEAN marker, durably, if it is still there: from here on a crash must trigger the tail
-        scan. A stream that is only read never pays for it."""
+        a version-2 CLEAN marker, durably, if it is still there: it vouches for every node, so
+        from here on a crash must trigger the tail scan. Only a data directory written by an
+        earlier version pays for it, once per stream."""
         if self.clean_marker:
             self.ctx.fs.remove(self.directory / CLEAN_MARKER)
             self.clean_marker = False
+
+    def drop_markers(self) -> None:
+        """Before bytes below the synced end are rewritten (a truncation; call with `lock` held):
+        remove both markers, durably, as neither would name a prefix that is still there."""
+        self.unmark_clean()
+        self.ctx.fs.remove(self.directory / SYNCED_MARKER)
+        self.synced_mark = None  # so the next close writes one
+
+    def synced_end(self) -> SyncedEnd | None:
+        """What the SYNCED marker says once every write so far is synced (call with `lock` held):
+        the last segment, and its last node as it stands; None without a segment."""
+        if not self.segments:
+            return None
+        tail = self.segments[-1]
+        node = tail.nodes[-1] if tail.nodes and not tail.packed else None
+        return SyncedEnd(
+            tail.base_offset,
+            tail.header.created_ms,
+            node.pos if node is not None else 0,
+            node.header if node is not None else None,
+        )
 
     def _append_one(self, batch: AppendBatch, producer: tuple[str, int] | None) -> AppendResult:
         """Write one batch, or find the first attempt of a producer's retry. Call with `lock` held."""
@@ -662,16 +695,20 @@ class Stream:
                     with self.lock:
                         files = [file.path for file in self.dirty]
                         self.dirty.clear()
-                    durable_seq = self.active.durable_seq if self.active is not None else 0
-                    handed = UnsyncedClose(self.directory, files, self.creation, durable_seq)
+                        synced = self.synced_end()
+                        durable_seq = self.active.durable_seq if self.active is not None else 0
+                    handed = UnsyncedClose(self.directory, files, self.creation, durable_seq, synced)
                     self.creation = None
                 else:
                     self.sync()
                     self.save_producers(self.ctx.clock())
-                    # The sync above is done before the marker exists, so the marker needs no sync of
-                    # its own: a power loss may take it back (the next open checks the tail), never
-                    # make it vouch for unsynced bytes. Its removal before the next write is durable.
-                    self.ctx.fs.create_marker(self.directory / CLEAN_MARKER)
+                    # The sync above is done before the marker is written, so the marker needs no
+                    # sync of its own: a power loss may take it back or tear it (the next open then
+                    # checks the whole last segment), never make it vouch for unsynced bytes.
+                    with self.lock:
+                        synced = self.synced_end()
+                    if synced is not None and synced != self.synced_mark:  # a read-only visit: as it was
+                        write_synced_end(self.ctx.fs, self.directory, synced)
             with self.lock:
                 self.closed_summary = self.summary()
                 self.closed = True
@@ -680,3 +717,13 @@ class Stream:
                 self.segments.clear()
                 self.index.clear()
         return handed
+
+
+def _vouched_for(synced: SyncedEnd | None, node: GrowingNode) -> bool:
+    """Whether the SYNCED marker names `node` with the header it has now (synced at the close)."""
+    return (
+        synced is not None
+        and synced.base_offset == node.ref.segment.base_offset
+        and synced.node_pos == node.ref.pos
+        and synced.node_header == node.ref.header
+    )

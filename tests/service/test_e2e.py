@@ -12,7 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
-from storage.layout import CLEAN_MARKER, stream_directory
+from storage.cleanmark import SYNCED_MARKER
+from storage.layout import stream_directory
 from tests.service.helpers import ServerThread, append, payloads_of
 
 
@@ -508,7 +509,7 @@ def test_a_subscription_and_a_blocked_read_are_woken_on_a_stream_the_cache_close
             append(stub, name, b"x")
         assert server.call(lambda: server.server.engine.open_streams()) <= 3
         # Closed: under everysec the next maintenance round syncs it and writes its marker.
-        marker = stream_directory(server.settings.data_dir, "room") / CLEAN_MARKER
+        marker = stream_directory(server.settings.data_dir, "room") / SYNCED_MARKER
         deadline = time.monotonic() + 10
         while not marker.exists() and time.monotonic() < deadline:
             time.sleep(0.05)

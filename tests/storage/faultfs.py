@@ -347,6 +347,16 @@ class FaultFS:
             self._dir_op(parent, (path.name, inode))  # O_CREAT | O_TRUNC
             self._write(inode, path, 0, bytes(data))
 
+    def overwrite_file(self, path: Path, data: bytes) -> None:
+        with self._lock:
+            inode = self._lookup(path)
+            if not isinstance(inode, _Inode):
+                parent = self._dir(path.parent)
+                self._check_space(len(data), f"write {path.name}")
+                inode = _Inode(self._new_serial())
+                self._dir_op(parent, (path.name, inode))  # O_CREAT
+            self._write(inode, path, 0, bytes(data))
+
     def commit_file(self, src: Path, dst: Path) -> None:
         with self._lock:
             parent = self._dir(src.parent)

@@ -8,9 +8,10 @@ import random
 from pathlib import Path
 
 import pytest
+from crc32c import crc32c
 
-from storage import AppendBatch, Engine, EngineConfig, StreamBounds, StreamConfig
-from storage.catalog import CATALOG_FILE, decode_catalog
+from storage import AppendBatch, CorruptionError, Engine, EngineConfig, StreamBounds, StreamConfig
+from storage.catalog import CATALOG_CLEAN, CATALOG_FILE, Catalog, StreamSummary, decode_catalog
 from storage.fs import FileSystem
 from storage.layout import META_FILE, stream_directory
 from tests.storage.conftest import SMALL
@@ -20,16 +21,25 @@ ROOT = Path("/faultfs/data")
 
 
 class CountingFS(FileSystem):
-    """The real file system, counting the meta files read."""
+    """The real file system, counting the meta files read and the listings of the streams."""
 
     def __init__(self) -> None:
         super().__init__()
         self.meta_reads = 0
+        self.stream_listings = 0
 
     def read_file(self, path: Path) -> bytes:
         if path.name == META_FILE:
             self.meta_reads += 1
         return super().read_file(path)
+
+    def entries(self, path: Path) -> set[str]:
+        self.stream_listings += path.name == "streams"
+        return super().entries(path)
+
+    def listdir(self, path: Path) -> list[str]:
+        self.stream_listings += path.name == "streams"
+        return super().listdir(path)
 
 
 def fill(engine: Engine, streams: int, entries: int = 3) -> dict[str, list[bytes]]:
@@ -50,7 +60,7 @@ def test_start_up_reads_the_catalog_and_no_meta_file(tmp_path, clock):
     engine.close()
     fs = CountingFS()
     engine = Engine(tmp_path / "data", config, clock=clock, fs=fs)
-    assert fs.meta_reads == 0
+    assert fs.meta_reads == 0 and fs.stream_listings == 0  # a clean shutdown left a complete catalog
     assert engine.list_streams() == sorted(written) and engine.stats()["entries"] == 120
     assert contents(engine, "room-007") == written["room-007"]
     assert fs.meta_reads == 1  # the stream opened on its first use
@@ -207,3 +217,93 @@ def test_list_streams_pages_from_the_sorted_names_in_place(tmp_path, clock):
     engine.delete_stream("room-006")
     assert names[5:8] == ["room-005", "room-007", "room-008"] and list(names) == engine.list_streams()
     engine.close()
+
+
+def test_start_up_lists_the_streams_unless_the_last_shutdown_was_clean(tmp_path, clock):
+    data = tmp_path / "data"
+    config = EngineConfig(**SMALL, max_open_streams=4)
+    engine = Engine(data, config, clock=clock)
+    written = fill(engine, 10)
+    engine.close()
+    assert (data / CATALOG_CLEAN).exists()
+    fs = CountingFS()
+    engine = Engine(data, config, clock=clock, fs=fs)
+    assert fs.stream_listings == 0 and not (data / CATALOG_CLEAN).exists()  # gone before any creation
+    for name in ["new-1", "new-2"]:  # streams the file does not name
+        written[name] = [name.encode()]
+        engine.append(name, AppendBatch(written[name]))
+    engine.delete_stream("room-000")
+    del written["room-000"]
+    # kill -9: the engine is dropped unclosed (with its own fs it holds no lock), no CATALOG_CLEAN.
+    fs = CountingFS()
+    engine = Engine(data, config, clock=clock, fs=fs)
+    assert fs.stream_listings == 1
+    assert engine.list_streams() == sorted(written)
+    assert all(contents(engine, name) == items for name, items in written.items())
+    engine.close()
+
+
+def test_an_unreadable_stream_is_reported_by_every_start_up(tmp_path, clock):
+    data = tmp_path / "data"
+    config = EngineConfig(**SMALL)
+    engine = Engine(data, config, clock=clock)
+    fill(engine, 3)
+    engine.close()
+    (stream_directory(data, "room-001") / META_FILE).write_bytes(b"damaged")
+    (data / CATALOG_FILE).unlink()  # rebuilt from the directories: the damage is found now
+    for _ in range(2):  # a clean shutdown after it does not hide it from the next start-up
+        engine = Engine(data, config, clock=clock)
+        assert engine.list_streams() == ["room-000", "room-002"] and engine.unreadable == ["room-001"]
+        engine.close()
+
+
+def test_a_deletion_that_left_its_directory_makes_the_next_start_up_list(tmp_path, clock):
+    data = tmp_path / "data"
+    config = EngineConfig(**SMALL)
+
+    class FailingRemoval(CountingFS):
+        def remove_tree(self, path: Path) -> None:
+            if path.name.endswith(".deleted"):
+                raise OSError("injected: the directory stays")
+            super().remove_tree(path)
+
+    engine = Engine(data, config, clock=clock, fs=FailingRemoval())
+    fill(engine, 2)
+    with pytest.raises(OSError):
+        engine.delete_stream("room-000")
+    engine.close()
+    assert not (data / CATALOG_CLEAN).exists()  # the leftover must be found by a listing
+    fs = CountingFS()
+    engine = Engine(data, config, clock=clock, fs=fs)
+    assert fs.stream_listings == 1 and engine.list_streams() == ["room-001"]
+    assert not any(p.name.endswith(".deleted") for p in (data / "streams").iterdir())
+    engine.close()
+
+
+def test_the_files_names_are_found_by_bisection_with_deletions_and_creations_since():
+    first = Catalog()
+    for name in ["a", "c", "e"]:
+        first.add_closed(name, StreamSummary(1, 10, 1, 1))
+    catalog = Catalog()
+    catalog.load(decode_catalog(first.encode(set(), {})), gone={"e"})
+    assert [n in catalog for n in ["a", "b", "c", "e", 7]] == [True, False, True, False, False]
+    catalog.remove("a")
+    catalog.add("b")  # created: a row of its own
+    catalog.add("a")  # recreated: back under its old row, open (no figures)
+    catalog.closed("a", StreamSummary(5, 50, 1, 1))
+    assert len(catalog) == 3 and catalog.names() == ["a", "b", "c"]
+    assert catalog.totals() == {"entries": 6, "bytes_on_disk": 60, "segments": 2, "nodes": 2}
+    again = decode_catalog(catalog.encode({"b"}, {}))
+    assert again.names == ["a", "c"] and list(again.columns[0]) == [5, 1]
+
+
+def test_a_catalog_whose_names_are_out_of_order_counts_as_damaged():
+    catalog = Catalog()
+    for name in ["a", "b"]:
+        catalog.add_closed(name, StreamSummary())
+    raw = bytearray(catalog.encode(set(), {}))
+    at = raw.index(b"a\0b")
+    raw[at : at + 3] = b"b\0a"
+    raw[4:8] = crc32c(bytes(raw[20:])).to_bytes(4, "little")
+    with pytest.raises(CorruptionError, match="not in order"):
+        decode_catalog(bytes(raw))

@@ -18,6 +18,7 @@ import pytest
 
 from storage import AppendBatch, CorruptionError, Engine, EngineConfig, StorageError, StreamNotFoundError
 from storage.catalog import CATALOG_FILE
+from storage.cleanmark import SYNCED_MARKER
 from storage.format import (
     NODE_HEADER_SIZE,
     NODE_PREFIX_SIZE,
@@ -287,7 +288,7 @@ def torn_tail_source(tmp_path_factory) -> tuple[Path, dict[int, bytes], int]:
         offset += n
     engine.append(OTHER, AppendBatch([b"o1", b"o2"]))
     engine.close()
-    (stream_dir(data) / "CLEAN").unlink()  # a crash, not a clean shutdown: the tail gets its full scan
+    (stream_dir(data) / SYNCED_MARKER).unlink()  # a crash, not a clean shutdown: the tail gets its full scan
     assert len(segment_files(data)) == 1
     return data, expected, 40 * 8
 

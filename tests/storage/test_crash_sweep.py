@@ -74,7 +74,7 @@ MAIN = "main"
 GROUP = "g"
 AUX = "aux"
 # One open stream at a time: whenever the workload turns from one stream to the other, the cache
-# closes one (synced, CLEAN marker) and the other is reopened (recovered if its last close was not clean).
+# closes one (synced, SYNCED marker) and the other is reopened (the part past its marker checked).
 SMALL = {**CONFTEST_SMALL, "compression": True, "compaction_interval_ms": 1, "max_open_streams": 1}
 TAGS = [f"key-{i}" for i in range(6)]
 FIRST_MOVERS = {"trim", "evict", "keep_last", "maintain", "compact"}

@@ -1,7 +1,7 @@
 """A stream the cache closes under everysec hands its syncs to the next round (storage/handoff.py):
-the call that needed the room syncs nothing; the round syncs it and writes its CLEAN marker; a
-reopening before the round takes the close back; a stream opened after a clean close removes its
-marker only before its first write. The crash guarantees stay those of a synced close."""
+the call that needed the room syncs nothing; the round syncs it and writes its SYNCED marker; a
+reopening before the round takes the close back; a stream opened after a clean close keeps its
+marker through its writes (storage/cleanmark.py). The crash guarantees stay those of a synced close."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from storage import AppendBatch, DurabilityError, Engine, EngineConfig
-from storage.layout import CLEAN_MARKER, stream_directory
+from storage.cleanmark import SYNCED_MARKER
+from storage.layout import stream_directory
 from tests.storage.conftest import SMALL
 from tests.storage.faultfs import FaultFS
 
@@ -30,7 +31,7 @@ def contents(engine: Engine, name: str) -> list[bytes]:
 
 
 def marked_clean(fs: FaultFS, name: str) -> bool:
-    return fs.exists(stream_directory(ROOT, name) / CLEAN_MARKER)
+    return fs.exists(stream_directory(ROOT, name) / SYNCED_MARKER)
 
 
 def test_an_eviction_under_everysec_makes_no_sync_call_on_the_callers_thread():
@@ -82,7 +83,7 @@ def test_a_stream_reopened_before_the_round_takes_its_close_back_and_the_round_s
     assert after.info("a").damaged == () and after.unreadable == []
 
 
-def test_a_read_of_a_cleanly_closed_stream_costs_no_sync_and_its_first_write_one():
+def test_a_read_of_a_cleanly_closed_stream_costs_no_sync_and_neither_does_its_first_write():
     fs, engine = new_engine()
     engine.append("a", AppendBatch([b"1"]))
     engine.append("b", AppendBatch([b"2"]))
@@ -93,7 +94,7 @@ def test_a_read_of_a_cleanly_closed_stream_costs_no_sync_and_its_first_write_one
     assert contents(engine, "a") == [b"1"]  # reopens "a", closes "c" (synced): nothing to sync
     assert fs.syncs == before and marked_clean(fs, "a")
     engine.append("a", AppendBatch([b"4"]))
-    assert fs.syncs == before + 1 and not marked_clean(fs, "a")  # the marker's durable removal
+    assert fs.syncs == before and marked_clean(fs, "a")  # the marker names the synced prefix: it stays
     state = fs.crashed_copy(random.Random(2), "power")
     after = Engine(ROOT, EngineConfig(**SMALL), fs=state)
     assert contents(after, "a") in ([b"1"], [b"1", b"4"]) and after.info("a").damaged == ()

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from storage import AppendBatch, Engine, EngineConfig, GroupReadOptions, StreamNotFoundError
-from storage.layout import CLEAN_MARKER, stream_directory
+from storage.cleanmark import SYNCED_MARKER
+from storage.layout import stream_directory
 from tests.storage.conftest import SMALL
 from tests.storage.faultfs import FaultFS
 
@@ -42,10 +43,10 @@ def test_no_more_than_max_open_streams_are_open_and_closed_ones_reopen_on_demand
     for name in NAMES:  # each read reopens a stream the cache closed
         assert contents(engine, name) == [f"{name}/{r}".encode() for r in range(3)]
         assert engine.info(name).end_offset == 3 and engine.open_streams() <= 3
-    # A stream closed by the cache left its CLEAN marker once the round synced it (storage/handoff.py):
+    # A stream closed by the cache left its SYNCED marker once the round synced it (storage/handoff.py):
     # reopening it checks no node body.
     engine.maintain()
-    closed = [n for n in NAMES if (stream_directory(engine.data_dir, n) / CLEAN_MARKER).exists()]
+    closed = [n for n in NAMES if (stream_directory(engine.data_dir, n) / SYNCED_MARKER).exists()]
     assert len(closed) == len(NAMES) - 3
 
 
@@ -100,7 +101,7 @@ def test_a_stream_closed_by_the_cache_keeps_its_groups_dedup_and_wakes_its_liste
     for name in ("b", "c", "d"):
         engine.append(name, AppendBatch([b"y"]))
     engine.maintain()  # this time the round finishes the close: synced, marked clean
-    assert (stream_directory(engine.data_dir, "a") / CLEAN_MARKER).exists()
+    assert (stream_directory(engine.data_dir, "a") / SYNCED_MARKER).exists()
     woken.clear()
     engine.append("a", AppendBatch([b"4"]))  # reopened by the append: its listeners still fire
     assert woken == [("a", 4)]

@@ -1,0 +1,88 @@
+"""The `SYNCED` marker: how far a stream was synced at its last clean close (issue 17).
+
+A clean close syncs the stream, then writes this marker (not synced itself): the last
+segment's identity (base offset, creation time) and its last node's position and header
+as they stood. The marker stays through later writes, so the first write after a reopen
+costs no sync: recovery trusts the prefix the marker names (no node body read) and checks
+only what lies past it, the marked node's newer header slots and any node after it; if the
+newer slots fail their checks, the marked header (whose bytes were synced) is put back.
+A marker that does not match what is on disk (another segment, a chain that does not reach
+the marked node) is not trusted: the whole last segment is checked, as after a crash.
+
+Before version 3 of the format the marker was `CLEAN`, an empty file removed durably before
+the first write: one still found means what it meant (every node trusted) and is removed,
+durably, before the first write as before. docs/FORMAT.md has the bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from crc32c import crc32c
+
+from storage.errors import CorruptionError, StorageError
+from storage.format import NODE_HEADER_SIZE, NodeHeader
+from storage.fs import FileSystem
+
+log = logging.getLogger("streamlog.storage")
+
+SYNCED_MARKER = "SYNCED"
+_MAGIC = b"SLSY"
+_VERSION = 1
+_LAYOUT = struct.Struct("<4sIHHqqQ64s")  # magic, CRC, version, 0, base, created_ms, node pos, node header
+
+
+@dataclass(frozen=True, slots=True)
+class SyncedEnd:
+    """A segment's synced state: its base and creation time, its last node's position and
+    header slot (pos 0 and no header: no growing node, nothing in it to check)."""
+
+    base_offset: int
+    created_ms: int
+    node_pos: int = 0
+    node_header: NodeHeader | None = None
+
+    def encode(self) -> bytes:
+        header = self.node_header.encode() if self.node_header is not None else bytes(NODE_HEADER_SIZE)
+        body = _LAYOUT.pack(_MAGIC, 0, _VERSION, 0, self.base_offset, self.created_ms, self.node_pos, header)
+        return body[:4] + struct.pack("<I", crc32c(body[8:])) + body[8:]
+
+    @classmethod
+    def decode(cls, raw: bytes) -> SyncedEnd:
+        """The marker's content; CorruptionError if it is torn or not a marker."""
+        if len(raw) != _LAYOUT.size:
+            raise CorruptionError(f"SYNCED marker of {len(raw)} bytes")
+        magic, crc, version, _, base, created, pos, header = _LAYOUT.unpack(raw)
+        if magic != _MAGIC or crc != crc32c(raw[8:]):
+            raise CorruptionError("SYNCED marker fails its checks")
+        if version != _VERSION:
+            raise CorruptionError(f"SYNCED marker of version {version}")
+        node_header = NodeHeader.decode(header) if pos else None
+        if pos and node_header is None:
+            raise CorruptionError("SYNCED marker holds a damaged node header")
+        return cls(base, created, pos, node_header)
+
+
+def read_synced_end(fs: FileSystem, directory: Path) -> SyncedEnd | None:
+    """The stream's SYNCED marker; None if there is none or it is torn (a power loss took its
+    write: the last segment is then checked whole)."""
+    try:
+        return SyncedEnd.decode(fs.read_file(directory / SYNCED_MARKER))
+    except FileNotFoundError:
+        return None
+    except CorruptionError as exc:
+        log.warning("stream directory %s: %s; checking its last segment", directory.name, exc)
+        return None
+
+
+def write_synced_end(fs: FileSystem, directory: Path, end: SyncedEnd) -> None:
+    """Write the marker after the stream's sync, not synced itself: a power loss may tear it or
+    keep the one before, which names a prefix synced earlier. A marker that cannot be written
+    (a full disk) costs the next open a check of the last segment, nothing more."""
+    try:
+        fs.overwrite_file(directory / SYNCED_MARKER, end.encode())
+    except StorageError as exc:
+        log.warning("stream directory %s: SYNCED marker not written: %s", directory.name, exc)
