@@ -10,8 +10,8 @@ calls are timed and counted too), auth (nothing unidentified reaches the limits'
 counters), in a cluster the routing (service/routing.py: a call forwarded to its
 stream's leader was authorized here, and meets the limits there), then limits. A
 call without valid credentials is refused by auth before its request is read,
-with a handler the outer layers pass through: it is counted as a refusal, not
-timed.
+with a handler served as it is (no layer wraps it): it is counted as a refusal,
+not timed.
 """
 
 from __future__ import annotations
