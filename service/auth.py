@@ -635,7 +635,7 @@ class AuthInterceptor(WrappingInterceptor):
             await self._refuse(context, method, denied)
 
         # A client-streaming handler: gRPC reads a request message only when the handler asks,
-        # and this one never does. (The outer interceptors pass such handlers through.)
+        # and this one never does. (It is served as it is: service/interceptors.py.)
         return grpc.stream_unary_rpc_method_handler(refuse)
 
     # -- calls that outlive a reload

@@ -160,7 +160,10 @@ class GroupWaits:
 
     def on_append(self, stream: str, end_offset: int) -> None:
         """The engine's append listener; safe to call from any thread."""
-        self._on_loop(self._wake_stream, stream)
+        if threading.get_ident() != self._loop_thread:
+            self._on_loop(self._wake_stream, stream)
+        elif stream in self._queues:  # (most appends find no group reader waiting)
+            self._wake_stream(stream)
 
     def on_group_change(self, stream: str, group: str) -> None:
         """The engine's group listener; safe to call from any thread."""

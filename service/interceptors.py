@@ -1,23 +1,26 @@
-"""The base of the service's server interceptors: wrap the handlers of StreamLogService.
+"""The service's interceptors: layers that wrap the handlers of StreamLogService.
 
 grpc.aio interceptors see only the method name and metadata, not the request; auth
 (which stream, which group), limits and metrics need the request and the outcome.
-So each interceptor returns the method's handler with its behavior wrapped by a
-function that receives the request and the context. Other services (health,
-reflection) are passed through untouched: they stay open and uncounted.
+So each interceptor wraps a method's handler with a function that receives the
+request and the context. Other services (health, reflection) are not wrapped:
+they stay open and uncounted.
 
-A wrapped handler is built once per method and reused, so the per-call cost of an
-interceptor is one `intercept_service` await and the wrapper itself. `admit` may
-give a call another handler, decided from its metadata before its request is read
-(auth refuses calls without credentials there).
+grpc.aio would run a chain of interceptors for every call (an `intercept_service`
+await per interceptor, before the handler is found). `Interceptors` wraps each
+method's handler by every interceptor once, at start-up, and the server serves
+the wrapped handlers as its own: a call then costs what its wrappers do, nothing
+more. Only `admit` runs per call before the request is read (auth refuses calls
+without credentials there, from their metadata), in the one grpc.aio interceptor
+the server keeps, and only when an interceptor has an `admit`.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
@@ -66,48 +69,31 @@ def waits(method: str, request: Any) -> bool:
     return method in WAITING_UNARY and request.block_ms > 0
 
 
-class WrappingInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps the handlers of one service; subclasses define the wrappers."""
+class WrappingInterceptor(abc.ABC):
+    """One layer of the service's interceptors; subclasses define the wrappers."""
 
     def __init__(self, service_name: str) -> None:
         self._prefix = f"/{service_name}/"
-        # method path -> (handler from the next layer, the wrapped handler built from it)
-        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = await continuation(handler_call_details)
-        path = handler_call_details.method
-        if handler is None or not path.startswith(self._prefix):
-            return handler
-        cached = self._wrapped.get(path)
-        if cached is not None and cached[0] is handler:
-            return self.admit(handler_call_details, cached[1])
-        method = path[len(self._prefix) :]
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """`handler` of `method` (its name in the service), its behavior wrapped by this layer."""
         served = aio_handler(handler)
-        wrapped: grpc.RpcMethodHandler
         if served.unary_unary is not None:
-            wrapped = served._replace(unary_unary=self.wrap_unary(method, served.unary_unary))
-        elif served.unary_stream is not None:
-            wrapped = served._replace(unary_stream=self.wrap_stream(method, served.unary_stream))
-        elif served.stream_stream is not None:
-            wrapped = served._replace(stream_stream=self.wrap_session(method, served.stream_stream))
-        else:
-            # StreamLogService has no client-streaming-only RPC; one added later passes
-            # unwrapped here, and auth refuses to start when an RPC has no access rule. Auth's
-            # refusals of calls without credentials have this form, so they pass unread.
-            return handler
-        self._wrapped[path] = (handler, wrapped)
-        return self.admit(handler_call_details, wrapped)
+            return served._replace(unary_unary=self.wrap_unary(method, served.unary_unary))
+        if served.unary_stream is not None:
+            return served._replace(unary_stream=self.wrap_stream(method, served.unary_stream))
+        if served.stream_stream is not None:
+            return served._replace(stream_stream=self.wrap_session(method, served.stream_stream))
+        # StreamLogService has no client-streaming-only RPC; one added later is served
+        # unwrapped, and auth refuses to start when an RPC has no access rule.
+        return handler
 
     def admit(
         self, handler_call_details: grpc.HandlerCallDetails, handler: grpc.RpcMethodHandler
     ) -> grpc.RpcMethodHandler:
         """The handler for this call, decided from its method and metadata alone (its request
-        is not read yet): the wrapped `handler`, or another one (a refusal)."""
+        is not read yet): the wrapped `handler`, or another one (a refusal, which the layers
+        do not wrap). Layers that override this run it for every call (see `Interceptors`)."""
         return handler
 
     def wrap_session(self, method: str, behavior: SessionBehavior) -> SessionBehavior:
@@ -140,18 +126,98 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
         """The handler of server-streaming `method`, wrapped (or `behavior` itself)."""
 
 
-async def iterate(behavior: StreamBehavior, request: Any, context: CallContext) -> AsyncGenerator[Any, None]:
+@dataclass(slots=True)
+class CallDetails:
+    """A call's method path and metadata, as grpc.aio hands them to interceptors (for calls that
+    do not come through gRPC: grpc.HandlerCallDetails is only a protocol)."""
+
+    method: str
+    invocation_metadata: tuple[tuple[str, str | bytes], ...]
+
+
+class Interceptors:
+    """A service's interceptors (outermost first) applied to its method handlers, once.
+
+    `handlers` are the wrapped handlers, by method name: the server serves them as its
+    own. The interceptors with an `admit` run it for every call, innermost first, each on
+    the handler the previous one chose; the first that chooses another handler (a
+    refusal) decides, and that handler is served as it is.
+    """
+
+    def __init__(
+        self,
+        service_name: str,
+        interceptors: Sequence[WrappingInterceptor],
+        handlers: Mapping[str, grpc.RpcMethodHandler],
+    ) -> None:
+        self._prefix = f"/{service_name}/"
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+        for method, handler in handlers.items():
+            for interceptor in reversed(interceptors):
+                handler = interceptor.wrap(method, handler)
+            self.handlers[method] = handler
+        self._by_path = {self._prefix + method: handler for method, handler in self.handlers.items()}
+        self._admitting = tuple(
+            i for i in reversed(interceptors) if type(i).admit is not WrappingInterceptor.admit
+        )
+
+    def admit(
+        self, details: grpc.HandlerCallDetails, handler: grpc.RpcMethodHandler
+    ) -> grpc.RpcMethodHandler:
+        for interceptor in self._admitting:
+            chosen = interceptor.admit(details, handler)
+            if chosen is not handler:
+                return chosen
+        return handler
+
+    def handler(self, method: str, metadata: tuple[tuple[str, str | bytes], ...]) -> grpc.RpcMethodHandler:
+        """The handler of one call of `method` with `metadata`, admitted (for the HTTP gateway)."""
+        return self.admit(CallDetails(self._prefix + method, metadata), self.handlers[method])
+
+    def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        """What grpc.aio must run per call: the admits, when there are any; else nothing."""
+        return [_Admission(self._by_path, self.admit)] if self._admitting else []
+
+
+class _Admission(grpc.aio.ServerInterceptor):
+    """Runs the admits of a service's interceptors for each of its calls, in grpc.aio."""
+
+    def __init__(
+        self,
+        by_path: Mapping[str, grpc.RpcMethodHandler],
+        admit: Callable[[grpc.HandlerCallDetails, grpc.RpcMethodHandler], grpc.RpcMethodHandler],
+    ) -> None:
+        self._by_path = by_path
+        self._admit = admit
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = self._by_path.get(handler_call_details.method)
+        if handler is None:
+            return await continuation(handler_call_details)  # another service's
+        return self._admit(handler_call_details, handler)
+
+
+def iterate(behavior: StreamBehavior, request: Any, context: CallContext) -> AsyncGenerator[Any, None]:
     """The replies of a streaming behavior, whichever of the two forms it has.
 
-    A behavior that writes with `context.write` (a coroutine) has sent its replies
-    itself; it yields nothing here.
+    An async generator's replies are its own (no generator added per layer and reply). A
+    behavior that writes with `context.write` (a coroutine) has sent its replies itself;
+    it yields nothing here.
     """
     result = behavior(request, context)
     if hasattr(result, "__aiter__"):
-        async for reply in result:
-            yield reply
-    else:
-        await result
+        return cast(AsyncGenerator[Any, None], result)
+    return _written(cast(Awaitable[None], result))
+
+
+async def _written(sent: Awaitable[None]) -> AsyncGenerator[Any, None]:
+    await sent
+    return
+    yield  # an async generator that yields nothing
 
 
 async def prepended(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:

@@ -65,6 +65,10 @@ _STREAM_COUNT_TTL_S = 1.0
 _CONSUMER_METHODS = frozenset({"Claim", "AutoClaim", "Consume"})
 _GROUP_READ_METHODS = frozenset({"Read", "Subscribe"})
 _FORGET_METHODS = frozenset({"DeleteConsumer", "DeleteGroup", "DeleteStream"})
+_GROUP_CONFIG_METHODS = frozenset({"CreateGroup", "SetGroupConfig"})
+# The methods `check` looks at (Append, AppendMany and Publish have wrappers of their own); the
+# other unary calls are served unwrapped.
+_CHECKED_METHODS = _CONSUMER_METHODS | _GROUP_READ_METHODS | _FORGET_METHODS | _GROUP_CONFIG_METHODS
 
 
 def server_options(settings: Settings) -> list[tuple[str, Any]]:
@@ -197,10 +201,9 @@ class LimitsInterceptor(WrappingInterceptor):
         return bounded
 
     async def check(self, method: str, request: Any, engine: Engine) -> Any:
-        """Raise LimitError for a call past a limit; return the request to serve (maybe bounded)."""
-        if method == "Append":
-            self._track(self._new_stream(engine, request.stream, "stream"))
-        elif method in ("CreateGroup", "SetGroupConfig"):
+        """Raise LimitError for a call of one of _CHECKED_METHODS past a limit; return the request
+        to serve (maybe bounded)."""
+        if method in _GROUP_CONFIG_METHODS:
             if method == "CreateGroup":
                 if request.create_stream:
                     self._track(self._new_stream(engine, request.stream, "create_stream"))
@@ -219,7 +222,7 @@ class LimitsInterceptor(WrappingInterceptor):
 
     def _done(self, method: str, request: Any) -> None:
         """A call that may have created a stream has finished."""
-        if method in ("Append", "CreateGroup"):
+        if method == "CreateGroup":
             self._creating.discard(request.stream)
 
     def _forget(self, request: Any) -> None:
@@ -254,6 +257,10 @@ class LimitsInterceptor(WrappingInterceptor):
     def wrap_unary(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
         if method in batchparts.BATCH_CALLS:
             return self._wrap_batches(method, behavior)
+        if method == "Append":
+            return self._wrap_append(behavior)
+        if method not in _CHECKED_METHODS:
+            return behavior  # no limit applies to it
         settings = self._settings
 
         async def limited(request: Any, context: CallContext) -> Any:
@@ -282,6 +289,28 @@ class LimitsInterceptor(WrappingInterceptor):
                 return await behavior(request, context)
             finally:
                 self.blocked_reads -= 1
+
+        return limited
+
+    def _wrap_append(self, behavior: UnaryBehavior) -> UnaryBehavior:
+        """max_streams: an Append that would create a stream past it is refused. The stream it
+        creates counts as being created until the call ends (the engine may not list it yet)."""
+
+        async def limited(request: Any, context: CallContext) -> Any:
+            engine = self._engine()
+            creating = None
+            if engine is not None:
+                try:
+                    creating = self._new_stream(engine, request.stream, "stream")
+                except LimitError as exc:
+                    await self._refuse(context, "Append", request, exc)
+            if creating is None:
+                return await behavior(request, context)
+            self._creating.add(creating)
+            try:
+                return await behavior(request, context)
+            finally:
+                self._creating.discard(creating)
 
         return limited
 

@@ -4,14 +4,14 @@ TLS and auth (service/auth.py), limits (service/limits.py), metrics
 (service/metrics.py), the plaintext health-only port, the reloading of TLS and
 auth files (on SIGHUP and when they change), and the start-up log of settings.
 
-Interceptors run outermost first: the registry of open calls (it sends every
+The interceptors (service/interceptors.py), outermost first: the registry of open calls (it sends every
 Subscribe reply itself, under the subscriber send timeout), metrics (so refused
 calls are timed and counted too), auth (nothing unidentified reaches the limits'
 counters), in a cluster the routing (service/routing.py: a call forwarded to its
 stream's leader was authorized here, and meets the limits there), then limits. A
 call without valid credentials is refused by auth before its request is read,
-with a handler the outer layers pass through: it is counted as a refusal, not
-timed.
+with a handler served as it is (no layer wraps it): it is counted as a refusal,
+not timed.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import grpc
@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2_grpc
 
 from service import auth, limits, metrics
 from service.config import Settings, describe, describe_changes
+from service.interceptors import Interceptors, WrappingInterceptor
 from service.opencalls import OpenCalls, OpenCallsInterceptor
 from service.replybudget import ReplyBudget
 from storage import Engine
@@ -42,11 +43,12 @@ class Operations:
         engine: Callable[[], Engine | None],
         subscriptions: Callable[[], int],
         replies: ReplyBudget | None = None,
-        routing: grpc.aio.ServerInterceptor | None = None,
+        routing: WrappingInterceptor | None = None,
     ) -> None:
         """`service`: the proto's service descriptor; `engine` is None until recovery ends;
         `replies`: the servicer's reply budget, for the metrics; `routing`: a cluster's."""
         self.settings = settings
+        self._service_name = service.full_name
         # Open Subscribe and Consume calls and waiting Reads, each of which can be ended from here
         # (service/opencalls.py): by the send timeout, and by auth when a reload revokes them.
         self.open_calls = OpenCalls()
@@ -55,7 +57,7 @@ class Operations:
         observer = self.metrics.refused if self.metrics is not None else None
         self.limits = limits.LimitsInterceptor(service.full_name, settings, engine, observer)
         self.send_timeout = limits.SendTimeout(settings.subscriber_send_timeout_ms, observer)
-        chain: list[grpc.aio.ServerInterceptor | None] = [
+        chain: list[WrappingInterceptor | None] = [
             OpenCallsInterceptor(service.full_name, self.open_calls, self.send_timeout.send)
         ]
         if self.metrics is not None:
@@ -74,8 +76,9 @@ class Operations:
         self.health_port: int | None = None
         self._watch: asyncio.Task[None] | None = None
 
-    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        return list(self._interceptors)
+    def interceptors(self, handlers: Mapping[str, grpc.RpcMethodHandler]) -> Interceptors:
+        """`handlers` (the servicer's, by method name) wrapped by the interceptors."""
+        return Interceptors(self._service_name, self._interceptors, handlers)
 
     def server_options(self) -> list[tuple[str, Any]]:
         return limits.server_options(self.settings)

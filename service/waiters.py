@@ -83,7 +83,8 @@ class Waiters:
     def on_append(self, stream: str, end_offset: int) -> None:
         """The engine's append listener; safe to call from any thread."""
         if threading.get_ident() == self._loop_thread:
-            self._wake_appended(stream, end_offset)
+            if stream in self._waiting:  # (most appends find no reader waiting)
+                self._wake_appended(stream, end_offset)
             return
         # RuntimeError: the loop is closed, so the server has stopped and nobody waits.
         with contextlib.suppress(RuntimeError):

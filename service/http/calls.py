@@ -1,19 +1,16 @@
 """Runs an RPC for an HTTP call through the handlers and interceptors of the gRPC server.
 
-The gRPC server finds a method's handler by passing its name and metadata down the
-chain of interceptors (each `intercept_service` wraps the handler of the next,
-service/interceptors.py). `Dispatcher` does exactly that, with the server's own
-interceptor objects and method handlers, then calls the wrapped behavior with an
-HttpContext. So an HTTP call gets the same token check (before its request is
-used), access rules, limits, metrics and servicer as a gRPC call, with no second
-copy of any of them.
+The gRPC server serves the servicer's handlers wrapped by the interceptors, and
+runs their `admit` for each call before its request is read
+(service/interceptors.py). `Dispatcher` does exactly that, with the server's own
+wrapped handlers, then calls the wrapped behavior with an HttpContext. So an HTTP
+call gets the same token check (before its request is used), access rules,
+limits, metrics and servicer as a gRPC call, with no second copy of any of them.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import AsyncIterator, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from typing import Any, NoReturn
 
 import grpc
@@ -22,32 +19,17 @@ from google.protobuf.message import Message
 
 from service.callcontext import AioMethodHandler, aio_handler
 from service.http.context import CallAborted, HttpContext, Metadata
-from service.interceptors import iterate
-
-
-@dataclass(slots=True)
-class CallDetails:
-    """What grpc.aio hands interceptors (grpc.HandlerCallDetails is only a protocol)."""
-
-    method: str
-    invocation_metadata: tuple[tuple[str, str | bytes], ...]
+from service.interceptors import Interceptors, iterate
 
 
 class Dispatcher:
     """The RPCs of one service, called the way the gRPC server calls them."""
 
-    def __init__(
-        self,
-        service: Any,
-        handlers: Mapping[str, grpc.RpcMethodHandler],
-        interceptors: Iterable[grpc.aio.ServerInterceptor],
-    ) -> None:
-        """`service`: the service descriptor; `handlers`: the server's handler per method name (the
-        same objects, so the interceptors' per-method caches serve both)."""
+    def __init__(self, service: Any, interceptors: Interceptors) -> None:
+        """`service`: the service descriptor; `interceptors`: the gRPC server's (the same wrapped
+        handlers serve both)."""
         self.service = service
-        self._prefix = f"/{service.full_name}/"
-        self._handlers = handlers
-        self._interceptors = tuple(interceptors)
+        self._interceptors = interceptors
 
     def request_class(self, method: str) -> type[Message]:
         return message_factory.GetMessageClass(self.service.methods_by_name[method].input_type)
@@ -55,22 +37,11 @@ class Dispatcher:
     def response_class(self, method: str) -> type[Message]:
         return message_factory.GetMessageClass(self.service.methods_by_name[method].output_type)
 
-    async def _handler(self, method: str, metadata: Metadata) -> AioMethodHandler:
-        base = self._handlers[method]
-        interceptors = self._interceptors
-
-        async def through(index: int, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-            if index == len(interceptors):
-                return base
-            return await interceptors[index].intercept_service(functools.partial(through, index + 1), details)
-
-        handler = await through(0, CallDetails(self._prefix + method, metadata))
-        if handler is None:  # an interceptor may decline a call (grpc.aio's contract; ours never do)
-            raise CallAborted(grpc.StatusCode.UNIMPLEMENTED, f"no handler for {method}")
-        return aio_handler(handler)
+    def _handler(self, method: str, metadata: Metadata) -> AioMethodHandler:
+        return aio_handler(self._interceptors.handler(method, metadata))
 
     async def unary(self, method: str, request: Message, context: HttpContext) -> Message:
-        handler = await self._handler(method, context.invocation_metadata())
+        handler = self._handler(method, context.invocation_metadata())
         if handler.unary_unary is None:
             await _refused(handler, context)
         reply = await handler.unary_unary(request, context)
@@ -78,7 +49,7 @@ class Dispatcher:
 
     async def stream(self, method: str, request: Message, context: HttpContext) -> None:
         """A server-streaming call: each reply goes to `context.write`."""
-        handler = await self._handler(method, context.invocation_metadata())
+        handler = self._handler(method, context.invocation_metadata())
         if handler.unary_stream is None:
             await _refused(handler, context)
         # The outermost interceptor writes the replies itself; a bare behavior yields them.

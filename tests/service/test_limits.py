@@ -276,11 +276,26 @@ def test_concurrent_new_streams_do_not_pass_max_streams(start_server: Callable[.
     assert len(server.server.engine.list_streams()) == 5
 
 
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """What the limits' Append wrapper asks of a call's context (it refuses with `abort`)."""
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise _Aborted(code, details)
+
+
 def test_streams_still_being_created_count_across_a_refresh(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Appends to new streams in flight (fsync=always runs them in threads) are counted even when
-    the cached stream count is refreshed before the engine shows their streams."""
+    the cached stream count is refreshed before the engine shows their streams; one that fails
+    gives its slot back, one still in flight does not."""
     clock = [0.0]
     monkeypatch.setattr(limits.time, "monotonic", lambda: clock[0])
     engine = Engine(tmp_path / "data")
@@ -291,22 +306,43 @@ def test_streams_still_being_created_count_across_a_refresh(
         )
 
         async def scenario() -> list[str]:
-            outcomes = []
-            for name in ("a", "b", "c"):
+            # Each Append stays in flight, without writing, until its gate opens; then it fails.
+            gates = {name: asyncio.Event() for name in ("a", "b", "c")}
+
+            async def append(request: pb.AppendRequest, context: object) -> None:
+                await gates[request.stream].wait()
+                raise RuntimeError("the append failed")
+
+            limited = guard.wrap_unary("Append", append)
+
+            async def call(name: str) -> str:
                 clock[0] += 5  # every check refreshes the count from the engine
                 try:
-                    await guard.check("Append", pb.AppendRequest(stream=name, payloads=[b"x"]), engine)
-                    outcomes.append("ok")
-                except limits.LimitError as exc:
-                    outcomes.append(exc.limit)
+                    await limited(pb.AppendRequest(stream=name, payloads=[b"x"]), _Context())
+                except _Aborted as exc:
+                    return exc.args[1]
+                except RuntimeError:
+                    return "failed"
+                return "ok"
+
+            # "a" and "b" pass and stay in flight: "c" would be the fourth stream.
+            a = asyncio.create_task(call("a"))
+            b = asyncio.create_task(call("b"))
+            await asyncio.sleep(0)
+            outcomes = [await call("c")]
+            gates["a"].set()  # "a" fails: its slot comes back
+            outcomes.append(await a)
+            c = asyncio.create_task(call("c"))  # now passes, and stays in flight
+            await asyncio.sleep(0)
+            outcomes.append(await call("d"))  # "b" and "c" still count
+            gates["b"].set()
+            gates["c"].set()
+            outcomes += [await b, await c]
             return outcomes
 
-        # "a" and "b" pass and stay in flight (never finished): "c" would be the fourth stream.
-        assert asyncio.run(scenario()) == ["ok", "ok", "max_streams"]
-        guard._done("Append", pb.AppendRequest(stream="a"))  # "a" failed: its slot comes back
-        clock[0] += 5
-        request = pb.AppendRequest(stream="c", payloads=[b"x"])
-        assert asyncio.run(guard.check("Append", request, engine)) is request
+        refused_c, a, refused_d, b, c = asyncio.run(scenario())
+        assert "max_streams=3" in refused_c and "max_streams=3" in refused_d
+        assert (a, b, c) == ("failed", "failed", "failed")
     finally:
         engine.close()
 
