@@ -29,7 +29,7 @@ import asyncio
 import collections
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from streamlog.internal.v1 import replication_pb2 as rpb
@@ -51,6 +51,9 @@ from service.replicas import LocalReplicas, Role
 from service.resume import end_to_resume
 from service.routing import RoutingInterceptor
 from storage import Engine
+
+if TYPE_CHECKING:  # server.py imports this module
+    from service.server import GenericHandlersOnly
 
 # How long a node that lost a copy waits for a peer to say how much of the stream it holds.
 _STATE_TIMEOUT_S = 2.0
@@ -121,7 +124,7 @@ class ClusterNode:
     def error(self) -> Exception | None:
         return self.coordinator.membership.error
 
-    def add_services(self, server: grpc.aio.Server) -> None:
+    def add_services(self, server: GenericHandlersOnly) -> None:
         """The internal services peers call (replication), on the server's port."""
         add_replica_service(self.replica_service, server)
 

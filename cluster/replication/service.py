@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 from streamlog.internal.v1 import replication_pb2 as rpb
@@ -147,5 +148,6 @@ async def _checked(
         request = await anext(requests, None)
 
 
-def add_to_server(servicer: ReplicaServicer, server: grpc.aio.Server) -> None:
+def add_to_server(servicer: ReplicaServicer, server: Any) -> None:
+    """`server`: a grpc.aio.Server, or what takes its handlers in its place (service/server.py)."""
     rpb_grpc.add_ReplicaServiceServicer_to_server(servicer, server)
