@@ -16,10 +16,11 @@ Issue 17's targets, measured with one Python client each:
   with every acknowledged entry read back. With `--direct` the directory is built
   in this process instead, for a size a load through one client would take hours
   for: one stream is written by the engine and closed cleanly, and its files are
-  copied under each name by `BUILDERS` processes (its meta file encoded with the
-  name, its segment as it is: the entry's bytes are the template's), with the
-  SYNCED marker a clean close leaves, and the catalog file (and `catalog.clean`) a
-  clean shutdown would write. Then a start-up, one more entry appended through the server to
+  copied under each name by `BUILDERS` processes (its segment as it is: the
+  entry's bytes are the template's; no meta file, as the engine writes none for
+  these names), with the SYNCED marker a clean close leaves, and the catalog file
+  (and `catalog.clean`) a clean shutdown would write. Then a start-up, one more
+  entry appended through the server to
   `DIRECT_APPENDS` streams, a kill -9, a restart, and those entries and as many
   untouched streams read back.
 
@@ -50,14 +51,14 @@ from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 from bench.common import Timer, emit, free_port, percentiles, serve_command, server_metrics, wait_serving
 from bench.redis_baseline import RedisServer
 from clients.aio import AsyncClient
-from storage import AppendBatch, Engine, EngineConfig, StreamConfig
+from storage import AppendBatch, Engine, EngineConfig
 from storage.catalog import CATALOG_CLEAN, CATALOG_FILE, Catalog, StreamSummary
-from storage.layout import META_FILE, encode_meta, stream_directory, streams_root
+from storage.layout import stream_directory, streams_root
 
 PAYLOAD = 100
 PIPELINE = 1_000  # Redis commands per pipeline
 IN_FLIGHT = 1_000  # Publish messages in flight
-BYTES_PER_STREAM = 16 << 10  # disk a one-entry stream may take (directory, meta file, one page)
+BYTES_PER_STREAM = 16 << 10  # disk a one-entry stream may take (directory, one page, slack)
 LATENCY_SAMPLES = 2_000
 BUILDERS = 2  # processes copying the template stream (--direct)
 DIRECT_APPENDS = 10_000  # streams appended to through the server before the kill -9 (--direct)
@@ -287,12 +288,12 @@ def build_directly(data: Path, streams: int) -> None:
 
 def _copy_template(data: Path, first: int, stop: int) -> None:
     template = stream_directory(data, stream_name(0))
-    files = {f.name: f.read_bytes() for f in template.iterdir() if f.name != META_FILE}
+    # No meta file: a stream whose directory gives its name back has none (storage/creation.py).
+    files = {f.name: f.read_bytes() for f in template.iterdir()}
     root = streams_root(data)
     for i in range(first, stop):
         directory = root / stream_name(i)
         directory.mkdir()
-        (directory / META_FILE).write_bytes(encode_meta(stream_name(i), 0, StreamConfig()))
         for name, raw in files.items():
             (directory / name).write_bytes(raw)
 

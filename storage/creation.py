@@ -1,21 +1,29 @@
 """A new stream's creation, made durable by the stream's first sync (cheap creation, issue 17).
 
-Creating a stream writes its directory, its meta file (as `stream.meta.new`) and
-its first segment without a sync. The stream's first sync (an "always" append's,
-the everysec round's, a close's, or a meta rewrite's) makes it durable in an order
-a power loss cannot tear:
+Creating a stream makes its directory and its first segment, and syncs nothing. A stream
+whose directory name encodes its name (storage/names.py: every name of up to 200 encoded
+characters) needs no meta file while its meta is what a new stream's is (first offset 0,
+the default config): a stream costs its directory and one page of segment. A hashed name
+is kept in `stream.meta.new` until the first sync renames it `stream.meta`, and so is the
+name of a stream that has no segment yet at its first sync (created empty: a directory
+without a meta file or a segment is a creation a crash cut short); a later meta rewrite
+(a config change, a trim) writes `stream.meta` in any case.
+
+The stream's first sync (an "always" append's, the everysec round's, a close's, or a meta
+rewrite's) makes it durable in an order a power loss cannot tear:
 
 1. its segment files (header and entries);
-2. `stream.meta.new`, then its rename to `stream.meta`: from here the stream exists, whole;
+2. `stream.meta.new`, if it has one (fsync), then its rename to `stream.meta`;
 3. its directory, then the streams directory, whose sync every stream created
    meanwhile shares (DirSync in storage/durability.py).
 
-A crash before that sync leaves a directory with `stream.meta.new` and no
-`stream.meta`. After a process crash (kill -9) the page cache kept it all, and
-after a power loss some of it: start-up adopts the stream when
-`stream.meta.new` is whole (`recover_creation`), so an acknowledged entry
-survives a kill -9 as it always did, and otherwise removes the directory (a
-creation the power took back, with its unsynced entries).
+A crash before that sync leaves a directory holding a segment and no `stream.meta` (and
+`stream.meta.new` for a hashed name). After a process crash (kill -9) the page cache kept
+it all, and after a power loss some of it: start-up adopts the stream when its name and its
+first segment are whole (`recover_creation`), so an acknowledged entry survives a kill -9,
+and otherwise removes the directory (a creation the power took back, with its unsynced
+entries). A directory with a `SYNCED` marker (or version 2's `CLEAN`) was committed before
+the clean close that wrote it, so start-up takes it as it is, syncing nothing.
 """
 
 from __future__ import annotations
@@ -24,54 +32,116 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from storage.cleanmark import SYNCED_MARKER
+from storage.config import StreamConfig
 from storage.durability import DirSync
 from storage.errors import CorruptionError
 from storage.format import SEGMENT_HEADER_SIZE, SegmentHeader
 from storage.fs import FileSystem, SegmentFile
-from storage.layout import META_FILE, META_NEW, SEGMENT_SUFFIX, decode_meta
+from storage.layout import (
+    CLEAN_MARKER,
+    META_FILE,
+    META_NEW,
+    SEGMENT_SUFFIX,
+    decode_meta,
+    encode_meta,
+    segment_base,
+)
+from storage.names import HASHED, name_of_dirname
+from storage.segment import Segment
 
 
 class PendingCreation:
-    def __init__(self, streams_dir: DirSync) -> None:
+    def __init__(self, streams_dir: DirSync, name: str, meta_new: bool) -> None:
         self._streams_dir = streams_dir
+        self._name = name
         self._ticket = streams_dir.changed()  # taken after the directory was made
+        self._meta_new = meta_new  # a hashed name's stream.meta.new is to be committed
         self._lock = threading.Lock()
         self.pending = True
+        self.has_segment = False  # set by the stream when it creates its first segment
 
     def commit(self, fs: FileSystem, directory: Path, files: Callable[[], list[SegmentFile]]) -> None:
-        """Make the creation durable (once; DurabilityError if a sync fails)."""
+        """Make the creation durable (once; DurabilityError if a sync fails). A stream that has
+        no segment yet (created empty) is kept by a meta file, which it then gets."""
         with self._lock:
             if not self.pending:
                 return
             for file in files():
                 file.sync()
-            fs.commit_file(directory / META_NEW, directory / META_FILE)
+            if not self.has_segment and not self._meta_new:
+                fs.write_file(directory / META_NEW, encode_meta(self._name, 0, StreamConfig()))
+                self._meta_new = True
+            if self._meta_new:
+                fs.commit_file(directory / META_NEW, directory / META_FILE)
             fs.sync_dir(directory)
             self._streams_dir.ensure(self._ticket)
             self.pending = False
 
 
-def recover_creation(fs: FileSystem, directory: Path) -> str | None:
-    """At start-up, for a directory holding `stream.meta.new` and no `stream.meta`: adopt the
-    stream if its meta file is whole (made durable now; its segments get the usual recovery when
-    it is opened) and return its name, else remove the directory and return None.
+def start_creation(
+    fs: FileSystem, streams_dir: DirSync, name: str, directory: Path, config: StreamConfig
+) -> PendingCreation:
+    """Make a new stream's directory (and a hashed name's `stream.meta.new`), syncing nothing."""
+    fs.makedirs(directory, durable=False)
+    meta_new = directory.name.startswith(HASHED) or config != StreamConfig()
+    if meta_new:
+        fs.write_file(directory / META_NEW, encode_meta(name, 0, config))
+    return PendingCreation(streams_dir, name, meta_new)
 
-    Its first segment was created without a sync and never synced (a roll would have synced it):
-    a header a power loss tore means that segment holds nothing that was synced, so it goes.
+
+def recover_creation(fs: FileSystem, directory: Path, names: list[str]) -> str | None:
+    """At start-up, for a directory with no `stream.meta` (holding `names`): adopt the stream if
+    its name (from `stream.meta.new`, else its directory's name) and its first segment are whole,
+    made durable now unless a clean close marked it (the caller syncs the streams directory once
+    for all), and return its name; else remove the directory and return None. Its segments get
+    the usual recovery when it is opened.
+
+    A new stream's first segment is written without a sync and never synced before its creation
+    is committed (a roll would have synced it): a header a power loss tore means that nothing
+    of the stream was synced, unless the segment still holds whole nodes (then it opens with
+    its header salvaged), or others follow it.
     """
-    try:
-        name = decode_meta(fs.read_file(directory / META_NEW))[0]
-    except (CorruptionError, ValueError, KeyError):
-        fs.remove_tree(directory)
-        return None
-    segments = sorted(n for n in fs.listdir(directory) if n.endswith(SEGMENT_SUFFIX))
-    if segments:
+    segments = sorted(n for n in names if n.endswith(SEGMENT_SUFFIX))
+    if META_NEW in names:
         try:
-            SegmentHeader.decode(fs.read_head(directory / segments[0], SEGMENT_HEADER_SIZE))
-        except CorruptionError:
+            name = decode_meta(fs.read_file(directory / META_NEW))[0]
+        except (CorruptionError, ValueError, KeyError):
+            fs.remove_tree(directory)
+            return None
+    else:
+        name = name_of_dirname(directory.name)
+        if name is None or not segments:
+            fs.remove_tree(directory)  # a creation a crash cut short
+            return None
+        if SYNCED_MARKER in names or CLEAN_MARKER in names:
+            return name
+    if segments and not _first_segment_whole(fs, directory, segments):
+        if META_NEW not in names and len(segments) == 1:
+            fs.remove_tree(directory)
+            return None
+        if META_NEW in names:
             for segment in segments:
                 fs.remove(directory / segment)
-    fs.commit_file(directory / META_NEW, directory / META_FILE)
+    if META_NEW in names:
+        fs.commit_file(directory / META_NEW, directory / META_FILE)
     fs.sync_dir(directory)
-    fs.sync_dir(directory.parent)
     return name
+
+
+def _first_segment_whole(fs: FileSystem, directory: Path, segments: list[str]) -> bool:
+    """Whether the first segment's header reads, or can be salvaged from the nodes it holds."""
+    path = directory / segments[0]
+    try:
+        SegmentHeader.decode(fs.read_head(path, SEGMENT_HEADER_SIZE))
+        return True
+    except CorruptionError:
+        pass
+    try:
+        salvaged = Segment.salvage(fs, path, segment_base(segments[0]))
+    except CorruptionError:  # shorter than a header
+        return False
+    if salvaged is None:
+        return False
+    salvaged.close()
+    return True

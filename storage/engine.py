@@ -57,8 +57,6 @@ from storage.layout import (
     EPOCHS_FILE,
     LOCK_FILE,
     META_FILE,
-    META_NEW,
-    SEGMENT_SUFFIX,
     decode_meta,
     stream_directory,
     streams_root,
@@ -119,6 +117,7 @@ class Engine(GroupCalls, ReplicaCalls):
         self._unsynced = UnsyncedCloses(self._fs)  # closed by the cache, synced by the next round
         self._open = OpenStreams(self.config.max_open_streams, self._open_stream, self._close_by_cache)
         self.unreadable: list[str] = []  # stream directories whose metadata failed its checks
+        self._adopted = 0  # stream directories start-up found without stream.meta and kept
         self._load()
         # Consumer groups (storage/groupmanager.py): their state lives beside each stream's segments.
         self._groups = GroupManager(
@@ -184,6 +183,8 @@ class Engine(GroupCalls, ReplicaCalls):
             name = self._read_stream_dir(root / dirname)
             if name is not None:
                 self._catalog.add_closed(name, UNKNOWN)
+        if self._adopted:  # the streams directory's entries of the streams adopted
+            self._fs.sync_dir(root)
         if self._catalog.changes or listed is None:
             self._save_catalog()
 
@@ -196,19 +197,17 @@ class Engine(GroupCalls, ReplicaCalls):
                 self._catalog.remove(name)
 
     def _read_stream_dir(self, directory: Path) -> str | None:
-        """The name of the stream in `directory`, from its meta file; None (the directory removed,
-        or listed in `unreadable`) if it holds none or a damaged one."""
+        """The name of the stream in `directory`, from its meta file, or for a directory without one
+        as storage/creation.py says; None (the directory removed, or listed in `unreadable`) if it
+        holds no stream or a damaged meta file."""
         try:
             name = decode_meta(self._fs.read_file(directory / META_FILE))[0]
             if self._fs.exists(directory / EPOCHS_FILE):  # replicated streams only: a few
                 EpochHistory.decode(self._fs.read_file(directory / EPOCHS_FILE))
-        except FileNotFoundError:
-            names = self._fs.listdir(directory)
-            if META_NEW in names:  # a creation a crash came before the first sync of
-                return recover_creation(self._fs, directory)
-            if not any(name.endswith(SEGMENT_SUFFIX) for name in names):
-                self._fs.remove_tree(directory)  # a creation that a crash cut short
-            return None
+        except FileNotFoundError:  # a stream without one (storage/creation.py), or a crashed creation
+            name = recover_creation(self._fs, directory, self._fs.listdir(directory))
+            self._adopted += name is not None
+            return name
         except (CorruptionError, ValueError, KeyError) as exc:
             log.error("stream directory %s is unreadable: %s", directory.name, exc)
             self.unreadable.append(directory.name)

@@ -277,6 +277,12 @@ class FileSystem:
     def makedirs(self, path: Path, *, durable: bool = True) -> None:
         """Create `path` and missing parents, each made durable in its own parent (unless not
         `durable`: a new stream's directory, which its creation's commit syncs)."""
+        if not durable:
+            try:
+                os.mkdir(path)  # one call for a new stream's directory, whose parent exists
+                return
+            except (FileExistsError, FileNotFoundError):
+                pass  # the general way below
         missing = []
         while not path.is_dir():
             missing.append(path)

@@ -22,7 +22,7 @@ from storage.dedup import ProducerTable
 from storage.errors import CorruptionError
 from storage.format import NODE_SPARSE, NODE_ZSTD, SegmentHeader
 from storage.fs import FileSystem
-from storage.layout import META_FILE, META_NEW, PRODUCERS_FILE, SEGMENT_SUFFIX, decode_meta, streams_root
+from storage.layout import META_FILE, META_NEW, PRODUCERS_FILE, SEGMENT_SUFFIX, read_meta, streams_root
 from storage.segment import Segment
 
 
@@ -113,12 +113,12 @@ def verify(data_dir: Path) -> list[str]:
     if not streams.is_dir():
         return [f"{data_dir} is not a streamlog data directory (no streams/)"]
     for directory in sorted(p for p in streams.iterdir() if p.is_dir()):
-        # A new stream's meta file is stream.meta.new until its first sync (storage/creation.py).
-        meta = directory / META_FILE if (directory / META_FILE).exists() else directory / META_NEW
-        if not meta.exists() and not any(directory.glob(f"*{SEGMENT_SUFFIX}")):
+        # A new stream has no meta file, or stream.meta.new until its first sync (storage/creation.py).
+        has_meta = (directory / META_FILE).exists() or (directory / META_NEW).exists()
+        if not has_meta and not any(directory.glob(f"*{SEGMENT_SUFFIX}")):
             continue  # a stream creation a crash cut short: start-up removes it, nothing was in it
         try:
-            name, _, _ = decode_meta(meta.read_bytes())
+            name, _, _ = read_meta(FileSystem(), directory)
         except (OSError, CorruptionError, ValueError, KeyError) as exc:
             problems.append(f"{directory.name}: metadata unreadable: {exc}")
             continue

@@ -2,8 +2,10 @@
 
     DATA/LOCK                                held while an engine has the directory open
     DATA/streams/<encoded name>/             one stream (storage/names.py encodes the name)
-        stream.meta                          name, first offset, config (below)
-        stream.meta.new                      a new stream's, until its first sync (storage/creation.py)
+        stream.meta                          name, first offset, config (below); none while they are
+                                             the name its directory encodes, 0 and the default config
+        stream.meta.new                      a new stream's with a hashed name, until its first sync,
+                                             and a format-2 creation's (storage/creation.py)
         <20-digit base offset>.seg           segment files (storage/segment.py)
         producers.snap                       the idempotent-append table (storage/dedup.py)
         epochs                               leader-epoch history and incarnation (storage/epochs.py)
@@ -29,7 +31,7 @@ from crc32c import crc32c
 
 from storage.config import StreamConfig
 from storage.errors import CorruptionError
-from storage.names import dirname_for
+from storage.names import dirname_for, name_of_dirname
 
 if TYPE_CHECKING:  # fs.py names its temporary files with TMP_SUFFIX from here
     from storage.fs import FileSystem
@@ -74,6 +76,21 @@ def encode_meta(name: str, first_offset: int, config: StreamConfig) -> bytes:
 def write_meta(fs: FileSystem, directory: Path, name: str, first_offset: int, config: StreamConfig) -> None:
     """Replace the stream's meta file, atomically and durably."""
     fs.write_file_atomic(directory / META_FILE, encode_meta(name, first_offset, config))
+
+
+def read_meta(fs: FileSystem, directory: Path) -> tuple[str, int, StreamConfig]:
+    """A stream's name, first offset and config: its meta file's, a new stream's `stream.meta.new`,
+    or without either, what a stream created without one has (storage/creation.py): the name its
+    directory encodes, first offset 0, the default config. CorruptionError if there is no name."""
+    for meta in (META_FILE, META_NEW):
+        try:
+            return decode_meta(fs.read_file(directory / meta))
+        except FileNotFoundError:
+            continue
+    name = name_of_dirname(directory.name)
+    if name is None:
+        raise CorruptionError(f"stream directory {directory.name} has no meta file")
+    return name, 0, StreamConfig()
 
 
 def decode_meta(raw: bytes) -> tuple[str, int, StreamConfig]:

@@ -3,8 +3,9 @@
 A name never becomes a path as it is. Bytes outside [A-Za-z0-9_-] are
 percent-encoded, so `../x` and `a/b` are ordinary names; a name whose encoding
 would be too long for a file name is stored under the SHA-256 of its bytes,
-behind a `~` that the percent form never produces. The real name is kept in
-the stream's metadata.
+behind a `~` that the percent form never produces. A percent-form directory
+name gives the name back (`name_of_dirname`), so a new stream needs no meta file
+(storage/creation.py); a hashed one's name is kept in its meta file.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from storage.errors import InvalidArgumentError
 
 MAX_NAME_BYTES = 255
 _MAX_DIRNAME = 200
+HASHED = "~"  # starts a directory name that is a name's hash: it does not give the name back
 _SAFE = frozenset((string.ascii_letters + string.digits + "_-").encode())
 
 
@@ -51,4 +53,25 @@ def dirname_for(name: str) -> str:
     encoded = "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in raw)
     if len(encoded) <= _MAX_DIRNAME:
         return encoded
-    return "~" + hashlib.sha256(raw).hexdigest()
+    return HASHED + hashlib.sha256(raw).hexdigest()
+
+
+def name_of_dirname(dirname: str) -> str | None:
+    """The name a directory name encodes, or None when it encodes none: a hashed name (`~`), or
+    one `dirname_for` would not have written (the two must agree, byte for byte)."""
+    if not dirname or len(dirname) > _MAX_DIRNAME or HASHED in dirname:
+        return None
+    raw = bytearray()
+    i = 0
+    try:
+        while i < len(dirname):
+            if dirname[i] == "%":
+                raw.append(int(dirname[i + 1 : i + 3], 16))
+                i += 3
+            else:
+                raw.append(ord(dirname[i]))
+                i += 1
+        name = raw.decode()
+        return name if dirname_for(name) == dirname else None
+    except (ValueError, InvalidArgumentError):
+        return None

@@ -28,7 +28,7 @@ from storage.cleaner import Cleaner
 from storage.cleanmark import SYNCED_MARKER, SyncedEnd, read_synced_end, write_synced_end
 from storage.config import StreamConfig
 from storage.context import EngineContext
-from storage.creation import PendingCreation
+from storage.creation import PendingCreation, start_creation
 from storage.dedup import BatchRecord
 from storage.durability import SyncGate
 from storage.epochs import EpochHistory
@@ -48,12 +48,9 @@ from storage.index import NodeIndex
 from storage.layout import (
     CLEAN_MARKER,
     EPOCHS_FILE,
-    META_FILE,
-    META_NEW,
     PRODUCERS_FILE,
     TRUNCATE_MARKER,
-    decode_meta,
-    encode_meta,
+    read_meta,
     segment_name,
     write_meta,
 )
@@ -136,9 +133,7 @@ class Stream:
             stream.save_epochs(EpochHistory(incarnation))
             write_meta(ctx.fs, directory, name, 0, config)
         else:  # no sync now: the stream's first sync makes it durable (storage/creation.py)
-            ctx.fs.makedirs(directory, durable=False)
-            ctx.fs.write_file(directory / META_NEW, encode_meta(name, 0, config))
-            stream.creation = PendingCreation(ctx.streams_dir)
+            stream.creation = start_creation(ctx.fs, ctx.streams_dir, name, directory, config)
         return stream
 
     @classmethod
@@ -148,8 +143,7 @@ class Stream:
         fs = ctx.fs
         files = fs.listdir(directory)  # one listing answers every "is it there?" below
         present = set(files)
-        meta = META_NEW if handed is not None and META_FILE not in present else META_FILE
-        name, first_offset, config = decode_meta(fs.read_file(directory / meta))
+        name, first_offset, config = read_meta(fs, directory)
         stream = cls(ctx, name, directory, config)
         old_clean = CLEAN_MARKER in present
         clean = handed is not None or old_clean
@@ -427,6 +421,8 @@ class Stream:
             now_ms,
             durable=old is not None or self.creation is None,  # a new stream's first: its commit syncs it
         )
+        if self.creation is not None:
+            self.creation.has_segment = True
         self.segments.append(segment)
         if old is not None and not old.packed and self.ctx.config.compression:
             self.pack_queue.append(old)

@@ -16,7 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from storage import AppendBatch, CorruptionError, Engine, EngineConfig, StorageError, StreamNotFoundError
+from storage import (
+    AppendBatch,
+    CorruptionError,
+    Engine,
+    EngineConfig,
+    StorageError,
+    StreamConfig,
+    StreamNotFoundError,
+)
 from storage.catalog import CATALOG_FILE
 from storage.cleanmark import SYNCED_MARKER
 from storage.format import (
@@ -159,6 +167,7 @@ def build(data: Path, *, compression: bool = True, batches: int = 160) -> dict[i
         expected.update({offset + i: p for i, p in enumerate(items)})
         offset += n
     engine.append(OTHER, AppendBatch([b"o1", b"o2"]))
+    engine.set_stream_config(NAME, StreamConfig())  # a meta file to damage (a new stream has none)
     engine.maintain()  # pack the sealed segments
     engine.close()
     assert len(segment_files(data)) >= 4

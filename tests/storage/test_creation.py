@@ -1,7 +1,8 @@
 """Cheap creation (issue 17, storage/creation.py): creating a stream syncs nothing; its first
 sync (the everysec round's, an "always" append's, a close's) makes it durable, sharing the
 streams directory's sync with every stream created meanwhile. A power loss before that leaves
-the new stream whole or absent, never torn or reported damaged."""
+the new stream whole or absent, never torn or reported damaged. A new stream is its directory
+and one page of segment: no meta file (format 4), and a format-3 directory opens as it is."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from storage import AppendBatch, Engine, EngineConfig
+from storage import AppendBatch, Engine, EngineConfig, StreamConfig
+from storage.catalog import CATALOG_FILE
+from storage.cleanmark import SYNCED_MARKER
+from storage.format import SEGMENT_HEADER_SIZE
+from storage.layout import META_FILE, META_NEW, encode_meta, segment_name, stream_directory
 from tests.storage.conftest import SMALL
 from tests.storage.faultfs import FaultFS
 
@@ -30,8 +35,8 @@ def test_a_new_stream_under_everysec_costs_no_sync_until_the_round_which_shares_
         engine.append(f"s{i}", AppendBatch([b"x"]))
     assert fs.syncs == before  # not one sync on the append path
     engine.maintain()  # the everysec round
-    # Each stream: its segment, its meta file, its directory; the streams directory once for all.
-    assert fs.syncs - before == 10 * 3 + 1
+    # Each stream: its segment, its directory (no meta file); the streams directory once for all.
+    assert fs.syncs - before == 10 * 2 + 1
     lost = Engine(ROOT, EngineConfig(**SMALL), fs=fs.crashed_copy(mode="lost"))
     assert sorted(lost.list_streams()) == sorted(f"s{i}" for i in range(10))
     assert all(lost.read(f"s{i}", 0, 1).entries()[0].payload == b"x" for i in range(10))
@@ -87,3 +92,104 @@ def test_a_kill9_before_the_first_sync_keeps_every_new_stream_and_its_entries():
         assert engine_.list_streams() == [f"n{i}" for i in range(5)]
         for i in range(5):
             assert [e.payload for e in engine_.read(f"n{i}", 0, 10).entries()] == [b"a%d" % i, b"b%d" % i]
+
+
+def test_a_new_stream_is_its_directory_and_one_page_of_segment(tmp_path):
+    engine = Engine(tmp_path, EngineConfig(**SMALL))
+    engine.append("room-1", AppendBatch([b"%03d" % i * 33 for i in range(10)]))  # 10 x 99 bytes
+    engine.maintain()
+    engine.close()
+    directory = stream_directory(tmp_path, "room-1")
+    assert sorted(p.name for p in directory.iterdir()) == [segment_name(0), SYNCED_MARKER]
+    assert (directory / segment_name(0)).stat().st_blocks * 512 == 4096
+    after = Engine(tmp_path, EngineConfig(**SMALL))
+    assert after.stream_config("room-1") == StreamConfig()
+    assert [e.payload for e in after.read("room-1", 0, 20).entries()] == [b"%03d" % i * 33 for i in range(10)]
+    after.close()
+
+
+def test_a_name_its_directory_cannot_give_back_is_kept_in_a_meta_file(tmp_path):
+    long_name = "n" * 250  # its directory is the hash of the name
+    engine = Engine(tmp_path, EngineConfig(**SMALL))
+    engine.append(long_name, AppendBatch([b"x"]))
+    assert (stream_directory(tmp_path, long_name) / META_NEW).exists()
+    engine.close()
+    assert (stream_directory(tmp_path, long_name) / META_FILE).exists()
+    (tmp_path / CATALOG_FILE).unlink()  # start-up finds the name in the directory
+    after = Engine(tmp_path, EngineConfig(**SMALL))
+    assert after.list_streams() == [long_name]
+    assert after.read(long_name, 0, 1).entries()[0].payload == b"x"
+    after.close()
+
+
+def test_a_format_3_data_directory_opens_and_keeps_working(tmp_path):
+    """Formats 2 and 3 gave every stream a meta file, `stream.meta.new` until its creation was
+    committed: a directory with one, and one with a creation a kill -9 came before."""
+    engine = Engine(tmp_path, EngineConfig(**SMALL))
+    for name in ("old", "pending"):
+        engine.append(name, AppendBatch([name.encode()]))
+    engine.close()
+    (tmp_path / CATALOG_FILE).unlink()
+    old, pending = stream_directory(tmp_path, "old"), stream_directory(tmp_path, "pending")
+    (old / META_FILE).write_bytes(encode_meta("old", 0, StreamConfig(max_entries=5)))
+    (pending / META_NEW).write_bytes(encode_meta("pending", 0, StreamConfig()))
+    (pending / SYNCED_MARKER).unlink()
+    after = Engine(tmp_path, EngineConfig(**SMALL))
+    assert after.list_streams() == ["old", "pending"] and after.unreadable == []
+    assert (pending / META_FILE).exists() and not (pending / META_NEW).exists()  # committed
+    assert after.stream_config("old") == StreamConfig(max_entries=5)
+    for name in ("old", "pending"):
+        after.append(name, AppendBatch([b"more"]))
+        assert [e.payload for e in after.read(name, 0, 5).entries()] == [name.encode(), b"more"]
+    after.close()
+
+
+def test_start_up_syncs_nothing_for_streams_a_clean_close_marked():
+    """A directory without stream.meta and with SYNCED was committed before the close wrote the
+    marker: start-up takes it without a sync, even when it reads every directory."""
+    fs, engine = new_engine("everysec")
+    for i in range(20):
+        engine.append(f"s{i}", AppendBatch([b"x"]))
+    engine.close()
+    fs.remove(ROOT / CATALOG_FILE)
+    before = fs.syncs
+    after = Engine(ROOT, EngineConfig(**SMALL), fs=fs)
+    assert len(after.list_streams()) == 20
+    assert fs.syncs - before < 20  # a few for the engine's own files, none per stream
+
+
+def test_a_new_streams_torn_first_segment_header_is_salvaged_or_the_directory_removed(tmp_path):
+    engine = Engine(tmp_path, EngineConfig(**SMALL))
+    for name in ("kept", "gone", "other"):
+        engine.append(name, AppendBatch([b"a", b"b"]))
+    engine.close()
+    (tmp_path / CATALOG_FILE).unlink()
+    for name in ("kept", "gone"):  # as if a kill -9 and a power loss came before the first sync
+        directory = stream_directory(tmp_path, name)
+        (directory / SYNCED_MARKER).unlink()
+        segment = directory / segment_name(0)
+        raw = bytearray(segment.read_bytes())
+        end = SEGMENT_HEADER_SIZE if name == "kept" else len(raw)  # "gone": its node torn too
+        raw[:end] = random.Random(name).randbytes(end)
+        segment.write_bytes(bytes(raw))
+    after = Engine(tmp_path, EngineConfig(**SMALL))
+    assert after.list_streams() == ["kept", "other"] and after.unreadable == []
+    assert not stream_directory(tmp_path, "gone").exists()
+    assert [e.payload for e in after.read("kept", 0, 5).entries()] == [b"a", b"b"]
+    assert after.info("kept").damaged == ()
+    after.close()
+
+
+def test_a_stream_created_empty_gets_a_meta_file_at_its_first_sync_the_cache_closing_it_or_not():
+    """Without a segment, its directory alone would look like a creation a crash cut short."""
+    fs = FaultFS()
+    fs.prepare_dir(ROOT)
+    engine = Engine(ROOT, EngineConfig(**{**SMALL, "max_open_streams": 1}), fs=fs)
+    engine.create_stream("closed-empty")
+    engine.create_stream("open-empty")  # closes the first one, its creation handed to the round
+    engine.maintain()
+    for name in ("closed-empty", "open-empty"):
+        assert fs.exists(stream_directory(ROOT, name) / META_FILE)
+    lost = Engine(ROOT, EngineConfig(**SMALL), fs=fs.crashed_copy(mode="lost"))
+    assert lost.list_streams() == ["closed-empty", "open-empty"]
+    assert lost.info("open-empty").end_offset == 0
