@@ -110,10 +110,11 @@ def recover_creation(fs: FileSystem, directory: Path, names: list[str]) -> str |
             fs.remove_tree(directory)
             return None
     else:
-        name = name_of_dirname(directory.name)
-        if name is None or not segments:
+        decoded = name_of_dirname(directory.name)
+        if decoded is None or not segments:
             fs.remove_tree(directory)  # a creation a crash cut short
             return None
+        name = decoded
         if SYNCED_MARKER in names or CLEAN_MARKER in names:
             return name
     if segments and not _first_segment_whole(fs, directory, segments):

@@ -205,9 +205,9 @@ class Engine(GroupCalls, ReplicaCalls):
             if self._fs.exists(directory / EPOCHS_FILE):  # replicated streams only: a few
                 EpochHistory.decode(self._fs.read_file(directory / EPOCHS_FILE))
         except FileNotFoundError:  # a stream without one (storage/creation.py), or a crashed creation
-            name = recover_creation(self._fs, directory, self._fs.listdir(directory))
-            self._adopted += name is not None
-            return name
+            recovered = recover_creation(self._fs, directory, self._fs.listdir(directory))
+            self._adopted += recovered is not None
+            return recovered
         except (CorruptionError, ValueError, KeyError) as exc:
             log.error("stream directory %s is unreadable: %s", directory.name, exc)
             self.unreadable.append(directory.name)
