@@ -24,25 +24,28 @@ from itertools import accumulate
 from storage.errors import CorruptionError
 from storage.types import AppendBatch
 
-
-def encode_varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-# Varints of small numbers (lengths, mostly) come from a table: the append
-# loop runs once per entry and a lookup is several times cheaper than a call.
+# Varints come from tables: the append path runs per entry, and a lookup is several times
+# cheaper than a loop. Numbers below 2**14 (lengths, mostly) are one lookup; a bigger one (an
+# offset, a timestamp) takes its low 14 bits at a time from _CONTINUED (two bytes, both with the
+# continuation bit), then its rest from _SMALL_VARINTS.
 _SMALL_LIMIT = 1 << 14
-_SMALL_VARINTS = [encode_varint(i) for i in range(_SMALL_LIMIT)]
+_SMALL_VARINTS = [
+    bytes((i,)) if i < 0x80 else bytes(((i & 0x7F) | 0x80, i >> 7)) for i in range(_SMALL_LIMIT)
+]
+_CONTINUED = [bytes(((i & 0x7F) | 0x80, (i >> 7) | 0x80)) for i in range(_SMALL_LIMIT)]
 _LOW_BYTES = [bytes([i | 0x80]) for i in range(128)]
 
 
-def _varint(value: int) -> bytes:
-    return _SMALL_VARINTS[value] if value < _SMALL_LIMIT else encode_varint(value)
+def encode_varint(value: int) -> bytes:
+    if value < _SMALL_LIMIT:
+        if value < 0:
+            raise ValueError(f"a varint cannot hold {value}")
+        return _SMALL_VARINTS[value]
+    out = b""
+    while value >= _SMALL_LIMIT:
+        out += _CONTINUED[value & 0x3FFF]
+        value >>= 14
+    return out + _SMALL_VARINTS[value]
 
 
 def _consecutive_varints(first: int, count: int) -> list[bytes]:
@@ -81,8 +84,8 @@ def _encode_headers(headers: Mapping[str, bytes]) -> bytes:
     for key in sorted(headers):
         raw_key = key.encode()
         value = bytes(headers[key])
-        item = b"\x0a" + _varint(len(raw_key)) + raw_key + b"\x12" + _varint(len(value)) + value
-        parts.append(b"\x2a" + _varint(len(item)) + item)
+        item = b"\x0a" + encode_varint(len(raw_key)) + raw_key + b"\x12" + encode_varint(len(value)) + value
+        parts.append(b"\x2a" + encode_varint(len(item)) + item)
     return b"".join(parts)
 
 
@@ -96,10 +99,16 @@ def encode_batch(
     spans positions[i]-start : positions[i+1]-start of the returned bytes.
     Tag strings must be encodable as UTF-8 (the caller validates).
     """
-    varint = _varint
+    varint = encode_varint
     payloads, tags, headers, deliver_at_ms = batch.payloads, batch.tags, batch.headers, batch.deliver_at_ms
-    offsets = _consecutive_varints(first_offset, len(payloads))
     plain = tags is None and headers is None and deliver_at_ms is None
+    if plain and len(payloads) == 1 and 0 < (size := len(payload := payloads[0])) < _SMALL_LIMIT - 32:
+        # One small entry (most unary Appends): its record in one expression, no per-entry lists.
+        table = _SMALL_VARINTS
+        head = b"\x08" + varint(first_offset) + b"\x10" + varint(timestamp_ms) + b"\x22" + table[size]
+        record = b"\x0a" + table[len(head) + size] + head + payload
+        return record, array("I", (start, start + len(record)))
+    offsets = _consecutive_varints(first_offset, len(payloads))
     if plain and min(map(len, payloads)) > 0 and max(map(len, payloads)) < _SMALL_LIMIT - 32:
         # The common case (offset, timestamp, small payload): one comprehension builds every record
         # head from table lookups; C-level joins and accumulate do the rest.
@@ -149,7 +158,7 @@ def attach_producer(blob: bytes, last_start: int, producer_id: str, sequence: in
     """
     length, body_start = _read_varint(blob, last_start + 1, len(blob))
     raw = producer_id.encode()
-    extra = b"\x72" + _varint(len(raw)) + raw + b"\x78" + encode_varint(sequence)
+    extra = b"\x72" + encode_varint(len(raw)) + raw + b"\x78" + encode_varint(sequence)
     body = blob[body_start : body_start + length] + extra
     return blob[:last_start] + b"\x0a" + encode_varint(len(body)) + body
 

@@ -22,7 +22,7 @@ from storage.format import (
 from storage.inspect import main as inspect_main
 from storage.names import dirname_for
 from storage.packed import decode_packed_body, encode_packed_node
-from storage.records import decode_records, encode_batch
+from storage.records import decode_records, encode_batch, encode_varint
 
 
 def test_segment_header_bytes():
@@ -108,6 +108,37 @@ def test_records_decode_what_they_encode():
     assert entries[1].headers == {"h": b"1"} and entries[1].deliver_at_ms == 9
     assert entries[2].payload == b"z" * 20000
     assert list(positions)[-1] == len(blob)
+
+
+def _varint_bytewise(value: int) -> bytes:
+    """The protobuf varint, 7 bits a byte, as the specification spells it."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def test_varints_from_tables_are_the_protobuf_varints():
+    edges = [2**k + d for k in range(64) for d in (-1, 0, 1)]
+    for value in [*range(20000), *edges, 1_700_000_000_000, 2**64 - 1]:
+        assert encode_varint(value) == _varint_bytewise(value), value
+    with pytest.raises(ValueError):
+        encode_varint(-1)
+
+
+@pytest.mark.parametrize("offset", [0, 127, 128, 2**14, 2**40])
+@pytest.mark.parametrize("size", [1, 100, 2**14 - 33, 2**14 - 32])
+def test_one_entry_batch_encodes_as_the_general_path(offset, size):
+    """The one-entry fast path writes the bytes the per-entry loop does (an empty tag is left out)."""
+    payload = bytes(range(256)) * (size // 256) + b"p" * (size % 256)
+    fast = encode_batch(offset, 1_700_000_000_000, AppendBatch([payload]), start=300)
+    general = encode_batch(offset, 1_700_000_000_000, AppendBatch([payload], tags=[""]), start=300)
+    assert fast[0] == general[0] and fast[1] == general[1]
+    assert list(fast[1]) == [300, 300 + len(fast[0])]
+    [entry] = decode_records(fast[0])
+    assert (entry.offset, entry.payload) == (offset, payload)
 
 
 def test_dirnames_are_safe_and_distinct():
