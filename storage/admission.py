@@ -52,14 +52,16 @@ def check_batch(cfg: EngineConfig, batch: AppendBatch) -> None:
     if n > cfg.max_batch_entries:
         raise LimitExceededError("max_batch_entries", cfg.max_batch_entries, f"batch has {n} entries")
     try:
-        biggest = max(map(len, payloads))
+        total = sum(map(len, payloads))
+        biggest = total if n == 1 else max(map(len, payloads))
     except TypeError as exc:
         raise InvalidArgumentError("payloads must be bytes") from exc
     if biggest > cfg.max_entry_bytes:
         raise LimitExceededError("max_entry_bytes", cfg.max_entry_bytes, f"an entry has {biggest} bytes")
-    total = sum(map(len, payloads))
     if total > cfg.max_batch_bytes:
         raise LimitExceededError("max_batch_bytes", cfg.max_batch_bytes, f"batch has {total} payload bytes")
+    if tags is None and headers is None and deliver_at_ms is None:
+        return  # payloads only (most appends): no column to check
     for column, label in ((tags, "tags"), (headers, "headers"), (deliver_at_ms, "deliver_at_ms")):
         if column is not None and len(column) != n:
             raise InvalidArgumentError(f"{label} has {len(column)} items for {n} payloads")

@@ -404,13 +404,20 @@ class Engine(GroupCalls, ReplicaCalls):
         stream's actual end offset) if the stream's end is elsewhere.
         """
         check_batch(self.config, batch)
-        producer = check_producer(producer)
-        check_expected_end(expected_end)
-        if expected_end and name not in self._catalog:
+        if producer is not None:
+            producer = check_producer(producer)
+        if expected_end is not None:
+            check_expected_end(expected_end)
+        if name not in self._catalog:
             validate_name(name)
-            raise OffsetMismatchError(expected_end, 0)  # nothing created
-        with self._use_or_create(name) as stream:
+            if expected_end:
+                raise OffsetMismatchError(expected_end, 0)  # nothing created
+        # `_use_or_create` without its context manager: this runs once per Append.
+        stream = self._open.create(name, lambda: self._create(name, 0))
+        try:
             result = stream.append(batch, producer, expected_end)
+        finally:
+            self._open.unpin(stream)
         if not result.duplicate:
             self._appended(name, stream, result.last_offset + 1)
         return result

@@ -110,43 +110,51 @@ class GrowingNode:
     def make_room(self, entries: int, nbytes: int) -> bool:
         """Whether `entries` records of `nbytes` fit this node within its segment's capacity; when
         they do, the bytes they need are reserved on disk (DiskFullError if they cannot be)."""
-        h = self.ref.header
-        end = self.blob_start + h.blob_len + nbytes
-        if h.count + entries > h.slots or end > self.ref.segment.capacity:
+        ref = self.ref
+        h = ref.header
+        if h.count + entries > h.slots:
             return False
-        self.ref.segment.reserve(end)
+        end = ref.pos + NODE_PREFIX_SIZE + 4 * h.slots + h.blob_len + nbytes  # blob_start, inline
+        segment = ref.segment
+        if end > segment.capacity:
+            return False
+        segment.reserve(end)
         return True
 
     def append(self, blob: bytes, positions: array, first_ts: int, last_ts: int, flags: int) -> None:
         """Write records whose positions already start at this node's blob length; `first_ts` and
         `last_ts` are the timestamps of the first and last of them."""
-        h = self.ref.header
-        file = self.ref.segment.file
-        file.write(self.blob_start + h.blob_len, blob)
+        ref = self.ref
+        h = ref.header
+        pos = ref.pos
+        segment = ref.segment
+        file = segment.file
+        table_start = pos + NODE_PREFIX_SIZE
+        file.write(table_start + 4 * h.slots + h.blob_len, blob)  # blob_start, inline
         table = positions[:-1].tobytes()
-        file.write(self.ref.pos + NODE_PREFIX_SIZE + 4 * h.count, table)
-        count = h.count + len(positions) - 1
+        file.write(table_start + 4 * h.count, table)
         seq = h.seq + 1
         if seq % 2 == self._kept_slot:  # never over the last durable header: skip a number
             seq += 1
+        blob_len = positions[-1]
         header = NodeHeader(
-            seq=seq,
-            count=count,
-            base_offset=h.base_offset,
-            slots=h.slots,
-            blob_len=positions[-1],
-            stored_len=4 * h.slots + positions[-1],
-            body_crc=crc32c(table, h.body_crc),
-            blob_crc=crc32c(blob, h.blob_crc),
-            min_ts=first_ts if h.count == 0 else h.min_ts,
-            max_ts=last_ts,
-            flags=h.flags | flags,
+            seq,
+            h.count + len(positions) - 1,
+            h.base_offset,
+            h.slots,
+            blob_len,
+            4 * h.slots + blob_len,
+            crc32c(table, h.body_crc),
+            crc32c(blob, h.blob_crc),
+            first_ts if h.count == 0 else h.min_ts,
+            last_ts,
+            h.flags | flags,
         )
-        file.write(self.ref.pos + NODE_HEADER_SIZE * (header.seq % 2), header.encode())
-        self.ref.header = header
+        file.write(pos + NODE_HEADER_SIZE * (seq % 2), header.encode())
+        ref.header = header
         del self.positions[-1]
         self.positions.extend(positions)
-        self.ref.segment.end_pos = self.ref.pos + header.disk_size
+        segment.end_pos = pos + header.disk_size
 
     def body(self) -> NodeBody:
         """The node's entries as they stand now (a copy of the blob)."""

@@ -191,9 +191,9 @@ class Stream:
         self, batch: AppendBatch, producer: tuple[str, int] | None = None, expected_end: int | None = None
     ) -> AppendResult:
         """Append a batch; `producer` (id, sequence) makes it idempotent, `expected_end` conditional."""
-        always = self.fsync is FsyncPolicy.ALWAYS
         with self.lock:
-            self._check_writable()
+            always = self.fsync is FsyncPolicy.ALWAYS  # read under the lock: set_config may change it
+            self._check_writable(always)
             if expected_end is not None and expected_end != self.end_offset:
                 raise OffsetMismatchError(expected_end, self.end_offset)
             result = self._append_one(batch, producer)
@@ -209,10 +209,10 @@ class Stream:
     ) -> list[AppendResult | StorageError]:
         """Append several batches in order, each on its own (its own producer check, its own
         result or error), under one lock and, under "always", one sync for all of them."""
-        always = self.fsync is FsyncPolicy.ALWAYS
         results: list[AppendResult | StorageError] = []
         with self.lock:
-            self._check_writable()
+            always = self.fsync is FsyncPolicy.ALWAYS
+            self._check_writable(always)
             for batch, producer in appends:
                 try:
                     results.append(self._append_one(batch, producer))
@@ -226,15 +226,16 @@ class Stream:
             self.gate.wait(seq, self._sync_now)
         return results
 
-    def _check_writable(self) -> None:
-        """Before an append (call with `lock` held): refuse it if the stream cannot take it.
+    def _check_writable(self, always: bool) -> None:
+        """Before an append (call with `lock` held; `always`: the fsync policy is "always"):
+        refuse it if the stream cannot take it.
 
         Under "always", wait first while a sync of the active node's header runs: the append
         would rewrite that header's slot, and the sync could then vouch for nothing newer than
         the header before it (storage/growing.py). The append cannot be covered by the sync in
         flight anyway, so it loses only its own write's time, and the appends that waited share
         the next sync (group commit), in the node they fill."""
-        if self.fsync is FsyncPolicy.ALWAYS and self.active is not None and self.active.in_sync:
+        if always and self.active is not None and self.active.in_sync:
             self.blocked_writers += 1
             try:
                 while (node := self.active) is not None and node.in_sync:
@@ -283,27 +284,26 @@ class Stream:
 
     def _append_one(self, batch: AppendBatch, producer: tuple[str, int] | None) -> AppendResult:
         """Write one batch, or find the first attempt of a producer's retry. Call with `lock` held."""
-        n = len(batch)
+        n = len(batch.payloads)
         earlier = self.producers.lookup(*producer) if producer else None
         if earlier is not None:
             first = earlier.first_offset if earlier.first_offset >= 0 else earlier.last_offset - n + 1
             return AppendResult(first, earlier.last_offset, earlier.timestamp_ms, duplicate=True)
-        first, ts = self._write_batch(batch, producer, self.ctx.config.max_batch_bytes)
+        first, ts = self._write_batch(batch, n, producer)
         if producer:
             self.producers.record(*producer, BatchRecord(first, first + n - 1, ts))
         return AppendResult(first, first + n - 1, ts)
 
-    def _write_batch(
-        self, batch: AppendBatch, producer: tuple[str, int] | None, limit: int
-    ) -> tuple[int, int]:
-        """Encode and write one batch into the active node (or a new one). Call with `lock` held."""
-        n = len(batch)
-        ts = max(self.ctx.clock(), self.last_ts)
+    def _write_batch(self, batch: AppendBatch, n: int, producer: tuple[str, int] | None) -> tuple[int, int]:
+        """Encode and write one batch of `n` entries into the active node (or a new one). Call with
+        `lock` held."""
+        ctx = self.ctx
+        ts = max(ctx.clock(), self.last_ts)
         first = self.end_offset
         node = self.active
         if (
             node is not None
-            and node.count + n <= node.ref.header.slots
+            and node.ref.header.count + n <= node.ref.header.slots
             and node.ref.segment is self.segments[-1]
             and not node.in_sync
         ):
@@ -317,12 +317,13 @@ class Stream:
             blob = attach_producer(blob, positions[-2] - start, *producer)
             positions[-1] = start + len(blob)
             flags |= NODE_PRODUCER
-        if len(blob) > limit:
-            raise LimitExceededError("max_batch_bytes", limit, f"batch encodes to {len(blob)} bytes")
-        if node is None or not node.make_room(n, len(blob)):
+        size = len(blob)
+        if size > (limit := ctx.config.max_batch_bytes):
+            raise LimitExceededError("max_batch_bytes", limit, f"batch encodes to {size} bytes")
+        if node is None or not node.make_room(n, size):
             if start:
                 positions = array("I", [p - start for p in positions])
-            node = self._start_node(n, len(blob), ts)
+            node = self._start_node(n, size, ts)
         node.append(blob, positions, ts, ts, flags)
         self._wrote(node, first + n, ts)
         return first, ts
