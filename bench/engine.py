@@ -8,7 +8,9 @@ Group reads (`group_read`, entries/s through Engine.read_group and ack, fsync
 `no` so the figure is the CPU cost of the group code): `batch` reads 50 at a
 time and acknowledges each batch as one range, `one` reads and acknowledges
 one entry at a time, `redeliver` reads 50, nacks them and reads them again
-(the redelivery path) before acknowledging them.
+(the redelivery path) before acknowledging them. One-entry appends
+(`append_one`, appends/s and CPU µs per append, fsync `no`) are the engine's
+share of a unary Append.
 """
 
 from __future__ import annotations
@@ -55,6 +57,20 @@ def _fill(engine: Engine, stream: str, total: int, batch: list[bytes]) -> float:
         for _ in range(total // BATCH):
             engine.append(stream, AppendBatch(batch))
     return t.elapsed
+
+
+def bench_append_one(root: Path, n: int) -> None:
+    """One-entry appends, the engine's share of a unary Append: appends/s and CPU per append
+    (fsync no, so the figure is the Python cost of the path, not the disk's)."""
+    payload = _payloads(1)[0]
+    with Engine(root / "append-one", EngineConfig(fsync="no", background=False)) as engine:
+        engine.append("s", AppendBatch([payload]))  # created and open
+        cpu = time.thread_time()
+        with Timer() as t:
+            for _ in range(n):
+                engine.append("s", AppendBatch([payload]))
+        cpu = time.thread_time() - cpu
+    emit("append_one", n / t.elapsed, "appends/s", fsync="no", cpu_us=round(cpu / n * 1e6, 2), appends=n)
 
 
 def bench_append(root: Path, total: int) -> None:
@@ -212,6 +228,7 @@ def main() -> None:
     try:
         if "append" in args.only:
             bench_append(root, append_total)
+            bench_append_one(root, append_total // 10)
         if "size" in args.only:
             bench_bytes_per_entry(root, 50_000 if args.quick else 200_000)
         if "seek" in args.only:
