@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -116,15 +117,38 @@ class Timer:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago.
+    """A TCP port on 127.0.0.1 that was free a moment ago, for a server to bind.
 
-    The kernel picks it (bind to port 0), so parallel runs don't collide on a
-    fixed number. Another process can still take it before the caller binds:
-    callers that start a server retry on a bind failure.
+    Taken at random below the kernel's ephemeral range (ip_local_port_range), not from it: the
+    kernel hands ports in that range to every outgoing connection of every process (and to
+    binds of port 0), so a port picked there can be taken by some client's connection before
+    the server binds it (seen under load: a node "in use by another process"). Below it, only
+    a server binding that same port could collide, and the bind check here rules out those
+    already bound.
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    low = _ephemeral_ports()[0]
+    for _ in range(100):
+        port = _PORTS.randrange(_LOWEST_PORT, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port found between {_LOWEST_PORT} and {low}")
+
+
+_PORTS = random.SystemRandom()  # not the random module's: a test may seed that, in every process alike
+_LOWEST_PORT = 10_000
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections (Linux's default when unreadable)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def cpu_steal_ticks() -> tuple[int, int] | None:
@@ -228,4 +252,3 @@ def server_cpu_seconds(port: int) -> float:
             fields = stat[stat.rindex(")") + 2 :].split()
             return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     raise LookupError(f"no streamlog serve process on port {port}")
-

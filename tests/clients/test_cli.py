@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.common import free_port
 from clients import Client, Record
 from clients.cli import (
     EXIT_CONFLICT,
@@ -26,7 +27,7 @@ from clients.cli import (
     main,
 )
 from tests.service.helpers import ServerThread
-from tests.service.test_metrics import free_port, scrape, value
+from tests.service.test_metrics import scrape, value
 
 STREAMLOG = shutil.which("streamlog", path=str(Path(sys.executable).parent))
 

@@ -9,8 +9,9 @@ import grpc
 import pytest
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
+from bench.common import free_port
 from tests.cluster.etcd_server import EtcdCluster
-from tests.cluster.nodes import ClusterNodes, free_port
+from tests.cluster.nodes import ClusterNodes
 from tests.cluster.test_failover import NODES, Links
 
 

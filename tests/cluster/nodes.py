@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +18,7 @@ import grpc
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
+from bench.common import free_port
 from tests.cluster.helpers import TEST_TTL_MS
 from tests.service.processes import ServerProcess
 
@@ -28,12 +28,6 @@ SETTINGS = {
     "default_replication_factor": "1",
     "shutdown_grace_ms": "1000",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ClusterNodes:

@@ -13,11 +13,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from streamlog.v1 import streamlog_pb2 as pb
 
+from bench.common import free_port
 from clients import Client, Consumer, Producer
 from clients.consumer import Message
 from clients.errors import NotFoundError
 from tests.cluster.helpers import TEST_TTL_MS
-from tests.cluster.nodes import ClusterNodes, free_port
+from tests.cluster.nodes import ClusterNodes
 
 NODES = ("n1", "n2", "n3")
 REPLICATED = {"default_replication_factor": "3", "replica_lag_ms": "1000"}

@@ -19,9 +19,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
+from bench.common import free_port
 from service.server import SERVICE_NAME
 from tests.cluster.etcd_server import EtcdCluster
-from tests.cluster.nodes import ClusterNodes, eventually, free_port, leader_of
+from tests.cluster.nodes import ClusterNodes, eventually, leader_of
 from tests.cluster.test_failover import Links
 from tests.ops.helpers import ROOT
 from tests.service.processes import ServerProcess

@@ -19,9 +19,9 @@ import pytest
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
+from bench.common import free_port
 from tests.cluster.etcd_server import EtcdCluster
 from tests.cluster.helpers import TEST_TTL_MS
-from tests.cluster.nodes import free_port
 from tests.service.certs import CertificateAuthority
 from tests.service.helpers import ServerThread, small_settings
 from tests.service.http_client import HttpApi

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.common import free_port
 from service.config import Settings, load_settings
 from tests.clients.nodejs import NODE, NPM, npm_install
 from tests.docs.snippets import DOCUMENTS, REPO, Block, blocks, commands
-from tests.ops.helpers import free_port
 from tests.service.helpers import ServerThread
 
 # Where examples keep files that outlive a command (Spark's output and checkpoints): a directory

@@ -7,7 +7,6 @@ import importlib.resources
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Sequence
@@ -47,12 +46,6 @@ def kubernetes_errors(docs: Sequence[dict[str, Any]], version: str) -> list[str]
         except kubernetes_validate.ValidationError as exc:
             errors.append(f"{doc.get('kind')} {doc.get('metadata', {}).get('name')}: {exc.message}")
     return errors
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Process:

@@ -17,11 +17,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
+from bench.common import free_port
 from cluster.addresses import parse_endpoints
 from service.config import Settings
 from service.server import SERVICE_NAME
 from tests.cluster.etcd_server import ETCD_BINARY
-from tests.ops.helpers import ROOT, Process, compose_schema_errors, free_port, wait_until
+from tests.ops.helpers import ROOT, Process, compose_schema_errors, wait_until
 from tests.ops.test_container import entry_argv
 
 COMPOSE = ROOT / "docker-compose.cluster.yml"

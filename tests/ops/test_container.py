@@ -20,7 +20,8 @@ import dockerfile
 import pytest
 import yaml
 
-from tests.ops.helpers import ROOT, Process, compose_schema_errors, free_port, wait_until
+from bench.common import free_port
+from tests.ops.helpers import ROOT, Process, compose_schema_errors, wait_until
 
 DOCKERFILE = ROOT / "Dockerfile"
 COMPOSE = ROOT / "docker-compose.yml"

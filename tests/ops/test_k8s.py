@@ -16,9 +16,10 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.common import free_port
 from service.config import load_settings
 from service.server import SERVICE_NAME
-from tests.ops.helpers import K8S, Process, free_port, kubernetes_errors, load_yaml_documents, wait_until
+from tests.ops.helpers import K8S, Process, kubernetes_errors, load_yaml_documents, wait_until
 
 # The oldest release whose schemas we check (native gRPC probes are GA from 1.27), and the newest.
 KUBERNETES_VERSIONS = ("1.30.0", kubernetes_validate.utils.latest_version())

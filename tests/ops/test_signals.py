@@ -10,7 +10,8 @@ import grpc
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
-from tests.ops.helpers import Process, free_port, wait_until
+from bench.common import free_port
+from tests.ops.helpers import Process, wait_until
 
 TOKEN = "sighup-token-0123456789"
 READ_ONLY = '[[rules]]\nprincipals = ["ops"]\nstreams = ["*"]\npermissions = ["read"]\n'

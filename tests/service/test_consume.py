@@ -21,13 +21,14 @@ import pytest
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
+from bench.common import free_port
 from service.consume import ConsumeSession, SessionCalls
 from service.groupwaits import WaitResult
 from service.waiters import Wake
 from storage import GroupReadOptions, GroupReadResult
 from tests.service.helpers import ServerThread
 from tests.service.test_groups_e2e import TIMEOUT, create, fill, gread, info, offsets, pending, until, waiting
-from tests.service.test_metrics import free_port, scrape, value
+from tests.service.test_metrics import scrape, value
 
 QUIET_S = 0.3  # how long "nothing more is sent" is watched for
 _END = object()  # the call ended with OK

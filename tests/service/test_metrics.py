@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 import urllib.error
@@ -16,18 +15,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
+from bench.common import free_port
 from service.config import Settings
 from service.server import SERVICE
 from storage import AppendBatch
 from tests.service.helpers import ServerThread, append
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def scrape(server: ServerThread, token: str | None = None, query: str = "") -> Samples:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,15 +11,10 @@ import pytest
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
+from bench.common import free_port
 from service import config, probe
 from tests.service.certs import CertificateAuthority
 from tests.service.helpers import ServerThread
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_probe_exit_codes(start_server: Callable[..., ServerThread]) -> None:

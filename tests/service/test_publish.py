@@ -16,10 +16,11 @@ import pytest
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
+from bench.common import free_port
 from service import auth
 from tests.service.helpers import ServerThread
 from tests.service.test_auth import ACL_TOML, TOKENS_TOML, bearer, write
-from tests.service.test_metrics import free_port, scrape, value
+from tests.service.test_metrics import scrape, value
 
 TIMEOUT = 20
 
