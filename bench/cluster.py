@@ -76,13 +76,15 @@ def etcd(directory: Path) -> Iterator[EtcdCluster]:
 
 
 def node(
-    cluster: EtcdCluster, node_id: str, replicas: int = 1, name: str = "streamlog"
+    cluster: EtcdCluster, node_id: str, replicas: int = 1, name: str = "streamlog", cpu: int | None = None
 ) -> AbstractContextManager[str]:
+    """A node of `cluster` (on core `cpu` only, when given)."""
     port = free_port()
     host, etcd_port = cluster.endpoints[0]
     return streamlog_server(
         "everysec",
         port=port,
+        cpus=None if cpu is None else {cpu},
         cluster=f"{host}:{etcd_port}",
         cluster_name=name,
         node_id=node_id,
@@ -214,25 +216,38 @@ def figures(cluster: EtcdCluster, calls: int, batches: int) -> None:
         )
 
 
-def member_counts(cluster: EtcdCluster, rounds: int, seconds: float, in_flight: int) -> dict[str, float]:
+def member_counts(
+    cluster: EtcdCluster, rounds: int, seconds: float, in_flight: int, pinned: bool = False
+) -> dict[str, float]:
     """1 member vs 2 (bench/members.py): a one-node cluster and a two-node one, one replica per
-    stream, each node its own process and data directory."""
+    stream, each node its own process and data directory; `pinned`: member i runs on core i - 1
+    only (a member per core, as N members on N cores are deployed), the clients on any."""
+    cores = sorted(os.sched_getaffinity(0))
+
+    def core(i: int) -> int | None:
+        return cores[(i - 1) % len(cores)] if pinned else None
+
     with ExitStack() as stack:
         configurations = {
             count: [
-                stack.enter_context(node(cluster, f"m{i}", 1, f"members-{count}"))
+                stack.enter_context(node(cluster, f"m{i}", 1, f"members-{count}", core(i)))
                 for i in range(1, count + 1)
             ]
             for count in (1, 2)
         }
-        return members.measure(configurations, rounds, seconds, in_flight)
+        return members.measure(configurations, rounds, seconds, in_flight, pinned)
 
 
 PARTS = ("figures", "members", "failover")
 
 
 def run(
-    quick: bool, failovers: int, lease_ttl_ms: int, parts: Sequence[str] = PARTS, plot: Path | None = None
+    quick: bool,
+    failovers: int,
+    lease_ttl_ms: int,
+    parts: Sequence[str] = PARTS,
+    plot: Path | None = None,
+    pin_members: bool = False,
 ) -> None:
     calls, batches = (300, 20) if quick else (3000, 200)
     rounds, seconds = (1, 2.0) if quick else (3, 5.0)
@@ -242,7 +257,7 @@ def run(
             if "figures" in parts:
                 figures(cluster, calls, batches)
             if "members" in parts:
-                member_counts(cluster, rounds, seconds, in_flight=64)
+                member_counts(cluster, rounds, seconds, in_flight=64, pinned=pin_members)
             if "failover" in parts and failovers:
                 failover.run(cluster.endpoints, directory / "failover", failovers, lease_ttl_ms, plot=plot)
     finally:
@@ -262,10 +277,15 @@ def main() -> None:
     parser.add_argument(
         "--plot", type=Path, help="draw the failover run's acknowledged appends per 100 ms to this PNG"
     )
+    parser.add_argument(
+        "--pin-members",
+        action="store_true",
+        help="run each member on a core of its own (1 vs 2 members: one core vs two)",
+    )
     args = parser.parse_args()
     if args.failovers is None:
         args.failovers = 2 if args.quick else 20
-    run(args.quick, args.failovers, args.lease_ttl_ms, args.only or PARTS, args.plot)
+    run(args.quick, args.failovers, args.lease_ttl_ms, args.only or PARTS, args.plot, args.pin_members)
 
 
 if __name__ == "__main__":

@@ -236,19 +236,32 @@ def node_load(*args: Any) -> dict[str, float]:
     return json.loads(done.stdout)
 
 
-def server_cpu_seconds(port: int) -> float:
-    """The CPU time (user + system) used so far by the `streamlog serve` process listening on
-    loopback `port` (its command line says `--port PORT`), from /proc."""
+def server_process(port: int) -> Path:
+    """The /proc directory of the `streamlog serve` process listening on loopback `port` (its
+    command line says `--port PORT`)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             arguments = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            stat = (entry / "stat").read_text()
         except OSError:  # gone meanwhile, or not ours to read
             continue
         if "service.cli" in arguments and ("--port", str(port)) in itertools.pairwise(arguments):
-            # Fields after the command name (which may hold spaces): utime and stime are 14 and 15.
-            fields = stat[stat.rindex(")") + 2 :].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            return entry
     raise LookupError(f"no streamlog serve process on port {port}")
+
+
+def server_cpu_seconds(port: int) -> float:
+    """The CPU time (user + system) used so far by the `streamlog serve` process on `port`."""
+    stat = (server_process(port) / "stat").read_text()
+    # Fields after the command name (which may hold spaces): utime and stime are 14 and 15.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_cores(port: int) -> str:
+    """The cores the `streamlog serve` process on `port` may run on, as Linux lists them ("0-1")."""
+    for line in (server_process(port) / "status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return line.split(":", 1)[1].strip()
+    raise LookupError(f"no Cpus_allowed_list for the server on port {port}")

@@ -30,7 +30,7 @@ import os
 import statistics
 from collections import Counter
 
-from bench.common import emit, node_load, server_cpu_seconds
+from bench.common import emit, node_load, server_cores, server_cpu_seconds
 from bench.h2load import append_load
 from clients import Client
 from tests.cluster.nodes import eventually
@@ -57,9 +57,13 @@ def create_streams(addresses: list[str]) -> Counter[str]:
     return leaders
 
 
+def port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
 def servers_cpu(addresses: list[str]) -> float:
     """The CPU seconds the members at `addresses` (loopback) used so far, together."""
-    return sum(server_cpu_seconds(int(address.rsplit(":", 1)[1])) for address in addresses)
+    return sum(server_cpu_seconds(port_of(address)) for address in addresses)
 
 
 def leaders_of(addresses: list[str]) -> dict[str, str]:
@@ -86,7 +90,7 @@ def round_of(addresses: list[str], rpc: str, in_flight: int, seconds: float) -> 
 
 
 def measure(
-    configurations: dict[int, list[str]], rounds: int, seconds: float, in_flight: int
+    configurations: dict[int, list[str]], rounds: int, seconds: float, in_flight: int, pinned: bool = False
 ) -> dict[str, float]:
     """Calls/s of each configuration (its members' addresses, by member count: 1 and 2) and RPC,
     emitted with the ratios; returns the ratio of each RPC. Rounds are of equal length, so a
@@ -103,6 +107,7 @@ def measure(
         "in_flight": in_flight,
         "rounds": rounds,
         "round_s": seconds,
+        "pinned": pinned,  # each member on a core of its own
         "load_average": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count(),
     }
@@ -121,6 +126,7 @@ def measure(
                 members=count,
                 rpc=rpc,
                 streams_led=dict(leaders[count]),
+                cores={address: server_cores(port_of(address)) for address in configurations[count]},
                 # The client shares the machine's cores with the members: what each call cost both.
                 server_cpu_us_per_call=round(server_us, 1),
                 client_cpu_us_per_call=round(client_us, 1),

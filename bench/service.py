@@ -43,16 +43,19 @@ def streamlog_server(
     data: Path | None = None,
     start_timeout_s: float = 30,
     port: int | None = None,
+    cpus: set[int] | None = None,
     **settings: Any,
 ):
     """A `streamlog serve` subprocess on a loopback port (free, unless given); yields its
     address. `data`: an existing data directory (kept), else a temporary one, which start-up
-    recovers within `start_timeout_s`; `settings`: more `--set` values."""
+    recovers within `start_timeout_s`; `cpus`: the cores it may run on (every thread of it:
+    set before exec), all when None; `settings`: more `--set` values."""
     keep = data is not None
     data = data or Path(tempfile.mkdtemp(prefix="streamlog-bench-"))
     port = port or free_port()
     command = serve_command(data, port, fsync, **settings)
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=pin)
     address = f"127.0.0.1:{port}"
     try:
         wait_serving(address, proc, start_timeout_s)

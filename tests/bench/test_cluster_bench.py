@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -93,7 +94,8 @@ def test_one_member_and_two_each_get_a_figure_per_load_and_their_ratio(
     etcd: EtcdCluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
     npm_install()
-    ratios = cluster.member_counts(etcd, rounds=1, seconds=1.0, in_flight=8)
+    # Pinned (each member on a core of its own): the unpinned run differs only in not pinning.
+    ratios = cluster.member_counts(etcd, rounds=1, seconds=1.0, in_flight=8, pinned=True)
     emitted = records(capsys)
     assert set(ratios) == set(members.RPCS) == {"Append", "Publish", "Append/h2load"}
     for rpc in members.RPCS:
@@ -103,8 +105,12 @@ def test_one_member_and_two_each_get_a_figure_per_load_and_their_ratio(
         assert one[0]["streams_led"] == {"m1": members.STREAMS}
         led = two[0]["streams_led"]
         assert set(led) == {"m1", "m2"} and sum(led.values()) == members.STREAMS
+        # Member i on the i-th core the test may use (its own: a core listed alone).
+        cores = sorted(os.sched_getaffinity(0))
+        assert sorted(one[0]["cores"].values()) == [str(cores[0])]
+        assert sorted(two[0]["cores"].values()) == sorted(str(cores[i % len(cores)]) for i in range(2))
         for figure in (one[0], two[0]):
-            assert figure["unit"] == "calls/s" and positive(figure["value"])
+            assert figure["unit"] == "calls/s" and positive(figure["value"]) and figure["pinned"] is True
             assert positive(figure["server_cpu_us_per_call"]) and positive(figure["client_cpu_us_per_call"])
         [ratio] = by_figure(emitted, "members_ratio", rpc=rpc)
         assert ratio["value"] == pytest.approx(two[0]["value"] / one[0]["value"])
