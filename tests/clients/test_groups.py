@@ -247,32 +247,40 @@ def test_async_group_calls(server) -> None:
     asyncio.run(scenario())
 
 
+FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 200)]
+
+
+def _consume_through_a_restart(
+    start_server, first, consumer: Consumer, restart_at: int, max_messages: int
+) -> list[int]:
+    """Run `consumer` for `max_messages`; when it handles offset `restart_at`, the server (`first`)
+    stops and is back on its port half a second later. The offsets handled, in order."""
+    data, port = first.server.settings.data_dir, first.server.port
+    handled: list[int] = []
+
+    def handle(message: Message) -> None:
+        handled.append(message.offset)
+        if message.offset == restart_at:
+            # The next read (carrying this message's ack) finds the server gone.
+            first.stop()
+            threading.Timer(0.5, start_server, args=(data,), kwargs={"port": port}).start()
+
+    safety = threading.Timer(20, consumer.stop)  # never hang the suite if the restart fails
+    safety.start()
+    try:
+        consumer.run(handle, max_messages=max_messages)
+    finally:
+        safety.cancel()
+        consumer.close()
+    return handled
+
+
 def test_the_consumer_rides_out_a_server_restart(start_server, tmp_path) -> None:
-    data = tmp_path / "restart"
-    first = start_server(data)
-    port = first.server.port
-    fast_reconnect = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 200)]
-    with Client(first.target, timeout=5, options=fast_reconnect) as client:
+    first = start_server(tmp_path / "restart")
+    with Client(first.target, timeout=5, options=FAST_RECONNECT) as client:
         _fill(client, "s", 3)
-        handled: list[int] = []
-
-        def handle(message: Message) -> None:
-            handled.append(message.offset)
-            if message.offset == 0:
-                # The next read (carrying this message's ack) finds the server gone; it is
-                # back half a second later.
-                first.stop()
-                threading.Timer(0.5, start_server, args=(data,), kwargs={"port": port}).start()
-
         consumer = Consumer(client, "s", "g", "survivor", create=True, batch_size=1)
-        safety = threading.Timer(20, consumer.stop)  # never hang the suite if the restart fails
-        safety.start()
-        try:
-            consumer.run(handle, max_messages=3)
-        finally:
-            safety.cancel()
-            consumer.close()
-        assert handled == [0, 1, 2]
+        assert _consume_through_a_restart(start_server, first, consumer, 0, 3) == [0, 1, 2]
         info = client.group_info("s", "g")
         assert (info.pending, info.counters.acked, info.consumers) == (0, 3, [])
 
@@ -283,32 +291,15 @@ def test_a_batch_a_broken_session_never_brought_is_redelivered_without_retry_ms(
     """A batch the group assigned to a consumer whose session broke before the reply arrived stays
     pending for that consumer; with no retry_ms nothing would ever redeliver it. The Consumer, on
     reopening, gives such entries back, and processes them."""
-    data = tmp_path / "stranded"
-    first = start_server(data)
-    port = first.server.port
-    fast_reconnect = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 200)]
-    with Client(first.target, timeout=5, options=fast_reconnect) as client:
+    first = start_server(tmp_path / "stranded")
+    with Client(first.target, timeout=5, options=FAST_RECONNECT) as client:
         _fill(client, "s", 6)
         client.create_group("s", "g", "oldest")
         assert client.group_info("s", "g").config.retry_ms is None
         # The batch a session was given as it broke: delivered to "survivor", never seen by it.
         assert [e.offset for e in client.read_group("s", "g", "survivor", count=2)] == [0, 1]
-        handled: list[int] = []
-
-        def handle(message: Message) -> None:
-            handled.append(message.offset)
-            if message.offset == 2:
-                first.stop()
-                threading.Timer(0.5, start_server, args=(data,), kwargs={"port": port}).start()
-
         consumer = Consumer(client, "s", "g", "survivor", batch_size=1)
-        safety = threading.Timer(20, consumer.stop)  # never hang the suite if the entries stay stranded
-        safety.start()
-        try:
-            consumer.run(handle, max_messages=6)
-        finally:
-            safety.cancel()
-            consumer.close()
+        handled = _consume_through_a_restart(start_server, first, consumer, 2, 6)
         assert sorted(handled) == [0, 1, 2, 3, 4, 5]
         assert handled[0] == 2  # 0 and 1 came back only after the session broke
         info = client.group_info("s", "g")
