@@ -1,5 +1,6 @@
 """Group commit: concurrent appenders in `always` mode share one sync; new streams share the
-sync of the directory that holds them (DirSync).
+sync of the directory that holds them (DirSync); and what one sync of a stream covers
+(`sync_now`: its dirty files, its pending creation, the header it vouches for).
 
 The first waiter whose entries are not yet durable becomes the leader and
 syncs everything written so far; the others wait on the condition and are
@@ -19,6 +20,7 @@ from storage.errors import DurabilityError
 
 if TYPE_CHECKING:
     from storage.fs import FileSystem
+    from storage.stream import Stream
 
 
 class SyncGate:
@@ -79,3 +81,40 @@ class DirSync:
             covered = self._changes
             self._fs.sync_dir(self._path)
             self._synced = covered
+
+
+def sync_now(stream: Stream) -> int:
+    """Sync what the stream wrote so far (its dirty files, a pending creation) and publish the
+    end it now vouches for; returns the write sequence it covers (SyncGate's leader calls it)."""
+    with stream.lock:
+        while stream.blocked_writers:  # appends that waited for the last sync write first: they share this
+            stream.sync_ended.wait()
+        files = list(stream.dirty)
+        stream.dirty.clear()
+        seq = stream.write_seq
+        upto = stream.end_offset
+        cuts = stream.cuts
+        node = stream.active
+        node_seq = node.ref.header.seq if node is not None else 0
+        # The header the sync begins with must stay in its slot until the sync ends, or the sync
+        # cannot vouch for it: meanwhile an append goes to a new node (everysec, no) or waits
+        # (always: `_check_writable`).
+        if node is not None and node_seq > node.durable_seq:
+            node.in_sync = True
+    synced = False
+    try:
+        for file in files:
+            file.sync()
+        stream.commit_creation(synced=True)
+        synced = True
+    finally:
+        with stream.lock:
+            if node is not None:
+                node.in_sync = False
+                if synced:  # its appends keep this header's slot from now on (storage/growing.py)
+                    node.made_durable(node_seq)
+            stream.sync_ended.notify_all()
+            # (A truncation meanwhile cut what `upto` counted: it is not ours to vouch for.)
+            if synced and stream.cuts == cuts:
+                stream.publish(max(stream.local_end, upto))
+    return seq

@@ -66,6 +66,7 @@ from storage.openstreams import OpenStreams
 from storage.replicaapi import ReplicaCalls
 from storage.results import AppendResult, EntriesMeta, ReadResult, StreamInfo
 from storage.stream import Stream
+from storage.streaminfo import stream_info, stream_summary
 from storage.types import AppendBatch, FsyncPolicy, StreamBounds
 
 log = logging.getLogger("streamlog.storage")
@@ -226,7 +227,7 @@ class Engine(GroupCalls, ReplicaCalls):
             if stream.creation is not None:
                 pending.add(stream.name)
             else:  # its figures may move on before the next file: visited after a crash
-                summaries[stream.name] = stream.summary()._replace(upkeep_ms=1)
+                summaries[stream.name] = stream_summary(stream)._replace(upkeep_ms=1)
         raw = self._catalog.encode(pending, summaries)
         self._fs.write_file_atomic(self.data_dir / CATALOG_FILE, raw)
         self._catalog_saved = time.monotonic()
@@ -491,7 +492,7 @@ class Engine(GroupCalls, ReplicaCalls):
 
     def info(self, name: str) -> StreamInfo:
         with self._use(name) as stream:
-            return stream.info()
+            return stream_info(stream)
 
     def evict(self, name: str, up_to_offset: int) -> int:
         with self._use(name) as stream:
@@ -634,7 +635,7 @@ class Engine(GroupCalls, ReplicaCalls):
     def stats(self) -> dict:
         """Totals over every stream (the closed ones as of their last close: storage/catalog.py),
         and the open streams' figures one by one (no closed stream is opened for this)."""
-        infos = [s.info() for s in self._open.values()]
+        infos = [stream_info(s) for s in self._open.values()]
         totals = self._catalog.totals()
         for key in totals:
             totals[key] += sum(getattr(i, key) for i in infos)

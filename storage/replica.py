@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 from storage.dedup import BatchRecord
 from storage.errors import CorruptionError, InvalidArgumentError, OffsetMismatchError, PreconditionError
 from storage.format import NODE_CARRIED_FLAGS, NODE_PRODUCER, NodeBody
+from storage.nodewriter import write_packed, write_records
 from storage.records import find_producers, record_offset_and_timestamp
 from storage.types import FsyncPolicy
 
@@ -223,7 +224,7 @@ def _write_dense(stream: Stream, chunk: ReplicaChunk, max_entries: int, max_byte
                 part = array("I", map(sub, part, repeat(lo, len(part))))
             _, first_ts = record_offset_and_timestamp(records, lo)
             _, last_ts = record_offset_and_timestamp(records, positions[upto - 1])
-            stream.write_records(records[lo:hi], part, first_ts, last_ts, run.flags)
+            write_records(stream, records[lo:hi], part, first_ts, last_ts, run.flags)
             at = upto
 
 
@@ -254,7 +255,7 @@ def _write_sparse(stream: Stream, chunk: ReplicaChunk, node_entries: int, max_by
         _, last_ts = record_offset_and_timestamp(records, positions[upto - 1])
         bodies.append((body, first_ts, last_ts, flags))
         at = upto
-    stream.write_packed(bodies, chunk.end_offset)
+    write_packed(stream, bodies, chunk.end_offset)
 
 
 def _batch_end(stream: Stream, positions: array, at: int, stop: int, max_entries: int, max_bytes: int) -> int:

@@ -1,8 +1,12 @@
-"""One stream: the append path, the read path, and its node index over its segments.
+"""One stream: its state (segments, node index, active node, ends), the append and
+read entry points, open, close and configuration.
 
-What else happens to a stream lives beside it: recovery at start-up in
-storage/loader.py, retention in storage/retention.py, and the rewrites of
-sealed segments (packing, compaction, merging) in storage/cleaner.py.
+Its halves live beside it, each taking the stream: the writes into nodes and
+segments in storage/nodewriter.py, the reads in storage/reader.py, a sync in
+storage/durability.py (`sync_now`), its figures and catalog summary in
+storage/streaminfo.py; recovery at start-up in storage/loader.py, retention in
+storage/retention.py, and the rewrites of sealed segments (packing, compaction,
+merging) in storage/cleaner.py.
 
 Locking: `lock` guards the index and the active node (appends, reads, index
 changes); `maintenance_lock` serialises the slow jobs that rewrite or delete
@@ -14,14 +18,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from array import array
-from bisect import bisect_right
 from collections.abc import Sequence
-from itertools import repeat
-from operator import add
+from functools import partial
 from pathlib import Path
-
-import zstandard
 
 from storage.catalog import StreamSummary
 from storage.cleaner import Cleaner
@@ -29,18 +28,15 @@ from storage.cleanmark import SYNCED_MARKER, SyncedEnd, read_synced_end, write_s
 from storage.config import StreamConfig
 from storage.context import EngineContext
 from storage.creation import PendingCreation, start_creation
-from storage.dedup import BatchRecord
-from storage.durability import SyncGate
+from storage.durability import SyncGate, sync_now
 from storage.epochs import EpochHistory
 from storage.errors import (
     CorruptionError,
     DurabilityError,
     InvalidArgumentError,
-    LimitExceededError,
     OffsetMismatchError,
     StorageError,
 )
-from storage.format import NODE_DELAYED, NODE_PREFIX_SIZE, NODE_PRODUCER, SEGMENT_HEADER_SIZE, NodeBody
 from storage.fs import SegmentFile
 from storage.growing import GrowingNode
 from storage.handoff import UnsyncedClose
@@ -51,21 +47,20 @@ from storage.layout import (
     PRODUCERS_FILE,
     TRUNCATE_MARKER,
     read_meta,
-    segment_name,
     write_meta,
 )
 from storage.loader import LogLoader, new_producer_table
-from storage.packed import compression_ratio, decompressor, encode_packed_node, write_packed_segment
-from storage.reader import count_entries, read_backward, seek_time
-from storage.records import attach_producer, encode_batch
-from storage.results import AppendResult, EntriesMeta, Gap, ReadResult, StreamInfo
+from storage.nodewriter import append_one
+from storage.packed import decompressor
+from storage.reader import count_entries, read_backward, read_forward, seek_time
+from storage.results import AppendResult, EntriesMeta, Gap, ReadResult
 from storage.retention import Retention
 from storage.segment import NodeRef, NodeView, Segment
+from storage.streaminfo import stream_summary
 from storage.truncation import Truncation
-from storage.types import AppendBatch, FsyncPolicy, GapReason, StreamBounds
+from storage.types import AppendBatch, FsyncPolicy, StreamBounds
 
 log = logging.getLogger("streamlog.storage")
-FIRST_NODE_SLOTS = 16
 
 
 class Stream:
@@ -196,12 +191,12 @@ class Stream:
             self._check_writable(always)
             if expected_end is not None and expected_end != self.end_offset:
                 raise OffsetMismatchError(expected_end, self.end_offset)
-            result = self._append_one(batch, producer)
+            result = append_one(self, batch, producer)
             seq = self.write_seq  # a duplicate's first attempt may still be on its way to disk
             if not always:
                 self.publish(self.end_offset)
         if always:
-            self.gate.wait(seq, self._sync_now)
+            self.gate.wait(seq, partial(sync_now, self))
         return result
 
     def append_many(
@@ -215,7 +210,7 @@ class Stream:
             self._check_writable(always)
             for batch, producer in appends:
                 try:
-                    results.append(self._append_one(batch, producer))
+                    results.append(append_one(self, batch, producer))
                 except StorageError as exc:
                     # This batch only (nothing of it was written); those before it stand.
                     results.append(exc)
@@ -223,7 +218,7 @@ class Stream:
             if not always:
                 self.publish(self.end_offset)
         if always:
-            self.gate.wait(seq, self._sync_now)
+            self.gate.wait(seq, partial(sync_now, self))
         return results
 
     def _check_writable(self, always: bool) -> None:
@@ -282,188 +277,7 @@ class Stream:
             node.header if node is not None else None,
         )
 
-    def _append_one(self, batch: AppendBatch, producer: tuple[str, int] | None) -> AppendResult:
-        """Write one batch, or find the first attempt of a producer's retry. Call with `lock` held."""
-        n = len(batch.payloads)
-        earlier = self.producers.lookup(*producer) if producer else None
-        if earlier is not None:
-            first = earlier.first_offset if earlier.first_offset >= 0 else earlier.last_offset - n + 1
-            return AppendResult(first, earlier.last_offset, earlier.timestamp_ms, duplicate=True)
-        first, ts = self._write_batch(batch, n, producer)
-        if producer:
-            self.producers.record(*producer, BatchRecord(first, first + n - 1, ts))
-        return AppendResult(first, first + n - 1, ts)
-
-    def _write_batch(self, batch: AppendBatch, n: int, producer: tuple[str, int] | None) -> tuple[int, int]:
-        """Encode and write one batch of `n` entries into the active node (or a new one). Call with
-        `lock` held."""
-        ctx = self.ctx
-        ts = max(ctx.clock(), self.last_ts)
-        first = self.end_offset
-        node = self.active
-        if (
-            node is not None
-            and node.ref.header.count + n <= node.ref.header.slots
-            and node.ref.segment is self.segments[-1]
-            and not node.in_sync
-        ):
-            start = node.positions[-1]  # the batch may go on in the active node
-        else:
-            node, start = None, 0
-        blob, positions = encode_batch(first, ts, batch, start)
-        delayed = batch.deliver_at_ms is not None and any(batch.deliver_at_ms)
-        flags = NODE_DELAYED if delayed else 0
-        if producer:
-            blob = attach_producer(blob, positions[-2] - start, *producer)
-            positions[-1] = start + len(blob)
-            flags |= NODE_PRODUCER
-        size = len(blob)
-        if size > (limit := ctx.config.max_batch_bytes):
-            raise LimitExceededError("max_batch_bytes", limit, f"batch encodes to {size} bytes")
-        if node is None or not node.make_room(n, size):
-            if start:
-                positions = array("I", [p - start for p in positions])
-            node = self._start_node(n, size, ts)
-        node.append(blob, positions, ts, ts, flags)
-        self._wrote(node, first + n, ts)
-        return first, ts
-
-    def write_records(self, blob: bytes, positions: array, first_ts: int, last_ts: int, flags: int) -> None:
-        """Write stored records as they are at end_offset (replication, storage/replica.py; call with
-        `lock` held). `positions`: their count+1 boundaries from 0; they fit one batch's limits."""
-        self.unmark_clean()
-        n = len(positions) - 1
-        node = self.active
-        if (
-            node is None
-            or node.ref.segment is not self.segments[-1]
-            or node.in_sync
-            or not node.make_room(n, len(blob))
-        ):
-            node = self._start_node(n, len(blob), self.ctx.clock())
-        start = node.positions[-1]
-        if start:
-            positions = array("I", map(add, positions, repeat(start, n + 1)))
-        node.append(blob, positions, first_ts, last_ts, flags)
-        self._wrote(node, self.end_offset + n, last_ts)
-
-    def write_packed(self, bodies: Sequence[tuple[NodeBody, int, int, int]], end_offset: int) -> None:
-        """Write stored records with holes (replication of a compacted log, storage/replica.py; call
-        with `lock` held) as a sealed packed segment from end_offset up to `end_offset`, durable when
-        this returns: `bodies` are its nodes (body, min and max timestamp, carried flags), sparse
-        where offsets are missing. The growing tail is sealed first (synced, queued for packing),
-        so that the next append starts a new segment after this one."""
-        tail = self.segments[-1] if self.segments else None
-        if tail is not None and not tail.packed:
-            tail.file.sync()  # complete on disk before the next segment exists, as _roll does
-            if self.ctx.config.compression:
-                self.pack_queue.append(tail)
-        self.active = None
-        cfg = self.ctx.config
-        compressor = zstandard.ZstdCompressor(level=cfg.compression_level) if cfg.compression else None
-        path = self.directory / segment_name(self.end_offset)
-        nodes = (encode_packed_node(body, lo, hi, flags, compressor) for body, lo, hi, flags in bodies)
-        write_packed_segment(self.ctx.fs, path, self.end_offset, end_offset, self.ctx.clock(), nodes)
-        segment, cut = Segment.open(self.ctx.fs, path, writable=False, verify=False)
-        if cut:
-            raise CorruptionError(f"replicated segment {path.name} does not read back: {cut}")
-        self.segments.append(segment)
-        for ref in segment.nodes:
-            self.index.append(ref)
-        self.end_offset = end_offset
-        if bodies:
-            self.last_ts = bodies[-1][2]  # timestamps never decrease along a stream
-        self.write_seq += 1
-
-    def _wrote(self, node: GrowingNode, end_offset: int, last_ts: int) -> None:
-        self.index.grew(last_ts)
-        self.end_offset = end_offset
-        self.last_ts = last_ts
-        self.write_seq += 1
-        self.dirty.add(node.ref.segment.file)
-
-    def _start_node(self, entries: int, nbytes: int, ts: int) -> GrowingNode:
-        slots = self._node_slots(entries)
-        tail = self.segments[-1] if self.segments else None
-        need = NODE_PREFIX_SIZE + 4 * slots + nbytes
-        if (
-            tail is None
-            or tail.packed
-            or tail.end_offset() != self.end_offset
-            or tail.end_pos + need > tail.capacity
-        ):
-            tail = self._roll(ts, need)
-        else:
-            tail.reserve(tail.end_pos + need)
-        node = GrowingNode.start(tail, slots, self.end_offset)
-        tail.nodes.append(node.ref)
-        self.index.append(node.ref)
-        self.active = node
-        return node
-
-    def _node_slots(self, entries: int) -> int:
-        """Offset-table slots for a new node: a stream's first node reserves few (a small stream
-        costs what it holds), each next one four times the last, up to node_entries."""
-        last = self.index.nodes[-1].header.slots if len(self.index) else FIRST_NODE_SLOTS // 4
-        return max(entries, min(self.ctx.config.node_entries, 4 * last))
-
-    def _roll(self, now_ms: int, need: int) -> Segment:
-        old = self.segments[-1] if self.segments else None
-        if old is not None and not old.packed:
-            # Whatever the policy, a segment is complete on disk before the next one exists:
-            # otherwise a power loss could leave a hole in the middle of the stream.
-            old.file.sync()
-        segment = Segment.create(
-            self.ctx.fs,
-            self.directory,
-            self.end_offset,
-            SEGMENT_HEADER_SIZE + need,
-            self.ctx.config.segment_bytes,
-            now_ms,
-            durable=old is not None or self.creation is None,  # a new stream's first: its commit syncs it
-        )
-        if self.creation is not None:
-            self.creation.has_segment = True
-        self.segments.append(segment)
-        if old is not None and not old.packed and self.ctx.config.compression:
-            self.pack_queue.append(old)
-        return segment
-
     # ------------------------------------------------------------------ durability
-
-    def _sync_now(self) -> int:
-        with self.lock:
-            while self.blocked_writers:  # appends that waited for the last sync write first: they share this
-                self.sync_ended.wait()
-            files = list(self.dirty)
-            self.dirty.clear()
-            seq = self.write_seq
-            upto = self.end_offset
-            cuts = self.cuts
-            node = self.active
-            node_seq = node.ref.header.seq if node is not None else 0
-            # The header the sync begins with must stay in its slot until the sync ends, or the sync
-            # cannot vouch for it: meanwhile an append goes to a new node (everysec, no) or waits
-            # (always: `_check_writable`).
-            if node is not None and node_seq > node.durable_seq:
-                node.in_sync = True
-        synced = False
-        try:
-            for file in files:
-                file.sync()
-            self.commit_creation(synced=True)
-            synced = True
-        finally:
-            with self.lock:
-                if node is not None:
-                    node.in_sync = False
-                    if synced:  # its appends keep this header's slot from now on (storage/growing.py)
-                        node.made_durable(node_seq)
-                self.sync_ended.notify_all()
-                # (A truncation meanwhile cut what `upto` counted: it is not ours to vouch for.)
-                if synced and self.cuts == cuts:
-                    self.publish(max(self.local_end, upto))
-        return seq
 
     def commit_creation(self, synced: bool = False) -> None:
         """Make a new stream's creation durable, if it is not yet (storage/creation.py); `synced`:
@@ -487,7 +301,7 @@ class Stream:
             if self.creation is not None:
                 self.write_seq += 1  # the creation's commit is due even with nothing written
             seq = self.write_seq
-        self.gate.wait(seq, self._sync_now)
+        self.gate.wait(seq, partial(sync_now, self))
 
     # ------------------------------------------------------------------ visibility
 
@@ -525,10 +339,6 @@ class Stream:
             body.base_offset, positions, body.deltas, lambda lo, hi: blob[positions[lo] : positions[hi]]
         )
 
-    def _hole_reason(self, offset: int) -> GapReason:
-        damaged = any(g.start_offset <= offset < g.end_offset for g in self.damaged)
-        return GapReason.CORRUPT if damaged else GapReason.COMPACTED
-
     def corrupt(self, ref: NodeRef, exc: CorruptionError) -> Gap:
         if ref.mark_corrupt(self.name, exc):
             self.damaged.append(ref.damage())
@@ -545,58 +355,7 @@ class Stream:
         with self.lock:
             if reverse:
                 return read_backward(self, offset, count, max_bytes)
-            return self._read_forward(offset, count, max_bytes)
-
-    def _read_forward(self, offset: int, count: int, max_bytes: int) -> ReadResult:
-        end, first = self.visible_end, self.first_offset
-        gap = Gap(offset, first, GapReason.EVICTED) if offset < first else None
-        start = max(offset, first)
-        records: list[bytes] = []
-        taken = size = 0
-        last = None
-        nodes = self.index.nodes
-        i = max(bisect_right(self.index.bases, start) - 1, 0)  # index.holding(start), inline: the hot path
-        while count > taken and start < end and i < len(nodes):
-            ref = nodes[i]
-            i += 1
-            if ref.end_offset <= start:
-                continue
-            if ref.base_offset >= end:
-                break
-            try:
-                view = self.view(ref)
-            except CorruptionError as exc:
-                if taken:
-                    break
-                gap = self.corrupt(ref, exc)
-                start = ref.end_offset
-                continue
-            lo, hi = view.index_of(start), view.index_of(end)
-            if lo >= hi:
-                continue
-            if not taken and gap is None and view.offset_at(lo) > start:
-                gap = Gap(start, view.offset_at(lo), self._hole_reason(start))
-            hi = min(hi, lo + count - taken)
-            budget_stop = False
-            if max_bytes:
-                limit = view.positions[lo] + max_bytes - size
-                fit = bisect_right(view.positions, limit, lo, hi + 1) - 1
-                if fit < hi:
-                    hi, budget_stop = max(fit, lo if taken else lo + 1), True
-            if hi > lo:
-                chunk = view.slice(lo, hi)
-                records.append(chunk)
-                taken += hi - lo
-                size += len(chunk)
-                last = view.offset_at(hi - 1)
-                start = last + 1
-            if budget_stop:
-                break
-        if count and not taken and gap is None and start < end:
-            gap = Gap(start, end, self._hole_reason(start))  # nothing left but a hole
-        # Where the reader continues: after the last entry, else after the gap, else where it asked.
-        resume = last + 1 if last is not None else offset if gap is None else max(offset, gap.end_offset)
-        return ReadResult(records, taken, first, end, resume, gap, last)
+            return read_forward(self, offset, count, max_bytes)
 
     def seek_time(self, timestamp_ms: int) -> int:
         return seek_time(self, timestamp_ms)
@@ -627,52 +386,6 @@ class Stream:
             self.ctx.fs.write_file_atomic(self.directory / PRODUCERS_FILE, raw)
 
     # ------------------------------------------------------------------ info, config, close
-
-    def info(self) -> StreamInfo:
-        with self.lock:
-            packed = (ref.header for s in self.segments if s.packed for ref in s.nodes)
-            return StreamInfo(
-                name=self.name,
-                first_offset=self.first_offset,
-                end_offset=self.visible_end,
-                entries_added=self.visible_end,
-                entries=self.count(self.first_offset, self.visible_end),
-                bytes_on_disk=sum(s.file.size for s in self.segments),
-                used_bytes=sum(s.file.size if s.packed else s.end_pos for s in self.segments),
-                segments=len(self.segments),
-                packed_segments=sum(1 for s in self.segments if s.packed),
-                nodes=len(self.index),
-                compression_ratio=compression_ratio(packed),
-                last_timestamp_ms=self.last_ts,
-                config=self.config,
-                damaged=tuple(self.damaged),
-            )
-
-    def summary(self) -> StreamSummary:
-        """What the catalog keeps of the stream while it is closed (storage/catalog.py): its
-        figures, and when maintenance should visit it: at once if packing is pending or an
-        entry or byte limit was not applied since its last write; when its oldest node passes
-        max_age_ms, or its next compaction is due, but at most once per compaction interval."""
-        info = self.info()
-        cfg = self.config
-        compaction_interval_ms = self.ctx.config.compaction_interval_ms
-        due = []
-        limited = cfg.max_entries is not None or cfg.max_bytes is not None
-        if self.pack_queue or (limited and self.write_seq != self.upkept_seq):
-            due.append(1)
-        floor = self.upkept_ms + compaction_interval_ms
-        if cfg.max_age_ms is not None and info.entries and len(self.index):
-            due.append(max(self.index.max_ts[0] + cfg.max_age_ms, floor))
-        if cfg.compaction and len(self.segments) > 1:
-            due.append(max(self.cleaner.last_compaction_ms + compaction_interval_ms, floor))
-        return StreamSummary(
-            info.entries,
-            info.bytes_on_disk,
-            info.segments,
-            info.nodes,
-            min(due) if due else 0,
-            self.ctx.fs.exists(self.directory / EPOCHS_FILE),
-        )
 
     def set_config(self, config: StreamConfig) -> None:
         with self.maintenance_lock, self.lock:
@@ -707,7 +420,7 @@ class Stream:
                     if synced is not None and synced != self.synced_mark:  # a read-only visit: as it was
                         write_synced_end(self.ctx.fs, self.directory, synced)
             with self.lock:
-                self.closed_summary = self.summary()
+                self.closed_summary = stream_summary(self)
                 self.closed = True
                 for segment in self.segments:
                     self.release(segment)
