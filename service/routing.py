@@ -70,19 +70,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
 from streamlog.v1 import streamlog_pb2 as pb
 
 from cluster.errors import ClusterError
-from cluster.placement import StreamPlacement
-from cluster.replication import copies
 from cluster.replication.leader import NotEnoughReplicasError, NotLeadingError
-from service import batchparts, describe, moves, streamwire, validation
+from service import batchparts
 from service.appendmany import check_request, error_result
 from service.callcontext import CallContext
+from service.clustercatalog import ClusterCatalogCalls
 from service.errors import ServiceError
 from service.forwarding import FORWARDED_BY
 from service.interceptors import (
@@ -96,10 +95,9 @@ from service.interceptors import (
     prepended,
     request_of,
 )
+from service.leadercalls import LeaderCalls, mark_read, publish_barrier_of, valid_name
 from service.opencalls import current_call
-from service.paging import page_of_names
 from service.resume import GROUP_RESUME, PUBLISH_RESUME, SubscribePosition
-from storage import StreamNotFoundError
 
 if TYPE_CHECKING:
     from service.clusternode import ClusterNode
@@ -112,27 +110,10 @@ LEADER_ID = "streamlog-leader-id"
 LEADER_ADDRESS = "streamlog-leader-address"
 LEADER_EPOCH = "streamlog-leader-epoch"
 
-_DEAD_LETTER_METHODS = frozenset({"CreateGroup", "SetGroupConfig"})
 # Streams of one AppendMany located (and placed, when new) at once.
 _PLACING = 64
-# Unary calls that may change group state (and a group Read).
-_GROUP_CHANGES = frozenset(
-    {
-        "Ack",
-        "Nack",
-        "Claim",
-        "AutoClaim",
-        "CreateGroup",
-        "DeleteGroup",
-        "SetGroupOffset",
-        "SetGroupConfig",
-        "DeleteConsumer",
-    }
-)
 # How long a call waits for this node to take over a stream placement says it now leads.
 _READY_WAIT_S = 2.0
-# Compare-and-swaps a SetStreamConfig tries while placement changes under it (the in-sync set).
-_CONFIG_ATTEMPTS = 5
 
 
 class _Refusal(NamedTuple):
@@ -145,14 +126,6 @@ class _Refusal(NamedTuple):
 
 def _creates_stream(method: str, request: Any) -> bool:
     return method in ("Append", "Publish") or (method == "CreateGroup" and request.create_stream)
-
-
-def _valid_name(stream: str) -> bool:
-    try:
-        validation.stream(stream)
-    except ServiceError:
-        return False
-    return True
 
 
 def _no_leader(stream: str) -> str:
@@ -171,16 +144,18 @@ class RoutingInterceptor(WrappingInterceptor):
         # Under mutual TLS with access rules, a call without a token is identified by its
         # client certificate, which a forwarded call cannot carry.
         self._certificates_identify = bool(settings.acl_file and settings.tls_client_ca_file)
+        self._leader = LeaderCalls(node)
+        self._catalog_calls = ClusterCatalogCalls(node)
 
     # -- wrappers
 
     def wrap_unary(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
         if method == "ListStreams":
-            return self._list_streams
+            return self._catalog_calls.list_streams
         if method == "DescribeCluster":
-            return self._describe_cluster
+            return self._catalog_calls.describe_cluster
         if method == "ReassignReplicas":
-            return self._reassign_replicas
+            return self._catalog_calls.reassign_replicas
         if method in batchparts.BATCH_CALLS:
             return self._wrap_batches(method, behavior)
         node = self._node
@@ -188,9 +163,9 @@ class RoutingInterceptor(WrappingInterceptor):
         async def routed(request: Any, context: CallContext) -> Any:
             leader = await self._route(method, request, context)
             if leader is None:
-                return await self._serve_unary(method, request, context, behavior)
+                return await self._leader.serve_unary(method, request, context, behavior)
             if method == "Read" and request.block_ms > 0:
-                _mark_read(request, relayed=True)
+                mark_read(request, relayed=True)
             return await node.forwarder.unary(method, request, context, *leader)
 
         return routed
@@ -259,7 +234,7 @@ class RoutingInterceptor(WrappingInterceptor):
         replication = self._node.replication
         # The streams in placement (a batch of another, such as a bad name, is the servicer's).
         placed = {b.stream for b in request.batches if self._placement.locate(b.stream) is not None}
-        quorum = {stream: self._quorum(stream) for stream in placed}
+        quorum = {stream: self._leader.quorum(stream) for stream in placed}
 
         def in_sync(batch: pb.AppendRequest) -> batchparts.Refusal | None:
             if batch.stream not in quorum:
@@ -295,11 +270,6 @@ class RoutingInterceptor(WrappingInterceptor):
                 )
         return reply
 
-    def _quorum(self, stream: str) -> bool:
-        """Whether appends to `stream` wait for every in-sync replica (acks=quorum)."""
-        record = self._placement.locate(stream)
-        return record is None or record.config.get("acks", self._node.settings.default_acks) != "leader"
-
     def wrap_stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
         node = self._node
 
@@ -311,7 +281,9 @@ class RoutingInterceptor(WrappingInterceptor):
             else:
                 served = iterate(behavior, request, context)
                 if method == "Subscribe" and request.group:
-                    served = self._committed(request.stream, served, context, self._group_barrier_of)
+                    served = self._leader.committed(
+                        request.stream, served, context, self._leader.group_barrier_of
+                    )
                 replies = _marked(method, request, served, relayed=False)
             async with contextlib.aclosing(replies):
                 async for reply in replies:
@@ -348,9 +320,9 @@ class RoutingInterceptor(WrappingInterceptor):
                     served_requests = checked(served_requests, functools.partial(_same_stream, stream))
                 served = behavior(served_requests, context)
                 if method == "Publish":
-                    served = self._committed(stream, served, context, _publish_barrier_of)
+                    served = self._leader.committed(stream, served, context, publish_barrier_of)
                 elif method == "Consume":
-                    served = self._committed(stream, served, context, self._group_barrier_of)
+                    served = self._leader.committed(stream, served, context, self._leader.group_barrier_of)
                 replies = _marked(method, request_of(opening), served, relayed=False)
             async with contextlib.aclosing(replies):
                 async for reply in replies:
@@ -396,7 +368,7 @@ class RoutingInterceptor(WrappingInterceptor):
         node = self._node
         record = self._placement.locate(stream)
         if record is None:
-            if creates and _valid_name(stream):
+            if creates and valid_name(stream):
                 try:
                     record = await self._placement.create_if_absent(
                         stream, followers_in_sync=node.followers_copy_leaders
@@ -486,247 +458,10 @@ class RoutingInterceptor(WrappingInterceptor):
                 replica = value == REPLICA
         return forwarded_by, redirect or (self._certificates_identify and not token), replica
 
-    async def _create(self, stream: str, context: CallContext, **where: Any) -> StreamPlacement:
-        try:
-            return await self._placement.create_if_absent(
-                stream, followers_in_sync=self._node.followers_copy_leaders, **where
-            )
-        except ClusterError as exc:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, f"stream {stream!r} cannot be created in the cluster now: {exc}"
-            )
-            raise  # not reached: abort raises
-
-    # -- serving here, as the leader
-
-    async def _serve_unary(
-        self, method: str, request: Any, context: CallContext, behavior: UnaryBehavior
-    ) -> Any:
-        if method == "DeleteStream":
-            return await self._delete_stream(request, context, behavior)
-        if method == "SetStreamConfig" and self._placement.locate(request.stream) is not None:
-            return await self._set_stream_config(request, context, behavior)
-        if method in _DEAD_LETTER_METHODS and request.config.dead_letter_stream:
-            await self._place_dead_letters(request, context)
-        if method == "Read" and request.block_ms > 0:
-            # A blocking read waits here: it ends if this node stops leading the stream meanwhile.
-            _mark_read(request, relayed=False)
-        if method == "Append" and self._placement.locate(request.stream) is not None:
-            return await self._append(request, context, behavior)
-        if (method in _GROUP_CHANGES or (method == "Read" and request.group)) and self._placement.locate(
-            request.stream
-        ) is not None:
-            return await self._group_call(method, request, context, behavior)
-        return await behavior(request, context)
-
-    async def _group_call(
-        self, method: str, request: Any, context: CallContext, behavior: UnaryBehavior
-    ) -> Any:
-        """A group call served here: refused before it changes anything when too few replicas are
-        in sync; its reply once every in-sync replica applied the group ops up to its own."""
-        stream, replication = request.stream, self._node.replication
-        quorum = self._quorum(stream)
-        try:
-            replication.check_quorum(stream, quorum=quorum)
-        except (NotEnoughReplicasError, NotLeadingError) as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; nothing was changed: retry")
-        reply = await behavior(request, context)
-        try:
-            await replication.barrier(stream, 0, quorum=quorum, group_seq=self._group_seq(stream))
-        except (NotEnoughReplicasError, NotLeadingError) as exc:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"{exc}; the change was made on this node but may not be replicated: retry",
-            )
-        return reply
-
-    def _group_seq(self, stream: str) -> int | None:
-        """The stream's group op seq now (None: the stream was deleted meanwhile)."""
-        engine = self._node.engine
-        assert engine is not None  # set once the node started
-        try:
-            return engine.group_seq(stream)
-        except StreamNotFoundError:
-            return None
-
-    def _group_barrier_of(self, stream: str, _reply: Any) -> tuple[int, int | None] | None:
-        """What a group read's reply waits for: the group ops made so far."""
-        return 0, self._group_seq(stream)
-
-    async def _append(self, request: Any, context: CallContext, behavior: UnaryBehavior) -> Any:
-        """An Append served here: refused before it writes when too few replicas are in sync for
-        its acks level; its reply once its entries are committed (acks=quorum: every in-sync
-        replica holds them) or at once (acks=leader). UNAVAILABLE, the outcome unknown, when this
-        node stops leading or its lease lapses meanwhile."""
-        node, stream = self._node, request.stream
-        replication = node.replication
-        assert node.engine is not None  # set once the node started
-        quorum = self._quorum(stream)
-        try:
-            replication.check_quorum(stream, quorum=quorum)
-        except (NotEnoughReplicasError, NotLeadingError) as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; nothing was written: retry")
-        reply = await behavior(request, context)
-        try:
-            await replication.barrier(stream, node.engine.log_end(stream), quorum=quorum)
-        except (NotEnoughReplicasError, NotLeadingError) as exc:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"{exc}; the entries were written on this node but may not be replicated: retry (an "
-                "idempotent producer's retry is not written twice)",
-            )
-        return reply
-
-    async def _committed(
-        self,
-        stream: str,
-        replies: AsyncGenerator[Any, None],
-        context: CallContext,
-        barrier_of: Callable[[str, Any], tuple[int, int | None] | None],
-    ) -> AsyncGenerator[Any, None]:
-        """A streaming call's replies, each once what it changed is replicated, as a unary call's
-        (acks=quorum; at once for acks=leader): `barrier_of(stream, reply)` says what it waits
-        for, (end, group seq), or None. The call ends UNAVAILABLE when this node stops leading or
-        its lease lapses: a Publish client resends what was not answered (an idempotent
-        producer's resend is not written twice); a group reader resumes, and what it was not
-        sent comes back to it or another consumer (at-least-once)."""
-        replication = self._node.replication
-        quorum = self._quorum(stream)
-        async with contextlib.aclosing(replies):
-            async for reply in replies:
-                target = barrier_of(stream, reply)
-                if target is not None:
-                    try:
-                        await replication.barrier(stream, target[0], quorum=quorum, group_seq=target[1])
-                    except (NotEnoughReplicasError, NotLeadingError) as exc:
-                        await context.abort(
-                            grpc.StatusCode.UNAVAILABLE,
-                            f"{exc}; what was not answered may not be replicated: resend it, or resume",
-                        )
-                yield reply
-
-    # -- deletions and dead letters, served here as the leader
-
-    async def _delete_stream(
-        self, request: pb.DeleteStreamRequest, context: CallContext, behavior: UnaryBehavior
-    ) -> Any:
-        stream = request.stream
-        record = self._placement.locate(stream)
-        if record is None:  # not in the cluster: only a stray local copy can be deleted
-            return await behavior(request, context)
-        with self._node.replicas.deleting(stream):
-            try:
-                await self._placement.delete(record)
-            except ClusterError as exc:
-                await context.abort(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"stream {stream!r} cannot be deleted from the cluster now: {exc}",
-                )
-            # The local copy goes as a single server deletes a stream (its readers told NOT_FOUND).
-            if self._node.engine is not None and self._node.engine.exists(stream):
-                return await behavior(request, context)
-        return pb.DeleteStreamResponse()
-
-    async def _set_stream_config(
-        self, request: pb.SetStreamConfigRequest, context: CallContext, behavior: UnaryBehavior
-    ) -> Any:
-        """The settings go into the stream's placement record first (compare-and-swap on the record
-        of this node's epoch: a deposed leader's write fails), so that every replica applies them
-        and a new leader enforces them; then into this node's copy, which answers."""
-        try:
-            config = streamwire.config_from_proto(request.config)
-        except ServiceError as exc:
-            await context.abort(exc.code, exc.message)
-        for _ in range(_CONFIG_ATTEMPTS):  # the in-sync set may change meanwhile: decide again
-            record = self._placement.locate(request.stream)
-            if record is None or record.leader != self._me:
-                break
-            try:
-                outcome = await self._placement.cas(record, copies.with_settings(record, config))
-            except ClusterError as exc:
-                await context.abort(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"stream {request.stream!r}: its config cannot be written to the cluster now: {exc}; "
-                    "nothing was changed: retry",
-                )
-            if outcome.applied:
-                return await behavior(request, context)
-        await context.abort(
-            grpc.StatusCode.UNAVAILABLE,
-            f"stream {request.stream!r}: this node stopped leading it, or its placement kept changing; "
-            "the config may not be set: retry",
-        )
-
-    async def _place_dead_letters(self, request: Any, context: CallContext) -> None:
-        """The engine writes a group's dead letters into its own copy of the dead-letter stream,
-        so this node must lead that stream too: placed beside the group's stream when new."""
-        target = request.config.dead_letter_stream
-        source = self._placement.locate(request.stream)
-        if source is None or not _valid_name(target):
-            return  # no such stream, or a bad name: the servicer answers
-        record = self._placement.locate(target) or await self._create(
-            target, context, replicas=source.replicas
-        )
-        if record.leader != self._me:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"config.dead_letter_stream: stream {target!r} is led by node {record.leader or '(none)'}, "
-                f"not by node {self._me}, which leads {request.stream!r}: in a cluster, a group's dead "
-                "letters go to a stream led by the same node (a new name is created beside the group's "
-                "stream)",
-            )
-
-    # -- the cluster's catalog
-
-    async def _list_streams(self, request: pb.ListStreamsRequest, context: CallContext) -> Any:
-        names, next_page_token = await self._catalog(context, request)
-        return pb.ListStreamsResponse(streams=names, next_page_token=next_page_token)
-
-    async def _describe_cluster(self, request: pb.DescribeClusterRequest, context: CallContext) -> Any:
-        page, next_page_token = await self._catalog(context, request)
-        coordinator = self._node.coordinator
-        return describe.cluster_view(
-            cluster_name=self._node.settings.cluster_name,
-            node_id=self._me,
-            live=coordinator.nodes.live(),
-            controller=coordinator.election.controller_id,
-            streams=self._placement.streams(),
-            page=page,
-            next_page_token=next_page_token,
-            progress=self._node.replication_progress,
-        )
-
-    async def _reassign_replicas(self, request: pb.ReassignReplicasRequest, context: CallContext) -> Any:
-        if not self._node.started:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, "server is starting: joining the cluster; retry shortly"
-            )
-        try:
-            record = await moves.reassign(self._placement, self._node.coordinator.nodes.live(), request)
-        except ServiceError as exc:
-            await context.abort(exc.code, exc.message)
-        return pb.ReassignReplicasResponse(placement=describe.placement_to_proto(record))
-
-    async def _catalog(self, context: CallContext, request: Any) -> tuple[list[str], str]:
-        if not self._node.started:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, "server is starting: joining the cluster; retry shortly"
-            )
-        try:
-            return page_of_names(request, self._node.stream_names(), self._node.settings)
-        except ServiceError as exc:
-            await context.abort(exc.code, exc.message)
-            raise  # not reached: abort raises
-
 
 def _reads_entries(method: str, request: Any) -> bool:
     """Whether the call only reads entries (a plain Read or Subscribe, not a group's)."""
     return method in ("Read", "Subscribe") and not request.group
-
-
-def _publish_barrier_of(stream: str, reply: Any) -> tuple[int, int | None] | None:
-    """What a Publish reply waits for: its entries committed (none for a refused message)."""
-    return None if reply.error.code else (reply.last_offset + 1, None)
 
 
 def _same_stream(stream: str, request: Any) -> tuple[grpc.StatusCode, str] | None:
@@ -745,15 +480,6 @@ async def _unrefused(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
 
 
 # -- long calls, served here or relayed: marked on their open call (service/opencalls.py)
-
-
-def _mark_read(request: pb.ReadRequest, *, relayed: bool) -> None:
-    """Mark the blocking Read this task serves (held open by service/opencalls.py)."""
-    call = current_call()
-    if call is None:  # not held open (another front door): nothing can end it
-        return
-    resume = GROUP_RESUME if request.group else f"read again from offset {request.offset}"
-    call.relayed, call.resume = relayed, lambda: resume
 
 
 async def _marked(

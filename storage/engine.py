@@ -21,10 +21,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
-from storage.admission import check_batch, check_expected_end, check_producer
 from storage.cache import NodeCache
 from storage.catalog import (
     CATALOG_CLEAN,
@@ -43,7 +42,6 @@ from storage.epochs import EpochHistory
 from storage.errors import (
     CorruptionError,
     InvalidArgumentError,
-    OffsetMismatchError,
     PreconditionError,
     StorageError,
     StreamNotFoundError,
@@ -61,27 +59,25 @@ from storage.layout import (
     stream_directory,
     streams_root,
 )
+from storage.maintenance import Maintenance
 from storage.names import validate_name
-from storage.openstreams import OpenStreams
+from storage.openstreams import OpenStreams, Pinned
 from storage.replicaapi import ReplicaCalls
-from storage.results import AppendResult, EntriesMeta, ReadResult, StreamInfo
 from storage.stream import Stream
 from storage.streaminfo import stream_info, stream_summary
-from storage.types import AppendBatch, FsyncPolicy, StreamBounds
+from storage.streamsapi import StreamCalls
 
 log = logging.getLogger("streamlog.storage")
 
 AppendListener = Callable[[str, int], None]
 GROUP_JOURNAL_BYTES = 1 << 20  # per stream with groups; checkpointed into a snapshot as it fills
-UPKEEP_BATCH = 16  # closed streams a maintenance round visits at most
-CATALOG_SAVE_S = 60  # the catalog file is rewritten at most this often when streams came or went
 
 
 def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-class Engine(GroupCalls, ReplicaCalls):
+class Engine(StreamCalls, Maintenance, GroupCalls, ReplicaCalls):
     def __init__(
         self,
         data_dir: str | os.PathLike,
@@ -312,17 +308,17 @@ class Engine(GroupCalls, ReplicaCalls):
         validate_name(name)
         return self._open.peek(name)
 
-    def _use(self, name: str) -> _Pinned:
+    def _use(self, name: str) -> Pinned:
         """`with self._use(name) as stream`: the stream, kept open until the block ends."""
         if name not in self._catalog:  # a name in the catalog was checked when it entered it
             validate_name(name)
-        return _Pinned(self._open, name)
+        return Pinned(self._open, name)
 
-    def _use_or_create(self, name: str, incarnation: int = 0) -> _Pinned:
+    def _use_or_create(self, name: str, incarnation: int = 0) -> Pinned:
         """As `_use`, creating the stream if it does not exist."""
         if name not in self._catalog:
             validate_name(name)
-        return _Pinned(self._open, name, lambda: self._create(name, incarnation))
+        return Pinned(self._open, name, lambda: self._create(name, incarnation))
 
     def _create(self, name: str, incarnation: int) -> Stream:
         """Open the stream, or create it if it is not in the catalog (called by OpenStreams.create)."""
@@ -386,162 +382,6 @@ class Engine(GroupCalls, ReplicaCalls):
         self._fs.remove_tree(doomed)
         self._leftovers = False
 
-    # ------------------------------------------------------------------ data
-
-    def append(
-        self,
-        name: str,
-        batch: AppendBatch,
-        *,
-        producer: tuple[str, int] | None = None,
-        expected_end: int | None = None,
-    ) -> AppendResult:
-        """Append a batch; returns once it is as durable as the stream's fsync policy promises.
-
-        With `producer` (producer id, sequence) the append is idempotent: a retry
-        of the same (producer, sequence) within the dedup window writes nothing and
-        returns the first attempt's offsets (`duplicate` set). With `expected_end`
-        it is conditional: OffsetMismatchError (a PreconditionError carrying the
-        stream's actual end offset) if the stream's end is elsewhere.
-        """
-        check_batch(self.config, batch)
-        if producer is not None:
-            producer = check_producer(producer)
-        if expected_end is not None:
-            check_expected_end(expected_end)
-        if name not in self._catalog:
-            validate_name(name)
-            if expected_end:
-                raise OffsetMismatchError(expected_end, 0)  # nothing created
-        # `_use_or_create` without its context manager: this runs once per Append.
-        stream = self._open.create(name, lambda: self._create(name, 0))
-        try:
-            result = stream.append(batch, producer, expected_end)
-        finally:
-            self._open.unpin(stream)
-        if not result.duplicate:
-            self._appended(name, stream, result.last_offset + 1)
-        return result
-
-    def _appended(self, name: str, stream: Stream, end_offset: int) -> None:
-        """New entries up to `end_offset`: the readers are told, or, under a commit cap, replication
-        (readers then wake on commit: set_commit)."""
-        if stream.commit is None:
-            for listener in self._listeners:
-                listener(name, end_offset)
-        else:
-            for listener in self._log_listeners:
-                listener(name, stream.local_end)
-
-    def append_many(
-        self, name: str, appends: Sequence[tuple[AppendBatch, tuple[str, int] | None]]
-    ) -> list[AppendResult | StorageError]:
-        """Append several batches to one stream, in order, as one write: each is checked and
-        written on its own (a batch that fails gets its error in its place, the others go on;
-        a (producer id, sequence) makes one idempotent as in `append`), all under one lock and,
-        under "always", made durable by one sync. One wake-up of the listeners for all."""
-        checked: list[tuple[AppendBatch, tuple[str, int] | None]] = []
-        refused: dict[int, StorageError] = {}
-        for i, (batch, producer) in enumerate(appends):
-            try:
-                check_batch(self.config, batch)
-                checked.append((batch, check_producer(producer)))
-            except StorageError as exc:
-                refused[i] = exc
-        written: list[AppendResult | StorageError] = []
-        if checked:
-            with self._use_or_create(name) as stream:
-                written = stream.append_many(checked)
-            # Offsets grow in order: the last batch written ends what is new.
-            new = (r for r in reversed(written) if isinstance(r, AppendResult) and not r.duplicate)
-            last = next(new, None)
-            if last is not None:
-                self._appended(name, stream, last.last_offset + 1)
-        if not refused:
-            return written
-        results = iter(written)
-        return [refused[i] if i in refused else next(results) for i in range(len(appends))]
-
-    def read(
-        self, name: str, offset: int, count: int, *, max_bytes: int = 0, reverse: bool = False
-    ) -> ReadResult:
-        validate_name(name)
-        stream = self._open.pin(name)  # as `_use`, spelled out on the hot path: no context object
-        try:
-            return stream.read(offset, count, max_bytes, reverse)
-        finally:
-            self._open.unpin(stream)
-
-    def seek_time(self, name: str, timestamp_ms: int) -> int:
-        with self._use(name) as stream:
-            return stream.seek_time(timestamp_ms)
-
-    def count(self, name: str, start: int, end: int) -> int:
-        with self._use(name) as stream:
-            return stream.count(start, end)
-
-    def entries_meta(self, name: str, start: int, stop: int) -> EntriesMeta:
-        """Whether entries start..stop-1 may carry deliver_at_ms and how new they are, from node
-        headers alone (no record is read): what a group read needs to pass a run through whole."""
-        validate_name(name)
-        stream = self._open.pin(name)  # as `_use`, spelled out on the group read's hot path
-        try:
-            return stream.entries_meta(start, stop)
-        finally:
-            self._open.unpin(stream)
-
-    def info(self, name: str) -> StreamInfo:
-        with self._use(name) as stream:
-            return stream_info(stream)
-
-    def evict(self, name: str, up_to_offset: int) -> int:
-        with self._use(name) as stream:
-            return stream.retention.evict(up_to_offset)
-
-    def keep_last(self, name: str, n: int) -> int:
-        with self._use(name) as stream:
-            return stream.retention.keep_last(n)
-
-    def trim(self, name: str, first_offset: int) -> int:
-        with self._use(name) as stream:
-            return stream.retention.trim(first_offset)
-
-    def compact(self, name: str) -> int:
-        with self._use(name) as stream:
-            return stream.cleaner.compact(self._clock())
-
-    def apply_retention(self, name: str) -> None:
-        with self._use(name) as stream:
-            stream.retention.apply(self._clock())
-
-    def set_stream_config(self, name: str, config: StreamConfig) -> None:
-        with self._use(name) as stream:
-            stream.set_config(config)
-
-    def stream_config(self, name: str) -> StreamConfig:
-        with self._use(name) as stream:
-            return stream.config
-
-    def bounds(self, name: str) -> StreamBounds:
-        """The stream's retained range as readers see it (StreamNotFoundError if there is none)."""
-        validate_name(name)
-        stream = self._open.pin(name)  # as `_use`, spelled out on the group read's hot path
-        try:
-            return stream.bounds()
-        finally:
-            self._open.unpin(stream)
-
-    def fsync_policy(self, name: str) -> FsyncPolicy:
-        """The fsync policy in force for the stream: its own, or the engine's (also for a stream
-        that does not exist yet: the policy its first append would get)."""
-        stream = self._open.glance(name)
-        if stream is not None:
-            return stream.fsync
-        if name not in self._catalog:
-            return self.config.fsync
-        with self._use(name) as stream:
-            return stream.fsync
-
     def add_append_listener(self, listener: AppendListener) -> None:
         """`listener(stream, end_offset)` runs after every append, on the appending thread."""
         self._listeners.append(listener)
@@ -563,58 +403,6 @@ class Engine(GroupCalls, ReplicaCalls):
                     self._open.unpin(stream)
         self._groups.sync()
 
-    # ------------------------------------------------------------------ maintenance
-
-    def maintain(self) -> None:
-        """One round of background work: on the open streams, everysec syncs, packing, retention,
-        compaction; then up to UPKEEP_BATCH closed streams whose upkeep is due (storage/catalog.py)
-        are opened for it and closed again; the catalog file is rewritten if it is due."""
-        now = self._clock()
-        self._unsynced.finish_all()  # the streams the cache closed since the last round
-        for stream in self._open.values():
-            if not self._open.hold(stream):
-                continue  # closed by the cache meanwhile
-            try:
-                if stream.fsync is FsyncPolicy.EVERYSEC and (stream.dirty or stream.creation is not None):
-                    stream.sync()
-                stream.commit_creation()  # under "no" too: a directory is whole within a round
-                self._upkeep(stream, now)
-            except (StorageError, OSError) as exc:
-                log.error("maintenance of stream %r failed: %s", stream.name, exc)
-            finally:
-                self._open.unpin(stream)
-        for name in self._catalog.due(now, UPKEEP_BATCH):
-            try:
-                stream = self._open.visit(name)
-            except StorageError as exc:
-                log.error("maintenance could not open stream %r: %s", name, exc)
-                continue
-            try:
-                self._upkeep(stream, now)
-            except (StorageError, OSError) as exc:
-                log.error("maintenance of stream %r failed: %s", stream.name, exc)
-            finally:
-                self._open.end_visit(stream)
-        self._groups.maintain()  # group expiry and dead letters, everysec journal syncs, checkpoints
-        if self._catalog.changes and time.monotonic() - self._catalog_saved >= CATALOG_SAVE_S:
-            try:
-                self._save_catalog()
-            except StorageError as exc:
-                log.error("the catalog could not be saved: %s", exc)
-
-    def _upkeep(self, stream: Stream, now: int) -> None:
-        """A stream's packing, retention, producer snapshot and due compaction (maintenance)."""
-        seq = stream.write_seq
-        stream.cleaner.pack_pending()
-        retains = self.retention_active(stream.name)
-        if retains:
-            stream.retention.apply(now)
-        stream.save_producers(now)
-        due = now - stream.cleaner.last_compaction_ms >= self.config.compaction_interval_ms
-        if retains and stream.config.compaction and due:
-            stream.cleaner.compact(now)
-        stream.upkept_seq, stream.upkept_ms = seq, now
-
     # ------------------------------------------------------------------ consumer groups
     # The group calls themselves come from GroupCalls (storage/groupsapi.py).
 
@@ -624,13 +412,6 @@ class Engine(GroupCalls, ReplicaCalls):
             validate_name(stream)
             raise StreamNotFoundError(f"stream {stream!r} does not exist")
         return self._groups.retention_holder(stream)
-
-    # ------------------------------------------------------------------ maintenance loop
-
-    def _maintenance_loop(self) -> None:
-        interval = self.config.maintenance_interval_ms / 1000
-        while not self._stop.wait(interval):
-            self.maintain()
 
     def stats(self) -> dict:
         """Totals over every stream (the closed ones as of their last close: storage/catalog.py),
@@ -650,24 +431,3 @@ class Engine(GroupCalls, ReplicaCalls):
             "fsync_seconds": getattr(self._fs, "sync_times", None),
             "per_stream": {i.name: i for i in infos},
         }
-
-
-class _Pinned:
-    """A stream kept open while a `with` block uses it (Engine._use)."""
-
-    __slots__ = ("_cache", "_make", "_name", "_stream")
-
-    def __init__(self, cache: OpenStreams, name: str, make: Callable[[], Stream] | None = None) -> None:
-        self._cache = cache
-        self._name = name
-        self._make = make
-
-    def __enter__(self) -> Stream:
-        if self._make is None:
-            self._stream = self._cache.pin(self._name)
-        else:
-            self._stream = self._cache.create(self._name, self._make)
-        return self._stream
-
-    def __exit__(self, *exc: object) -> None:
-        self._cache.unpin(self._stream)

@@ -207,3 +207,24 @@ def _closable(stream: Stream, now: float) -> bool:
         and not stream.epochs.incarnation
         and stream.gate.error is None
     )
+
+
+class Pinned:
+    """A stream kept open while a `with` block uses it (storage/engine.py's `_use`)."""
+
+    __slots__ = ("_cache", "_make", "_name", "_stream")
+
+    def __init__(self, cache: OpenStreams, name: str, make: Callable[[], Stream] | None = None) -> None:
+        self._cache = cache
+        self._name = name
+        self._make = make
+
+    def __enter__(self) -> Stream:
+        if self._make is None:
+            self._stream = self._cache.pin(self._name)
+        else:
+            self._stream = self._cache.create(self._name, self._make)
+        return self._stream
+
+    def __exit__(self, *exc: object) -> None:
+        self._cache.unpin(self._stream)

@@ -1,0 +1,94 @@
+"""The engine's background work, one round per maintenance interval on its own thread (or
+`maintain()` called directly): everysec syncs and creation commits of the open streams,
+their packing, retention, producer snapshots and due compaction; closed streams whose upkeep
+is due (storage/catalog.py) opened for it a few at a time; group upkeep; the catalog file
+rewritten when streams came or went. `Engine` takes it from `Maintenance`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from storage.catalog import Catalog
+from storage.config import EngineConfig
+from storage.errors import StorageError
+from storage.groupmanager import GroupManager
+from storage.handoff import UnsyncedCloses
+from storage.openstreams import OpenStreams
+from storage.stream import Stream
+from storage.types import FsyncPolicy
+
+log = logging.getLogger("streamlog.storage")
+UPKEEP_BATCH = 16  # closed streams a maintenance round visits at most
+CATALOG_SAVE_S = 60  # the catalog file is rewritten at most this often when streams came or went
+
+
+class Maintenance:
+    config: EngineConfig  # set by the engine
+    _clock: Callable[[], int]
+    _catalog: Catalog
+    _catalog_saved: float
+    _open: OpenStreams
+    _unsynced: UnsyncedCloses
+    _groups: GroupManager
+    _stop: threading.Event
+    _save_catalog: Callable[[], bool]
+    retention_active: Callable[[str], bool]
+
+    def maintain(self) -> None:
+        """One round of background work: on the open streams, everysec syncs, packing, retention,
+        compaction; then up to UPKEEP_BATCH closed streams whose upkeep is due (storage/catalog.py)
+        are opened for it and closed again; the catalog file is rewritten if it is due."""
+        now = self._clock()
+        self._unsynced.finish_all()  # the streams the cache closed since the last round
+        for stream in self._open.values():
+            if not self._open.hold(stream):
+                continue  # closed by the cache meanwhile
+            try:
+                if stream.fsync is FsyncPolicy.EVERYSEC and (stream.dirty or stream.creation is not None):
+                    stream.sync()
+                stream.commit_creation()  # under "no" too: a directory is whole within a round
+                self._upkeep(stream, now)
+            except (StorageError, OSError) as exc:
+                log.error("maintenance of stream %r failed: %s", stream.name, exc)
+            finally:
+                self._open.unpin(stream)
+        for name in self._catalog.due(now, UPKEEP_BATCH):
+            try:
+                stream = self._open.visit(name)
+            except StorageError as exc:
+                log.error("maintenance could not open stream %r: %s", name, exc)
+                continue
+            try:
+                self._upkeep(stream, now)
+            except (StorageError, OSError) as exc:
+                log.error("maintenance of stream %r failed: %s", stream.name, exc)
+            finally:
+                self._open.end_visit(stream)
+        self._groups.maintain()  # group expiry and dead letters, everysec journal syncs, checkpoints
+        if self._catalog.changes and time.monotonic() - self._catalog_saved >= CATALOG_SAVE_S:
+            try:
+                self._save_catalog()
+            except StorageError as exc:
+                log.error("the catalog could not be saved: %s", exc)
+
+    def _upkeep(self, stream: Stream, now: int) -> None:
+        """A stream's packing, retention, producer snapshot and due compaction (maintenance)."""
+        seq = stream.write_seq
+        stream.cleaner.pack_pending()
+        retains = self.retention_active(stream.name)
+        if retains:
+            stream.retention.apply(now)
+        stream.save_producers(now)
+        due = now - stream.cleaner.last_compaction_ms >= self.config.compaction_interval_ms
+        if retains and stream.config.compaction and due:
+            stream.cleaner.compact(now)
+        stream.upkept_seq, stream.upkept_ms = seq, now
+
+    def _maintenance_loop(self) -> None:
+        interval = self.config.maintenance_interval_ms / 1000
+        while not self._stop.wait(interval):
+            self.maintain()

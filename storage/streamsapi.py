@@ -1,0 +1,188 @@
+"""The engine's calls on one stream's data: appends, reads, bounds, retention, compaction and
+config. `Engine` takes them from `StreamCalls`, so the engine's own file stays about the
+streams as a whole (start-up, the catalog, the open-stream cache, maintenance, close).
+
+Each finds its stream through the open-stream cache (storage/openstreams.py), pinned for the
+call: a stream the cache closed is reopened, one that does not exist is created by an append.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from storage.admission import check_batch, check_expected_end, check_producer
+from storage.catalog import Catalog
+from storage.config import EngineConfig, StreamConfig
+from storage.errors import OffsetMismatchError, StorageError
+from storage.names import validate_name
+from storage.openstreams import OpenStreams, Pinned
+from storage.results import AppendResult, EntriesMeta, ReadResult, StreamInfo
+from storage.stream import Stream
+from storage.streaminfo import stream_info
+from storage.types import AppendBatch, FsyncPolicy, StreamBounds
+
+
+class StreamCalls:
+    config: EngineConfig  # set by the engine
+    _catalog: Catalog
+    _open: OpenStreams
+    _listeners: list[Callable[[str, int], None]]
+    _log_listeners: list[Callable[[str, int], None]]
+    _clock: Callable[[], int]
+    _use: Callable[[str], Pinned]
+    _use_or_create: Callable[[str], Pinned]
+    _create: Callable[[str, int], Stream]
+
+    def append(
+        self,
+        name: str,
+        batch: AppendBatch,
+        *,
+        producer: tuple[str, int] | None = None,
+        expected_end: int | None = None,
+    ) -> AppendResult:
+        """Append a batch; returns once it is as durable as the stream's fsync policy promises.
+
+        With `producer` (producer id, sequence) the append is idempotent: a retry
+        of the same (producer, sequence) within the dedup window writes nothing and
+        returns the first attempt's offsets (`duplicate` set). With `expected_end`
+        it is conditional: OffsetMismatchError (a PreconditionError carrying the
+        stream's actual end offset) if the stream's end is elsewhere.
+        """
+        check_batch(self.config, batch)
+        if producer is not None:
+            producer = check_producer(producer)
+        if expected_end is not None:
+            check_expected_end(expected_end)
+        if name not in self._catalog:
+            validate_name(name)
+            if expected_end:
+                raise OffsetMismatchError(expected_end, 0)  # nothing created
+        # `_use_or_create` without its context manager: this runs once per Append.
+        stream = self._open.create(name, lambda: self._create(name, 0))
+        try:
+            result = stream.append(batch, producer, expected_end)
+        finally:
+            self._open.unpin(stream)
+        if not result.duplicate:
+            self._appended(name, stream, result.last_offset + 1)
+        return result
+
+    def _appended(self, name: str, stream: Stream, end_offset: int) -> None:
+        """New entries up to `end_offset`: the readers are told, or, under a commit cap, replication
+        (readers then wake on commit: set_commit)."""
+        if stream.commit is None:
+            for listener in self._listeners:
+                listener(name, end_offset)
+        else:
+            for listener in self._log_listeners:
+                listener(name, stream.local_end)
+
+    def append_many(
+        self, name: str, appends: Sequence[tuple[AppendBatch, tuple[str, int] | None]]
+    ) -> list[AppendResult | StorageError]:
+        """Append several batches to one stream, in order, as one write: each is checked and
+        written on its own (a batch that fails gets its error in its place, the others go on;
+        a (producer id, sequence) makes one idempotent as in `append`), all under one lock and,
+        under "always", made durable by one sync. One wake-up of the listeners for all."""
+        checked: list[tuple[AppendBatch, tuple[str, int] | None]] = []
+        refused: dict[int, StorageError] = {}
+        for i, (batch, producer) in enumerate(appends):
+            try:
+                check_batch(self.config, batch)
+                checked.append((batch, check_producer(producer)))
+            except StorageError as exc:
+                refused[i] = exc
+        written: list[AppendResult | StorageError] = []
+        if checked:
+            with self._use_or_create(name) as stream:
+                written = stream.append_many(checked)
+            # Offsets grow in order: the last batch written ends what is new.
+            new = (r for r in reversed(written) if isinstance(r, AppendResult) and not r.duplicate)
+            last = next(new, None)
+            if last is not None:
+                self._appended(name, stream, last.last_offset + 1)
+        if not refused:
+            return written
+        results = iter(written)
+        return [refused[i] if i in refused else next(results) for i in range(len(appends))]
+
+    def read(
+        self, name: str, offset: int, count: int, *, max_bytes: int = 0, reverse: bool = False
+    ) -> ReadResult:
+        validate_name(name)
+        stream = self._open.pin(name)  # as `_use`, spelled out on the hot path: no context object
+        try:
+            return stream.read(offset, count, max_bytes, reverse)
+        finally:
+            self._open.unpin(stream)
+
+    def seek_time(self, name: str, timestamp_ms: int) -> int:
+        with self._use(name) as stream:
+            return stream.seek_time(timestamp_ms)
+
+    def count(self, name: str, start: int, end: int) -> int:
+        with self._use(name) as stream:
+            return stream.count(start, end)
+
+    def entries_meta(self, name: str, start: int, stop: int) -> EntriesMeta:
+        """Whether entries start..stop-1 may carry deliver_at_ms and how new they are, from node
+        headers alone (no record is read): what a group read needs to pass a run through whole."""
+        validate_name(name)
+        stream = self._open.pin(name)  # as `_use`, spelled out on the group read's hot path
+        try:
+            return stream.entries_meta(start, stop)
+        finally:
+            self._open.unpin(stream)
+
+    def info(self, name: str) -> StreamInfo:
+        with self._use(name) as stream:
+            return stream_info(stream)
+
+    def evict(self, name: str, up_to_offset: int) -> int:
+        with self._use(name) as stream:
+            return stream.retention.evict(up_to_offset)
+
+    def keep_last(self, name: str, n: int) -> int:
+        with self._use(name) as stream:
+            return stream.retention.keep_last(n)
+
+    def trim(self, name: str, first_offset: int) -> int:
+        with self._use(name) as stream:
+            return stream.retention.trim(first_offset)
+
+    def compact(self, name: str) -> int:
+        with self._use(name) as stream:
+            return stream.cleaner.compact(self._clock())
+
+    def apply_retention(self, name: str) -> None:
+        with self._use(name) as stream:
+            stream.retention.apply(self._clock())
+
+    def set_stream_config(self, name: str, config: StreamConfig) -> None:
+        with self._use(name) as stream:
+            stream.set_config(config)
+
+    def stream_config(self, name: str) -> StreamConfig:
+        with self._use(name) as stream:
+            return stream.config
+
+    def bounds(self, name: str) -> StreamBounds:
+        """The stream's retained range as readers see it (StreamNotFoundError if there is none)."""
+        validate_name(name)
+        stream = self._open.pin(name)  # as `_use`, spelled out on the group read's hot path
+        try:
+            return stream.bounds()
+        finally:
+            self._open.unpin(stream)
+
+    def fsync_policy(self, name: str) -> FsyncPolicy:
+        """The fsync policy in force for the stream: its own, or the engine's (also for a stream
+        that does not exist yet: the policy its first append would get)."""
+        stream = self._open.glance(name)
+        if stream is not None:
+            return stream.fsync
+        if name not in self._catalog:
+            return self.config.fsync
+        with self._use(name) as stream:
+            return stream.fsync
