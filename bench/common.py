@@ -34,6 +34,7 @@ __all__ = [
     "node_load",
     "percentile",
     "percentiles",
+    "process_cpu_seconds",
     "server_cpu_seconds",
     "server_metrics",
     "wait_serving",
@@ -253,7 +254,12 @@ def server_process(port: int) -> Path:
 
 def server_cpu_seconds(port: int) -> float:
     """The CPU time (user + system) used so far by the `streamlog serve` process on `port`."""
-    stat = (server_process(port) / "stat").read_text()
+    return process_cpu_seconds(int(server_process(port).name))
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """The CPU time (user + system) used so far by process `pid`, all its threads."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
     # Fields after the command name (which may hold spaces): utime and stime are 14 and 15.
     fields = stat[stat.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -9,16 +9,20 @@ one-entry messages of 100 bytes,
 - over Publish sessions (64 messages in flight each) and over unary Append calls,
   at 1 and 16 publishers/callers (each on its own connection), against
   `streamlog serve` at fsync everysec and always;
-- unary Append at 1 and 16 callers against a bare grpc.aio server whose Append
-  does nothing (no interceptors, no engine; system "bare"): the ceiling of a
-  unary call here;
+- unary Append and Publish sessions at 1 and 16 callers against a bare grpc.aio
+  server whose Append and Publish answer at once (Append's a prebuilt reply to
+  bytes; Publish's an empty answer with the message's request_id; no
+  interceptors, no engine; system "bare"): the ceiling of a unary call and of a
+  session's message here;
 - append-to-subscriber latency at 1,000 entries/s (Publish and Append, a Subscribe
   on another connection), everysec;
 - Redis side by side: `redis-benchmark` XADD at 1 and 16 clients (AOF everysec
   and always), and XADD to XREAD BLOCK latency at 1,000 entries/s
   (bench.redis_baseline, a Python client).
 
-One JSON object per line (bench.common.emit).
+Every calls/s figure has the server's CPU per call or message ("server_cpu_us": its
+process's utime + stime over the run, /proc/PID/stat, divided by the calls answered)
+and the Node client's ("client_cpu_us"). One JSON object per line (bench.common.emit).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -39,7 +43,7 @@ from grpc_health.v1.health import HealthServicer
 from streamlog.v1 import streamlog_pb2 as pb
 
 from bench import redis_baseline
-from bench.common import emit, free_port, node_load, wait_serving
+from bench.common import emit, free_port, node_load, process_cpu_seconds, server_process, wait_serving
 from bench.service import PAYLOAD, emit_latencies, streamlog_server
 
 IN_FLIGHT = 64
@@ -47,14 +51,24 @@ SERVICE = "streamlog.v1.StreamLogService"
 
 
 async def _serve_bare(port: int) -> None:
-    """A grpc.aio server whose Append answers at once, with nothing else in the way."""
-    reply = pb.AppendResponse(first_offset=0, last_offset=0).SerializeToString()
+    """A grpc.aio server whose Append and Publish answer at once, with nothing else in the way."""
+    append_reply = pb.AppendResponse(first_offset=0, last_offset=0).SerializeToString()
 
     async def append(request: bytes, context: Any) -> bytes:
-        return reply
+        return append_reply
+
+    async def publish(requests: AsyncIterator[pb.PublishRequest], context: Any) -> AsyncIterator[bytes]:
+        async for request in requests:  # (parsed: the client checks the request_id of each answer)
+            yield pb.PublishResponse(request_id=request.request_id).SerializeToString()
 
     handler = grpc.method_handlers_generic_handler(
-        SERVICE, {"Append": grpc.unary_unary_rpc_method_handler(append)}
+        SERVICE,
+        {
+            "Append": grpc.unary_unary_rpc_method_handler(append),
+            "Publish": grpc.stream_stream_rpc_method_handler(
+                publish, request_deserializer=pb.PublishRequest.FromString
+            ),
+        },
     )
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((handler,))
@@ -67,13 +81,14 @@ async def _serve_bare(port: int) -> None:
 
 
 @contextmanager
-def bare_server() -> Iterator[str]:
+def bare_server() -> Iterator[tuple[str, int]]:
+    """The bare server in a process of its own: its address and process id."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "bench.publish", "--bare-server", str(port)])
     address = f"127.0.0.1:{port}"
     try:
         wait_serving(address, proc)
-        yield address
+        yield address, proc.pid
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -93,41 +108,63 @@ def redis_benchmark_xadd(port: int, clients: int, requests: int) -> float:
     return float(found[-1])
 
 
+def rate(address: str, pid: int, rpc: str, callers: int, seconds: int) -> dict[str, Any]:
+    """Node's `rate` load on the server at `address` (process `pid`), with the server's and the
+    client's CPU per call or message."""
+    before = process_cpu_seconds(pid)
+    got = node_load("rate", address, rpc, callers, seconds, IN_FLIGHT)
+    return {
+        "value": got["calls_per_s"],
+        "p50_ms": got["p50_ms"],
+        "p99_ms": got["p99_ms"],
+        "server_cpu_us": round((process_cpu_seconds(pid) - before) / got["calls"] * 1e6, 1),
+        "client_cpu_us": round(got["cpu_us_per_call"], 1),
+        **({"in_flight": IN_FLIGHT} if rpc == "publish" else {}),
+    }
+
+
+def _rpc_name(rpc: str) -> str:
+    return "Publish" if rpc == "publish" else "Append"
+
+
 def run(quick: bool) -> None:
     seconds = 3 if quick else 8
     latency_s = 3 if quick else 10
     common = {"payload_bytes": PAYLOAD, "entries_per_message": 1, "seconds": seconds}
-    with bare_server() as address:
+    with bare_server() as (address, pid):
         for callers in (1, 16):
-            got = node_load("rate", address, "append", callers, seconds)
-            emit("calls", got["calls_per_s"], "calls/s", system="bare", rpc="Append", callers=callers)
+            for rpc in ("append", "publish"):
+                got = rate(address, pid, rpc, callers, seconds)
+                value = got.pop("value")
+                emit("calls", value, "calls/s", system="bare", rpc=_rpc_name(rpc), callers=callers, **got)
     for fsync in ("everysec", "always"):
         with streamlog_server(fsync) as address:
+            pid = int(server_process(int(address.rsplit(":", 1)[1])).name)
             for callers in (1, 16):
                 for rpc in ("append", "publish"):
-                    got = node_load("rate", address, rpc, callers, seconds, IN_FLIGHT)
+                    got = rate(address, pid, rpc, callers, seconds)
                     emit(
                         "calls",
-                        got["calls_per_s"],
+                        got.pop("value"),
                         "calls/s",
                         system="streamlog",
-                        rpc="Publish" if rpc == "publish" else "Append",
+                        rpc=_rpc_name(rpc),
                         callers=callers,
                         fsync=fsync,
-                        p50_ms=got["p50_ms"],
-                        p99_ms=got["p99_ms"],
-                        **({"in_flight": IN_FLIGHT} if rpc == "publish" else {}),
+                        **got,
                         **common,
                     )
             if fsync == "everysec":
                 for rpc in ("publish", "append"):
                     got = node_load("latency", address, rpc, 1000, latency_s)
-                    emit_latencies(got, system="streamlog", rpc="Publish" if rpc == "publish" else "Append")
+                    emit_latencies(got, system="streamlog", rpc=_rpc_name(rpc))
         with redis_baseline.RedisServer(fsync) as server:
             assert server.port is not None
             for clients in (1, 16):
-                rate = redis_benchmark_xadd(server.port, clients, 20_000 if quick else 100_000)
-                emit("calls", rate, "calls/s", system="redis", rpc="XADD", callers=clients, appendfsync=fsync)
+                xadds = redis_benchmark_xadd(server.port, clients, 20_000 if quick else 100_000)
+                emit(
+                    "calls", xadds, "calls/s", system="redis", rpc="XADD", callers=clients, appendfsync=fsync
+                )
             if fsync == "everysec":
                 lat = redis_baseline.xread_block_latency(
                     server.client(), rate=1000, seconds=latency_s, payload_size=PAYLOAD
