@@ -41,7 +41,6 @@ from typing import Any
 import grpc
 
 from service.callcontext import CallContext
-from service.errors import ServiceError
 from service.interceptors import (
     WAITING_UNARY,
     StreamBehavior,
@@ -104,7 +103,7 @@ def current_call() -> OpenCall | None:
 
 
 # How an open streaming call's replies are sent (the send timeout's, service/limits.py). It may
-# end the call by raising ServiceError: its code and message become the status.
+# end the call (OpenCall.end) while a send waits.
 Send = Callable[[OpenCall, Any], Awaitable[None]]
 
 
@@ -179,11 +178,7 @@ class OpenCalls:
             with call.interruptible():
                 await context.send_initial_metadata(())
                 async for reply in replies:
-                    try:
-                        await send(call, reply)
-                    except ServiceError as exc:
-                        call._end_with(exc.code, exc.message)
-                        break
+                    await send(call, reply)
         finally:
             _CURRENT.reset(token)
             self._unregister(call)

@@ -8,13 +8,14 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
-from service import limits
+from service import limits, opencalls
 from service.server import SERVICE
 from storage import AppendBatch, Engine, EngineConfig, GroupReadOptions
 from tests.service.helpers import ServerThread, append, small_settings
@@ -394,3 +395,66 @@ def test_registering_a_consumer_costs_the_same_in_a_group_of_10_000(tmp_path: Pa
         assert asyncio.run(full.check("Read", known, engine)) is known
     finally:
         engine.close()
+
+
+class _SlowContext:
+    """A call's context whose writes each take `write_s` (a client taking replies slowly), or
+    never complete once `stalled` is set."""
+
+    def __init__(self, write_s: float) -> None:
+        self.write_s = write_s
+        self.stalled = False
+        self.written = 0
+        self.code: grpc.StatusCode | None = None
+
+    async def write(self, reply: object) -> None:
+        if self.stalled:
+            await asyncio.Event().wait()
+        await asyncio.sleep(self.write_s)
+        self.written += 1
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+
+def test_the_send_timeout_watches_a_call_with_one_timer_not_one_per_reply() -> None:
+    """Issue 18: a timeout context per reply scheduled and cancelled a timer for every Publish
+    answer and Subscribe reply (a third of a Publish message's Python calls). One timer per call
+    now: a client slow on every reply but never past the time-out is not cut off, however long
+    the call lasts; one that stops taking them is, within the time-out of its stalled reply."""
+    timeout = limits.SendTimeout(timeout_ms=100)
+
+    async def serve() -> tuple[_SlowContext, int, float]:
+        loop = asyncio.get_running_loop()
+        context = _SlowContext(write_s=0.03)
+        call = opencalls.OpenCall("Subscribe", pb.SubscribeRequest(stream="s"), context)
+        scheduled = 0
+        call_at = loop.call_at
+
+        def counted(when: float, callback: Any, *args: Any, **kwargs: Any) -> asyncio.TimerHandle:
+            nonlocal scheduled
+            if getattr(callback, "__self__", None) is timeout:
+                scheduled += 1
+            return call_at(when, callback, *args, **kwargs)
+
+        loop.call_at = counted  # type: ignore[method-assign]
+        try:
+            for _ in range(20):  # 0.6 s of replies, each taken within 30 ms
+                await timeout.send(call, b"reply")
+        finally:
+            loop.call_at = call_at  # type: ignore[method-assign]
+        context.stalled = True
+        started = time.monotonic()
+        with call.interruptible():
+            await timeout.send(call, b"stuck")
+        return context, scheduled, time.monotonic() - started
+
+    context, scheduled, stalled_for = asyncio.run(serve())
+    assert context.written == 20
+    # One timer for the call at its first send, re-armed only when it fires: about 0.6 s / 0.1 s.
+    assert scheduled <= 8, scheduled
+    assert context.code == EXHAUSTED and timeout.cut_off == 1
+    assert 0.09 <= stalled_for < 5, stalled_for
