@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from itertools import repeat
+from itertools import chain, repeat
 from operator import add
 from typing import TYPE_CHECKING
 
@@ -44,6 +44,21 @@ def append_one(stream: Stream, batch: AppendBatch, producer: tuple[str, int] | N
     if producer:
         stream.producers.record(*producer, BatchRecord(first, first + n - 1, ts))
     return AppendResult(first, first + n - 1, ts)
+
+
+def append_together(stream: Stream, batches: Sequence[AppendBatch]) -> list[AppendResult]:
+    """Write payload-only batches without a producer as one batch (one encoding, one write into
+    the node: the records are those the batches would make one after another, with one
+    timestamp), each with its own result. Call with `lock` held. Nothing is written when it
+    fails (LimitExceededError when together they encode past max_batch_bytes)."""
+    payloads = list(chain.from_iterable(batch.payloads for batch in batches))
+    first, ts = write_batch(stream, AppendBatch(payloads), len(payloads), None)
+    results = []
+    for batch in batches:
+        n = len(batch.payloads)
+        results.append(AppendResult(first, first + n - 1, ts))
+        first += n
+    return results
 
 
 def write_batch(

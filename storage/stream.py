@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -34,6 +34,7 @@ from storage.errors import (
     CorruptionError,
     DurabilityError,
     InvalidArgumentError,
+    LimitExceededError,
     OffsetMismatchError,
     StorageError,
 )
@@ -50,7 +51,7 @@ from storage.layout import (
     write_meta,
 )
 from storage.loader import LogLoader, new_producer_table
-from storage.nodewriter import append_one
+from storage.nodewriter import append_one, append_together
 from storage.packed import decompressor
 from storage.reader import count_entries, read_backward, read_forward, seek_time
 from storage.results import AppendResult, EntriesMeta, Gap, ReadResult
@@ -203,17 +204,26 @@ class Stream:
         self, appends: Sequence[tuple[AppendBatch, tuple[str, int] | None]]
     ) -> list[AppendResult | StorageError]:
         """Append several batches in order, each on its own (its own producer check, its own
-        result or error), under one lock and, under "always", one sync for all of them."""
+        result or error), under one lock and, under "always", one sync for all of them. Runs of
+        payload-only batches without a producer (a Publish session's coalesced messages) are
+        written together, as one batch (`append_together`), within max_batch_entries."""
         results: list[AppendResult | StorageError] = []
         with self.lock:
             always = self.fsync is FsyncPolicy.ALWAYS
             self._check_writable(always)
-            for batch, producer in appends:
-                try:
-                    results.append(append_one(self, batch, producer))
-                except StorageError as exc:
-                    # This batch only (nothing of it was written); those before it stand.
-                    results.append(exc)
+            for run, producer in _runs(appends, self.ctx.config.max_batch_entries):
+                if len(run) > 1:
+                    try:
+                        results.extend(append_together(self, run))
+                        continue
+                    except LimitExceededError:
+                        pass  # together past max_batch_bytes: each on its own, below
+                for batch in run:
+                    try:
+                        results.append(append_one(self, batch, producer))
+                    except StorageError as exc:
+                        # This batch only (nothing of it was written); those before it stand.
+                        results.append(exc)
             seq = self.write_seq
             if not always:
                 self.publish(self.end_offset)
@@ -437,3 +447,28 @@ def _vouched_for(synced: SyncedEnd | None, node: GrowingNode) -> bool:
         and synced.node_pos == node.ref.pos
         and synced.node_header == node.ref.header
     )
+
+
+def _runs(
+    appends: Sequence[tuple[AppendBatch, tuple[str, int] | None]], max_entries: int
+) -> Iterator[tuple[list[AppendBatch], tuple[str, int] | None]]:
+    """`appends` in order as runs that may be written together: consecutive payload-only batches
+    without a producer, up to `max_entries` entries in all, each such run with producer None; any
+    other batch a run of its own, with its producer."""
+    run: list[AppendBatch] = []
+    entries = 0
+    for batch, producer in appends:
+        n = len(batch.payloads)
+        if producer is None and batch.tags is None and batch.headers is None and batch.deliver_at_ms is None:
+            if run and entries + n > max_entries:
+                yield run, None
+                run, entries = [], 0
+            run.append(batch)
+            entries += n
+            continue
+        if run:
+            yield run, None
+            run, entries = [], 0
+        yield [batch], producer
+    if run:
+        yield run, None

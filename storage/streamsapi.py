@@ -81,10 +81,11 @@ class StreamCalls:
     def append_many(
         self, name: str, appends: Sequence[tuple[AppendBatch, tuple[str, int] | None]]
     ) -> list[AppendResult | StorageError]:
-        """Append several batches to one stream, in order, as one write: each is checked and
-        written on its own (a batch that fails gets its error in its place, the others go on;
-        a (producer id, sequence) makes one idempotent as in `append`), all under one lock and,
-        under "always", made durable by one sync. One wake-up of the listeners for all."""
+        """Append several batches to one stream, in order, as one write: each is checked on its
+        own (a batch that fails gets its error in its place, the others go on; a (producer id,
+        sequence) makes one idempotent as in `append`), consecutive payload-only batches without
+        a producer are encoded and written together (each with its own offsets), all under one
+        lock and, under "always", made durable by one sync. One wake-up of the listeners for all."""
         checked: list[tuple[AppendBatch, tuple[str, int] | None]] = []
         refused: dict[int, StorageError] = {}
         for i, (batch, producer) in enumerate(appends):

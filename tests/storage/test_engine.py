@@ -21,6 +21,7 @@ from storage import (
     StreamConfig,
     StreamNotFoundError,
 )
+from storage.growing import GrowingNode
 from storage.segment import Segment
 
 
@@ -605,6 +606,61 @@ def test_append_many_writes_each_batch_in_order_with_its_own_result_or_error(ope
     # A later resend of the same producer's sequence is a duplicate, as with `append`.
     again = engine.append("s", AppendBatch([b"c"]), producer=("p", 0))
     assert (again.first_offset, again.duplicate) == (2, True)
+
+
+def test_append_many_writes_a_run_of_plain_batches_as_one_write(open_engine, monkeypatch):
+    """Issue 18: a Publish session's coalesced one-entry messages were encoded and written one
+    by one (three file writes and a node header each). Consecutive payload-only batches without
+    a producer are written together now, each still with its own offsets; a batch with a
+    producer or other columns is written on its own, between the runs."""
+    engine = open_engine()
+    engine.append("s", AppendBatch([b"warm-up"]))
+    writes = []
+    real_append = GrowingNode.append
+    monkeypatch.setattr(GrowingNode, "append", lambda node, *a: (writes.append(1), real_append(node, *a)))
+    results = engine.append_many("s", [(AppendBatch([b"m%d" % i]), None) for i in range(50)])
+    assert [(r.first_offset, r.last_offset) for r in results] == [(i, i) for i in range(1, 51)]
+    assert len(writes) == 1
+    assert [e.payload for e in engine.read("s", 1, 100).entries()] == [b"m%d" % i for i in range(50)]
+
+    writes.clear()
+    results = engine.append_many(
+        "s",
+        [
+            (AppendBatch([b"a", b"b"]), None),
+            (AppendBatch([b"c"]), None),
+            (AppendBatch([b"d"]), ("p", 7)),
+            (AppendBatch([b"e"], tags=["t"]), None),
+            (AppendBatch([b"f"]), None),
+            (AppendBatch([b"g"]), None),
+        ],
+    )
+    assert [(r.first_offset, r.last_offset) for r in results] == [
+        (51, 52),
+        (53, 53),
+        (54, 54),
+        (55, 55),
+        (56, 56),
+        (57, 57),
+    ]
+    assert len(writes) == 4  # a+b+c, d, e, f+g
+    entries = engine.read("s", 51, 100).entries()
+    assert [e.payload for e in entries] == [b"a", b"b", b"c", b"d", b"e", b"f", b"g"]
+    assert entries[4].tag == "t"
+    assert engine.append("s", AppendBatch([b"d"]), producer=("p", 7)).duplicate
+
+
+def test_append_many_writes_plain_batches_on_their_own_past_the_batch_limits(open_engine):
+    """Batches written together stay within max_batch_entries, and when together they would
+    encode past max_batch_bytes each is written on its own, as before: every batch that passes
+    its own checks is appended, in order."""
+    engine = open_engine(max_batch_entries=4, max_batch_bytes=1000, max_entry_bytes=1000)
+    big = b"x" * 400
+    results = engine.append_many("s", [(AppendBatch([big]), None) for _ in range(5)])
+    assert [r.first_offset for r in results] == list(range(5))
+    results = engine.append_many("s", [(AppendBatch([b"y", b"y", b"y"]), None) for _ in range(3)])
+    assert [(r.first_offset, r.last_offset) for r in results] == [(5, 7), (8, 10), (11, 13)]
+    assert engine.read("s", 0, 100).entries()[-1].offset == 13
 
 
 def test_append_many_under_always_makes_every_batch_durable_with_one_sync(open_engine, monkeypatch):
