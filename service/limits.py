@@ -411,7 +411,15 @@ class LimitsInterceptor(WrappingInterceptor):
 
 class SendTimeout:
     """Sends the replies of open streaming calls (service/opencalls.py), and cuts off subscribers
-    that stop taking them."""
+    that stop taking them.
+
+    One timer per call, not one per reply (an `asyncio.timeout` around each send cost a timer
+    handle, its heap push and its cancellation on every Subscribe reply and Publish answer): a
+    send notes when it began (`OpenCall.sending_since`) and arms the call's timer if none is
+    armed. The timer, when it fires, ends the call if the send in progress began the timeout ago
+    or more (`OpenCall.end`: the send is interrupted and the status answered), else arms itself
+    for when that send would be due; with no send in progress it stays off until the next.
+    """
 
     def __init__(self, timeout_ms: int, observer: Observer | None = None) -> None:
         self._timeout_s = timeout_ms / 1000
@@ -420,19 +428,33 @@ class SendTimeout:
         self.cut_off = 0
 
     async def send(self, call: OpenCall, reply: Any) -> None:
+        loop = asyncio.get_running_loop()
+        # A send waits while the client's flow-control window is full.
+        call.sending_since = since = loop.time()
+        if call.send_timer is None:
+            call.send_timer = loop.call_at(since + self._timeout_s, self._check, call, loop)
         try:
-            # A send waits while the client's flow-control window is full. (A timeout
-            # context costs one timer per reply on the subscriber hot path.)
-            async with asyncio.timeout(self._timeout_s):
-                await call.context.write(reply)
-        except TimeoutError:
-            raise self._cut_off(call) from None
+            await call.context.write(reply)
         except grpc.aio.InternalError:
             # gRPC's core refused the send (ExecuteBatchError): the client has gone (or
             # cancelled) and the call has not been told yet. A subscriber leaving is normal,
             # so the call ends as cancelled (gRPC logs that at debug), not as a servicer
             # failure (logged at ERROR with a traceback).
             raise asyncio.CancelledError from None
+        finally:
+            call.sending_since = None
+
+    def _check(self, call: OpenCall, loop: asyncio.AbstractEventLoop) -> None:
+        call.send_timer = None
+        since = call.sending_since
+        if since is None or call.ending is not None:
+            return
+        due = since + self._timeout_s
+        if loop.time() < due:
+            call.send_timer = loop.call_at(due, self._check, call, loop)
+            return
+        error = self._cut_off(call)
+        call.end(error.code, error.message)
 
     def _cut_off(self, call: OpenCall) -> ServiceError:
         self.cut_off += 1
