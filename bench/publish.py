@@ -15,7 +15,11 @@ one-entry messages of 100 bytes,
   interceptors, no engine; system "bare"): the ceiling of a unary call and of a
   session's message here;
 - append-to-subscriber latency at 1,000 entries/s (Publish and Append, a Subscribe
-  on another connection), everysec;
+  on the same connection: grpc-js shares one between clients of an address), everysec,
+  with what the Node process spent (its event loop's delay, its CPU per entry, the
+  Publish messages it had unanswered when it sent one); and the same Publish ->
+  Subscribe latency from a Python grpc.aio publisher and subscriber (one process,
+  a connection each), to tell the client's share from the server's;
 - Redis side by side: `redis-benchmark` XADD at 1 and 16 clients (AOF everysec
   and always), and XADD to XREAD BLOCK latency at 1,000 entries/s
   (bench.redis_baseline, a Python client).
@@ -33,6 +37,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -41,9 +46,18 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import HealthServicer
 from streamlog.v1 import streamlog_pb2 as pb
+from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
 from bench import redis_baseline
-from bench.common import emit, free_port, node_load, process_cpu_seconds, server_process, wait_serving
+from bench.common import (
+    emit,
+    free_port,
+    node_load,
+    percentiles,
+    process_cpu_seconds,
+    server_process,
+    wait_serving,
+)
 from bench.service import PAYLOAD, emit_latencies, streamlog_server
 
 IN_FLIGHT = 64
@@ -92,6 +106,55 @@ def bare_server() -> Iterator[tuple[str, int]]:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+async def python_publish_latency(address: str, rate: int, seconds: float) -> dict[str, float]:
+    """Publish -> Subscribe latency from Python: a grpc.aio Publish session sends one entry every
+    1/rate s (absolute schedule, its send time in its first 8 bytes), a Subscribe on a connection
+    of its own receives; p50/p99 µs."""
+    stream = f"latency-python-{time.monotonic_ns()}"
+    total = int(rate * seconds)
+    own = [("grpc.use_local_subchannel_pool", 1)]  # a connection each (not one shared)
+    async with (
+        grpc.aio.insecure_channel(address, options=own) as producer,
+        grpc.aio.insecure_channel(address, options=own) as reader,
+    ):
+        publish = pb_grpc.StreamLogServiceStub(producer).Publish()
+        await publish.write(pb.PublishRequest(stream=stream, request_id=1, payloads=[bytes(PAYLOAD)]))
+        await publish.read()  # the stream exists, the session is open
+        subscription = pb_grpc.StreamLogServiceStub(reader).Subscribe(
+            pb.SubscribeRequest(stream=stream, start=pb.START_POSITION_LATEST)
+        )
+        await subscription.read()  # the first reply says where it starts: it is registered
+        micros: list[float] = []
+
+        async def receive() -> None:
+            while (reply := await subscription.read()) is not grpc.aio.EOF:
+                now = time.perf_counter_ns()
+                micros.extend((now - int.from_bytes(e.payload[:8], "little")) / 1000 for e in reply.entries)
+                if len(micros) >= total:
+                    return
+
+        async def drain_answers() -> None:
+            while await publish.read() is not grpc.aio.EOF:
+                pass
+
+        receiving = asyncio.create_task(receive())
+        answers = asyncio.create_task(drain_answers())
+        filler = bytes(PAYLOAD - 8)
+        t0 = time.perf_counter_ns()
+        for i in range(total):
+            wait_ns = t0 + i * 1_000_000_000 // rate - time.perf_counter_ns()
+            if wait_ns > 0:
+                await asyncio.sleep(wait_ns / 1e9)  # the schedule, not a wait for data
+            sent = time.perf_counter_ns().to_bytes(8, "little")
+            await publish.write(pb.PublishRequest(stream=stream, request_id=i + 2, payloads=[sent + filler]))
+        await publish.done_writing()
+        await asyncio.wait_for(receiving, timeout=60)
+        await answers
+        subscription.cancel()
+    p50, p99 = percentiles(micros, (50, 99))
+    return {"p50_us": p50, "p99_us": p99, "received": len(micros)}
 
 
 def redis_benchmark_xadd(port: int, clients: int, requests: int) -> float:
@@ -157,7 +220,10 @@ def run(quick: bool) -> None:
             if fsync == "everysec":
                 for rpc in ("publish", "append"):
                     got = node_load("latency", address, rpc, 1000, latency_s)
-                    emit_latencies(got, system="streamlog", rpc=_rpc_name(rpc))
+                    client = {key: got[key] for key in got if key.startswith("node_")}
+                    emit_latencies(got, system="streamlog", rpc=_rpc_name(rpc), **client)
+                got = asyncio.run(python_publish_latency(address, 1000, latency_s))
+                emit_latencies(got, system="streamlog", rpc="Publish", client="python grpc.aio")
         with redis_baseline.RedisServer(fsync) as server:
             assert server.port is not None
             for clients in (1, 16):

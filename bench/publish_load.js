@@ -9,8 +9,12 @@
 // CALLERS unary Append loops, each on its own connection, one 100-byte entry per message or
 // call, for SECONDS after a one-second warm-up; prints {"calls_per_s", "p50_ms", "p99_ms"}
 // (per message or call, send to answer). `latency`: one entry every 1/RATE s on an absolute
-// schedule, its send time (process.hrtime) in its first 8 bytes, and a subscriber on another
-// connection; prints {"p50_us", "p99_us", "received"} of append-to-subscriber latency.
+// schedule, its send time (process.hrtime) in its first 8 bytes, and a subscriber (on the same
+// connection: grpc-js shares one between clients of an address); prints {"p50_us", "p99_us",
+// "received"} of append-to-subscriber latency and what this process spent meanwhile: its event
+// loop's delay ("node_loop_delay_p99_us", "node_loop_delay_max_us"), its CPU per entry
+// ("node_cpu_us_per_entry") and, for `publish`, the messages it had unanswered when it sent one
+// ("node_unanswered_p99", "node_unanswered_max"; at LATENCY_IN_FLIGHT the publisher waits).
 // `spread` (for bench/members.py): a cluster's load, over the comma-separated STREAMS in turn,
 // IN_FLIGHT one-entry calls unanswered in all: `append` from one Client given the SEEDS (it sends
 // each call to its stream's leader), `publish` from one Publish session per stream (in a cluster a
@@ -18,6 +22,7 @@
 // this process used per call (the client's cost, on the cores a server shares with it), and
 // "calls", every call answered (warm-up included).
 
+const { monitorEventLoopDelay } = require('node:perf_hooks');
 const { Client, Publisher } = require('../clients/node');
 
 const PAYLOAD = 100;
@@ -147,6 +152,10 @@ async function latency(address, mode, perSecond, seconds) {
     }
   })();
   await new Promise((resolve) => { setTimeout(resolve, 200); }); // the subscription is open
+  const loopDelay = monitorEventLoopDelay({ resolution: 1 });
+  loopDelay.enable();
+  const cpu = process.cpuUsage();
+  const unanswered = [];
   const t0 = process.hrtime.bigint();
   const interval = BigInt(Math.round(1e9 / perSecond));
   const sends = [];
@@ -155,6 +164,7 @@ async function latency(address, mode, perSecond, seconds) {
     const wait = Number(t0 + BigInt(i) * interval - process.hrtime.bigint()) / 1e6;
     if (wait > 0) await new Promise((resolve) => { setTimeout(resolve, wait); });
     const payload = Buffer.alloc(PAYLOAD, 120);
+    if (publisher) unanswered.push(publisher.unanswered.length);
     payload.writeBigUInt64LE(process.hrtime.bigint(), 0);
     const sent = publisher ? publisher.publish(stream, payload) : producer.append(stream, payload);
     sends.push(sent);
@@ -166,11 +176,23 @@ async function latency(address, mode, perSecond, seconds) {
   }
   await Promise.all(sends);
   await Promise.race([received, new Promise((resolve) => { setTimeout(resolve, 10000); })]);
+  loopDelay.disable();
+  const used = process.cpuUsage(cpu);
   if (publisher) await publisher.close();
   producer.close();
   reader.close();
   micros.sort((a, b) => a - b);
-  return { p50_us: percentile(micros, 50), p99_us: percentile(micros, 99), received: micros.length };
+  unanswered.sort((a, b) => a - b);
+  return {
+    p50_us: percentile(micros, 50),
+    p99_us: percentile(micros, 99),
+    received: micros.length,
+    // (a 1 ms timer's lateness: the histogram holds whole intervals)
+    node_loop_delay_p99_us: Math.max(0, loopDelay.percentile(99) / 1000 - 1000),
+    node_loop_delay_max_us: Math.max(0, loopDelay.max / 1000 - 1000),
+    node_cpu_us_per_entry: (used.user + used.system) / total,
+    ...(publisher ? { node_unanswered_p99: percentile(unanswered, 99), node_unanswered_max: unanswered.at(-1) } : {}),
+  };
 }
 
 async function main() {

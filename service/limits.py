@@ -413,12 +413,12 @@ class SendTimeout:
     """Sends the replies of open streaming calls (service/opencalls.py), and cuts off subscribers
     that stop taking them.
 
-    A send waits while the client's flow-control window is full. The time each call's send
-    began is noted, and one timer per call watches it: when it fires, a send still waiting
-    since its time-out ends the call, one begun since is watched again at its own time-out,
-    and a call not sending now is watched again from its next send. (A timeout context per
-    reply cost a timer scheduled and cancelled per reply: a third of a Publish message's
-    Python calls, and the subscriber's hot path.)
+    One timer per call, not one per reply (an `asyncio.timeout` around each send cost a timer
+    handle, its heap push and its cancellation on every Subscribe reply and Publish answer): a
+    send notes when it began (`OpenCall.sending_since`) and arms the call's timer if none is
+    armed. The timer, when it fires, ends the call if the send in progress began the timeout ago
+    or more (`OpenCall.end`: the send is interrupted and the status answered), else arms itself
+    for when that send would be due; with no send in progress it stays off until the next.
     """
 
     def __init__(self, timeout_ms: int, observer: Observer | None = None) -> None:
@@ -426,15 +426,13 @@ class SendTimeout:
         self._timeout_ms = timeout_ms
         self._observer = observer
         self.cut_off = 0
-        self._sending: dict[OpenCall, float] = {}  # calls sending a reply now: since when (monotonic)
-        self._watched: set[OpenCall] = set()  # calls with a timer on them
 
     async def send(self, call: OpenCall, reply: Any) -> None:
-        sending = self._sending
-        sending[call] = time.monotonic()
-        if call not in self._watched:
-            self._watched.add(call)
-            asyncio.get_running_loop().call_later(self._timeout_s, self._watch, call)
+        loop = asyncio.get_running_loop()
+        # A send waits while the client's flow-control window is full.
+        call.sending_since = since = loop.time()
+        if call.send_timer is None:
+            call.send_timer = loop.call_at(since + self._timeout_s, self._check, call, loop)
         try:
             await call.context.write(reply)
         except grpc.aio.InternalError:
@@ -444,18 +442,17 @@ class SendTimeout:
             # failure (logged at ERROR with a traceback).
             raise asyncio.CancelledError from None
         finally:
-            del sending[call]
+            call.sending_since = None
 
-    def _watch(self, call: OpenCall) -> None:
-        since = self._sending.get(call)
-        if since is None:  # not sending now (or ended): its next send watches it again
-            self._watched.discard(call)
+    def _check(self, call: OpenCall, loop: asyncio.AbstractEventLoop) -> None:
+        call.send_timer = None
+        since = call.sending_since
+        if since is None or call.ending is not None:
             return
-        left = since + self._timeout_s - time.monotonic()
-        if left > 0:  # a send begun since the timer was set
-            asyncio.get_running_loop().call_later(left, self._watch, call)
+        due = since + self._timeout_s
+        if loop.time() < due:
+            call.send_timer = loop.call_at(due, self._check, call, loop)
             return
-        self._watched.discard(call)
         error = self._cut_off(call)
         call.end(error.code, error.message)
 

@@ -54,7 +54,18 @@ from service.interceptors import (
 class OpenCall:
     """One open call: what it asked for, and a way to end it."""
 
-    __slots__ = ("_task", "context", "ending", "in_sync_epoch", "method", "relayed", "request", "resume")
+    __slots__ = (
+        "_task",
+        "context",
+        "ending",
+        "in_sync_epoch",
+        "method",
+        "relayed",
+        "request",
+        "resume",
+        "send_timer",
+        "sending_since",
+    )
 
     def __init__(self, method: str, request: Any, context: CallContext) -> None:
         self.method = method
@@ -68,6 +79,10 @@ class OpenCall:
         # Set by a cluster's routing when the call is served here as an in-sync follower (a read
         # from a replica): the leader epoch it follows. None: served as the leader (or relayed).
         self.in_sync_epoch: int | None = None
+        # The send timeout's (service/limits.py): when the reply being sent began (loop time; None
+        # between sends), and the call's one timer that checks it.
+        self.sending_since: float | None = None
+        self.send_timer: asyncio.TimerHandle | None = None
         self._task = asyncio.current_task()
 
     def end(self, code: grpc.StatusCode, message: str) -> None:
@@ -144,6 +159,8 @@ class OpenCalls:
         return call
 
     def _unregister(self, call: OpenCall) -> None:
+        if call.send_timer is not None:
+            call.send_timer.cancel()
         del self._open[call]
         stream = call.request.stream
         same = self._by_stream[stream]
