@@ -2,8 +2,9 @@
 
 Under `everysec` (and `no`) a write is promised durable only by the next maintenance round,
 so a stream the cache closes to make room need not be synced by the caller that needed the
-room (about 4 ms of syncs for every new stream once the cache is full). Its close hands its
-unsynced segment files and its pending creation over as an `UnsyncedClose`; the next round
+room (about 4 ms of syncs for every new stream once the cache is full), nor write its marker
+(a file to create: about a millisecond under load). Its close hands its unsynced segment files,
+its pending creation and its marker over as an `UnsyncedClose`; the next round
 (or `Engine.sync`, or the engine's close) finishes it as a synced close would have: the
 segment files (by path: a closed mapping's dirty pages stay in the page cache), the creation
 (storage/creation.py), then the `SYNCED` marker (storage/cleanmark.py).

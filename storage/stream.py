@@ -404,22 +404,17 @@ class Stream:
 
     def close(self, clean: bool = True, *, hand_off: bool = False) -> UnsyncedClose | None:
         """Sync, mark a clean shutdown, and release files. With `hand_off` (the cache's close under
-        a policy that promises writes to the next round) nothing is synced: what is unsynced is
-        returned for the round to finish (storage/handoff.py), None if nothing is."""
+        a policy that promises writes to the next round) nothing is synced or written: what is
+        unsynced, and the SYNCED marker, are returned for the round to finish (storage/handoff.py),
+        None if there is nothing to finish."""
         handed = None
         with self.maintenance_lock:
             if self.closed:
                 return None
             if clean and self.gate.error is None:
-                if hand_off and (self.dirty or self.creation is not None):
-                    with self.lock:
-                        files = [file.path for file in self.dirty]
-                        self.dirty.clear()
-                        synced = self.synced_end()
-                        durable_seq = self.active.durable_seq if self.active is not None else 0
-                    handed = UnsyncedClose(self.directory, files, self.creation, durable_seq, synced)
-                    self.creation = None
-                else:
+                if hand_off:
+                    handed = self._hand_off()
+                if handed is None:
                     self.sync()
                     self.save_producers(self.ctx.clock())
                     # The sync above is done before the marker is written, so the marker needs no
@@ -436,6 +431,22 @@ class Stream:
                     self.release(segment)
                 self.segments.clear()
                 self.index.clear()
+        return handed
+
+    def _hand_off(self) -> UnsyncedClose | None:
+        """What a close under `hand_off` leaves to the round: the files to sync, the creation to
+        commit, and the marker to write (even for a synced stream: a marker is a file the disk
+        creates, about a millisecond under load, on the caller's path otherwise). None if the
+        close has none of these to leave (a read-only visit)."""
+        with self.lock:
+            files = [file.path for file in self.dirty]
+            synced = self.synced_end()
+            if not files and self.creation is None and synced == self.synced_mark:
+                return None
+            self.dirty.clear()
+            durable_seq = self.active.durable_seq if self.active is not None else 0
+        handed = UnsyncedClose(self.directory, files, self.creation, durable_seq, synced)
+        self.creation = None
         return handed
 
 

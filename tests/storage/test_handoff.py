@@ -147,3 +147,32 @@ def test_a_round_whose_sync_fails_leaves_the_stream_refusing_appends_when_reopen
     assert engine.open_streams() == 2  # a stream whose sync failed stays open (over the limit)
     with pytest.raises(DurabilityError):
         engine.append("a", AppendBatch([b"3"]))
+
+
+def test_a_synced_stream_the_cache_closes_under_everysec_leaves_its_marker_to_the_round():
+    """The marker is a file to create: the call that needed the room does not wait for it."""
+    fs, engine = new_engine()
+    engine.append("a", AppendBatch([b"1"]))
+    engine.maintain()  # "a" is synced, its creation committed: only the marker is left to a close
+    engine.append("b", AppendBatch([b"2"]))  # closes "a"
+    assert not marked_clean(fs, "a")
+    engine.maintain()
+    assert marked_clean(fs, "a")
+    state = fs.crashed_copy(random.Random(3), "power")
+    after = Engine(ROOT, EngineConfig(**SMALL), fs=state)
+    assert contents(after, "a") == [b"1"] and after.info("a").damaged == ()
+
+
+def test_a_stream_opened_and_closed_without_a_write_hands_nothing_to_the_round():
+    fs, engine = new_engine()
+    engine.append("a", AppendBatch([b"1"]))
+    engine.append("b", AppendBatch([b"2"]))
+    engine.maintain()  # "a" closed and marked; "b" synced
+    engine.append("c", AppendBatch([b"3"]))  # closes "b": its marker goes to the round
+    engine.maintain()
+    assert contents(engine, "a") == [b"1"]  # reopens "a", closes "c" (its marker to the round)
+    engine.maintain()
+    writes = fs.writes
+    assert contents(engine, "b") == [b"2"]  # reopens "b", closes "a": as its marker says already
+    engine.maintain()
+    assert fs.writes == writes  # no marker rewritten, by the close or the round
