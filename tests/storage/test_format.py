@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from array import array
 
@@ -20,7 +21,7 @@ from storage.format import (
     pick_header,
 )
 from storage.inspect import main as inspect_main
-from storage.names import dirname_for
+from storage.names import dirname_for, name_of_dirname
 from storage.packed import decode_packed_body, encode_packed_node
 from storage.records import decode_records, encode_batch, encode_varint
 
@@ -147,6 +148,28 @@ def test_dirnames_are_safe_and_distinct():
     assert len(set(dirs)) == len(dirs)
     for d in dirs:
         assert "/" not in d and d not in (".", "..") and len(d) <= 200
+
+
+@pytest.mark.parametrize(
+    ("name", "dirname"),
+    [
+        ("room-0000001", "room-0000001"),
+        ("Az09_-", "Az09_-"),
+        ("a b", "a%20b"),
+        ("a.b", "a%2Eb"),
+        ("é", "%C3%A9"),
+        ("x" * 200, "x" * 200),
+        ("%" * 66, "%25" * 66),
+    ],
+)
+def test_a_dirname_is_the_name_with_unsafe_bytes_percent_encoded(name, dirname):
+    assert dirname_for(name) == dirname and name_of_dirname(dirname) == name
+
+
+@pytest.mark.parametrize("name", ["x" * 201, "%" * 67, "é" * 40])
+def test_a_name_encoding_longer_than_200_characters_is_stored_under_its_hash(name):
+    assert dirname_for(name) == "~" + hashlib.sha256(name.encode()).hexdigest()
+    assert name_of_dirname(dirname_for(name)) is None
 
 
 def test_inspector_lists_and_verifies(tmp_path, capsys):
