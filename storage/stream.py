@@ -112,6 +112,7 @@ class Stream:
         self.closed_summary: StreamSummary | None = None  # set by close
         self.producers = new_producer_table(ctx)
         self.epochs = EpochHistory()
+        self.has_epochs = False  # its epochs file exists (a replicated stream's): the catalog lists it
         self.cleaner = Cleaner(self)
         self.retention = Retention(self)
         self.truncation = Truncation(self)
@@ -154,6 +155,7 @@ class Stream:
             stream.pack_queue = [s for s in stream.segments[:-1] if not s.packed]
         if EPOCHS_FILE in present:
             stream.epochs = EpochHistory.decode(fs.read_file(directory / EPOCHS_FILE))
+            stream.has_epochs = True
         stream.clean_marker = old_clean
         stream.synced_mark = synced
         if not clean and stream.active is not None and not _vouched_for(synced, stream.active):
@@ -334,6 +336,7 @@ class Stream:
         """Replace the epoch history, durably and atomically (storage/epochs.py)."""
         self.ctx.fs.write_file_atomic(self.directory / EPOCHS_FILE, epochs.encode())
         self.epochs = epochs
+        self.has_epochs = True
 
     # ------------------------------------------------------------------ reading
 

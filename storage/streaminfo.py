@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from storage.catalog import StreamSummary
-from storage.layout import EPOCHS_FILE
 from storage.packed import compression_ratio
 from storage.results import StreamInfo
 
@@ -58,5 +57,5 @@ def stream_summary(stream: Stream) -> StreamSummary:
         info.segments,
         info.nodes,
         min(due) if due else 0,
-        stream.ctx.fs.exists(stream.directory / EPOCHS_FILE),
+        stream.has_epochs,  # known without a stat: every close asks
     )
