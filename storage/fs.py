@@ -24,6 +24,9 @@ from storage.errors import CorruptionError, DiskFullError, DurabilityError
 from storage.layout import TMP_SUFFIX
 
 SEGMENT_MIN_BYTES = 64  # a segment header; anything shorter is a file whose creation a crash cut short
+# A new segment this small (a new stream's first page) is written through with pwrite, not mapped:
+# a mapping costs five system calls (fstat, dup, mmap, munmap, close) and a page fault per stream.
+UNMAPPED_BYTES = 4096
 
 
 class SyncTimes:
@@ -73,10 +76,21 @@ class SegmentFile:
     mapped from, so that one is closed at once and an open segment costs one descriptor,
     not two (a thousand open streams stay under the process's limit). Growing and syncing
     open the file for the call.
+
+    A new file of at most UNMAPPED_BYTES (`content` given: its bytes) is not mapped until it
+    grows past them: it keeps its descriptor (still one) and a copy of its bytes, which reads
+    come from and writes go through to the file (pwrite).
     """
 
     def __init__(
-        self, path: Path, fd: int, size: int, writable: bool, times: SyncTimes, reserved: int = 0
+        self,
+        path: Path,
+        fd: int,
+        size: int,
+        writable: bool,
+        times: SyncTimes,
+        reserved: int = 0,
+        content: bytearray | None = None,
     ) -> None:
         self.path = path
         self.size = size
@@ -84,6 +98,11 @@ class SegmentFile:
         self.writable = writable
         self._times = times
         self.closed = False
+        self._map: mmap.mmap  # (absent while `_copy` stands for it)
+        self._copy = content  # while not mapped: the file's bytes, written through with pwrite
+        self._fd: int | None = fd if content is not None else None
+        if content is not None:
+            return
         access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
         try:
             self._map = mmap.mmap(fd, size, access=access)
@@ -91,10 +110,24 @@ class SegmentFile:
             os.close(fd)
 
     def read(self, pos: int, length: int) -> bytes:
-        return self._map[pos : pos + length]
+        copy = self._copy
+        if copy is None:
+            return self._map[pos : pos + length]
+        return bytes(copy[pos : pos + length])
 
     def write(self, pos: int, data: bytes) -> None:
-        self._map[pos : pos + len(data)] = data
+        copy = self._copy
+        if copy is None:
+            self._map[pos : pos + len(data)] = data
+            return
+        fd = self._fd
+        if fd is None:
+            raise DurabilityError(f"segment {self.path.name} is closed")
+        try:
+            os.pwrite(fd, data, pos)  # into blocks `reserve` allocated: a full disk cannot fail it
+        except OSError as exc:
+            raise DurabilityError(f"cannot write segment {self.path.name}: {exc}") from exc
+        copy[pos : pos + len(data)] = data
 
     def reserve(self, size: int) -> None:
         """Make sure bytes [0, size) are allocated on disk and mapped, growing the file if needed.
@@ -108,6 +141,9 @@ class SegmentFile:
         """
         if size <= self.reserved:
             return
+        if self._copy is not None:
+            self._grow_unmapped(size)
+            return
         try:
             fd = os.open(self.path, os.O_RDWR)
         except OSError as exc:
@@ -120,6 +156,22 @@ class SegmentFile:
             self._map.resize(size)  # its ftruncate to the reserved length changes nothing
             self.size = size
         self.reserved = size
+
+    def _grow_unmapped(self, size: int) -> None:
+        """Reserve up to `size` with the file's own descriptor, then map the file (the copy's
+        bytes are the file's: every write went through)."""
+        fd = self._fd
+        if fd is None:
+            raise DurabilityError(f"segment {self.path.name} is closed")
+        _reserve(fd, self.path, self.reserved, size - self.reserved)
+        self.size = max(self.size, size)
+        self.reserved = size
+        try:
+            self._map = mmap.mmap(fd, self.size, access=mmap.ACCESS_WRITE)
+        except OSError as exc:
+            raise DurabilityError(f"cannot map segment {self.path.name}: {exc}") from exc
+        os.close(fd)
+        self._fd = self._copy = None
 
     def sync(self) -> None:
         """Make every write so far durable; the GIL is released while it waits."""
@@ -135,7 +187,11 @@ class SegmentFile:
             raise DurabilityError(f"cannot open {self.path} to sync it: {exc}") from exc
 
     def close(self) -> None:
-        self._map.close()  # closing twice is harmless
+        if self._copy is None:
+            self._map.close()  # closing twice is harmless
+        elif self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         self.closed = True
 
 
@@ -167,7 +223,11 @@ class FileSystem:
             raise DurabilityError(f"cannot create segment {path.name}: {exc}") from exc
         if durable:
             self.sync_dir(path.parent)
-        return SegmentFile(path, fd, size, writable=True, times=self.sync_times, reserved=size)
+        content = None
+        if size <= UNMAPPED_BYTES:
+            content = bytearray(size)
+            content[: len(header)] = header
+        return SegmentFile(path, fd, size, True, self.sync_times, reserved=size, content=content)
 
     def open_segment(self, path: Path, writable: bool) -> SegmentFile:
         fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)

@@ -141,3 +141,43 @@ def test_a_version_1_data_directory_opens_and_keeps_working(v1_data):
     with Engine(v1_data, EngineConfig(**SMALL)) as engine:
         assert payloads(engine, "rolled") == ROLLED + more
         assert payloads(engine, "crashed") == V1["crashed"] + [b"after"]
+
+
+def _mapped(path: Path) -> bool:
+    with open("/proc/self/maps") as maps:
+        return any(line.rstrip().endswith(str(path)) for line in maps)
+
+
+def _descriptors(path: Path) -> int:
+    fds = Path("/proc/self/fd")
+    return sum(1 for fd in fds.iterdir() if fd.is_symlink() and _readlink(fd) == str(path))
+
+
+def _readlink(link: Path) -> str:
+    try:
+        return str(link.readlink())
+    except OSError:  # the descriptor listing itself, closed meanwhile
+        return ""
+
+
+def test_a_new_streams_first_page_is_written_through_and_mapped_once_it_grows(tmp_path):
+    """No mapping for a stream that fits its first page (its creation costs five system calls
+    and a page fault less); one descriptor either way; the bytes are the same when it grows."""
+    data = tmp_path / "data"
+    small = [b"s%d" % i * 40 for i in range(10)]
+    big = [b"b%d" % i * 500 for i in range(8)]
+    with Engine(data, EngineConfig(**SMALL, max_open_streams=4)) as engine:
+        engine.append("room", AppendBatch(small))
+        [segment] = sorted((data / "streams" / "room").glob("*.seg"))
+        assert segment_sizes(segment.parent) == [4096]
+        assert not _mapped(segment) and _descriptors(segment) == 1
+        assert payloads(engine, "room") == small
+        engine.append("room", AppendBatch(big))  # past the first page: the file grows, mapped
+        assert _mapped(segment) and _descriptors(segment) == 1
+        assert payloads(engine, "room") == small + big
+        engine.append("other", AppendBatch(small))
+        [other] = sorted((data / "streams" / "other").glob("*.seg"))
+    assert not _mapped(other) and _descriptors(other) == 0  # closed with the engine
+    with Engine(data, EngineConfig(**SMALL)) as engine:
+        assert payloads(engine, "room") == small + big and payloads(engine, "other") == small
+        assert engine.info("room").damaged == ()
