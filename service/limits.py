@@ -138,8 +138,12 @@ class LimitsInterceptor(WrappingInterceptor):
         now = time.monotonic()
         if now - self._stream_count_at > _STREAM_COUNT_TTL_S:
             self._stream_count, self._stream_count_at = engine.stream_count(), now
-            # Names in the fresh count are no longer extra; those of running calls still are.
-            self._created = {name for name in self._creating if not engine.exists(name)}
+            # Names in the fresh count are no longer extra, nor need the calls that made them keep
+            # them here (a Publish session, which may create a stream per message, runs on: the
+            # set would grow with all it ever made, each refresh visiting them all). Those of
+            # running calls not in the count yet still are extra.
+            self._creating = {name for name in self._creating if not engine.exists(name)}
+            self._created = set(self._creating)
         return self._stream_count + len(self._created)
 
     def _new_stream(self, engine: Engine, stream: str, what: str) -> str | None:
