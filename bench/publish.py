@@ -10,8 +10,9 @@ one-entry messages of 100 bytes,
   at 1 and 16 publishers/callers (each on its own connection), against
   `streamlog serve` at fsync everysec and always;
 - unary Append and Publish sessions at 1 and 16 callers against a bare grpc.aio
-  server whose Append and Publish answer at once (Append's a prebuilt reply to
-  bytes; Publish's an empty answer with the message's request_id; no
+  server whose Append and Publish answer at once, as the simplest handlers a user
+  would write (`bare_handler`: Append parses its request and answers an empty
+  AppendResponse; Publish an empty answer with the message's request_id; no
   interceptors, no engine; system "bare"): the ceiling of a unary call and of a
   session's message here;
 - append-to-subscriber latency at 1,000 entries/s (Publish and Append, a Subscribe
@@ -59,36 +60,50 @@ from bench.common import (
     wait_serving,
 )
 from bench.service import PAYLOAD, emit_latencies, streamlog_server
+from service.server import GenericHandlersOnly
 
 IN_FLIGHT = 64
 SERVICE = "streamlog.v1.StreamLogService"
 
 
-async def _serve_bare(port: int) -> None:
-    """A grpc.aio server whose Append and Publish answer at once, with nothing else in the way."""
-    append_reply = pb.AppendResponse(first_offset=0, last_offset=0).SerializeToString()
+def bare_handler() -> grpc.GenericRpcHandler:
+    """StreamLogService's Append and Publish doing nothing, as the simplest handlers a user would
+    write: Append gets its request parsed and answers an AppendResponse (as every handler must:
+    one that skipped the parse could not know its stream), from a generic handler (registered
+    methods cost every call more: service/server.py's GenericHandlersOnly). No interceptor,
+    no engine."""
 
-    async def append(request: bytes, context: Any) -> bytes:
-        return append_reply
+    async def append(request: pb.AppendRequest, context: Any) -> pb.AppendResponse:
+        return pb.AppendResponse()
 
     async def publish(requests: AsyncIterator[pb.PublishRequest], context: Any) -> AsyncIterator[bytes]:
         async for request in requests:  # (parsed: the client checks the request_id of each answer)
             yield pb.PublishResponse(request_id=request.request_id).SerializeToString()
 
-    handler = grpc.method_handlers_generic_handler(
+    return grpc.method_handlers_generic_handler(
         SERVICE,
         {
-            "Append": grpc.unary_unary_rpc_method_handler(append),
+            "Append": grpc.unary_unary_rpc_method_handler(
+                append,
+                request_deserializer=pb.AppendRequest.FromString,
+                response_serializer=pb.AppendResponse.SerializeToString,
+            ),
             "Publish": grpc.stream_stream_rpc_method_handler(
                 publish, request_deserializer=pb.PublishRequest.FromString
             ),
         },
     )
+
+
+async def _serve_bare(port: int) -> None:
+    """A grpc.aio server with the bare handlers, nothing else in the way."""
+    handler = bare_handler()
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((handler,))
     health = HealthServicer()  # for bench.common.wait_serving
     health.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    # Registered, health's 3 methods would cost every call (as they would streamlog's).
+    health_pb2_grpc.add_HealthServicer_to_server(health, GenericHandlersOnly(server))
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()

@@ -18,7 +18,7 @@ import grpc
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
-from service.server import SERVICE_NAME
+from bench.publish import bare_handler
 from tests.service.helpers import ServerThread
 
 CALLS = 200
@@ -44,14 +44,8 @@ def _calls_per_append(server: ServerThread, target: str) -> float:
 
 
 async def _bare_server() -> tuple[grpc.aio.Server, int]:
-    reply = pb.AppendResponse().SerializeToString()
-
-    async def append(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        return reply
-
     server = grpc.aio.server()
-    handlers: dict[str, grpc.RpcMethodHandler] = {"Append": grpc.unary_unary_rpc_method_handler(append)}
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_generic_rpc_handlers((bare_handler(),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, port
