@@ -11,6 +11,7 @@ from __future__ import annotations
 import struct
 from array import array
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from crc32c import crc32c
 
@@ -44,8 +45,11 @@ assert _SEGMENT_HEADER.size == SEGMENT_HEADER_SIZE - 4
 assert _NODE_HEADER.size == NODE_HEADER_SIZE - 4
 
 
+_CRC = struct.Struct("<I")
+
+
 def _with_crc(body: bytes) -> bytes:
-    return body + struct.pack("<I", crc32c(body))
+    return body + _CRC.pack(crc32c(body))
 
 
 def _crc_ok(raw: bytes) -> bool:
@@ -93,9 +97,12 @@ class SegmentHeader:
         return cls(base, end, capacity, created, flags)
 
 
-@dataclass(frozen=True, slots=True)
-class NodeHeader:
-    """One node header slot. See docs/FORMAT.md for what each field means per layout."""
+class NodeHeader(NamedTuple):
+    """One node header slot. See docs/FORMAT.md for what each field means per layout.
+
+    A named tuple rather than a frozen dataclass: every append builds one, and a frozen
+    dataclass sets each of its 11 fields through object.__setattr__ (about three times
+    the instructions of a tuple's construction)."""
 
     seq: int
     count: int
@@ -110,23 +117,23 @@ class NodeHeader:
     flags: int = 0
 
     def encode(self) -> bytes:
-        return _with_crc(
-            _NODE_HEADER.pack(
-                NODE_MAGIC,
-                NODE_VERSION,
-                self.flags,
-                self.seq,
-                self.count,
-                self.base_offset,
-                self.slots,
-                self.blob_len,
-                self.stored_len,
-                self.body_crc,
-                self.blob_crc,
-                self.min_ts,
-                self.max_ts,
-            )
+        # _with_crc, inline: every append encodes a header.
+        body = _NODE_HEADER.pack(
+            NODE_MAGIC,
+            NODE_VERSION,
+            self.flags,
+            self.seq,
+            self.count,
+            self.base_offset,
+            self.slots,
+            self.blob_len,
+            self.stored_len,
+            self.body_crc,
+            self.blob_crc,
+            self.min_ts,
+            self.max_ts,
         )
+        return body + _CRC.pack(crc32c(body))
 
     @classmethod
     def decode(cls, raw: bytes) -> NodeHeader | None:

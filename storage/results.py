@@ -10,8 +10,10 @@ from storage.records import Entry, decode_records
 from storage.types import GapReason
 
 
-@dataclass(frozen=True, slots=True)
-class AppendResult:
+class AppendResult(NamedTuple):
+    """Where an append's entries went. A named tuple: one is built per append, and a frozen
+    dataclass's construction costs twice the instructions (object.__setattr__ per field)."""
+
     first_offset: int
     last_offset: int
     timestamp_ms: int

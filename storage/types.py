@@ -41,9 +41,12 @@ class StreamBounds:
     end_offset: int  # the offset the next append will take
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AppendBatch:
-    """The entries of one append, as parallel columns; an optional column is None when unused."""
+    """The entries of one append, as parallel columns; an optional column is None when unused.
+
+    Not frozen, though nothing changes one once made: every append builds one, and a frozen
+    dataclass sets each field through object.__setattr__ (three times the instructions)."""
 
     payloads: Sequence[bytes]
     tags: Sequence[str] | None = None

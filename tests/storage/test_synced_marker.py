@@ -171,9 +171,7 @@ def rewrite_marker(fs: FaultFS, name: str, marker: bytes) -> None:
 def lying_markers(marked: SyncedEnd) -> dict[str, SyncedEnd]:
     header = marked.node_header
     assert header is not None
-    more = dataclasses.replace(
-        header, seq=header.seq + 2, count=header.count + 3, blob_len=header.blob_len + 9
-    )
+    more = header._replace(seq=header.seq + 2, count=header.count + 3, blob_len=header.blob_len + 9)
     return {
         "a longer node than is there": dataclasses.replace(marked, node_header=more),
         "a node past the chain": dataclasses.replace(marked, node_pos=marked.node_pos + 4096),
