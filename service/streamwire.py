@@ -47,9 +47,11 @@ def checked_append(request: Any, max_entries: int, what: str) -> tuple[str, Appe
     """The stream, engine batch and (producer id, sequence) of an append (an Append's request, a
     Publish message, an AppendMany batch: `what` names it in errors), checked as every one is."""
     stream = validation.stream(request.stream)
-    if request.entries and request.payloads:
+    # Each read of a repeated field makes a container object: read each once.
+    entries, payloads = request.entries, request.payloads
+    if entries and payloads:
         raise invalid_argument("entries, payloads: set one of them, not both")
-    count = len(request.entries) or len(request.payloads)
+    count = len(entries) or len(payloads)
     if not count:
         raise invalid_argument("entries: at least one entry is required")
     if count > max_entries:
@@ -77,9 +79,10 @@ def appended(result: AppendResult) -> dict[str, Any]:
 
 def append_batch(request: pb.AppendRequest, stream: str) -> AppendBatch:
     """The engine's batch for an AppendRequest whose entries or payloads are set (not both)."""
-    if request.payloads:
+    payloads = request.payloads
+    if payloads:
         # The fast form: a repeated bytes field converts to a list in one C call.
-        return AppendBatch(list(request.payloads))
+        return AppendBatch(list(payloads))
     # The engine takes columns. The common batch has payloads only: one pass gets
     # them, and a size comparison done in C proves there is nothing else.
     entries = request.entries

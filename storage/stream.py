@@ -257,7 +257,8 @@ class Stream:
             raise InvalidArgumentError(f"stream {self.name!r} was deleted")
         if self.gate.error is not None:
             raise DurabilityError(f"appends are refused after a failed sync: {self.gate.error}")
-        self.unmark_clean()
+        if self.clean_marker:  # tested here: this runs on every append, the removal once
+            self.unmark_clean()
 
     def unmark_clean(self) -> None:
         """Before the first write into the segments since the open (call with `lock` held): remove
