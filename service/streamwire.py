@@ -86,10 +86,10 @@ def append_batch(request: pb.AppendRequest, stream: str) -> AppendBatch:
     # The engine takes columns. The common batch has payloads only: one pass gets
     # them, and a size comparison done in C proves there is nothing else.
     entries = request.entries
-    payloads = list(map(_payload, entries))
-    if entries_hold_only_payloads(request, stream, payloads):
-        return AppendBatch(payloads)
-    return AppendBatch(payloads, **_optional_columns(entries))
+    columns = list(map(_payload, entries))
+    if entries_hold_only_payloads(request, stream, columns):
+        return AppendBatch(columns)
+    return AppendBatch(columns, **_optional_columns(entries))
 
 
 def _optional_columns(entries: Sequence[pb.Entry]) -> dict[str, list | None]:

@@ -105,7 +105,7 @@ class NodeHeader(NamedTuple):
     the instructions of a tuple's construction)."""
 
     seq: int
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count, which no caller uses
     base_offset: int
     slots: int
     blob_len: int
