@@ -31,6 +31,16 @@ if os.environ.get("CI"):
 
 
 REPO = Path(__file__).resolve().parents[1]
+# A test that asks for `spark` may start its JVM (the first one to ask does), and Spark's jobs
+# are slow on a loaded machine: under a CPU hog the session's start alone passed the suite's
+# 120 s per test. Such tests get this long unless they say otherwise.
+SPARK_TEST_TIMEOUT_S = 600
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "spark" in getattr(item, "fixturenames", ()) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SPARK_TEST_TIMEOUT_S))
 
 
 def spark_environment(monkeypatch: pytest.MonkeyPatch) -> None:

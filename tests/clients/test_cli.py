@@ -130,7 +130,12 @@ def test_tail_prints_the_newest_and_follows(server: ServerThread) -> None:
         assert [r["payload"] for r in lines_json(out)] == ["17", "18", "19"]
 
         def append_later() -> None:
-            time.sleep(0.3)
+            # Once tail follows (its Subscribe is open, from offset 19), not after a fixed delay:
+            # appended before tail looked for the newest entry, new-2 would be it.
+            deadline = time.monotonic() + 60
+            while server.call(lambda: len(server.server.ops.open_calls)) == 0:
+                assert time.monotonic() < deadline, "tail did not subscribe"
+                time.sleep(0.01)
             client.append("t", [b"new-1", b"new-2"])
 
         writer = threading.Thread(target=append_later)
@@ -236,9 +241,12 @@ def test_bench_measures_and_cleans_up(server: ServerThread) -> None:
         assert client.list_streams() == []  # the bench stream was deleted
 
 
+# Two fresh interpreters, each importing the client or the server: under a CPU hog `serve` alone
+# took more than 30 s to refuse its settings.
+@pytest.mark.timeout(300)
 def test_the_console_script_help_and_serve_exec(tmp_path: Path) -> None:
     assert STREAMLOG is not None, "the streamlog console script is not installed (pip install -e .)"
-    helped = subprocess.run([STREAMLOG, "--help"], capture_output=True, text=True, timeout=30)
+    helped = subprocess.run([STREAMLOG, "--help"], capture_output=True, text=True, timeout=120)
     assert helped.returncode == 0
     for command in ("serve", "append", "tail", "groups", "export", "inspect", "bench"):
         assert command in helped.stdout
@@ -248,7 +256,7 @@ def test_the_console_script_help_and_serve_exec(tmp_path: Path) -> None:
         [STREAMLOG, "serve", "--data", str(tmp_path), "--port", "0"],
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=120,
         env=env,
     )
     assert served.returncode == 2

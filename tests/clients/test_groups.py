@@ -170,13 +170,27 @@ def test_an_error_in_the_loop_body_nacks_with_delay(client: Client) -> None:
 
 def test_stop_from_another_thread_ends_run(client: Client) -> None:
     _fill(client, "s", 3)
+    handled_all = threading.Event()
+    stopped_at: list[float] = []
+
+    def stop_once_all_are_handled() -> None:
+        # Not after a fixed delay: on a loaded machine run had handled none of the 3 in 0.5 s.
+        assert handled_all.wait(60), "the consumer did not get the 3 entries"
+        stopped_at.append(time.monotonic())
+        consumer.stop()
+
+    def handle(message: Message) -> None:
+        if message.offset == 2:
+            handled_all.set()
+
     with Consumer(client, "s", "g", create=True) as consumer:
-        timer = threading.Timer(0.5, consumer.stop)
-        timer.start()
-        started = time.monotonic()
-        assert consumer.run(lambda m: None) == 3
-        timer.join()
-    assert time.monotonic() - started < 3
+        stopper = threading.Thread(target=stop_once_all_are_handled)
+        stopper.start()
+        assert consumer.run(handle) == 3
+        returned = time.monotonic()
+        stopper.join()
+    # run was waiting for more entries (or finishing the last): stop ends that wait at once.
+    assert returned - stopped_at[0] < 10
 
 
 @pytest.mark.parametrize("extend", [True, False])

@@ -106,13 +106,13 @@ class ServerThread:
         """Run a coroutine on the server's loop and return its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
-    def call(self, function: Callable[[], Any]) -> Any:
+    def call(self, function: Callable[[], Any], timeout_s: float = 10) -> Any:
         """Run a plain function on the server's loop thread (to look at loop-owned state)."""
 
         async def wrapper() -> Any:
             return function()
 
-        return self.run(wrapper())
+        return self.run(wrapper(), timeout_s)
 
     @property
     def target(self) -> str:

@@ -68,8 +68,9 @@ class ServerProcess:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def finish(self, timeout_s: float = 20) -> tuple[int, str]:
-        """Wait for the exit; return the exit code and the whole log."""
+    def finish(self, timeout_s: float = 90) -> tuple[int, str]:
+        """Wait for the exit; return the exit code and the whole log. (A fresh interpreter importing
+        the server took over 20 s to refuse a taken port under a CPU hog.)"""
         code = self.process.wait(timeout=timeout_s)
         self._reader.join(timeout=5)
         while not self.lines.empty():

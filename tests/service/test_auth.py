@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
+from bench.common import free_port
 from service import auth
 from service.config import ConfigError, Settings, validate
 from service.server import SERVICE
@@ -579,22 +580,36 @@ def test_a_subscriber_revoked_while_a_reply_waits_to_be_sent_ends_after_that_rep
     start_server: Callable[..., ServerThread], tmp_path: Path
 ) -> None:
     tokens = write(tmp_path / "tokens.toml", TOKENS_TOML)
-    server = start_server(tokens_file=tokens, acl_file=write(tmp_path / "acl.toml", ACL_TOML))
+    server = start_server(
+        tokens_file=tokens, acl_file=write(tmp_path / "acl.toml", ACL_TOML), metrics_port=free_port()
+    )
     open_calls, replies = server.server.ops.open_calls, server.server.servicer.replies
+    registry = server.server.ops.metrics.registry
     engine = server.server.engine
     chunk = [b"x" * 4000] * 16
-    with grpc.insecure_channel(server.target) as channel:
+    # The client's flow-control window, fixed (no BDP probing, which grows it to megabytes).
+    window = 100_000
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window)]
+    with grpc.insecure_channel(server.target, options=options) as channel:
         subscription = pb_grpc.StreamLogServiceStub(channel).Subscribe(
             pb.SubscribeRequest(stream="s1"), metadata=bearer("reader"), timeout=60
         )
         engine.append("s1", AppendBatch(chunk))
-        next(subscription)
+        first = next(subscription).ByteSize()
 
-        # The client stops reading; replies pile up until the server waits to send one (the one
-        # open call holds a reply built and not yet sent: service/replybudget.py).
+        # The client stops reading; replies pile up until the server waits to send one: it has
+        # handed gRPC more than the window since the first reply, so the last cannot have gone
+        # (and the status queued behind it can reach the client only once the client reads).
+        # A reply merely being sent is not enough: a client gRPC drops the replies it has
+        # received and not yet read when an error status arrives behind them.
+        def handed() -> float:
+            value = registry.get_sample_value("streamlog_subscribe_reply_bytes_total", {"stream": "s1"})
+            return value or 0.0
+
         def sending() -> bool:
             engine.append("s1", AppendBatch(chunk))
-            return server.call(lambda: (len(open_calls), replies.queued > 0)) == (1, True)
+            state = server.call(lambda: (len(open_calls), replies.queued > 0, handed() - first > window))
+            return state == (1, True, True)
 
         wait_for(sending, timeout_s=30)
         written = engine.bounds("s1").end_offset
