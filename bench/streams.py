@@ -287,15 +287,27 @@ def build_directly(data: Path, streams: int) -> None:
 
 
 def _copy_template(data: Path, first: int, stop: int) -> None:
+    """Streams first..stop-1 as copies of the template's files: each a mkdir and, per file, one
+    open, write and close, relative to the streams directory's descriptor (no path walked)."""
     template = stream_directory(data, stream_name(0))
     # No meta file: a stream whose directory gives its name back has none (storage/creation.py).
-    files = {f.name: f.read_bytes() for f in template.iterdir()}
-    root = streams_root(data)
-    for i in range(first, stop):
-        directory = root / stream_name(i)
-        directory.mkdir()
-        for name, raw in files.items():
-            (directory / name).write_bytes(raw)
+    files = [(f.name, f.read_bytes()) for f in template.iterdir()]
+    root = os.open(streams_root(data), os.O_RDONLY | os.O_DIRECTORY)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    try:
+        for i in range(first, stop):
+            dirname = stream_name(i)
+            os.mkdir(dirname, 0o755, dir_fd=root)
+            directory = os.open(dirname, os.O_RDONLY | os.O_DIRECTORY, dir_fd=root)
+            try:
+                for name, raw in files:
+                    fd = os.open(name, flags, 0o644, dir_fd=directory)
+                    os.write(fd, raw)
+                    os.close(fd)
+            finally:
+                os.close(directory)
+    finally:
+        os.close(root)
 
 
 async def append_after(address: str, picks: list[int]) -> int:
