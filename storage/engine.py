@@ -95,6 +95,7 @@ class Engine(StreamCalls, Maintenance, GroupCalls, ReplicaCalls):
         self._lock = threading.Lock()
         self._listeners: list[AppendListener] = []
         self._log_listeners: list[AppendListener] = []
+        self._open_listeners: list[AppendListener] = []
         # Consumer groups install a floor here: retention never evicts at or above it.
         self.retention_floor: Callable[[str], int | None] = lambda name: None
         # Streams whose retention and compaction run as EngineConfig.retention_passive does not say.
@@ -253,6 +254,8 @@ class Engine(StreamCalls, Maintenance, GroupCalls, ReplicaCalls):
                 self.unreadable.append(dirname)
             raise StreamNotFoundError(f"stream {name!r} is damaged on disk; see the server log") from exc
         self._catalog.opened(name)
+        for listener in self._open_listeners:
+            listener(name, stream.visible_end)
         return stream
 
     def _close_by_cache(self, stream: Stream) -> None:
@@ -391,6 +394,12 @@ class Engine(StreamCalls, Maintenance, GroupCalls, ReplicaCalls):
         (whose append listeners wait for the commit), on the appending thread: a leader's followers
         have something new to fetch. `local_end` is `log_end`: synced under fsync "always"."""
         self._log_listeners.append(listener)
+
+    def add_open_listener(self, listener: AppendListener) -> None:
+        """`listener(stream, end_offset)` runs when a stream that exists is opened (start-up opens
+        none; the cache closes and reopens them), on the opening thread: its end before any append
+        of this opening, for a caller that wants a stream's end only once it is used."""
+        self._open_listeners.append(listener)
 
     def sync(self) -> None:
         """Sync every stream: the open ones, and those the cache closed unsynced."""
