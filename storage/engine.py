@@ -28,12 +28,14 @@ from storage.cache import NodeCache
 from storage.catalog import (
     CATALOG_CLEAN,
     CATALOG_FILE,
+    CATALOG_SET_ASIDE,
     UNKNOWN,
     Catalog,
     SortedNames,
     StreamSummary,
     read_catalog,
 )
+from storage.catalogjournal import Journal, journal_generations, journal_name, replay
 from storage.config import EngineConfig, StreamConfig
 from storage.context import EngineContext
 from storage.creation import recover_creation
@@ -153,17 +155,31 @@ class Engine(StreamCalls, Maintenance, GroupCalls, ReplicaCalls):
         """Learn every stream from the catalog file, and the streams it does not name from their
         meta files (created since it was written, or all of them when it is missing or damaged);
         open none (they open on first use). After a clean shutdown the file is complete
-        (`CATALOG_CLEAN`) and the streams directory is not listed."""
+        (`CATALOG_CLEAN`), after a process crash its journals say what changed since
+        (storage/catalogjournal.py): then the streams directory is not listed."""
         root = streams_root(self.data_dir)
         listed = read_catalog(self._fs, self.data_dir)
         clean = self._fs.exists(self.data_dir / CATALOG_CLEAN)
         if clean:
             # Durably gone before any stream is created: from here on the file may go stale.
             self._fs.remove(self.data_dir / CATALOG_CLEAN)
-        if listed is not None and clean:
-            self._catalog.load(listed, set())
-            self._check_replicated(listed.replicated, set())
-            return
+        generations = journal_generations(self._fs.listdir(self.data_dir))
+        # A file a deletion set aside holds every name but those its journals add or remove.
+        journaled = listed or (None if clean else read_catalog(self._fs, self.data_dir, CATALOG_SET_ASIDE))
+        if journaled is not None:
+            changes = None if clean else replay(self._fs, self.data_dir, journaled.journal, generations)
+            if clean or changes is not None:
+                listed = journaled
+                self._catalog.load(listed, set())
+                if changes is None:  # complete: the journal that continues it starts empty
+                    generation = listed.journal
+                else:  # the file and the journals so far stay until the catalog is next saved
+                    self._apply_journal(root, changes.last, changes.opened)
+                    generation = generations[-1] + 1
+                gone = {name for name in listed.replicated if name not in self._catalog}
+                self._check_replicated(listed.replicated, gone)
+                self._catalog.start_journal(Journal(self._fs, self.data_dir, generation))
+                return
         on_disk = self._fs.entries(root)
         for dirname in [d for d in on_disk if d.endswith(DELETED_SUFFIX)]:
             self._fs.remove_tree(root / dirname)  # a delete that crashed half-way
@@ -183,8 +199,40 @@ class Engine(StreamCalls, Maintenance, GroupCalls, ReplicaCalls):
                 self._catalog.add_closed(name, UNKNOWN)
         if self._adopted:  # the streams directory's entries of the streams adopted
             self._fs.sync_dir(root)
-        if self._catalog.changes or listed is None:
-            self._save_catalog()
+        # The journals could not be trusted (or there was no file): a new file, a new generation.
+        self._save_catalog(1 + max(generations[-1] if generations else 0, listed.journal if listed else 0))
+
+    def _apply_journal(self, root: Path, last: dict[str, bool], opened: set[str]) -> None:
+        """Start-up after a process crash: the streams the journals say were created since the
+        file (each checked as start-up checks a directory the file does not name: a creation the
+        crash cut short is finished or removed) or deleted (a deletion the crash cut short is
+        finished), and those opened since, whose figures in the file are stale."""
+        for name, created in sorted(last.items()):
+            directory = stream_directory(self.data_dir, name)
+            if created:
+                if self._fs.exists(directory) and self._read_stream_dir(directory) == name:
+                    self._known(name)
+                elif name in self._catalog:
+                    self._catalog.remove(name)
+            else:
+                if name in self._catalog:
+                    self._catalog.remove(name)
+                doomed = directory.with_name(directory.name + DELETED_SUFFIX)
+                for leftover in (directory, doomed):
+                    if self._fs.exists(leftover):
+                        self._fs.remove_tree(leftover)
+        for name in opened - last.keys():
+            if name in self._catalog:
+                self._known(name)
+        if self._adopted:
+            self._fs.sync_dir(root)
+
+    def _known(self, name: str) -> None:
+        """A stream whose figures a maintenance visit will learn."""
+        if name in self._catalog:
+            self._catalog.closed(name, UNKNOWN)
+        else:
+            self._catalog.add_closed(name, UNKNOWN)
 
     def _check_replicated(self, replicated: list[str], gone: set[str]) -> None:
         """A few streams: their meta and epoch files are checked at start-up, as replication may
@@ -212,10 +260,15 @@ class Engine(StreamCalls, Maintenance, GroupCalls, ReplicaCalls):
             return None
         return name
 
-    def _save_catalog(self) -> bool:
+    def _save_catalog(self, generation: int | None = None) -> bool:
         """Rewrite the catalog file (atomically): at start-up when it was stale, at close, and by
         maintenance when streams came or went. Streams whose creation is not durable yet are
-        left out (start-up finds them by their directories): True if there were none."""
+        left out (start-up finds them by their directories, or by the next journal: a new
+        generation, `generation` or the next, continues the file and the older ones are
+        removed once it is in place): True if there were none."""
+        if generation is None:
+            generation = self._catalog.journal_generation() + 1
+        journal = Journal(self._fs, self.data_dir, generation)
         pending = self._unsynced.creating()
         summaries: dict[str, StreamSummary] = {}
         for stream in self._open.values():
@@ -225,18 +278,25 @@ class Engine(StreamCalls, Maintenance, GroupCalls, ReplicaCalls):
                 pending.add(stream.name)
             else:  # its figures may move on before the next file: visited after a crash
                 summaries[stream.name] = stream_summary(stream)._replace(upkeep_ms=1)
-        raw = self._catalog.encode(pending, summaries)
+        raw = self._catalog.encode(pending, summaries, journal)
+        if self.unreadable or self._leftovers:  # a listing finds them again: the next start-up's
+            self._catalog.relist()
         self._fs.write_file_atomic(self.data_dir / CATALOG_FILE, raw)
         self._catalog_saved = time.monotonic()
         self._catalog_on_disk = True
+        for older in journal_generations(self._fs.listdir(self.data_dir)):
+            if older < generation:
+                self._fs.remove(self.data_dir / journal_name(older))
         return not pending
 
     def _drop_catalog_file(self) -> None:
-        """Remove the catalog file (durably) before a stream it may name is deleted: start-up
+        """Set the catalog file aside (durably) before a stream it may name is deleted: start-up
         must not take a name from it whose directory may hold a recreated stream not yet durable
-        (it rebuilds the file from the directories instead, until maintenance rewrites it)."""
+        (it rebuilds the file from the directories instead, until maintenance rewrites it), but
+        for a start-up after a process crash, whose journals name every stream created or deleted
+        since the file (each created one checked)."""
         if self._catalog_on_disk:
-            self._fs.remove(self.data_dir / CATALOG_FILE)
+            self._fs.rename(self.data_dir / CATALOG_FILE, self.data_dir / CATALOG_SET_ASIDE)
             self._catalog_on_disk = False
 
     def _open_stream(self, name: str) -> Stream:
@@ -250,7 +310,7 @@ class Engine(StreamCalls, Maintenance, GroupCalls, ReplicaCalls):
         except (CorruptionError, ValueError, KeyError, FileNotFoundError) as exc:
             log.error("stream directory %s is unreadable: %s", dirname, exc)
             with self._lock:
-                self._catalog.remove(name)
+                self._catalog.remove(name, unreadable=True)
                 self.unreadable.append(dirname)
             raise StreamNotFoundError(f"stream {name!r} is damaged on disk; see the server log") from exc
         self._catalog.opened(name)
@@ -293,6 +353,7 @@ class Engine(StreamCalls, Maintenance, GroupCalls, ReplicaCalls):
                 self._fs.create_marker(self.data_dir / CATALOG_CLEAN)
         except StorageError as exc:  # start-up rebuilds it from the directories
             log.error("the catalog could not be saved: %s", exc)
+        self._catalog.close_journal()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -332,6 +393,7 @@ class Engine(StreamCalls, Maintenance, GroupCalls, ReplicaCalls):
             if directory.name in self.unreadable:
                 # Its metadata is damaged: keep the evidence, refuse to write over it.
                 raise PreconditionError(f"stream {name!r} is damaged on disk; see the server log")
+            self._catalog.creating(name)  # journaled before its directory is made
             stream = Stream.create(self._ctx, name, directory, StreamConfig(), incarnation)
             self._catalog.add(name)
         return stream
