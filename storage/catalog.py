@@ -52,6 +52,9 @@ CATALOG_VERSION = 1
 _MAGIC = b"SLCT"
 _HEAD = struct.Struct("<4sIHHII")  # magic, CRC32C of the rest, version, 0, streams, JSON bytes
 TOTALS = ("entries", "bytes_on_disk", "segments", "nodes")
+# Streams opened in one journal generation past which the file is due to be rewritten (the
+# journal's set of them, and a replay's work, stay bounded when closed streams are read at large).
+JOURNAL_OPENED_MAX = 100_000
 _OWN_DIRNAME = re.compile(r"[A-Za-z0-9_-]{1,200}")  # a name that is its directory's (storage/names.py)
 
 
@@ -194,8 +197,8 @@ class Catalog:
             if self._row(name) is not None:
                 self._forget(name)
                 self._open.add(name)
-                if self._journal is not None:
-                    self._journal.opened(name)
+                if self._journal is not None and self._journal.opened(name) >= JOURNAL_OPENED_MAX:
+                    self.changes += 1  # maintenance rewrites the file: a new generation
 
     def closed(self, name: str, summary: StreamSummary) -> None:
         """The stream closed with these figures."""

@@ -88,10 +88,12 @@ class Journal:
         self._opened.discard(name)
         self._append(DELETED, name)
 
-    def opened(self, name: str) -> None:
+    def opened(self, name: str) -> int:
+        """Record the stream's first opening in this generation; how many streams have one."""
         if name not in self._opened:
             self._opened.add(name)
             self._append(OPENED, name)
+        return len(self._opened)
 
     def relist(self, name: str) -> None:
         self._append(RELIST, name)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import storage.catalog as catalog_module
+import storage.engine as engine_module
 from storage import AppendBatch, Engine, EngineConfig, StreamNotFoundError
 from storage.catalog import Catalog, StreamSummary
 from storage.catalogjournal import journal_generations, journal_name
@@ -123,3 +124,24 @@ def test_a_catalog_of_many_streams_is_built_outside_its_lock(monkeypatch):
     raw = catalog.encode(set(), {})
     assert free == [True]  # the names were merged with the lock free: creations went on meanwhile
     assert catalog_module.decode_catalog(raw).names == [f"s{i:04d}" for i in range(1000) if i != 1]
+
+
+def test_streams_opened_at_large_make_the_file_due(tmp_path, clock, monkeypatch):
+    monkeypatch.setattr(catalog_module, "JOURNAL_OPENED_MAX", 3)
+    monkeypatch.setattr(engine_module, "CATALOG_SAVE_S", 0)  # maintenance writes the file when due
+
+    def generations() -> list[int]:
+        return journal_generations(p.name for p in data.iterdir())
+
+    data = tmp_path / "data"
+    with Engine(data, CONFIG, clock=clock) as engine:
+        fill(engine, 5)
+    with Engine(data, CONFIG, clock=clock) as engine:
+        first = generations()
+        for name in ["room-000", "room-001"]:
+            engine.read(name, 0, 1)
+        engine.maintain()
+        assert generations() == first  # reads change nothing the file holds
+        engine.read("room-002", 0, 1)  # the third stream opened in this generation
+        engine.maintain()
+        assert generations() == [first[-1] + 1]
