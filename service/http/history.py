@@ -134,4 +134,3 @@ class History:
         """(time ms, lag or None, pending) per sample that saw the group, oldest first."""
         key = (stream, group)
         return [(at, *groups[key]) for at, groups in self._groups if key in groups]
-

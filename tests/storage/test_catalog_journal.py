@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import storage.catalog as catalog_module
-import storage.engine as engine_module
+import storage.maintenance as maintenance_module
 from storage import AppendBatch, Engine, EngineConfig, StreamNotFoundError
 from storage.catalog import Catalog, StreamSummary
 from storage.catalogjournal import journal_generations, journal_name
@@ -128,7 +128,7 @@ def test_a_catalog_of_many_streams_is_built_outside_its_lock(monkeypatch):
 
 def test_streams_opened_at_large_make_the_file_due(tmp_path, clock, monkeypatch):
     monkeypatch.setattr(catalog_module, "JOURNAL_OPENED_MAX", 3)
-    monkeypatch.setattr(engine_module, "CATALOG_SAVE_S", 0)  # maintenance writes the file when due
+    monkeypatch.setattr(maintenance_module, "CATALOG_SAVE_S", 0)  # maintenance writes the file when due
 
     def generations() -> list[int]:
         return journal_generations(p.name for p in data.iterdir())
