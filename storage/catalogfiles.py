@@ -72,6 +72,8 @@ class CatalogFiles:
                 gone = {name for name in listed.replicated if name not in self._catalog}
                 self._check_replicated(listed.replicated, gone)
                 self._catalog.start_journal(Journal(self._fs, self.data_dir, generation))
+                if self.unreadable:  # found among the streams created since: reported again next time
+                    self._catalog.relist()
                 return
         on_disk = self._fs.entries(root)
         for dirname in [d for d in on_disk if d.endswith(DELETED_SUFFIX)]:

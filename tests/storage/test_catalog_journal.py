@@ -15,7 +15,7 @@ import storage.maintenance as maintenance_module
 from storage import AppendBatch, Engine, EngineConfig, StreamNotFoundError
 from storage.catalog import Catalog, StreamSummary
 from storage.catalogjournal import journal_generations, journal_name
-from storage.layout import stream_directory
+from storage.layout import META_FILE, stream_directory
 from tests.storage.conftest import SMALL
 from tests.storage.faultfs import FaultFS
 from tests.storage.test_catalog import CountingFS, contents, fill
@@ -145,3 +145,14 @@ def test_streams_opened_at_large_make_the_file_due(tmp_path, clock, monkeypatch)
         engine.read("room-002", 0, 1)  # the third stream opened in this generation
         engine.maintain()
         assert generations() == [first[-1] + 1]
+
+
+def test_a_stream_created_since_the_file_and_found_unreadable_is_reported_by_every_start_up(tmp_path, clock):
+    data = tmp_path / "data"
+    killed_after_changes(data, clock, CountingFS())
+    (stream_directory(data, "new-1") / META_FILE).write_bytes(b"damaged")  # the journal names it
+    for listings in (0, 1):  # found by the journal's check, then by the listing it asked for
+        fs = CountingFS()
+        engine = Engine(data, CONFIG, clock=clock, fs=fs)  # dropped unclosed: a kill -9 each time
+        assert fs.stream_listings == listings and engine.unreadable == ["new-1"]
+        assert "new-1" not in engine.list_streams()
