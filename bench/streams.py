@@ -19,7 +19,9 @@ Issue 17's targets, measured with one Python client each:
   copied under each name by `BUILDERS` processes (its segment as it is: the
   entry's bytes are the template's; no meta file, as the engine writes none for
   these names), with the SYNCED marker a clean close leaves, and the catalog file
-  (and `catalog.clean`) a clean shutdown would write. Then a start-up, one more
+  (and `catalog.clean`) a clean shutdown would write. Then a start-up (with the
+  HTTP console on: its history opens no stream; the server's CPU time until
+  SERVING is reported beside the wall-clock time), one more
   entry appended through the server to
   `DIRECT_APPENDS` streams, a kill -9, a restart, and those entries and as many
   untouched streams read back.
@@ -99,19 +101,20 @@ def redis_load(streams: int, entries: int) -> None:
 class Server:
     """`streamlog serve` on a data directory; its log beside it."""
 
-    def __init__(self, data: Path, max_streams: int) -> None:
+    def __init__(self, data: Path, max_streams: int, *, console: bool = False) -> None:
+        """`console`: the HTTP API and console on too (their start-up is measured with the rest)."""
         self.data = data
         self.port, self.metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self._max_streams = max_streams
+        self._settings = {"max_streams": max_streams, "metrics_port": self.metrics_port}
+        if console:
+            self._settings["http_port"] = free_port()
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 600) -> float:
         """Start it; the seconds until it answers SERVING."""
         log = open(self.data.parent / "server.log", "ab")  # noqa: SIM115 - the process keeps it
-        command = serve_command(
-            self.data, self.port, max_streams=self._max_streams, metrics_port=self.metrics_port
-        )
+        command = serve_command(self.data, self.port, **self._settings)
         started = time.monotonic()
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
         log.close()
@@ -136,6 +139,14 @@ class Server:
     def rss_mb(self) -> float:
         assert self.proc is not None
         return _rss_mb(self.proc.pid)
+
+    def cpu_s(self) -> float:
+        """The CPU time (user and system, every thread) the server has used: what its start-up
+        costs when read at SERVING, whatever the machine's load does to the wall-clock time."""
+        assert self.proc is not None
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _rss_mb(pid: int | None) -> float:
@@ -256,9 +267,11 @@ def million(streams: int) -> None:
             server.stop()
             emit("many_streams_disk", _disk_mb(data), "MB", **shape)
             emit("many_streams_restart_start_up", server.start(), "s", **shape)
+            emit("many_streams_start_up_cpu", server.cpu_s(), "s", **shape)
             emit("many_streams_restarted_rss", server.rss_mb(), "MB", **shape)
             server.stop(signal.SIGKILL)
             emit("many_streams_start_up_after_kill", server.start(), "s", **shape)
+            emit("many_streams_start_up_after_kill_cpu", server.cpu_s(), "s", **shape)
             with Timer() as t:
                 good = asyncio.run(read_all(server.address, streams, 1))
             emit("many_streams_acked_present_after_kill", good, "streams", of=streams, **shape)
@@ -287,15 +300,27 @@ def build_directly(data: Path, streams: int) -> None:
 
 
 def _copy_template(data: Path, first: int, stop: int) -> None:
+    """Streams first..stop-1 as copies of the template's files: each a mkdir and, per file, one
+    open, write and close, relative to the streams directory's descriptor (no path walked)."""
     template = stream_directory(data, stream_name(0))
     # No meta file: a stream whose directory gives its name back has none (storage/creation.py).
-    files = {f.name: f.read_bytes() for f in template.iterdir()}
-    root = streams_root(data)
-    for i in range(first, stop):
-        directory = root / stream_name(i)
-        directory.mkdir()
-        for name, raw in files.items():
-            (directory / name).write_bytes(raw)
+    files = [(f.name, f.read_bytes()) for f in template.iterdir()]
+    root = os.open(streams_root(data), os.O_RDONLY | os.O_DIRECTORY)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    try:
+        for i in range(first, stop):
+            dirname = stream_name(i)
+            os.mkdir(dirname, 0o755, dir_fd=root)
+            directory = os.open(dirname, os.O_RDONLY | os.O_DIRECTORY, dir_fd=root)
+            try:
+                for name, raw in files:
+                    fd = os.open(name, flags, 0o644, dir_fd=directory)
+                    os.write(fd, raw)
+                    os.close(fd)
+            finally:
+                os.close(directory)
+    finally:
+        os.close(root)
 
 
 async def append_after(address: str, picks: list[int]) -> int:
@@ -321,9 +346,10 @@ def million_direct(streams: int) -> None:
             build_directly(data, streams)
         emit("many_streams_direct_build", t.elapsed, "s", **shape)
         emit("many_streams_disk", _disk_mb(data), "MB", **shape)
-        server = Server(data, 2 * streams)
+        server = Server(data, 2 * streams, console=True)
         try:
             emit("many_streams_start_up", server.start(), "s", **shape)
+            emit("many_streams_start_up_cpu", server.cpu_s(), "s", **shape)
             emit("many_streams_restarted_rss", server.rss_mb(), "MB", **shape)
             emit("many_streams_open_fds", server.fds(), "fds", **shape)
             rng = random.Random(17)
@@ -332,6 +358,7 @@ def million_direct(streams: int) -> None:
             acked = asyncio.run(append_after(server.address, appended))
             server.stop(signal.SIGKILL)
             emit("many_streams_start_up_after_kill", server.start(), "s", **shape)
+            emit("many_streams_start_up_after_kill_cpu", server.cpu_s(), "s", **shape)
             emit("many_streams_rss_after_kill", server.rss_mb(), "MB", **shape)
             good = asyncio.run(read_all(server.address, appended, 1, extra=1, template=True))
             emit("many_streams_acked_present_after_kill", good, "streams", of=acked, **shape)

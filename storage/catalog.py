@@ -40,15 +40,21 @@ from storage.errors import CorruptionError
 from storage.names import dirname_for
 
 if TYPE_CHECKING:
+    from storage.catalogjournal import Journal
     from storage.fs import FileSystem
 
 CATALOG_FILE = "catalog"
+# The file a deletion set aside (storage/engine.py): read only with its journals, after a process crash.
+CATALOG_SET_ASIDE = "catalog.set-aside"
 # Present after a clean shutdown wrote a complete file: start-up need not list the streams.
 CATALOG_CLEAN = "catalog.clean"
 CATALOG_VERSION = 1
 _MAGIC = b"SLCT"
 _HEAD = struct.Struct("<4sIHHII")  # magic, CRC32C of the rest, version, 0, streams, JSON bytes
 TOTALS = ("entries", "bytes_on_disk", "segments", "nodes")
+# Streams opened in one journal generation past which the file is due to be rewritten (the
+# journal's set of them, and a replay's work, stay bounded when closed streams are read at large).
+JOURNAL_OPENED_MAX = 100_000
 _OWN_DIRNAME = re.compile(r"[A-Za-z0-9_-]{1,200}")  # a name that is its directory's (storage/names.py)
 
 
@@ -80,6 +86,7 @@ class CatalogFile:
     dirs: dict[str, str]
     replicated: list[str]
     due: list[tuple[int, str]]
+    journal: int = 0  # the generation of the journal that continues the file (storage/catalogjournal.py)
 
     def dirnames(self) -> set[str]:
         found = set(self.names)
@@ -104,6 +111,8 @@ class Catalog:
         self._due: list[tuple[int, str]] = []  # heap of (upkeep_ms, name); stale items skipped
         self._replicated: set[str] = set()
         self._sorted: SortedList | None = None  # the names in order, built on the first listing
+        self._open: set[str] = set()  # streams open now: their figures are not the catalog's
+        self._journal: Journal | None = None  # the changes since the file (storage/catalogjournal.py)
         self.changes = 0  # streams added or removed since the file was last written
 
     def __contains__(self, name: object) -> bool:
@@ -155,6 +164,13 @@ class Catalog:
 
     # ------------------------------------------------------------------ changes
 
+    def creating(self, name: str) -> None:
+        """A stream's directory is about to be made: journaled first, so that a start-up after a
+        crash knows every directory it need not list."""
+        with self.lock:
+            if self._journal is not None:
+                self._journal.created(name)
+
     def add(self, name: str) -> None:
         """A stream created now (it is open)."""
         with self.lock:
@@ -162,19 +178,27 @@ class Catalog:
                 self._forget(name)
             else:
                 self._new_row(name)
+            self._open.add(name)
             self.changes += 1
 
-    def remove(self, name: str) -> None:
+    def remove(self, name: str, *, unreadable: bool = False) -> None:
+        """The stream is deleted, or (`unreadable`) its directory failed its checks: then the next
+        start-up lists the streams directory, which reports it again."""
         with self.lock:
             if self._row(name) is not None:
                 self._drop(name)
                 self.changes += 1
+                if self._journal is not None:
+                    (self._journal.relist if unreadable else self._journal.deleted)(name)
 
     def opened(self, name: str) -> None:
         """The stream is open: its figures come from it now."""
         with self.lock:
             if self._row(name) is not None:
                 self._forget(name)
+                self._open.add(name)
+                if self._journal is not None and self._journal.opened(name) >= JOURNAL_OPENED_MAX:
+                    self.changes += 1  # maintenance rewrites the file: a new generation
 
     def closed(self, name: str, summary: StreamSummary) -> None:
         """The stream closed with these figures."""
@@ -182,6 +206,7 @@ class Catalog:
             if self._row(name) is not None:
                 self._forget(name)
                 self._keep(name, summary)
+                self._open.discard(name)
 
     def _new_row(self, name: str) -> None:
         if name in self._gone:  # back under its old row (zeroed when it went)
@@ -196,6 +221,7 @@ class Catalog:
 
     def _drop(self, name: str) -> None:
         self._forget(name)
+        self._open.discard(name)
         if self._rows.pop(name, None) is None:
             self._gone.add(name)  # its row stays, zeroed, until the file is next written
         self._replicated.discard(name)
@@ -261,20 +287,43 @@ class Catalog:
 
     # ------------------------------------------------------------------ the file
 
-    def encode(self, skip: set[str], summaries: dict[str, StreamSummary]) -> bytes:
+    def encode(
+        self, skip: set[str], summaries: dict[str, StreamSummary], journal: Journal | None = None
+    ) -> bytes:
         """The file's bytes: every stream but `skip` (streams whose creation is not durable yet),
-        with the figures of the closed ones and, for the open ones, `summaries` (else UNKNOWN)."""
+        with the figures of the closed ones and, for the open ones, `summaries` (else UNKNOWN).
+        `journal` (a new generation) continues the file from now on: the streams of `skip` are
+        recorded in it as created. The lock is held only to copy the columns (a million rows:
+        milliseconds); the file is built outside it."""
         with self.lock:
-            # The file's names are in order already: merge the few created since into them.
-            left = self._gone | skip
-            base = [(n, i) for i, n in enumerate(self._base) if n not in left]
+            # The file's names are never changed in place: `load` replaces the list.
+            base, left = self._base, self._gone | skip
             added = sorted((n, r) for n, r in self._rows.items() if n not in skip)
-            merged = list(heapq.merge(base, added)) if added else base
-            names, rows = [n for n, _ in merged], [r for _, r in merged]
-            columns = [array("q", (column[r] for r in rows)) for column in self._columns]
-            due = {n: when for n, r in zip(names, rows, strict=True) if (when := self._upkeep[r])}
+            columns = [column[:] for column in self._columns]
+            upkeep = self._upkeep[:]
             replicated = self._replicated - skip
+            unknown = self._open - skip
             self.changes = 0
+            old, generation = self._journal, 0
+            if journal is not None:
+                self._journal, generation = journal, journal.generation
+                for name in skip:
+                    journal.created(name)
+        if old is not None and journal is not None:
+            old.close()
+        # The file's names are in order already: merge the few created since into them.
+        if left or added:
+            kept = [(n, i) for i, n in enumerate(base) if n not in left]
+            merged = list(heapq.merge(kept, added))
+            names, rows = [n for n, _ in merged], [r for _, r in merged]
+            columns = [array("q", (column[r] for r in rows)) for column in columns]
+            due = {n: when for n, r in zip(names, rows, strict=True) if (when := upkeep[r])}
+        else:  # nothing came or went since the file was read: its rows as they are
+            names = base
+            columns = [column[: len(base)] for column in columns]  # rows of streams added and gone
+            due = {base[r]: when for r, when in enumerate(upkeep) if when}
+        for name in unknown:  # open, maybe since `summaries` were taken: visited after a crash
+            due[name] = UNKNOWN.upkeep_ms
         for name, summary in summaries.items():
             if name in skip:
                 continue
@@ -286,11 +335,37 @@ class Catalog:
                 replicated.add(name)
         dirs = {n: dirname_for(n) for n in names if not _OWN_DIRNAME.fullmatch(n)}
         head = json.dumps(
-            {"dirs": dirs, "replicated": sorted(replicated), "due": sorted((w, n) for n, w in due.items())},
+            {
+                "dirs": dirs,
+                "replicated": sorted(replicated),
+                "due": sorted((w, n) for n, w in due.items()),
+                "journal": generation,
+            },
             separators=(",", ":"),
         ).encode()
         body = b"".join([head, "\0".join(names).encode(), *(_stored(column) for column in columns)])
         return _HEAD.pack(_MAGIC, crc32c(body), CATALOG_VERSION, 0, len(names), len(head)) + body
+
+    def start_journal(self, journal: Journal) -> None:
+        """Start-up: the file and its journals were read; changes go to `journal` from now on."""
+        with self.lock:
+            self._journal = journal
+
+    def relist(self) -> None:
+        """The next start-up is to list the streams directory, even after a process crash."""
+        with self.lock:
+            if self._journal is not None:
+                self._journal.relist("")
+
+    def journal_generation(self) -> int:
+        with self.lock:
+            return self._journal.generation if self._journal is not None else 0
+
+    def close_journal(self) -> None:
+        with self.lock:
+            journal, self._journal = self._journal, None
+        if journal is not None:
+            journal.close()
 
 
 def decode_catalog(raw: bytes) -> CatalogFile:
@@ -314,7 +389,9 @@ def decode_catalog(raw: bytes) -> CatalogFile:
             _column(body[names_end + width * i : names_end + width * (i + 1)]) for i in range(len(TOTALS))
         ]
         due = [(int(when), str(name)) for when, name in head["due"]]
-        listed = CatalogFile(names, columns, dict(head["dirs"]), list(head["replicated"]), due)
+        listed = CatalogFile(
+            names, columns, dict(head["dirs"]), list(head["replicated"]), due, int(head.get("journal", 0))
+        )
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptionError(f"catalog is malformed: {exc}") from exc
     if len(names) != n:
@@ -339,10 +416,10 @@ def _stored(column: array) -> bytes:
     return column.tobytes()
 
 
-def read_catalog(fs: FileSystem, data_dir: Path) -> CatalogFile | None:
+def read_catalog(fs: FileSystem, data_dir: Path, name: str = CATALOG_FILE) -> CatalogFile | None:
     """The catalog file's content, or None when there is none or it is damaged (then rebuilt)."""
     try:
-        return decode_catalog(fs.read_file(data_dir / CATALOG_FILE))
+        return decode_catalog(fs.read_file(data_dir / name))
     except (FileNotFoundError, CorruptionError):
         return None
 

@@ -11,7 +11,8 @@ storage/layout.py says) by name, keeps at most `max_open_streams` of them open
 unclean shutdown recovered, before it is first served), creates and deletes
 streams, hands each call to its stream, and runs the maintenance thread; the
 consumer-group calls come from GroupCalls (storage/groupsapi.py), the
-replication primitives from ReplicaCalls (storage/replicaapi.py).
+replication primitives from ReplicaCalls (storage/replicaapi.py), the catalog's
+reading at start-up and its writing from CatalogFiles (storage/catalogfiles.py).
 """
 
 from __future__ import annotations
@@ -25,20 +26,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from storage.cache import NodeCache
-from storage.catalog import (
-    CATALOG_CLEAN,
-    CATALOG_FILE,
-    UNKNOWN,
-    Catalog,
-    SortedNames,
-    StreamSummary,
-    read_catalog,
-)
+from storage.catalog import CATALOG_CLEAN, Catalog, SortedNames
+from storage.catalogfiles import CatalogFiles
 from storage.config import EngineConfig, StreamConfig
 from storage.context import EngineContext
-from storage.creation import recover_creation
 from storage.durability import DirSync
-from storage.epochs import EpochHistory
 from storage.errors import (
     CorruptionError,
     InvalidArgumentError,
@@ -50,21 +42,13 @@ from storage.fs import FileSystem
 from storage.groupmanager import GroupManager
 from storage.groupsapi import GroupCalls
 from storage.handoff import UnsyncedCloses
-from storage.layout import (
-    DELETED_SUFFIX,
-    EPOCHS_FILE,
-    LOCK_FILE,
-    META_FILE,
-    decode_meta,
-    stream_directory,
-    streams_root,
-)
+from storage.layout import DELETED_SUFFIX, LOCK_FILE, stream_directory, streams_root
 from storage.maintenance import Maintenance
 from storage.names import validate_name
 from storage.openstreams import OpenStreams, Pinned
 from storage.replicaapi import ReplicaCalls
 from storage.stream import Stream
-from storage.streaminfo import stream_info, stream_summary
+from storage.streaminfo import stream_info
 from storage.streamsapi import StreamCalls
 
 log = logging.getLogger("streamlog.storage")
@@ -77,7 +61,7 @@ def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-class Engine(StreamCalls, Maintenance, GroupCalls, ReplicaCalls):
+class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
     def __init__(
         self,
         data_dir: str | os.PathLike,
@@ -95,6 +79,7 @@ class Engine(StreamCalls, Maintenance, GroupCalls, ReplicaCalls):
         self._lock = threading.Lock()
         self._listeners: list[AppendListener] = []
         self._log_listeners: list[AppendListener] = []
+        self._open_listeners: list[AppendListener] = []
         # Consumer groups install a floor here: retention never evicts at or above it.
         self.retention_floor: Callable[[str], int | None] = lambda name: None
         # Streams whose retention and compaction run as EngineConfig.retention_passive does not say.
@@ -148,96 +133,6 @@ class Engine(StreamCalls, Maintenance, GroupCalls, ReplicaCalls):
     def _floor(self, name: str) -> int | None:
         return self.retention_floor(name)
 
-    def _load(self) -> None:
-        """Learn every stream from the catalog file, and the streams it does not name from their
-        meta files (created since it was written, or all of them when it is missing or damaged);
-        open none (they open on first use). After a clean shutdown the file is complete
-        (`CATALOG_CLEAN`) and the streams directory is not listed."""
-        root = streams_root(self.data_dir)
-        listed = read_catalog(self._fs, self.data_dir)
-        clean = self._fs.exists(self.data_dir / CATALOG_CLEAN)
-        if clean:
-            # Durably gone before any stream is created: from here on the file may go stale.
-            self._fs.remove(self.data_dir / CATALOG_CLEAN)
-        if listed is not None and clean:
-            self._catalog.load(listed, set())
-            self._check_replicated(listed.replicated, set())
-            return
-        on_disk = self._fs.entries(root)
-        for dirname in [d for d in on_disk if d.endswith(DELETED_SUFFIX)]:
-            self._fs.remove_tree(root / dirname)  # a delete that crashed half-way
-            on_disk.discard(dirname)
-        unlisted = on_disk
-        if listed is not None:
-            in_file = listed.dirnames()
-            unlisted = on_disk - in_file
-            name_of = {dirname: name for name, dirname in listed.dirs.items()}
-            gone = {name_of.get(dirname, dirname) for dirname in in_file - on_disk}
-            self._catalog.load(listed, gone)
-            self._catalog.changes += len(gone)
-            self._check_replicated(listed.replicated, gone)
-        for dirname in sorted(unlisted):
-            name = self._read_stream_dir(root / dirname)
-            if name is not None:
-                self._catalog.add_closed(name, UNKNOWN)
-        if self._adopted:  # the streams directory's entries of the streams adopted
-            self._fs.sync_dir(root)
-        if self._catalog.changes or listed is None:
-            self._save_catalog()
-
-    def _check_replicated(self, replicated: list[str], gone: set[str]) -> None:
-        """A few streams: their meta and epoch files are checked at start-up, as replication may
-        ask for them before their first use."""
-        for name in replicated:
-            directory = stream_directory(self.data_dir, name)
-            if name not in gone and self._read_stream_dir(directory) is None:
-                self._catalog.remove(name)
-
-    def _read_stream_dir(self, directory: Path) -> str | None:
-        """The name of the stream in `directory`, from its meta file, or for a directory without one
-        as storage/creation.py says; None (the directory removed, or listed in `unreadable`) if it
-        holds no stream or a damaged meta file."""
-        try:
-            name = decode_meta(self._fs.read_file(directory / META_FILE))[0]
-            if self._fs.exists(directory / EPOCHS_FILE):  # replicated streams only: a few
-                EpochHistory.decode(self._fs.read_file(directory / EPOCHS_FILE))
-        except FileNotFoundError:  # a stream without one (storage/creation.py), or a crashed creation
-            recovered = recover_creation(self._fs, directory, self._fs.listdir(directory))
-            self._adopted += recovered is not None
-            return recovered
-        except (CorruptionError, ValueError, KeyError) as exc:
-            log.error("stream directory %s is unreadable: %s", directory.name, exc)
-            self.unreadable.append(directory.name)
-            return None
-        return name
-
-    def _save_catalog(self) -> bool:
-        """Rewrite the catalog file (atomically): at start-up when it was stale, at close, and by
-        maintenance when streams came or went. Streams whose creation is not durable yet are
-        left out (start-up finds them by their directories): True if there were none."""
-        pending = self._unsynced.creating()
-        summaries: dict[str, StreamSummary] = {}
-        for stream in self._open.values():
-            if stream.closed:
-                continue  # the engine's close: its summary is the catalog's now
-            if stream.creation is not None:
-                pending.add(stream.name)
-            else:  # its figures may move on before the next file: visited after a crash
-                summaries[stream.name] = stream_summary(stream)._replace(upkeep_ms=1)
-        raw = self._catalog.encode(pending, summaries)
-        self._fs.write_file_atomic(self.data_dir / CATALOG_FILE, raw)
-        self._catalog_saved = time.monotonic()
-        self._catalog_on_disk = True
-        return not pending
-
-    def _drop_catalog_file(self) -> None:
-        """Remove the catalog file (durably) before a stream it may name is deleted: start-up
-        must not take a name from it whose directory may hold a recreated stream not yet durable
-        (it rebuilds the file from the directories instead, until maintenance rewrites it)."""
-        if self._catalog_on_disk:
-            self._fs.remove(self.data_dir / CATALOG_FILE)
-            self._catalog_on_disk = False
-
     def _open_stream(self, name: str) -> Stream:
         """Open a stream of the catalog (OpenStreams calls this on a miss)."""
         if name not in self._catalog:
@@ -249,10 +144,12 @@ class Engine(StreamCalls, Maintenance, GroupCalls, ReplicaCalls):
         except (CorruptionError, ValueError, KeyError, FileNotFoundError) as exc:
             log.error("stream directory %s is unreadable: %s", dirname, exc)
             with self._lock:
-                self._catalog.remove(name)
+                self._catalog.remove(name, unreadable=True)
                 self.unreadable.append(dirname)
             raise StreamNotFoundError(f"stream {name!r} is damaged on disk; see the server log") from exc
         self._catalog.opened(name)
+        for listener in self._open_listeners:
+            listener(name, stream.visible_end)
         return stream
 
     def _close_by_cache(self, stream: Stream) -> None:
@@ -290,6 +187,7 @@ class Engine(StreamCalls, Maintenance, GroupCalls, ReplicaCalls):
                 self._fs.create_marker(self.data_dir / CATALOG_CLEAN)
         except StorageError as exc:  # start-up rebuilds it from the directories
             log.error("the catalog could not be saved: %s", exc)
+        self._catalog.close_journal()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -329,6 +227,7 @@ class Engine(StreamCalls, Maintenance, GroupCalls, ReplicaCalls):
             if directory.name in self.unreadable:
                 # Its metadata is damaged: keep the evidence, refuse to write over it.
                 raise PreconditionError(f"stream {name!r} is damaged on disk; see the server log")
+            self._catalog.creating(name)  # journaled before its directory is made
             stream = Stream.create(self._ctx, name, directory, StreamConfig(), incarnation)
             self._catalog.add(name)
         return stream
@@ -391,6 +290,12 @@ class Engine(StreamCalls, Maintenance, GroupCalls, ReplicaCalls):
         (whose append listeners wait for the commit), on the appending thread: a leader's followers
         have something new to fetch. `local_end` is `log_end`: synced under fsync "always"."""
         self._log_listeners.append(listener)
+
+    def add_open_listener(self, listener: AppendListener) -> None:
+        """`listener(stream, end_offset)` runs when a stream that exists is opened (start-up opens
+        none; the cache closes and reopens them), on the opening thread: its end before any append
+        of this opening, for a caller that wants a stream's end only once it is used."""
+        self._open_listeners.append(listener)
 
     def sync(self) -> None:
         """Sync every stream: the open ones, and those the cache closed unsynced."""

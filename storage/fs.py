@@ -195,11 +195,30 @@ class SegmentFile:
         self.closed = True
 
 
+class AppendFile:
+    """A file written only at its end (O_APPEND), each append one write(2), never synced."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def append(self, data: bytes) -> None:
+        _write_all(self._fd, data)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
 class FileSystem:
     """The real file system. Paths are `pathlib.Path` objects."""
 
     def __init__(self) -> None:
         self.sync_times = SyncTimes()
+        self._boot_id: str | None = None
 
     def create_segment(self, path: Path, size: int, header: bytes, *, durable: bool = True) -> SegmentFile:
         """Create, preallocate and write the header of a segment, durably (unless not `durable`:
@@ -311,6 +330,23 @@ class FileSystem:
             os.replace(src, dst)
         except OSError as exc:
             raise DurabilityError(f"cannot commit {src.name}: {exc}") from exc
+
+    def create_append(self, path: Path, head: bytes) -> AppendFile:
+        """A new file (replacing any there) holding `head`, open for appends; nothing synced."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        try:
+            _write_all(fd, head)
+        except OSError:
+            os.close(fd)
+            raise
+        return AppendFile(fd)
+
+    def boot_id(self) -> str:
+        """The kernel's id of this boot: what was written under another one may not have survived
+        (the page cache is lost with the machine, not with a process)."""
+        if self._boot_id is None:
+            self._boot_id = BOOT_ID.read_text().strip()
+        return self._boot_id
 
     def create_marker(self, path: Path) -> None:
         """Create an empty file whose existence is the message; not synced (the caller's ordering

@@ -35,7 +35,7 @@ class Maintenance:
     _unsynced: UnsyncedCloses
     _groups: GroupManager
     _stop: threading.Event
-    _save_catalog: Callable[[], bool]
+    _save_catalog: Callable[..., bool]
     retention_active: Callable[[str], bool]
 
     def maintain(self) -> None:

@@ -6,7 +6,9 @@ kept), so the charts have their history the moment a page opens. What it costs:
 - Appends: the engine's append listener stores each stream's new end in a dict
   (one assignment per appended batch, only when the HTTP API is on). A sample
   keeps, per stream that grew, how many entries it gained; idle streams cost
-  nothing per sample, so 100,000 quiet streams add nothing to memory.
+  nothing per sample, so 100,000 quiet streams add nothing to memory. A stream's
+  end before its first append is learnt when the engine opens it (its open
+  listener), never at start-up: start-up opens no stream (a million of them).
 - Groups: each sample reads the groups of up to `max_group_streams` streams
   that have groups (taking turns beyond that), off the event loop, and keeps
   each group's lag (None where it cannot be known) and pending count.
@@ -58,11 +60,19 @@ class History:
         """The engine's append listener (on the appending thread: one dict store)."""
         self._ends[stream] = end
 
+    def on_open(self, stream: str, end: int) -> None:
+        """The engine's open listener: the stream's end before it grows (the first one counts: the
+        sampler moves it on)."""
+        self._seen.setdefault(stream, end)
+
     async def start(self, engine: Engine) -> None:
-        """Count from the streams' present ends, then sample every interval."""
+        """Count from the ends of the streams open now, and of the others as they open; then
+        sample every interval."""
         self._engine = engine
+        engine.add_open_listener(self.on_open)
         engine.add_append_listener(self.on_append)
-        self._seen = await asyncio.to_thread(_ends_of, engine)
+        for stream, info in (await asyncio.to_thread(engine.stats))["per_stream"].items():
+            self.on_open(stream, info.end_offset)
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
@@ -124,11 +134,3 @@ class History:
         """(time ms, lag or None, pending) per sample that saw the group, oldest first."""
         key = (stream, group)
         return [(at, *groups[key]) for at, groups in self._groups if key in groups]
-
-
-def _ends_of(engine: Engine) -> dict[str, int]:
-    ends = {}
-    for stream in engine.list_streams():
-        with contextlib.suppress(StorageError):
-            ends[stream] = engine.bounds(stream).end_offset
-    return ends

@@ -35,6 +35,9 @@ Crash points. Every file sync and every directory sync is a *sync point*
   512-byte sector boundaries (a random subset of the sectors it touches reaches the
   disk); pending directory changes are applied up to a random point (journal order).
 - "lost": nothing pending survives (the worst power loss, deterministic).
+
+`boot_id()` is "process" mode's after a crash, and a new one after "power" and "lost" (the
+machine went down with its page cache).
 """
 
 from __future__ import annotations
@@ -155,6 +158,22 @@ class FaultSegmentFile:
         self.closed = True
 
 
+class FaultAppendFile:
+    """An O_APPEND file of a FaultFS: each append a write point, pending until synced."""
+
+    def __init__(self, fs: FaultFS, inode: _Inode, path: Path) -> None:
+        self._fs, self._inode, self._path = fs, inode, path
+
+    def append(self, data: bytes) -> None:
+        fs = self._fs
+        with fs._lock:
+            fs._check_space(len(data), f"write {self._path.name}")
+            fs._write(self._inode, self._path, len(self._inode.data), data)
+
+    def close(self) -> None:
+        pass
+
+
 class FaultFS:
     """In-memory file system with crash, fsync-failure and disk-full injection (see the module doc)."""
 
@@ -174,6 +193,7 @@ class FaultFS:
         self.on_write: Callable[[FaultFS], None] | None = None
         self.disk_full = False
         self.capacity_bytes: int | None = None
+        self.boot = 0  # boot_id()'s number: a power loss is a new boot
 
     # ------------------------------------------------------------------ internals
 
@@ -373,6 +393,18 @@ class FaultFS:
                 self._sync_inode(self._file(path), path)
             except (OSError, FileNotFoundError) as exc:
                 raise DurabilityError(f"fdatasync of {path} failed: {exc}") from exc
+
+    def boot_id(self) -> str:
+        return f"boot-{self.boot}"
+
+    def create_append(self, path: Path, head: bytes) -> FaultAppendFile:
+        with self._lock:
+            parent = self._dir(path.parent)
+            self._check_space(len(head), f"write {path.name}")
+            inode = _Inode(self._new_serial())
+            self._dir_op(parent, (path.name, inode))  # O_CREAT | O_TRUNC
+            self._write(inode, path, 0, head)
+            return FaultAppendFile(self, inode, path)
 
     def create_marker(self, path: Path) -> None:
         with self._lock:
@@ -596,6 +628,7 @@ class FaultFS:
                             self._apply_fate(content, write, fate, rng, weights)
                 contents[inode.serial] = content
             clone = FaultFS()
+            clone.boot = self.boot if mode == "process" else self.boot + 1
             made: dict[int, _Inode | _Dir] = {}
 
             def build(node: _Inode | _Dir) -> _Inode | _Dir:

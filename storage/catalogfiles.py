@@ -1,0 +1,195 @@
+"""The engine's catalog on disk (storage/catalog.py, docs/FORMAT.md): what start-up reads (the
+file, after a clean shutdown; the file and its journals, after a process crash; the file and
+the streams directory's listing, otherwise), when the file is rewritten, and the file set aside
+before a deletion. `Engine` takes it from `CatalogFiles`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from storage.catalog import (
+    CATALOG_CLEAN,
+    CATALOG_FILE,
+    CATALOG_SET_ASIDE,
+    UNKNOWN,
+    Catalog,
+    StreamSummary,
+    read_catalog,
+)
+from storage.catalogjournal import Journal, journal_generations, journal_name, replay
+from storage.creation import recover_creation
+from storage.epochs import EpochHistory
+from storage.errors import CorruptionError
+from storage.fs import FileSystem
+from storage.handoff import UnsyncedCloses
+from storage.layout import DELETED_SUFFIX, EPOCHS_FILE, META_FILE, decode_meta, stream_directory, streams_root
+from storage.openstreams import OpenStreams
+from storage.streaminfo import stream_summary
+
+log = logging.getLogger("streamlog.storage")
+
+
+class CatalogFiles:
+    data_dir: Path  # set by the engine
+    _fs: FileSystem
+    _catalog: Catalog
+    _catalog_saved: float
+    _catalog_on_disk: bool
+    _leftovers: bool
+    _adopted: int
+    _open: OpenStreams
+    _unsynced: UnsyncedCloses
+    unreadable: list[str]
+
+    def _load(self) -> None:
+        """Learn every stream from the catalog file, and the streams it does not name from their
+        meta files (created since it was written, or all of them when it is missing or damaged);
+        open none (they open on first use). After a clean shutdown the file is complete
+        (`CATALOG_CLEAN`), after a process crash its journals say what changed since
+        (storage/catalogjournal.py): then the streams directory is not listed."""
+        root = streams_root(self.data_dir)
+        listed = read_catalog(self._fs, self.data_dir)
+        clean = self._fs.exists(self.data_dir / CATALOG_CLEAN)
+        if clean:
+            # Durably gone before any stream is created: from here on the file may go stale.
+            self._fs.remove(self.data_dir / CATALOG_CLEAN)
+        generations = journal_generations(self._fs.listdir(self.data_dir))
+        # A file a deletion set aside holds every name but those its journals add or remove.
+        journaled = listed or (None if clean else read_catalog(self._fs, self.data_dir, CATALOG_SET_ASIDE))
+        if journaled is not None:
+            changes = None if clean else replay(self._fs, self.data_dir, journaled.journal, generations)
+            if clean or changes is not None:
+                listed = journaled
+                self._catalog.load(listed, set())
+                if changes is None:  # complete: the journal that continues it starts empty
+                    generation = listed.journal
+                else:  # the file and the journals so far stay until the catalog is next saved
+                    self._apply_journal(root, changes.last, changes.opened)
+                    generation = generations[-1] + 1
+                gone = {name for name in listed.replicated if name not in self._catalog}
+                self._check_replicated(listed.replicated, gone)
+                self._catalog.start_journal(Journal(self._fs, self.data_dir, generation))
+                if self.unreadable:  # found among the streams created since: reported again next time
+                    self._catalog.relist()
+                return
+        on_disk = self._fs.entries(root)
+        for dirname in [d for d in on_disk if d.endswith(DELETED_SUFFIX)]:
+            self._fs.remove_tree(root / dirname)  # a delete that crashed half-way
+            on_disk.discard(dirname)
+        unlisted = on_disk
+        if listed is not None:
+            in_file = listed.dirnames()
+            unlisted = on_disk - in_file
+            name_of = {dirname: name for name, dirname in listed.dirs.items()}
+            gone = {name_of.get(dirname, dirname) for dirname in in_file - on_disk}
+            self._catalog.load(listed, gone)
+            self._catalog.changes += len(gone)
+            self._check_replicated(listed.replicated, gone)
+        for dirname in sorted(unlisted):
+            name = self._read_stream_dir(root / dirname)
+            if name is not None:
+                self._catalog.add_closed(name, UNKNOWN)
+        if self._adopted:  # the streams directory's entries of the streams adopted
+            self._fs.sync_dir(root)
+        # The journals could not be trusted (or there was no file): a new file, a new generation.
+        self._save_catalog(1 + max(generations[-1] if generations else 0, listed.journal if listed else 0))
+
+    def _apply_journal(self, root: Path, last: dict[str, bool], opened: set[str]) -> None:
+        """Start-up after a process crash: the streams the journals say were created since the
+        file (each checked as start-up checks a directory the file does not name: a creation the
+        crash cut short is finished or removed) or deleted (a deletion the crash cut short is
+        finished), and those opened since, whose figures in the file are stale."""
+        for name, created in sorted(last.items()):
+            directory = stream_directory(self.data_dir, name)
+            if created:
+                if self._fs.exists(directory) and self._read_stream_dir(directory) == name:
+                    self._known(name)
+                elif name in self._catalog:
+                    self._catalog.remove(name)
+            else:
+                if name in self._catalog:
+                    self._catalog.remove(name)
+                doomed = directory.with_name(directory.name + DELETED_SUFFIX)
+                for leftover in (directory, doomed):
+                    if self._fs.exists(leftover):
+                        self._fs.remove_tree(leftover)
+        for name in opened - last.keys():
+            if name in self._catalog:
+                self._known(name)
+        if self._adopted:
+            self._fs.sync_dir(root)
+
+    def _known(self, name: str) -> None:
+        """A stream whose figures a maintenance visit will learn."""
+        if name in self._catalog:
+            self._catalog.closed(name, UNKNOWN)
+        else:
+            self._catalog.add_closed(name, UNKNOWN)
+
+    def _check_replicated(self, replicated: list[str], gone: set[str]) -> None:
+        """A few streams: their meta and epoch files are checked at start-up, as replication may
+        ask for them before their first use."""
+        for name in replicated:
+            directory = stream_directory(self.data_dir, name)
+            if name not in gone and self._read_stream_dir(directory) is None:
+                self._catalog.remove(name)
+
+    def _read_stream_dir(self, directory: Path) -> str | None:
+        """The name of the stream in `directory`, from its meta file, or for a directory without one
+        as storage/creation.py says; None (the directory removed, or listed in `unreadable`) if it
+        holds no stream or a damaged meta file."""
+        try:
+            name = decode_meta(self._fs.read_file(directory / META_FILE))[0]
+            if self._fs.exists(directory / EPOCHS_FILE):  # replicated streams only: a few
+                EpochHistory.decode(self._fs.read_file(directory / EPOCHS_FILE))
+        except FileNotFoundError:  # a stream without one (storage/creation.py), or a crashed creation
+            recovered = recover_creation(self._fs, directory, self._fs.listdir(directory))
+            self._adopted += recovered is not None
+            return recovered
+        except (CorruptionError, ValueError, KeyError) as exc:
+            log.error("stream directory %s is unreadable: %s", directory.name, exc)
+            self.unreadable.append(directory.name)
+            return None
+        return name
+
+    def _save_catalog(self, generation: int | None = None) -> bool:
+        """Rewrite the catalog file (atomically): at start-up when it was stale, at close, and by
+        maintenance when streams came or went. Streams whose creation is not durable yet are
+        left out (start-up finds them by their directories, or by the next journal: a new
+        generation, `generation` or the next, continues the file and the older ones are
+        removed once it is in place): True if there were none."""
+        if generation is None:
+            generation = self._catalog.journal_generation() + 1
+        journal = Journal(self._fs, self.data_dir, generation)
+        pending = self._unsynced.creating()
+        summaries: dict[str, StreamSummary] = {}
+        for stream in self._open.values():
+            if stream.closed:
+                continue  # the engine's close: its summary is the catalog's now
+            if stream.creation is not None:
+                pending.add(stream.name)
+            else:  # its figures may move on before the next file: visited after a crash
+                summaries[stream.name] = stream_summary(stream)._replace(upkeep_ms=1)
+        raw = self._catalog.encode(pending, summaries, journal)
+        if self.unreadable or self._leftovers:  # a listing finds them again: the next start-up's
+            self._catalog.relist()
+        self._fs.write_file_atomic(self.data_dir / CATALOG_FILE, raw)
+        self._catalog_saved = time.monotonic()
+        self._catalog_on_disk = True
+        for older in journal_generations(self._fs.listdir(self.data_dir)):
+            if older < generation:
+                self._fs.remove(self.data_dir / journal_name(older))
+        return not pending
+
+    def _drop_catalog_file(self) -> None:
+        """Set the catalog file aside (durably) before a stream it may name is deleted: start-up
+        must not take a name from it whose directory may hold a recreated stream not yet durable
+        (it rebuilds the file from the directories instead, until maintenance rewrites it), but
+        for a start-up after a process crash, whose journals name every stream created or deleted
+        since the file (each created one checked)."""
+        if self._catalog_on_disk:
+            self._fs.rename(self.data_dir / CATALOG_FILE, self.data_dir / CATALOG_SET_ASIDE)
+            self._catalog_on_disk = False
