@@ -185,6 +185,7 @@ class FaultFS:
         self._inflight: tuple[_Inode, int, bytes] | None = None
         self.syncs = 0
         self.writes = 0
+        self.written: list[Path] = []  # the file of each write, in order
         self.crash_at_sync: int | None = None
         self.crash_at_write: int | None = None
         self.fail_at_sync: int | None = None
@@ -247,6 +248,7 @@ class FaultFS:
     def _write(self, inode: _Inode, path: Path, pos: int, data: bytes) -> None:
         with self._lock:
             self.writes += 1
+            self.written.append(path)
             self._inflight = (inode, pos, data)
             try:
                 if self.on_write is not None:
