@@ -18,7 +18,7 @@ Issue 17's targets, measured with one Python client each:
   for: one stream is written by the engine and closed cleanly, and its files are
   copied under each name by `BUILDERS` processes (its segment as it is: the
   entry's bytes are the template's; no meta file, as the engine writes none for
-  these names), with the SYNCED marker a clean close leaves, and the catalog file
+  these names), with the SYNCED marker a clean close leaves in its slot, and the catalog file
   (and `catalog.clean`) a clean shutdown would write. Then a start-up, one more
   entry appended through the server to
   `DIRECT_APPENDS` streams, a kill -9, a restart, and those entries and as many
