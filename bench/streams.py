@@ -144,8 +144,9 @@ def _rss_mb(pid: int | None) -> float:
 
 
 def _disk_mb(path: Path) -> float:
+    """`du` of `path` in MB of 10^6 bytes, the unit of Redis's memory figure (redis_load)."""
     out = subprocess.run(["du", "-sk", str(path)], capture_output=True, text=True, check=True).stdout
-    return int(out.split()[0]) / 1024
+    return int(out.split()[0]) * 1024 / 1e6
 
 
 @contextlib.contextmanager
