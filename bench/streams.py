@@ -18,8 +18,8 @@ Issue 17's targets, measured with one Python client each:
   for: one stream is written by the engine and closed cleanly, and its files are
   copied under each name by `BUILDERS` processes (its segment as it is: the
   entry's bytes are the template's; no meta file, as the engine writes none for
-  these names), with the SYNCED marker a clean close leaves, and the catalog file
-  (and `catalog.clean`) a clean shutdown would write. Then a start-up (with the
+  these names), with the SYNCED marker a clean close leaves in its slot, and the catalog
+  file (and `catalog.clean`) a clean shutdown would write. Then a start-up (with the
   HTTP console on: its history opens no stream; the server's CPU time until
   SERVING is reported beside the wall-clock time), one more
   entry appended through the server to
@@ -155,8 +155,9 @@ def _rss_mb(pid: int | None) -> float:
 
 
 def _disk_mb(path: Path) -> float:
+    """`du` of `path` in MB of 10^6 bytes, the unit of Redis's memory figure (redis_load)."""
     out = subprocess.run(["du", "-sk", str(path)], capture_output=True, text=True, check=True).stdout
-    return int(out.split()[0]) / 1024
+    return int(out.split()[0]) * 1024 / 1e6
 
 
 @contextlib.contextmanager

@@ -9,6 +9,11 @@ newer slots fail their checks, the marked header (whose bytes were synced) is pu
 A marker that does not match what is on disk (another segment, a chain that does not reach
 the marked node) is not trusted: the whole last segment is checked, as after a crash.
 
+Where it lives (format 5): in the SYNCED slot of the segment it names, bytes 64-191 of a
+version 3 growing segment, so a closed stream costs no block for it. A segment without a
+slot (a packed one, or a growing one an earlier version created) keeps it in the stream's
+`SYNCED` file, as format 3 and 4 did; a slot marker replaces such a file (removed).
+
 Before version 3 of the format the marker was `CLEAN`, an empty file removed durably before
 the first write: one still found means what it meant (every node trusted) and is removed,
 durably, before the first write as before. docs/FORMAT.md has the bytes.
@@ -18,14 +23,22 @@ from __future__ import annotations
 
 import logging
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from crc32c import crc32c
 
 from storage.errors import CorruptionError, StorageError
-from storage.format import NODE_HEADER_SIZE, NodeHeader
-from storage.fs import FileSystem
+from storage.format import (
+    NODE_HEADER_SIZE,
+    SEGMENT_HEADER_SIZE,
+    SLOTTED_HEADER_SIZE,
+    SYNCED_SLOT_SIZE,
+    NodeHeader,
+    SegmentHeader,
+)
+from storage.fs import FileSystem, SegmentFile
+from storage.layout import segment_name
 
 log = logging.getLogger("streamlog.storage")
 
@@ -33,17 +46,20 @@ SYNCED_MARKER = "SYNCED"
 _MAGIC = b"SLSY"
 _VERSION = 1
 _LAYOUT = struct.Struct("<4sIHHqqQ64s")  # magic, CRC, version, 0, base, created_ms, node pos, node header
+assert _LAYOUT.size <= SYNCED_SLOT_SIZE
 
 
 @dataclass(frozen=True, slots=True)
 class SyncedEnd:
     """A segment's synced state: its base and creation time, its last node's position and
-    header slot (pos 0 and no header: no growing node, nothing in it to check)."""
+    header slot (pos 0 and no header: no growing node, nothing in it to check); `in_slot`:
+    kept in that segment's SYNCED slot, not in the stream's SYNCED file (not encoded)."""
 
     base_offset: int
     created_ms: int
     node_pos: int = 0
     node_header: NodeHeader | None = None
+    in_slot: bool = field(default=False, compare=False)
 
     def encode(self) -> bytes:
         header = self.node_header.encode() if self.node_header is not None else bytes(NODE_HEADER_SIZE)
@@ -65,6 +81,9 @@ class SyncedEnd:
             raise CorruptionError("SYNCED marker holds a damaged node header")
         return cls(base, created, pos, node_header)
 
+    def in_its_slot(self) -> SyncedEnd:
+        return SyncedEnd(self.base_offset, self.created_ms, self.node_pos, self.node_header, in_slot=True)
+
 
 def read_synced_end(fs: FileSystem, directory: Path) -> SyncedEnd | None:
     """The stream's SYNCED marker; None if there is none or it is torn (a power loss took its
@@ -78,11 +97,54 @@ def read_synced_end(fs: FileSystem, directory: Path) -> SyncedEnd | None:
         return None
 
 
+def slot_marker(head: bytes, header: SegmentHeader) -> SyncedEnd | None:
+    """The marker in a segment's SYNCED slot (`head`: the file's first bytes, the slot's
+    included; `header`: decoded from them); None if the file has no slot, or it is empty, torn
+    (a power loss took its write) or names another segment."""
+    raw = head[SEGMENT_HEADER_SIZE : SEGMENT_HEADER_SIZE + _LAYOUT.size]
+    if not header.has_slot or not any(raw):
+        return None
+    try:
+        end = SyncedEnd.decode(raw)
+    except CorruptionError as exc:
+        log.warning("segment %s: %s; checking it whole", segment_name(header.base_offset), exc)
+        return None
+    if (end.base_offset, end.created_ms) != (header.base_offset, header.created_ms):
+        log.warning("segment %s: its SYNCED slot names another segment", segment_name(header.base_offset))
+        return None
+    return end.in_its_slot()
+
+
+def marker_in(fs: FileSystem, segment: Path) -> SyncedEnd | None:
+    """The marker in a segment file's SYNCED slot; None if there is none (or the header is torn)."""
+    head = fs.read_head(segment, SLOTTED_HEADER_SIZE)
+    try:
+        return slot_marker(head, SegmentHeader.decode(head))
+    except CorruptionError:
+        return None
+
+
+def erase_slot(file: SegmentFile) -> bool:
+    """Zero a segment's SYNCED slot if it holds anything (not synced: the caller syncs the file
+    when this returns True)."""
+    if not any(file.read(SEGMENT_HEADER_SIZE, SYNCED_SLOT_SIZE)):
+        return False
+    file.write(SEGMENT_HEADER_SIZE, bytes(SYNCED_SLOT_SIZE))
+    return True
+
+
 def write_synced_end(fs: FileSystem, directory: Path, end: SyncedEnd) -> None:
     """Write the marker after the stream's sync, not synced itself: a power loss may tear it or
-    keep the one before, which names a prefix synced earlier. A marker that cannot be written
+    keep the one before, which names a prefix synced earlier. Into the SYNCED slot of the
+    segment it names if it goes there (an earlier `SYNCED` file, if any, is removed: it names
+    an older segment), else into the stream's `SYNCED` file. A marker that cannot be written
     (a full disk) costs the next open a check of the last segment, nothing more."""
     try:
-        fs.overwrite_file(directory / SYNCED_MARKER, end.encode())
+        if end.in_slot:
+            fs.write_at(directory / segment_name(end.base_offset), SEGMENT_HEADER_SIZE, end.encode())
+            if fs.exists(directory / SYNCED_MARKER):
+                fs.remove(directory / SYNCED_MARKER)
+        else:
+            fs.overwrite_file(directory / SYNCED_MARKER, end.encode())
     except StorageError as exc:
         log.warning("stream directory %s: SYNCED marker not written: %s", directory.name, exc)

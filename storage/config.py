@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from storage.errors import InvalidArgumentError
-from storage.format import NODE_PREFIX_SIZE, SEGMENT_HEADER_SIZE
+from storage.format import NODE_PREFIX_SIZE, SLOTTED_HEADER_SIZE
 from storage.types import FsyncPolicy
 
 
@@ -23,7 +23,7 @@ def min_segment_bytes(node_entries: int, max_batch_entries: int, max_batch_bytes
     Batches are atomic, so a batch never spans two segments: a fresh segment must take
     its header, a node prefix, an offset-table slot per entry and the batch's bytes.
     """
-    return SEGMENT_HEADER_SIZE + NODE_PREFIX_SIZE + 4 * max(node_entries, max_batch_entries) + max_batch_bytes
+    return SLOTTED_HEADER_SIZE + NODE_PREFIX_SIZE + 4 * max(node_entries, max_batch_entries) + max_batch_bytes
 
 
 @dataclass(frozen=True, kw_only=True)

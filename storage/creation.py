@@ -22,8 +22,9 @@ A crash before that sync leaves a directory holding a segment and no `stream.met
 it all, and after a power loss some of it: start-up adopts the stream when its name and its
 first segment are whole (`recover_creation`), so an acknowledged entry survives a kill -9,
 and otherwise removes the directory (a creation the power took back, with its unsynced
-entries). A directory with a `SYNCED` marker (or version 2's `CLEAN`) was committed before
-the clean close that wrote it, so start-up takes it as it is, syncing nothing.
+entries). A directory with a `SYNCED` marker (in its last segment's slot, or the `SYNCED`
+file of format 3 and 4, or version 2's `CLEAN`) was committed before the clean close that
+wrote it, so start-up takes it as it is, syncing nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from storage.cleanmark import SYNCED_MARKER
+from storage.cleanmark import SYNCED_MARKER, marker_in
 from storage.config import StreamConfig
 from storage.durability import DirSync
 from storage.errors import CorruptionError
@@ -115,7 +116,7 @@ def recover_creation(fs: FileSystem, directory: Path, names: list[str]) -> str |
             fs.remove_tree(directory)  # a creation a crash cut short
             return None
         name = decoded
-        if SYNCED_MARKER in names or CLEAN_MARKER in names:
+        if SYNCED_MARKER in names or CLEAN_MARKER in names or marker_in(fs, directory / segments[-1]):
             return name
     if segments and not _first_segment_whole(fs, directory, segments):
         if META_NEW not in names and len(segments) == 1:

@@ -18,13 +18,18 @@ from crc32c import crc32c
 from storage.errors import CorruptionError
 
 # Segment headers: version 2 files grow in steps up to their capacity (docs/FORMAT.md,
-# "Segment file"); version 1 files were created at their full size and are read as such.
-SEGMENT_VERSION = 2
-SEGMENT_VERSIONS = (1, 2)
+# "Segment file"); version 1 files were created at their full size and are read as such;
+# a version 3 file (a growing one: packed files keep version 2) has its SYNCED slot after the
+# header (storage/cleanmark.py).
+SEGMENT_VERSION = 3
+PACKED_SEGMENT_VERSION = 2
+SEGMENT_VERSIONS = (1, 2, 3)
 NODE_VERSION = 1
 
 SEGMENT_MAGIC = b"SLOGSEG\x00"
 SEGMENT_HEADER_SIZE = 64
+SYNCED_SLOT_SIZE = 128  # a version 3 growing segment's SYNCED marker, bytes 64-191
+SLOTTED_HEADER_SIZE = SEGMENT_HEADER_SIZE + SYNCED_SLOT_SIZE  # where its first node starts
 SEGMENT_PACKED = 0x1  # nodes use the packed layout (a rewritten, immutable file)
 # magic, version, flags, header size, base offset, end offset, capacity, created ms
 _SEGMENT_HEADER = struct.Struct("<8sHHIQQQq12x")
@@ -63,18 +68,33 @@ class SegmentHeader:
     capacity: int  # growing files: the size they may grow to (version 1: their size); packed: their size
     created_ms: int
     flags: int = 0
+    version: int = 0  # 0: the one a new file of its kind gets (3 growing, 2 packed)
+
+    def __post_init__(self) -> None:
+        if not self.version:
+            object.__setattr__(self, "version", PACKED_SEGMENT_VERSION if self.packed else SEGMENT_VERSION)
 
     @property
     def packed(self) -> bool:
         return bool(self.flags & SEGMENT_PACKED)
 
+    @property
+    def size(self) -> int:
+        """Where the first node starts: past the SYNCED slot in a version 3 file."""
+        return SLOTTED_HEADER_SIZE if self.version >= 3 else SEGMENT_HEADER_SIZE
+
+    @property
+    def has_slot(self) -> bool:
+        """Whether the file keeps its SYNCED marker in its slot (else in the stream's SYNCED file)."""
+        return self.size == SLOTTED_HEADER_SIZE
+
     def encode(self) -> bytes:
         return _with_crc(
             _SEGMENT_HEADER.pack(
                 SEGMENT_MAGIC,
-                SEGMENT_VERSION,
+                self.version,
                 self.flags,
-                SEGMENT_HEADER_SIZE,
+                self.size,
                 self.base_offset,
                 self.end_offset,
                 self.capacity,
@@ -92,9 +112,12 @@ class SegmentHeader:
             raise CorruptionError("not a streamlog segment (bad magic)")
         if not _crc_ok(raw):
             raise CorruptionError("segment header CRC mismatch")
-        if version not in SEGMENT_VERSIONS or size != SEGMENT_HEADER_SIZE:
+        if version not in SEGMENT_VERSIONS:
             raise CorruptionError(f"unsupported segment format version {version}")
-        return cls(base, end, capacity, created, flags)
+        header = cls(base, end, capacity, created, flags, version)
+        if size != header.size or (header.packed and header.has_slot):
+            raise CorruptionError(f"segment header of version {version} gives a header size of {size}")
+        return header
 
 
 class NodeHeader(NamedTuple):

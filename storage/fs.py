@@ -306,6 +306,18 @@ class FileSystem:
         reallocate the file's blocks."""
         self._write_unsynced(path, data, 0)
 
+    def write_at(self, path: Path, pos: int, data: bytes) -> None:
+        """Write `data` at `pos` of an existing file, in place, with no sync (a segment's SYNCED
+        slot, storage/cleanmark.py, written by path: the segment may be closed by then)."""
+        try:
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.pwrite(fd, data, pos)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise DurabilityError(f"cannot write {path.name}: {exc}") from exc
+
     def _write_unsynced(self, path: Path, data: bytes, flags: int) -> None:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)

@@ -10,7 +10,9 @@
         producers.snap                       the idempotent-append table (storage/dedup.py)
         epochs                               leader-epoch history and incarnation (storage/epochs.py)
         TRUNCATING                           a truncation under way (storage/truncation.py)
-        CLEAN                                written by a clean close, removed before the next write
+        SYNCED                               the SYNCED marker of a last segment without a slot for it
+                                             (storage/cleanmark.py; formats 3 and 4 kept it here always)
+        CLEAN                                format 2's marker of a clean close, removed before the next write
         *.tmp                                a file being replaced; a crash may leave one behind
         *.seg.damaged                        a segment with nothing readable, kept for the operator
     DATA/streams/<encoded name>.deleted/     a stream whose deletion a crash interrupted

@@ -7,8 +7,9 @@ must, in this order (docs/FORMAT.md, "Recovery rules"):
 - `*.tmp` files (a rewrite that crashed before its rename) are removed;
 - trailing segments in which no node was ever written are removed;
 - each segment's node headers are read; the last segment's node bodies are
-  checked too, but for the prefix its `SYNCED` marker names (storage/cleanmark.py;
-  all of it after a version-2 `CLEAN` marker), and a torn tail is cut (durably);
+  checked too, but for the prefix its `SYNCED` marker names (in its slot, or in the
+  stream's `SYNCED` file: storage/cleanmark.py; all of it after a version-2 `CLEAN`
+  marker), and a torn tail is cut (durably);
 - a segment whose header is damaged is salvaged from its node chain;
 - a segment that the packed segment before it covers entirely is what a
   merge of small segments left behind when a crash came before its removal:
@@ -26,11 +27,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from storage.cleanmark import SyncedEnd
+from storage.cleanmark import SyncedEnd, slot_marker
 from storage.context import EngineContext
 from storage.dedup import BatchRecord, ProducerTable
 from storage.errors import CorruptionError
-from storage.format import NODE_PREFIX_SIZE, NODE_PRODUCER, SEGMENT_HEADER_SIZE, SegmentHeader
+from storage.format import (
+    NODE_PREFIX_SIZE,
+    NODE_PRODUCER,
+    SEGMENT_HEADER_SIZE,
+    SLOTTED_HEADER_SIZE,
+    SegmentHeader,
+)
 from storage.growing import GrowingNode
 from storage.index import NodeIndex
 from storage.layout import (
@@ -61,6 +68,7 @@ class LoadedLog:
     end_offset: int
     damaged: list[Gap]
     producers: ProducerTable
+    synced: SyncedEnd | None  # the SYNCED marker recovery went by (None after a clean close)
 
 
 def new_producer_table(ctx: EngineContext) -> ProducerTable:
@@ -85,12 +93,13 @@ class LogLoader:
     def load(self, meta_first: int, clean: bool, synced: SyncedEnd | None, files: list[str]) -> LoadedLog:
         """The stream's state, from the first offset its meta file holds, whether nothing was
         written since a clean close (node bodies are trusted and not read), otherwise how far
-        its last clean close synced it (the bodies past that are checked), and the names in
-        its directory (sorted)."""
-        # The segment a SYNCED marker names held a node when it was synced: it is not a
-        # trailing segment without nodes, and reading its head again is not needed.
-        marked = segment_name(synced.base_offset) if synced is not None and synced.node_pos else None
-        segments = self._open_segments(self._segment_files(files, marked), clean, synced)
+        its last clean close synced it (its `SYNCED` file's marker, if any: the last segment's
+        slot says it otherwise; the bodies past that are checked), and the names in its
+        directory (sorted)."""
+        names, synced = self._segment_files(files, synced)
+        if clean:
+            synced = None
+        segments = self._open_segments(names, clean, synced)
         tail = segments[-1] if segments else None
         resumed = tail.nodes[-1] if tail is not None and not tail.packed and tail.nodes else None
         # The node appends resume into stays indexed even when trimmed past, as it is live.
@@ -108,11 +117,15 @@ class LogLoader:
         ]
         active = GrowingNode.resume(resumed) if resumed is not None else None
         producers = self._load_producers(index.nodes, active, end_offset, damaged, PRODUCERS_FILE in files)
-        return LoadedLog(segments, index, active, max(meta_first, 0), end_offset, damaged, producers)
+        return LoadedLog(segments, index, active, max(meta_first, 0), end_offset, damaged, producers, synced)
 
     # ------------------------------------------------------------------ segments
 
-    def _segment_files(self, files: list[str], marked: str | None) -> list[str]:
+    def _segment_files(
+        self, files: list[str], synced: SyncedEnd | None
+    ) -> tuple[list[str], SyncedEnd | None]:
+        """The segment files to open, and the SYNCED marker to go by: the last one's slot's if it
+        holds one, else `synced` (the stream's `SYNCED` file's)."""
         fs = self.ctx.fs
         for leftover in (f for f in files if f.endswith(TMP_SUFFIX)):
             fs.remove(self.directory / leftover)  # a rewrite that crashed before its rename
@@ -121,13 +134,18 @@ class LogLoader:
         # It may be a creation that a crash cut short (header torn or missing, preallocation
         # lost), and a new segment of the same name must be creatable at the same base offset. A
         # packed one is written whole (renamed into place): without nodes it covers a hole that a
-        # follower copied from its leader (storage/replica.py), and its end counts.
+        # follower copied from its leader (storage/replica.py), and its end counts. The segment
+        # a SYNCED file names held a node when it was synced: its head need not be read.
+        marked = segment_name(synced.base_offset) if synced is not None and synced.node_pos else None
         while names and names[-1] != marked:
-            head = fs.read_head(self.directory / names[-1], SEGMENT_HEADER_SIZE + NODE_PREFIX_SIZE)
-            if any(head[SEGMENT_HEADER_SIZE:]) or _packed_header(head):
+            head = fs.read_head(self.directory / names[-1], SLOTTED_HEADER_SIZE + NODE_PREFIX_SIZE)
+            header = _header(head)
+            if header is not None and header.packed:
                 break
+            if _holds_node(head, header):
+                return names, (slot_marker(head, header) if header is not None else None) or synced
             fs.remove(self.directory / names.pop())
-        return names
+        return names, synced
 
     def _open_segments(self, names: list[str], clean: bool, synced: SyncedEnd | None) -> list[Segment]:
         fs = self.ctx.fs
@@ -250,9 +268,18 @@ def _or(value: int | None, default: int) -> int:
     return default if value is None else value
 
 
-def _packed_header(head: bytes) -> bool:
-    """Whether these bytes start with a sound header of a packed segment."""
+def _header(head: bytes) -> SegmentHeader | None:
+    """The segment header these bytes start with; None if it is torn or missing."""
     try:
-        return SegmentHeader.decode(head).packed
+        return SegmentHeader.decode(head)
     except CorruptionError:
-        return False
+        return None
+
+
+def _holds_node(head: bytes, header: SegmentHeader | None) -> bool:
+    """Whether a growing segment's first bytes show a node written. Under a torn header, any
+    byte past byte 64 counts: a version 3 file's SYNCED slot is written only after a close's
+    sync, which made its header durable."""
+    if header is None:
+        return any(head[SEGMENT_HEADER_SIZE:])
+    return any(head[header.size : header.size + NODE_PREFIX_SIZE])

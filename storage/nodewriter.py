@@ -18,7 +18,7 @@ import zstandard
 
 from storage.dedup import BatchRecord
 from storage.errors import CorruptionError, LimitExceededError
-from storage.format import NODE_DELAYED, NODE_PREFIX_SIZE, NODE_PRODUCER, SEGMENT_HEADER_SIZE, NodeBody
+from storage.format import NODE_DELAYED, NODE_PREFIX_SIZE, NODE_PRODUCER, SLOTTED_HEADER_SIZE, NodeBody
 from storage.growing import GrowingNode
 from storage.layout import segment_name
 from storage.packed import encode_packed_node, write_packed_segment
@@ -194,7 +194,7 @@ def _roll(stream: Stream, now_ms: int, need: int) -> Segment:
         stream.ctx.fs,
         stream.directory,
         stream.end_offset,
-        SEGMENT_HEADER_SIZE + need,
+        SLOTTED_HEADER_SIZE + need,
         stream.ctx.config.segment_bytes,
         now_ms,
         durable=old is not None or stream.creation is None,  # a new stream's first: its commit syncs it

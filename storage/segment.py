@@ -27,6 +27,7 @@ from storage.format import (
     NODE_HEADER_SIZE,
     NODE_PREFIX_SIZE,
     NODE_SPARSE,
+    PACKED_SEGMENT_VERSION,
     SEGMENT_HEADER_SIZE,
     SEGMENT_PACKED,
     NodeBody,
@@ -146,7 +147,7 @@ class Segment:
         self.header = header
         self.nodes: list[NodeRef] = []
         self.uid = next(_uids)  # cache key part: a rewritten file at the same path is a new segment
-        self.end_pos = SEGMENT_HEADER_SIZE  # where the next node goes
+        self.end_pos = header.size  # where the next node goes
 
     @property
     def path(self) -> Path:
@@ -240,17 +241,19 @@ class Segment:
     def salvage(cls, fs: FileSystem, path: Path, base_offset: int) -> Segment | None:
         """Open a segment whose header is damaged, trusting the base offset in its name.
 
-        Nodes carry their own checksums, so the chain can be found without the header:
-        try the growing layout, then the packed one. When nodes are found the header is
-        rewritten (durably) and the segment is returned; otherwise None.
+        Nodes carry their own checksums, so the chain can be found without the header: try the
+        growing layout, then the packed one, then the growing one past a SYNCED slot. When nodes
+        are found the header is rewritten (durably) and the segment is returned; otherwise None.
         """
         file = fs.open_segment(path, writable=True)
-        for flags in (0, SEGMENT_PACKED):
-            segment = cls(file, SegmentHeader(base_offset, 0, file.size, 0, flags))
+        # The layouts whose first node is at byte 64 first: read from there, a version 3 file
+        # shows its SYNCED slot (or zeros), never a node header.
+        for flags, version in ((0, PACKED_SEGMENT_VERSION), (SEGMENT_PACKED, PACKED_SEGMENT_VERSION), (0, 3)):
+            segment = cls(file, SegmentHeader(base_offset, 0, file.size, 0, flags, version))
             segment._scan(verify=True)
             if segment.nodes:
                 end = segment.nodes[-1].end_offset if flags else 0
-                segment.header = SegmentHeader(base_offset, end, file.size, 0, flags)
+                segment.header = SegmentHeader(base_offset, end, file.size, 0, flags, version)
                 file.write(0, segment.header.encode())
                 file.sync()
                 return segment
@@ -265,7 +268,7 @@ class Segment:
         marked = synced.node_header if synced is not None else None
         mark_pos = synced.node_pos if synced is not None and marked is not None else 0
         reached = not mark_pos
-        pos = SEGMENT_HEADER_SIZE
+        pos = self.header.size
         expected = self.base_offset
         size = self.file.size
         while pos + NODE_PREFIX_SIZE <= size and (reached or pos <= mark_pos):

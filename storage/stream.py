@@ -24,7 +24,7 @@ from pathlib import Path
 
 from storage.catalog import StreamSummary
 from storage.cleaner import Cleaner
-from storage.cleanmark import SYNCED_MARKER, SyncedEnd, read_synced_end, write_synced_end
+from storage.cleanmark import SYNCED_MARKER, SyncedEnd, erase_slot, read_synced_end, write_synced_end
 from storage.config import StreamConfig
 from storage.context import EngineContext
 from storage.creation import PendingCreation, start_creation
@@ -157,8 +157,8 @@ class Stream:
             stream.epochs = EpochHistory.decode(fs.read_file(directory / EPOCHS_FILE))
             stream.has_epochs = True
         stream.clean_marker = old_clean
-        stream.synced_mark = synced
-        if not clean and stream.active is not None and not _vouched_for(synced, stream.active):
+        stream.synced_mark = loaded.synced
+        if not clean and stream.active is not None and not _vouched_for(loaded.synced, stream.active):
             # After a crash the recovered tail may be in the page cache only (a kill -9): sync it, so
             # the header appends keep (storage/growing.py) is one a power loss keeps too. A tail the
             # SYNCED marker names as it stands was synced at the close.
@@ -271,9 +271,14 @@ class Stream:
 
     def drop_markers(self) -> None:
         """Before bytes below the synced end are rewritten (a truncation; call with `lock` held):
-        remove both markers, durably, as neither would name a prefix that is still there."""
+        remove every marker, durably, as none would name a prefix that is still there: the
+        SYNCED file, CLEAN, and the SYNCED slot of every segment that may end the stream once
+        the later ones are gone."""
         self.unmark_clean()
         self.ctx.fs.remove(self.directory / SYNCED_MARKER)
+        for segment in self.segments:
+            if segment.header.has_slot and erase_slot(segment.file):
+                segment.file.sync()
         self.synced_mark = None  # so the next close writes one
 
     def synced_end(self) -> SyncedEnd | None:
@@ -288,6 +293,7 @@ class Stream:
             tail.header.created_ms,
             node.pos if node is not None else 0,
             node.header if node is not None else None,
+            in_slot=tail.header.has_slot,
         )
 
     # ------------------------------------------------------------------ durability

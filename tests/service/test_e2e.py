@@ -12,8 +12,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
-from storage.cleanmark import SYNCED_MARKER
-from storage.layout import stream_directory
+from storage.cleanmark import marker_in
+from storage.fs import FileSystem
+from storage.layout import segment_name, stream_directory
 from tests.service.helpers import ServerThread, append, payloads_of
 
 
@@ -509,11 +510,11 @@ def test_a_subscription_and_a_blocked_read_are_woken_on_a_stream_the_cache_close
             append(stub, name, b"x")
         assert server.call(lambda: server.server.engine.open_streams()) <= 3
         # Closed: under everysec the next maintenance round syncs it and writes its marker.
-        marker = stream_directory(server.settings.data_dir, "room") / SYNCED_MARKER
+        segment = stream_directory(server.settings.data_dir, "room") / segment_name(0)
         deadline = time.monotonic() + 10
-        while not marker.exists() and time.monotonic() < deadline:
+        while marker_in(FileSystem(), segment) is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert marker.exists()
+        assert marker_in(FileSystem(), segment) is not None
         append(stub, "room", b"again")
         assert payloads_of(next(call)) == [b"again"]
         assert payloads_of(blocked.result(timeout=20)) == [b"again"]

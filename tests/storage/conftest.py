@@ -1,8 +1,14 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from storage import Engine, EngineConfig
+from storage.cleanmark import SyncedEnd, marker_in
+from storage.format import SEGMENT_HEADER_SIZE, SYNCED_SLOT_SIZE
+from storage.fs import FileSystem
+from storage.layout import SEGMENT_SUFFIX
 
 
 class FakeClock:
@@ -16,6 +22,23 @@ class FakeClock:
 
     def advance(self, ms: int) -> None:
         self.now_ms += ms
+
+
+def last_segment(fs: FileSystem, directory: Path) -> Path:
+    return directory / [f for f in fs.listdir(directory) if f.endswith(SEGMENT_SUFFIX)][-1]
+
+
+def synced_marker(directory: Path, fs: FileSystem | None = None) -> SyncedEnd | None:
+    """The SYNCED marker a stream's clean close left in its last segment's slot (None: none)."""
+    fs = fs or FileSystem()
+    return marker_in(fs, last_segment(fs, directory))
+
+
+def erase_slot(segment: Path) -> None:
+    """Zero a segment file's SYNCED slot, as if no clean close had marked it."""
+    with segment.open("r+b") as f:
+        f.seek(SEGMENT_HEADER_SIZE)
+        f.write(bytes(SYNCED_SLOT_SIZE))
 
 
 # Small sizes so a few hundred entries seal nodes, roll segments and get packed.

@@ -379,6 +379,16 @@ class FaultFS:
                 self._dir_op(parent, (path.name, inode))  # O_CREAT
             self._write(inode, path, 0, bytes(data))
 
+    def write_at(self, path: Path, pos: int, data: bytes) -> None:
+        with self._lock:
+            try:
+                inode = self._file(path)
+            except FileNotFoundError as exc:  # as the real one: open(2) fails
+                raise DurabilityError(f"cannot write {path.name}: {exc}") from exc
+            if pos + len(data) > len(inode.data):
+                raise DurabilityError(f"write past the end of {path.name}")
+            self._write(inode, path, pos, bytes(data))
+
     def commit_file(self, src: Path, dst: Path) -> None:
         with self._lock:
             parent = self._dir(src.parent)

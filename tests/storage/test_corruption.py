@@ -26,7 +26,6 @@ from storage import (
     StreamNotFoundError,
 )
 from storage.catalog import CATALOG_FILE
-from storage.cleanmark import SYNCED_MARKER
 from storage.format import (
     NODE_HEADER_SIZE,
     NODE_PREFIX_SIZE,
@@ -37,6 +36,7 @@ from storage.format import (
     pick_header,
 )
 from tests.storage.conftest import SMALL as CONFTEST_SMALL
+from tests.storage.conftest import erase_slot
 
 NAME = "s"
 OTHER = "other"
@@ -104,7 +104,7 @@ def nodes_of(path: Path) -> list[tuple[int, NodeHeader]]:
     """(position, newest valid header) of each node in a segment file."""
     raw = path.read_bytes()
     out = []
-    pos = SEGMENT_HEADER_SIZE
+    pos = SegmentHeader.decode(raw).size
     while pos + NODE_PREFIX_SIZE <= len(raw):
         found = pick_header(
             raw[pos : pos + NODE_HEADER_SIZE], raw[pos + NODE_HEADER_SIZE : pos + NODE_PREFIX_SIZE]
@@ -297,8 +297,8 @@ def torn_tail_source(tmp_path_factory) -> tuple[Path, dict[int, bytes], int]:
         offset += n
     engine.append(OTHER, AppendBatch([b"o1", b"o2"]))
     engine.close()
-    (stream_dir(data) / SYNCED_MARKER).unlink()  # a crash, not a clean shutdown: the tail gets its full scan
     assert len(segment_files(data)) == 1
+    erase_slot(segment_files(data)[0])  # a crash, not a clean shutdown: the tail gets its full scan
     return data, expected, 40 * 8
 
 

@@ -13,10 +13,9 @@ import pytest
 
 from storage import AppendBatch, Engine, EngineConfig, StreamConfig
 from storage.catalog import CATALOG_FILE
-from storage.cleanmark import SYNCED_MARKER
-from storage.format import SEGMENT_HEADER_SIZE
+from storage.format import SEGMENT_HEADER_SIZE, SLOTTED_HEADER_SIZE, SYNCED_SLOT_SIZE
 from storage.layout import META_FILE, META_NEW, encode_meta, segment_name, stream_directory
-from tests.storage.conftest import SMALL
+from tests.storage.conftest import SMALL, erase_slot, synced_marker
 from tests.storage.faultfs import FaultFS
 
 ROOT = Path("/faultfs/data")
@@ -100,8 +99,10 @@ def test_a_new_stream_is_its_directory_and_one_page_of_segment(tmp_path):
     engine.maintain()
     engine.close()
     directory = stream_directory(tmp_path, "room-1")
-    assert sorted(p.name for p in directory.iterdir()) == [segment_name(0), SYNCED_MARKER]
+    # The clean close's SYNCED marker is in the segment's slot: no third block for it.
+    assert sorted(p.name for p in directory.iterdir()) == [segment_name(0)]
     assert (directory / segment_name(0)).stat().st_blocks * 512 == 4096
+    assert synced_marker(directory) is not None
     after = Engine(tmp_path, EngineConfig(**SMALL))
     assert after.stream_config("room-1") == StreamConfig()
     assert [e.payload for e in after.read("room-1", 0, 20).entries()] == [b"%03d" % i * 33 for i in range(10)]
@@ -133,7 +134,7 @@ def test_a_format_3_data_directory_opens_and_keeps_working(tmp_path):
     old, pending = stream_directory(tmp_path, "old"), stream_directory(tmp_path, "pending")
     (old / META_FILE).write_bytes(encode_meta("old", 0, StreamConfig(max_entries=5)))
     (pending / META_NEW).write_bytes(encode_meta("pending", 0, StreamConfig()))
-    (pending / SYNCED_MARKER).unlink()
+    erase_slot(pending / segment_name(0))
     after = Engine(tmp_path, EngineConfig(**SMALL))
     assert after.list_streams() == ["old", "pending"] and after.unreadable == []
     assert (pending / META_FILE).exists() and not (pending / META_NEW).exists()  # committed
@@ -166,9 +167,9 @@ def test_a_new_streams_torn_first_segment_header_is_salvaged_or_the_directory_re
     (tmp_path / CATALOG_FILE).unlink()
     for name in ("kept", "gone"):  # as if a kill -9 and a power loss came before the first sync
         directory = stream_directory(tmp_path, name)
-        (directory / SYNCED_MARKER).unlink()
         segment = directory / segment_name(0)
         raw = bytearray(segment.read_bytes())
+        raw[SEGMENT_HEADER_SIZE:SLOTTED_HEADER_SIZE] = bytes(SYNCED_SLOT_SIZE)  # no clean close yet
         end = SEGMENT_HEADER_SIZE if name == "kept" else len(raw)  # "gone": its node torn too
         raw[:end] = random.Random(name).randbytes(end)
         segment.write_bytes(bytes(raw))

@@ -41,6 +41,21 @@ def test_segment_header_bytes():
             SegmentHeader.decode(bytes(damaged))
 
 
+def test_a_growing_segment_header_is_version_3_and_leaves_room_for_its_synced_slot():
+    """Nodes of a version 3 (growing) file start at byte 192: bytes 64-191 are its SYNCED slot."""
+    raw = SegmentHeader(base_offset=1000, end_offset=0, capacity=65536, created_ms=7).encode()
+    assert struct.unpack_from("<HHI", raw, 8) == (3, 0, 192)
+    header = SegmentHeader.decode(raw)
+    assert header == SegmentHeader(1000, 0, 65536, 7, 0, 3) and header.has_slot and header.size == 192
+    packed = SegmentHeader.decode(SegmentHeader(1000, 2000, 65536, 7, 1).encode())
+    assert packed.version == 2 and not packed.has_slot and packed.size == 64
+    for version, flags, size in ((3, 0, 64), (2, 0, 192), (3, 1, 192)):  # sizes that do not go together
+        body = bytearray(raw[:60])
+        struct.pack_into("<HHI", body, 8, version, flags, size)
+        with pytest.raises(CorruptionError):
+            SegmentHeader.decode(bytes(body) + struct.pack("<I", crc32c(bytes(body))))
+
+
 def test_node_header_bytes_and_slot_choice():
     header = NodeHeader(
         seq=5,

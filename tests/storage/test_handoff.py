@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 
 from storage import AppendBatch, DurabilityError, Engine, EngineConfig
-from storage.cleanmark import SYNCED_MARKER
 from storage.layout import stream_directory
-from tests.storage.conftest import SMALL
+from tests.storage.conftest import SMALL, synced_marker
 from tests.storage.faultfs import FaultFS
 
 ROOT = Path("/faultfs/data")
@@ -31,7 +30,7 @@ def contents(engine: Engine, name: str) -> list[bytes]:
 
 
 def marked_clean(fs: FaultFS, name: str) -> bool:
-    return fs.exists(stream_directory(ROOT, name) / SYNCED_MARKER)
+    return synced_marker(stream_directory(ROOT, name), fs) is not None
 
 
 def test_an_eviction_under_everysec_makes_no_sync_call_on_the_callers_thread():

@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 
 from storage import AppendBatch, Engine, EngineConfig, GroupReadOptions, StreamNotFoundError
-from storage.cleanmark import SYNCED_MARKER
 from storage.layout import stream_directory
-from tests.storage.conftest import SMALL
+from tests.storage.conftest import SMALL, synced_marker
 from tests.storage.faultfs import FaultFS
 
 ROOT = Path("/faultfs/data")
@@ -46,7 +45,7 @@ def test_no_more_than_max_open_streams_are_open_and_closed_ones_reopen_on_demand
     # A stream closed by the cache left its SYNCED marker once the round synced it (storage/handoff.py):
     # reopening it checks no node body.
     engine.maintain()
-    closed = [n for n in NAMES if (stream_directory(engine.data_dir, n) / SYNCED_MARKER).exists()]
+    closed = [n for n in NAMES if synced_marker(stream_directory(engine.data_dir, n))]
     assert len(closed) == len(NAMES) - 3
 
 
@@ -101,7 +100,7 @@ def test_a_stream_closed_by_the_cache_keeps_its_groups_dedup_and_wakes_its_liste
     for name in ("b", "c", "d"):
         engine.append(name, AppendBatch([b"y"]))
     engine.maintain()  # this time the round finishes the close: synced, marked clean
-    assert (stream_directory(engine.data_dir, "a") / SYNCED_MARKER).exists()
+    assert synced_marker(stream_directory(engine.data_dir, "a"))
     woken.clear()
     engine.append("a", AppendBatch([b"4"]))  # reopened by the append: its listeners still fire
     assert woken == [("a", 4)]
