@@ -125,6 +125,8 @@ class Settings:
     # authorization on, it shows names only to scrapers presenting a bearer token).
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
+    # Streams whose call counters get series of their own; those past it share `stream="(other)"`.
+    metrics_stream_series: int = 1000
     # The HTTP/JSON API and web console (service/http/); 0: off. Same TLS, tokens and rules
     # as gRPC; it shows what a caller may read, so it listens on the loopback unless told otherwise.
     http_port: int = 0
@@ -229,6 +231,7 @@ _INT_RANGES: dict[str, tuple[int | None, int | None]] = {
     "reload_interval_ms": (0, 86_400_000),
     "health_port": (0, 65_535),
     "metrics_port": (0, 65_535),
+    "metrics_stream_series": (0, None),
     "http_port": (0, 65_535),
     "http_keepalive_ms": (0, 3_600_000),
     "max_streams": (1, None),

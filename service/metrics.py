@@ -102,10 +102,20 @@ def _size(reply: Any) -> int:
     return len(reply) if isinstance(reply, bytes) else reply.ByteSize()
 
 
-class Metrics:
-    """The registry and the call metrics of one server."""
+OTHER_STREAMS = "(other)"  # the series of the streams past `stream_series` (label value)
 
-    def __init__(self) -> None:
+
+class Metrics:
+    """The registry and the call metrics of one server.
+
+    The per-stream counters give their own series to the first `stream_series` streams that
+    use them (a deleted stream gives its place back); the calls on every stream past those
+    are counted under `stream="(other)"`. A scrape costs what the series number, so a
+    million streams must not make a million of each."""
+
+    def __init__(self, stream_series: int = 1000) -> None:
+        self._stream_series = stream_series
+        self._labelled: set[str] = set()  # the streams that have series of their own
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.rpc_seconds = Histogram(
@@ -190,14 +200,24 @@ class Metrics:
         """The observer given to the auth and limits interceptors."""
         self.refusals.labels(kind, reason).inc()
 
+    def _label(self, stream: str) -> str:
+        """The label value of `stream`'s series: its name while there is room, else OTHER_STREAMS."""
+        if stream in self._labelled:
+            return stream
+        if len(self._labelled) < self._stream_series:
+            self._labelled.add(stream)
+            return stream
+        return OTHER_STREAMS
+
     def append_children(self, stream: str, exists: Exists) -> tuple[Any, Any, Any] | None:
         """The Append counters of `stream`; None while it does not exist."""
         children = self._append_children.get(stream)
         if children is None and exists(stream):
+            label = self._label(stream)
             children = self._append_children[stream] = (
-                self.append_requests.labels(stream),
-                self.appended_entries.labels(stream),
-                self.append_bytes.labels(stream),
+                self.append_requests.labels(label),
+                self.appended_entries.labels(label),
+                self.append_bytes.labels(label),
             )
         return children
 
@@ -205,9 +225,10 @@ class Metrics:
         """The Read counters of `stream` in `mode`; None while it does not exist."""
         children = self._read_children.get((stream, mode))
         if children is None and exists(stream):
+            label = self._label(stream)
             children = self._read_children[(stream, mode)] = (
-                self.read_requests.labels(stream, mode),
-                self.read_bytes.labels(stream),
+                self.read_requests.labels(label, mode),
+                self.read_bytes.labels(label),
             )
         return children
 
@@ -216,19 +237,23 @@ class Metrics:
         does not exist."""
         children = self._subscribe_children.get((stream, mode))
         if children is None and exists(stream):
+            label = self._label(stream)
             children = self._subscribe_children[(stream, mode)] = (
-                self.subscriptions.labels(stream, mode),
-                self.subscribe_replies.labels(stream),
-                self.subscribe_bytes.labels(stream),
+                self.subscriptions.labels(label, mode),
+                self.subscribe_replies.labels(label),
+                self.subscribe_bytes.labels(label),
             )
         return children
 
     def forget_stream(self, stream: str) -> None:
-        """Drop a deleted stream's series, so deleted names do not accumulate."""
+        """Drop a deleted stream's series, so deleted names do not accumulate (and its place)."""
         self._append_children.pop(stream, None)
         for mode in ("plain", "group"):
             self._read_children.pop((stream, mode), None)
             self._subscribe_children.pop((stream, mode), None)
+        if stream not in self._labelled:
+            return  # counted under OTHER_STREAMS: that series stays, as the calls it counts happened
+        self._labelled.discard(stream)
         for metric in self._per_stream:
             with contextlib.suppress(KeyError):
                 metric.remove(stream)

@@ -53,7 +53,7 @@ class Operations:
         # (service/opencalls.py): by the send timeout, and by auth when a reload revokes them.
         self.open_calls = OpenCalls()
         self.security = auth.Security(settings)  # ConfigError for TLS, token or ACL files that do not load
-        self.metrics = metrics.Metrics() if settings.metrics_port else None
+        self.metrics = metrics.Metrics(settings.metrics_stream_series) if settings.metrics_port else None
         observer = self.metrics.refused if self.metrics is not None else None
         self.limits = limits.LimitsInterceptor(service.full_name, settings, engine, observer)
         self.send_timeout = limits.SendTimeout(settings.subscriber_send_timeout_ms, observer)

@@ -102,9 +102,9 @@ def test_a_segment_too_small_for_a_full_batch_says_what_to_change() -> None:
         load_settings(overrides={"segment_bytes": "1MiB"})
     assert str(caught.value) == (
         "segment_bytes (1048576, from --set segment_bytes) is too small for one full batch, and a batch "
-        "is never split across segments: it takes 8428800 bytes with max_batch_bytes=8388608 (from the "
+        "is never split across segments: it takes 8428928 bytes with max_batch_bytes=8388608 (from the "
         "default) and max_batch_entries=10000 (from the default). Raise segment_bytes to at least "
-        "8428800, or lower max_batch_bytes to at most 1008384 (e.g. 984KiB) and max_entry_bytes to no "
+        "8428928, or lower max_batch_bytes to at most 1008256 (e.g. 984KiB) and max_entry_bytes to no "
         "more than that"
     )
     # Following the advice works; so does the engine's own check of the same rule.
@@ -112,7 +112,7 @@ def test_a_segment_too_small_for_a_full_batch_says_what_to_change() -> None:
         overrides={"segment_bytes": "1MiB", "max_batch_bytes": "984KiB", "max_entry_bytes": "984KiB"}
     )
     assert engine_config(settings).segment_bytes == 1 << 20
-    with pytest.raises(ConfigError, match=r"9588800, or lower max_batch_entries and max_batch_bytes$"):
+    with pytest.raises(ConfigError, match=r"9588928, or lower max_batch_entries and max_batch_bytes$"):
         load_settings(overrides={"segment_bytes": "1MiB", "max_batch_entries": "300000"})
 
 

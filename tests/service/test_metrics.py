@@ -160,6 +160,31 @@ def test_deleted_streams_leave_no_series(metered: ServerThread) -> None:
     assert not [key for key in samples if ("stream", "gone") in key[1]]
 
 
+def test_streams_past_metrics_stream_series_share_one_series_and_a_deleted_one_gives_its_place_back(
+    start_server: Callable[..., ServerThread],
+) -> None:
+    server = start_server(metrics_port=free_port(), metrics_stream_series=2)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        for stream in ("s1", "s2", "s3", "s4"):
+            append(stub, stream, b"x")
+        samples = scrape(server)
+        streams = {
+            dict(labels).get("stream")
+            for name, labels in samples
+            if name == "streamlog_appended_entries_total"
+        }
+        assert streams == {"s1", "s2", "(other)"}
+        assert value(samples, "streamlog_appended_entries_total", stream="(other)") == 2  # s3 and s4
+        stub.DeleteStream(pb.DeleteStreamRequest(stream="s1"), timeout=5)
+        append(stub, "s5", b"x")  # takes the place s1 gave back
+        append(stub, "s3", b"x")  # still counted where it began
+        samples = scrape(server)
+    assert value(samples, "streamlog_appended_entries_total", stream="s5") == 1
+    assert value(samples, "streamlog_appended_entries_total", stream="(other)") == 3
+    assert value(samples, "streamlog_appended_entries_total", stream="s1") == 0
+
+
 def names_in(samples: Samples) -> set[str]:
     return {value for _, labels in samples for key, value in labels if key in ("stream", "group")}
 
