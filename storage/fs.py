@@ -370,7 +370,17 @@ class FileSystem:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
 
     def read_file(self, path: Path) -> bytes:
-        return path.read_bytes()
+        """The file's bytes, read with the descriptor alone (a buffered file object costs four
+        more system calls: a reopen reads a marker this way)."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            want = os.fstat(fd).st_size + 1  # one read to its end, one to see the end
+            chunks = []
+            while chunk := os.read(fd, want):
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
 
     def read_head(self, path: Path, length: int) -> bytes:
         with path.open("rb") as f:
