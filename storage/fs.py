@@ -69,6 +69,17 @@ def _reserve(fd: int, path: Path, start: int, length: int) -> None:
         raise DurabilityError(f"cannot reserve space in segment {path.name}: {exc}") from exc
 
 
+def _allocated(fd: int, stat: os.stat_result) -> bool:
+    """Whether the file has its blocks for every byte: no hole by the file system's account
+    (SEEK_HOLE; one that cannot tell says the end) nor by its block count."""
+    if stat.st_blocks * 512 < stat.st_size:
+        return False
+    try:
+        return os.lseek(fd, 0, os.SEEK_HOLE) >= stat.st_size
+    except OSError:
+        return False
+
+
 class SegmentFile:
     """A file mapped into memory: write at a position, read a range, grow, sync.
 
@@ -133,11 +144,11 @@ class SegmentFile:
         """Make sure bytes [0, size) are allocated on disk and mapped, growing the file if needed.
 
         Blocks are reserved before they are mapped, so a write into the mapping never meets a
-        full disk (SIGBUS): a full disk is DiskFullError here. A file opened from disk is
-        reserved again from 0 before its first write, as a copy (cp, a restore) may have
-        made its unwritten tail sparse. The new length becomes durable with the next sync
-        (fdatasync writes the size a read needs); a power loss before it leaves the shorter
-        file, whose tail the recovery scan treats as unwritten.
+        full disk (SIGBUS): a full disk is DiskFullError here. A file opened from disk with a
+        hole is reserved again from 0 before its first write, as a copy (cp, a restore) may have
+        made its unwritten tail sparse (`FileSystem.open_segment`). The new length becomes
+        durable with the next sync (fdatasync writes the size a read needs); a power loss before
+        it leaves the shorter file, whose tail the recovery scan treats as unwritten.
         """
         if size <= self.reserved:
             return
@@ -249,12 +260,17 @@ class FileSystem:
         return SegmentFile(path, fd, size, True, self.sync_times, reserved=size, content=content)
 
     def open_segment(self, path: Path, writable: bool) -> SegmentFile:
+        """Map a segment. One with no hole counts as reserved: its first write after a reopen
+        then needs no `posix_fallocate`, which waits for the file system's journal (behind
+        any other stream's sync) to change nothing."""
         fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
-        size = os.fstat(fd).st_size
+        stat = os.fstat(fd)
+        size = stat.st_size
         if size < SEGMENT_MIN_BYTES:
             os.close(fd)
             raise CorruptionError(f"segment {path.name} is {size} bytes, shorter than its header")
-        return SegmentFile(path, fd, size, writable, self.sync_times)
+        reserved = size if writable and _allocated(fd, stat) else 0
+        return SegmentFile(path, fd, size, writable, self.sync_times, reserved)
 
     def write_file_atomic(
         self,
@@ -366,7 +382,17 @@ class FileSystem:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
 
     def read_file(self, path: Path) -> bytes:
-        return path.read_bytes()
+        """The file's bytes, read with the descriptor alone (a buffered file object costs four
+        more system calls: a reopen reads a marker this way)."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            want = os.fstat(fd).st_size + 1  # one read to its end, one to see the end
+            chunks = []
+            while chunk := os.read(fd, want):
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
 
     def read_head(self, path: Path, length: int) -> bytes:
         with path.open("rb") as f:
@@ -376,11 +402,18 @@ class FileSystem:
         return path.exists()
 
     def listdir(self, path: Path) -> list[str]:
-        return sorted(os.listdir(path)) if path.is_dir() else []
+        """The names in a directory, sorted; none if it is not there (one system call, no stat)."""
+        try:
+            return sorted(os.listdir(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
 
     def entries(self, path: Path) -> set[str]:
         """The names in a directory, unordered (the streams directory: a million, not sorted)."""
-        return set(os.listdir(path)) if path.is_dir() else set()
+        try:
+            return set(os.listdir(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return set()
 
     def makedirs(self, path: Path, *, durable: bool = True) -> None:
         """Create `path` and missing parents, each made durable in its own parent (unless not

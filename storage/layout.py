@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -80,11 +81,16 @@ def write_meta(fs: FileSystem, directory: Path, name: str, first_offset: int, co
     fs.write_file_atomic(directory / META_FILE, encode_meta(name, first_offset, config))
 
 
-def read_meta(fs: FileSystem, directory: Path) -> tuple[str, int, StreamConfig]:
+def read_meta(
+    fs: FileSystem, directory: Path, files: Collection[str] | None = None
+) -> tuple[str, int, StreamConfig]:
     """A stream's name, first offset and config: its meta file's, a new stream's `stream.meta.new`,
     or without either, what a stream created without one has (storage/creation.py): the name its
-    directory encodes, first offset 0, the default config. CorruptionError if there is no name."""
+    directory encodes, first offset 0, the default config. CorruptionError if there is no name.
+    `files`: the directory's listing, when the caller has it (no attempt to open what is not there)."""
     for meta in (META_FILE, META_NEW):
+        if files is not None and meta not in files:
+            continue
         try:
             return decode_meta(fs.read_file(directory / meta))
         except FileNotFoundError:

@@ -140,7 +140,7 @@ class Stream:
         fs = ctx.fs
         files = fs.listdir(directory)  # one listing answers every "is it there?" below
         present = set(files)
-        name, first_offset, config = read_meta(fs, directory)
+        name, first_offset, config = read_meta(fs, directory, present)
         stream = cls(ctx, name, directory, config)
         old_clean = CLEAN_MARKER in present
         clean = handed is not None or old_clean

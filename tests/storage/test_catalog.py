@@ -63,7 +63,7 @@ def test_start_up_reads_the_catalog_and_no_meta_file(tmp_path, clock):
     assert fs.meta_reads == 0 and fs.stream_listings == 0  # a clean shutdown left a complete catalog
     assert engine.list_streams() == sorted(written) and engine.stats()["entries"] == 120
     assert contents(engine, "room-007") == written["room-007"]
-    assert fs.meta_reads == 1  # the stream opened on its first use
+    assert fs.meta_reads == 0  # the stream opened on its first use has none, as its listing says
     engine.close()
 
 
@@ -155,6 +155,25 @@ def test_names_that_are_not_their_directory_names_and_replicated_streams(tmp_pat
     assert fs.meta_reads == 1  # the replicated stream's, checked at start-up with its epochs
     assert engine.list_streams() == sorted([*odd, "rep"])
     assert all(contents(engine, n) == [n.encode()] for n in odd)
+    engine.close()
+
+
+def test_reopening_a_stream_without_a_meta_file_tries_to_read_none(tmp_path, clock):
+    """Its directory's listing says there is none: no failed open per reopen (issue 17)."""
+    config = EngineConfig(**SMALL, max_open_streams=2)
+    fs = CountingFS()
+    engine = Engine(tmp_path / "data", config, clock=clock, fs=fs)
+    written = fill(engine, 6)  # names their directories give back: no meta file
+    engine.maintain()
+    assert fs.meta_reads == 0
+    for name, items in written.items():  # each reopened, closing another
+        assert contents(engine, name) == items
+    engine.set_stream_config("room-000", StreamConfig(max_entries=100))  # now it has one
+    for other in ("room-001", "room-002"):  # close it
+        engine.append(other, AppendBatch([b"x"]))
+    assert contents(engine, "room-000") == written["room-000"]  # read back from its meta file
+    assert engine.stream_config("room-000").max_entries == 100
+    assert fs.meta_reads == 1
     engine.close()
 
 

@@ -10,12 +10,15 @@ keep working: `fixtures/format-v1.tar.gz` was written by the version-1 writer
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
 import tarfile
 from pathlib import Path
 
 import pytest
 
+import storage.fs
 from storage import AppendBatch, DiskFullError, Engine, EngineConfig, StreamConfig, inspect
 from storage.config import min_segment_bytes
 from storage.format import SegmentHeader
@@ -181,3 +184,35 @@ def test_a_new_streams_first_page_is_written_through_and_mapped_once_it_grows(tm
     with Engine(data, EngineConfig(**SMALL)) as engine:
         assert payloads(engine, "room") == small + big and payloads(engine, "other") == small
         assert engine.info("room").damaged == ()
+
+
+def test_a_reopened_segment_is_reserved_again_only_when_it_has_a_hole(tmp_path, monkeypatch):
+    """Re-reserving a segment that has every block costs a journal wait on the first write after
+    each reopen (issue 17); one a sparse copy left with a hole is reserved again from its start
+    before anything is written into its mapping."""
+    reserved: list[tuple[str, int]] = []
+    reserve = storage.fs._reserve
+    monkeypatch.setattr(
+        storage.fs,
+        "_reserve",
+        lambda fd, path, start, n: (reserved.append((path.name, start)), reserve(fd, path, start, n)),
+    )
+    data = tmp_path / "data"
+    with Engine(data, EngineConfig(**SMALL)) as engine:
+        engine.append("small", AppendBatch([b"s" * 100]))  # one page, every block written
+        for _ in range(5):  # grown past its first page: a tail reserved, never written
+            engine.append("sparse", AppendBatch([b"p" * 1000] * 8))
+    (segment,) = (data / "streams" / "sparse").glob("*.seg")
+    copy = segment.with_name("copy")
+    subprocess.run(["cp", "--sparse=always", str(segment), str(copy)], check=True)
+    copy.replace(segment)  # as a restore from a sparse copy leaves it
+    assert os.stat(segment).st_blocks * 512 < os.stat(segment).st_size
+    reserved.clear()
+    with Engine(data, EngineConfig(**SMALL)) as engine:
+        engine.append("small", AppendBatch([b"t"]))
+        assert [start for name, start in reserved if start == 0] == []
+        engine.append("sparse", AppendBatch([b"q"]))
+        assert (segment.name, 0) in reserved
+    with Engine(data, EngineConfig(**SMALL)) as engine:
+        assert payloads(engine, "small") == [b"s" * 100, b"t"]
+        assert payloads(engine, "sparse") == [b"p" * 1000] * 40 + [b"q"]

@@ -104,6 +104,16 @@ def test_a_stream_closed_by_the_cache_keeps_its_groups_dedup_and_wakes_its_liste
     woken.clear()
     engine.append("a", AppendBatch([b"4"]))  # reopened by the append: its listeners still fire
     assert woken == [("a", 4)]
+    engine.maintain()  # "a" synced: its next close hands the round nothing but its marker
+    for name in ("b", "c"):
+        engine.append(name, AppendBatch([b"z"]))
+    assert "a" not in engine.stats()["per_stream"]
+    woken.clear()  # reopened before the round, taking that close back
+    assert engine.append("a", AppendBatch([b"1", b"2", b"3"]), producer=("p", 7)).duplicate
+    engine.append("a", AppendBatch([b"5"]))
+    assert woken == [("a", 5)]
+    rest = engine.read_group("a", "g", GroupReadOptions(consumer="c", count=10))
+    assert [e.payload for e in rest.entries()] == [b"4", b"5"]
 
 
 def test_replicated_streams_and_streams_whose_sync_failed_stay_open(tmp_path):
