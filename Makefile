@@ -43,6 +43,9 @@ $(INSTALLED): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	mkdir -p $(GEN)/streamlog
 	$(BIN)/python -m pip install --quiet --editable '.[dev]'
+	# Spark's Python workers import PySpark from its pyspark.zip: with bytecode in it they
+	# start in a third of the CPU (pyspark_streamlog/compile_workers.py says why it matters).
+	$(BIN)/python -m pyspark_streamlog.compile_workers
 	touch $@
 
 $(GENERATED): $(PROTOS) protos/generate.py $(INSTALLED) $(SYNC_CLIENT)
