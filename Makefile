@@ -45,7 +45,8 @@ $(INSTALLED): pyproject.toml
 	$(BIN)/python -m pip install --quiet --editable '.[dev]'
 	# Spark's Python workers import PySpark from its pyspark.zip: with bytecode in it they
 	# start in a third of the CPU (pyspark_streamlog/compile_workers.py says why it matters).
-	$(BIN)/python -m pyspark_streamlog.compile_workers
+	# Run as a file: the package's __init__ needs the generated code, which comes after.
+	$(BIN)/python pyspark_streamlog/compile_workers.py
 	touch $@
 
 $(GENERATED): $(PROTOS) protos/generate.py $(INSTALLED) $(SYNC_CLIENT)
