@@ -7,6 +7,7 @@ before a deletion. `Engine` takes it from `CatalogFiles`.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -38,6 +39,7 @@ class CatalogFiles:
     _catalog: Catalog
     _catalog_saved: float
     _catalog_on_disk: bool
+    _lock: threading.Lock
     _leftovers: bool
     _adopted: int
     _open: OpenStreams
@@ -176,9 +178,10 @@ class CatalogFiles:
         raw = self._catalog.encode(pending, summaries, journal)
         if self.unreadable or self._leftovers:  # a listing finds them again: the next start-up's
             self._catalog.relist()
-        self._fs.write_file_atomic(self.data_dir / CATALOG_FILE, raw)
+        with self._lock:  # not between a deletion's look at the file and its setting it aside
+            self._fs.write_file_atomic(self.data_dir / CATALOG_FILE, raw)
+            self._catalog_on_disk = True
         self._catalog_saved = time.monotonic()
-        self._catalog_on_disk = True
         for older in journal_generations(self._fs.listdir(self.data_dir)):
             if older < generation:
                 self._fs.remove(self.data_dir / journal_name(older))
@@ -190,6 +193,9 @@ class CatalogFiles:
         (it rebuilds the file from the directories instead, until maintenance rewrites it), but
         for a start-up after a process crash, whose journals name every stream created or deleted
         since the file (each created one checked)."""
-        if self._catalog_on_disk:
-            self._fs.rename(self.data_dir / CATALOG_FILE, self.data_dir / CATALOG_SET_ASIDE)
-            self._catalog_on_disk = False
+        # Deletions run on several threads at once (a cluster node drops copies in parallel),
+        # and a save may be writing the file: one at a time sees and moves it.
+        with self._lock:
+            if self._catalog_on_disk:
+                self._fs.rename(self.data_dir / CATALOG_FILE, self.data_dir / CATALOG_SET_ASIDE)
+                self._catalog_on_disk = False

@@ -6,6 +6,7 @@ the catalog's lock is not held while a file of many streams is built."""
 from __future__ import annotations
 
 import heapq
+import threading
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,35 @@ def test_a_stream_created_since_the_file_and_found_unreadable_is_reported_by_eve
         engine = Engine(data, CONFIG, clock=clock, fs=fs)  # dropped unclosed: a kill -9 each time
         assert fs.stream_listings == listings and engine.unreadable == ["new-1"]
         assert "new-1" not in engine.list_streams()
+
+
+def test_deletions_on_two_threads_set_the_catalog_file_aside_once(tmp_path, clock):
+    """A cluster node drops copies on several threads: the second deletion must not try to
+    move the file the first is moving (FileNotFoundError left its copy half deleted)."""
+    engine = Engine(tmp_path / "data", CONFIG, clock=clock)
+    for name in ("a", "b"):
+        engine.append(name, AppendBatch([name.encode()]))
+    real_rename = engine._fs.rename
+    second: list[threading.Thread] = []
+    failures: list[BaseException] = []
+
+    def delete_b() -> None:
+        try:
+            engine.delete_stream("b")
+        except BaseException as exc:  # reported below, not lost in the thread
+            failures.append(exc)
+
+    def rename(src: Path, dst: Path) -> None:
+        if src.name == "catalog" and not second:  # the first deletion, as it sets the file aside
+            second.append(threading.Thread(target=delete_b))
+            second[0].start()
+            second[0].join(0.5)  # the second deletion runs as far as it can meanwhile
+        real_rename(src, dst)
+
+    engine._fs.rename = rename  # type: ignore[method-assign]
+    engine.delete_stream("a")
+    second[0].join(10)
+    assert not second[0].is_alive() and failures == []
+    assert engine.list_streams() == []
+    assert (tmp_path / "data" / "catalog.set-aside").exists()
+    engine.close()
