@@ -351,3 +351,6 @@ class Segment:
 
     def close(self) -> None:
         self.file.close()
+        # Its node refs point back to it: dropped, so it is freed by its last reference, not left
+        # to the collector's full passes (a closed stream's segments, issue 17).
+        self.nodes = []

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
@@ -113,9 +114,13 @@ class Stream:
         self.producers = new_producer_table(ctx)
         self.epochs = EpochHistory()
         self.has_epochs = False  # its epochs file exists (a replicated stream's): the catalog lists it
-        self.cleaner = Cleaner(self)
-        self.retention = Retention(self)
-        self.truncation = Truncation(self)
+        # Its halves reach it through a weak proxy: no reference cycle, so a stream the cache lets
+        # go is freed when its last user drops it, not left to the collector's full passes, which
+        # traverse every live object (one closed stream per call to a closed stream, issue 17).
+        me = weakref.proxy(self)
+        self.cleaner = Cleaner(me)
+        self.retention = Retention(me)
+        self.truncation = Truncation(me)
 
     # ------------------------------------------------------------------ open / create
 

@@ -8,13 +8,15 @@ it is first used, not at start-up.
 
 from __future__ import annotations
 
+import gc
 import os
 import random
+import weakref
 from pathlib import Path
 
 import pytest
 
-from storage import AppendBatch, Engine, EngineConfig, GroupReadOptions, StreamNotFoundError
+from storage import AppendBatch, Engine, EngineConfig, GroupReadOptions, StreamConfig, StreamNotFoundError
 from storage.layout import stream_directory
 from tests.storage.conftest import SMALL, synced_marker
 from tests.storage.faultfs import FaultFS
@@ -159,3 +161,23 @@ def test_after_a_power_loss_each_stream_is_recovered_when_first_used(seed):
         assert got in (synced[name], synced[name] + unsynced[name]), name
         assert after.info(name).damaged == ()
     after.close()
+
+
+def test_a_stream_the_cache_closes_is_freed_without_the_garbage_collector(open_engine):
+    """No reference cycle keeps a closed stream (or its segments) for the collector's full passes:
+    each call to a closed stream closes another, and a cycle each time made the passes long."""
+    engine = open_engine(max_open_streams=1)
+    engine.append("a", AppendBatch([b"x" * 100] * 40))  # sealed nodes and a growing one
+    engine.set_stream_config("a", StreamConfig(max_entries=1_000))  # its halves used by a round
+    engine.maintain()
+    opened = engine._open.glance("a")
+    stream, segments = weakref.ref(opened), [weakref.ref(s) for s in opened.segments]
+    del opened
+    gc.disable()
+    try:
+        engine.append("b", AppendBatch([b"y"]))  # the cache closes "a"
+        assert engine._open.glance("a") is None
+        assert stream() is None and all(s() is None for s in segments)
+    finally:
+        gc.enable()
+    assert contents(engine, "a") == [b"x" * 100] * 40
