@@ -28,6 +28,7 @@ from pathlib import Path
 from storage.cache import NodeCache
 from storage.catalog import CATALOG_CLEAN, Catalog, SortedNames
 from storage.catalogfiles import CatalogFiles
+from storage.closer import FileCloser
 from storage.config import EngineConfig, StreamConfig
 from storage.context import EngineContext
 from storage.durability import DirSync
@@ -97,6 +98,7 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
         self._catalog_on_disk = True  # until a deletion removes it (_drop_catalog_file)
         self._leftovers = False  # a deletion left its directory: the next start-up must list
         self._unsynced = UnsyncedCloses(self._fs)  # closed by the cache, synced by the next round
+        self._closer = FileCloser(self.config.background)  # the cache's closes' files (storage/closer.py)
         self._open = OpenStreams(self.config.max_open_streams, self._open_stream, self._close_by_cache)
         self.unreadable: list[str] = []  # stream directories whose metadata failed its checks
         self._adopted = 0  # stream directories start-up found without stream.meta and kept
@@ -155,7 +157,7 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
     def _close_by_cache(self, stream: Stream) -> None:
         """Close a stream the cache lets go. Under a policy that promises writes to the next round
         its syncs are that round's, not those of the call that needed the room (storage/handoff.py)."""
-        handed = stream.close(hand_off=not stream.fsync.blocks)
+        handed = stream.close(hand_off=not stream.fsync.blocks, closer=self._closer.close)
         if handed is not None:
             self._unsynced.add(stream.name, handed)
         self._note_closed(stream)
@@ -179,6 +181,7 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
                 self._note_closed(stream)
             except StorageError as exc:
                 log.error("stream %r did not close cleanly: %s", stream.name, exc)
+        self._closer.stop()
         self._unsynced.finish_all()
         try:
             complete = self._save_catalog()

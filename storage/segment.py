@@ -349,8 +349,10 @@ class Segment:
             pos += n
         self.end_pos = min(self.end_pos, self.file.size)
 
-    def close(self) -> None:
-        self.file.close()
+    def close(self, close_file: bool = True) -> None:
+        """Let go of its nodes and, unless `close_file` is False (the caller closes it), its file."""
+        if close_file:
+            self.file.close()
         # Its node refs point back to it: dropped, so it is freed by its last reference, not left
         # to the collector's full passes (a closed stream's segments, issue 17).
         self.nodes = []

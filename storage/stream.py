@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -394,14 +394,15 @@ class Stream:
 
     # ------------------------------------------------------------------ segments leaving
 
-    def release(self, segment: Segment) -> None:
+    def release(self, segment: Segment, close_file: bool = True) -> None:
         """Let go of a segment that left the stream (call with `lock` held): its file is being
-        replaced or removed (retention, storage/cleaner.py)."""
+        replaced or removed (retention, storage/cleaner.py), or the stream closes (`close_file`
+        False: the caller closes the file)."""
         if segment in self.pack_queue:
             self.pack_queue.remove(segment)
         self.dirty.discard(segment.file)
         self.ctx.cache.drop_segment(segment.uid)
-        segment.close()
+        segment.close(close_file)
 
     def save_producers(self, now_ms: int) -> None:
         """Expire idle producers and snapshot the table if it changed (maintenance, close)."""
@@ -417,12 +418,20 @@ class Stream:
             self.write_meta(self.first_offset, config)
             self.config = config
 
-    def close(self, clean: bool = True, *, hand_off: bool = False) -> UnsyncedClose | None:
+    def close(
+        self,
+        clean: bool = True,
+        *,
+        hand_off: bool = False,
+        closer: Callable[[list[SegmentFile]], None] | None = None,
+    ) -> UnsyncedClose | None:
         """Sync, mark a clean shutdown, and release files. With `hand_off` (the cache's close under
         a policy that promises writes to the next round) nothing is synced or written: what is
         unsynced, and the SYNCED marker, are returned for the round to finish (storage/handoff.py),
-        None if there is nothing to finish."""
+        None if there is nothing to finish. `closer` (the cache's close) takes the segment files to
+        unmap and close once the stream is closed (storage/closer.py); else they are closed here."""
         handed = None
+        files: list[SegmentFile] = []
         with self.maintenance_lock:
             if self.closed:
                 return None
@@ -443,9 +452,12 @@ class Stream:
                 self.closed_summary = stream_summary(self)
                 self.closed = True
                 for segment in self.segments:
-                    self.release(segment)
+                    self.release(segment, close_file=closer is None)
+                    files.append(segment.file)
                 self.segments.clear()
                 self.index.clear()
+        if closer is not None and files:
+            closer(files)
         return handed
 
     def _hand_off(self) -> UnsyncedClose | None:

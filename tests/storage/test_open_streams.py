@@ -11,12 +11,21 @@ from __future__ import annotations
 import gc
 import os
 import random
+import threading
 import weakref
 from pathlib import Path
 
 import pytest
 
-from storage import AppendBatch, Engine, EngineConfig, GroupReadOptions, StreamConfig, StreamNotFoundError
+from storage import (
+    AppendBatch,
+    Engine,
+    EngineConfig,
+    GroupReadOptions,
+    StreamConfig,
+    StreamNotFoundError,
+    closer,
+)
 from storage.layout import stream_directory
 from tests.storage.conftest import SMALL, synced_marker
 from tests.storage.faultfs import FaultFS
@@ -181,3 +190,40 @@ def test_a_stream_the_cache_closes_is_freed_without_the_garbage_collector(open_e
     finally:
         gc.enable()
     assert contents(engine, "a") == [b"x" * 100] * 40
+
+
+def test_streams_whose_files_wait_for_the_closer_reopen_whole_and_fds_stay_bounded(tmp_path, monkeypatch):
+    """The cache's closes leave their files to a thread (storage/closer.py). With that thread
+    stalled, streams closed a moment ago reopen with every entry and take appends, descriptors
+    stay within max_open_streams plus the closer's backlog, and nothing is lost at shutdown."""
+    stalled = threading.Event()
+    release = threading.Event()
+    close_all = closer._close_all
+
+    def slow_on_the_thread(files):
+        if threading.current_thread().name == "streamlog-closer":
+            stalled.set()
+            assert release.wait(timeout=120)
+        close_all(files)
+
+    monkeypatch.setattr(closer, "_close_all", slow_on_the_thread)
+    config = {**SMALL, "background": True, "max_open_streams": 2, "maintenance_interval_ms": 3_600_000}
+    engine = Engine(tmp_path / "data", EngineConfig(**config))
+    try:
+        before = open_fds()
+        for round_ in range(3):
+            for name in NAMES:
+                engine.append(name, AppendBatch([f"{name}/{round_}".encode()]))
+                assert open_fds() - before <= 2 + closer.BACKLOG + 1 + 2
+        assert stalled.is_set() and engine._closer._waiting.qsize() == closer.BACKLOG  # closes waiting
+        for name in NAMES:  # each reopened while the files of the last closes wait
+            assert contents(engine, name) == [f"{name}/{r}".encode() for r in range(3)]
+            engine.append(name, AppendBatch([b"after"]))
+            assert open_fds() - before <= 2 + closer.BACKLOG + 1 + 2
+    finally:
+        release.set()
+        engine.close()
+    assert open_fds() <= before  # every waiting file closed by the engine's close
+    with Engine(tmp_path / "data", EngineConfig(**SMALL)) as reopened:
+        for name in NAMES:
+            assert contents(reopened, name) == [f"{name}/{r}".encode() for r in range(3)] + [b"after"]
