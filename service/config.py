@@ -125,7 +125,7 @@ class Settings:
     # authorization on, it shows names only to scrapers presenting a bearer token).
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
-    # Streams whose call counters get series of their own; those past it share `stream="(other)"`.
+    # Streams whose call counters get series of their own; those past it share `stream=""`.
     metrics_stream_series: int = 1000
     # The HTTP/JSON API and web console (service/http/); 0: off. Same TLS, tokens and rules
     # as gRPC; it shows what a caller may read, so it listens on the loopback unless told otherwise.

@@ -102,7 +102,10 @@ def _size(reply: Any) -> int:
     return len(reply) if isinstance(reply, bytes) else reply.ByteSize()
 
 
-OTHER_STREAMS = "(other)"  # the series of the streams past `stream_series` (label value)
+# The `stream` label value of the streams past `stream_series`: empty, as no stream's name is, so no
+# stream can share it. Prometheus stores an empty label as no label: PromQL selects it with
+# `{stream=""}` and the named streams with `{stream!=""}`.
+OTHER_STREAMS = ""
 
 
 class Metrics:
@@ -110,7 +113,7 @@ class Metrics:
 
     The per-stream counters give their own series to the first `stream_series` streams that
     use them (a deleted stream gives its place back); the calls on every stream past those
-    are counted under `stream="(other)"`. A scrape costs what the series number, so a
+    are counted under `stream=""` (OTHER_STREAMS). A scrape costs what the series number, so a
     million streams must not make a million of each."""
 
     def __init__(self, stream_series: int = 1000) -> None:

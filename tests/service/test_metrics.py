@@ -174,15 +174,33 @@ def test_streams_past_metrics_stream_series_share_one_series_and_a_deleted_one_g
             for name, labels in samples
             if name == "streamlog_appended_entries_total"
         }
-        assert streams == {"s1", "s2", "(other)"}
-        assert value(samples, "streamlog_appended_entries_total", stream="(other)") == 2  # s3 and s4
+        assert streams == {"s1", "s2", ""}  # the streams past the first two share stream=""
+        assert value(samples, "streamlog_appended_entries_total", stream="") == 2  # s3 and s4
         stub.DeleteStream(pb.DeleteStreamRequest(stream="s1"), timeout=5)
         append(stub, "s5", b"x")  # takes the place s1 gave back
         append(stub, "s3", b"x")  # still counted where it began
         samples = scrape(server)
     assert value(samples, "streamlog_appended_entries_total", stream="s5") == 1
-    assert value(samples, "streamlog_appended_entries_total", stream="(other)") == 3
+    assert value(samples, "streamlog_appended_entries_total", stream="") == 3
     assert value(samples, "streamlog_appended_entries_total", stream="s1") == 0
+
+
+def test_a_stream_named_like_a_label_keeps_its_series_apart_from_the_streams_past_the_limit(
+    start_server: Callable[..., ServerThread],
+) -> None:
+    server = start_server(metrics_port=free_port(), metrics_stream_series=1)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        append(stub, "(other)", b"x", b"y")  # any UTF-8 is a name: this one has a series of its own
+        append(stub, "past", b"x")  # past the limit of 1
+        samples = scrape(server)
+        assert value(samples, "streamlog_appended_entries_total", stream="(other)") == 2
+        assert value(samples, "streamlog_appended_entries_total", stream="") == 1
+        stub.DeleteStream(pb.DeleteStreamRequest(stream="(other)"), timeout=5)
+        samples = scrape(server)
+    # The deleted stream's series is gone; the calls counted past the limit stay.
+    assert not [key for key in samples if ("stream", "(other)") in key[1]]
+    assert value(samples, "streamlog_appended_entries_total", stream="") == 1
 
 
 def names_in(samples: Samples) -> set[str]:
