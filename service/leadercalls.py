@@ -95,29 +95,20 @@ class LeaderCalls:
         if (method in _GROUP_CHANGES or (method == "Read" and request.group)) and self._placement.locate(
             request.stream
         ) is not None:
-            return await self._group_call(method, request, context, behavior)
+            return await self._group_call(request, context, behavior)
         return await behavior(request, context)
 
-    async def _group_call(
-        self, method: str, request: Any, context: CallContext, behavior: UnaryBehavior
-    ) -> Any:
-        """A group call served here: refused before it changes anything when too few replicas are
-        in sync; its reply once every in-sync replica applied the group ops up to its own."""
-        stream, replication = request.stream, self._node.replication
-        quorum = self.quorum(stream)
-        try:
-            replication.check_quorum(stream, quorum=quorum)
-        except (NotEnoughReplicasError, NotLeadingError) as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; nothing was changed: retry")
-        reply = await behavior(request, context)
-        try:
-            await replication.barrier(stream, 0, quorum=quorum, group_seq=self._group_seq(stream))
-        except (NotEnoughReplicasError, NotLeadingError) as exc:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"{exc}; the change was made on this node but may not be replicated: retry",
-            )
-        return reply
+    async def _group_call(self, request: Any, context: CallContext, behavior: UnaryBehavior) -> Any:
+        """A group call served here: its reply once every in-sync replica applied the group ops up
+        to its own."""
+        return await self._replicated(
+            request,
+            context,
+            behavior,
+            self.group_barrier_of,
+            refused="nothing was changed: retry",
+            unsure="the change was made on this node but may not be replicated: retry",
+        )
 
     def _group_seq(self, stream: str) -> int | None:
         """The stream's group op seq now (None: the stream was deleted meanwhile)."""
@@ -128,32 +119,52 @@ class LeaderCalls:
         except StreamNotFoundError:
             return None
 
-    def group_barrier_of(self, stream: str, _reply: Any) -> tuple[int, int | None] | None:
+    def group_barrier_of(self, stream: str, _reply: Any) -> tuple[int, int | None]:
         """What a group read's reply waits for: the group ops made so far."""
         return 0, self._group_seq(stream)
 
     async def _append(self, request: Any, context: CallContext, behavior: UnaryBehavior) -> Any:
-        """An Append served here: refused before it writes when too few replicas are in sync for
-        its acks level; its reply once its entries are committed (acks=quorum: every in-sync
-        replica holds them) or at once (acks=leader). UNAVAILABLE, the outcome unknown, when this
-        node stops leading or its lease lapses meanwhile."""
-        node, stream = self._node, request.stream
-        replication = node.replication
-        assert node.engine is not None  # set once the node started
+        """An Append served here: its reply once its entries are committed (acks=quorum: every
+        in-sync replica holds them) or at once (acks=leader)."""
+        engine = self._node.engine
+        assert engine is not None  # set once the node started
+        return await self._replicated(
+            request,
+            context,
+            behavior,
+            lambda stream, _reply: (engine.log_end(stream), None),
+            refused="nothing was written: retry",
+            unsure="the entries were written on this node but may not be replicated: retry (an "
+            "idempotent producer's retry is not written twice)",
+        )
+
+    async def _replicated(
+        self,
+        request: Any,
+        context: CallContext,
+        behavior: UnaryBehavior,
+        barrier_of: Callable[[str, Any], tuple[int, int | None]],
+        *,
+        refused: str,
+        unsure: str,
+    ) -> Any:
+        """A unary call that changes `request.stream`, served once its change is replicated:
+        refused (UNAVAILABLE, `refused`) before it changes anything when too few replicas are in
+        sync for the stream's acks level; its reply once the replicas reached
+        `barrier_of(stream, reply)`, (end, group seq), taken after the call. UNAVAILABLE
+        (`unsure`: the outcome unknown) when this node stops leading or its lease lapses meanwhile."""
+        stream, replication = request.stream, self._node.replication
         quorum = self.quorum(stream)
         try:
             replication.check_quorum(stream, quorum=quorum)
         except (NotEnoughReplicasError, NotLeadingError) as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; nothing was written: retry")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; {refused}")
         reply = await behavior(request, context)
+        end, group_seq = barrier_of(stream, reply)
         try:
-            await replication.barrier(stream, node.engine.log_end(stream), quorum=quorum)
+            await replication.barrier(stream, end, quorum=quorum, group_seq=group_seq)
         except (NotEnoughReplicasError, NotLeadingError) as exc:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"{exc}; the entries were written on this node but may not be replicated: retry (an "
-                "idempotent producer's retry is not written twice)",
-            )
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; {unsure}")
         return reply
 
     async def committed(
