@@ -256,6 +256,12 @@ class Catalog:
         with self.lock:
             return dict(zip(TOTALS, self._totals, strict=True))
 
+    def entries(self, name: str) -> int:
+        """The entries the catalog counts in a closed stream (0 while it is open, unknown or absent)."""
+        with self.lock:
+            row = self._row(name)
+            return 0 if row is None else self._columns[0][row]  # TOTALS[0]: entries
+
     def due(self, now_ms: int, limit: int) -> list[str]:
         """Up to `limit` closed streams whose upkeep is due, soonest first (maintenance's batch)."""
         found: list[str] = []

@@ -147,15 +147,22 @@ class CatalogFiles:
             name = decode_meta(self._fs.read_file(directory / META_FILE))[0]
             if self._fs.exists(directory / EPOCHS_FILE):  # replicated streams only: a few
                 EpochHistory.decode(self._fs.read_file(directory / EPOCHS_FILE))
+            return name
         except FileNotFoundError:  # a stream without one (storage/creation.py), or a crashed creation
-            recovered = recover_creation(self._fs, directory, self._fs.listdir(directory))
+            try:
+                recovered = recover_creation(self._fs, directory, self._fs.listdir(directory))
+            except CorruptionError as exc:
+                self._unreadable(directory, exc)
+                return None
             self._adopted += recovered is not None
             return recovered
         except (CorruptionError, ValueError, KeyError) as exc:
-            log.error("stream directory %s is unreadable: %s", directory.name, exc)
-            self.unreadable.append(directory.name)
+            self._unreadable(directory, exc)
             return None
-        return name
+
+    def _unreadable(self, directory: Path, exc: Exception) -> None:
+        log.error("stream directory %s is unreadable: %s", directory.name, exc)
+        self.unreadable.append(directory.name)
 
     def _save_catalog(self, generation: int | None = None) -> bool:
         """Rewrite the catalog file (atomically): at start-up when it was stale, at close, and by

@@ -41,6 +41,7 @@ from storage.format import SEGMENT_HEADER_SIZE, SegmentHeader
 from storage.fs import FileSystem, SegmentFile
 from storage.layout import (
     CLEAN_MARKER,
+    DAMAGED_SUFFIX,
     META_FILE,
     META_NEW,
     SEGMENT_SUFFIX,
@@ -102,8 +103,13 @@ def recover_creation(fs: FileSystem, directory: Path, names: list[str]) -> str |
     is committed (a roll would have synced it): a header a power loss tore means that nothing
     of the stream was synced, unless the segment still holds whole nodes (then it opens with
     its header salvaged), or others follow it.
+
+    A directory whose segments were all set aside as damaged (storage/loader.py) held a stream
+    whose entries are lost: CorruptionError, the directory kept for the operator.
     """
     segments = sorted(n for n in names if n.endswith(SEGMENT_SUFFIX))
+    if not segments and any(n.endswith(SEGMENT_SUFFIX + DAMAGED_SUFFIX) for n in names):
+        raise CorruptionError("its only segments were set aside as damaged")
     if META_NEW in names:
         try:
             name = decode_meta(fs.read_file(directory / META_NEW))[0]

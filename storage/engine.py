@@ -142,7 +142,7 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
         directory = stream_directory(self.data_dir, name)
         dirname = directory.name
         try:
-            stream = Stream.open(self._ctx, directory, self._unsynced.take(name))
+            stream = Stream.open(self._ctx, directory, self._unsynced.take(name), self._catalog.entries(name))
         except (CorruptionError, ValueError, KeyError, FileNotFoundError) as exc:
             log.error("stream directory %s is unreadable: %s", dirname, exc)
             with self._lock:

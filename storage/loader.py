@@ -89,17 +89,24 @@ class LogLoader:
         self.name = name
         self.directory = directory
         self.damaged: list[Gap] = []  # an end of -1: "up to the next retained node"
+        self.set_aside: list[str] = []  # segment files set aside as damaged (DAMAGED_SUFFIX)
 
-    def load(self, meta_first: int, clean: bool, synced: SyncedEnd | None, files: list[str]) -> LoadedLog:
+    def load(
+        self, meta_first: int, clean: bool, synced: SyncedEnd | None, files: list[str], held: int = 0
+    ) -> LoadedLog:
         """The stream's state, from the first offset its meta file holds, whether nothing was
         written since a clean close (node bodies are trusted and not read), otherwise how far
         its last clean close synced it (its `SYNCED` file's marker, if any: the last segment's
-        slot says it otherwise; the bodies past that are checked), and the names in its
-        directory (sorted)."""
-        names, synced = self._segment_files(files, synced)
+        slot says it otherwise; the bodies past that are checked), the names in its directory
+        (sorted), and the entries the catalog counted in it at its last close (`held`)."""
+        self.set_aside = [f for f in files if f.endswith(SEGMENT_SUFFIX + DAMAGED_SUFFIX)]
+        names, synced = self._segment_files(files, synced, held)
         if clean:
             synced = None
         segments = self._open_segments(names, clean, synced)
+        if not segments and self.set_aside:
+            # What the stream held is unknown (its offsets too): unreadable, never opened empty.
+            raise CorruptionError(f"no readable segment: {', '.join(self.set_aside)} set aside as damaged")
         tail = segments[-1] if segments else None
         resumed = tail.nodes[-1] if tail is not None and not tail.packed and tail.nodes else None
         # The node appends resume into stays indexed even when trimmed past, as it is live.
@@ -122,10 +129,12 @@ class LogLoader:
     # ------------------------------------------------------------------ segments
 
     def _segment_files(
-        self, files: list[str], synced: SyncedEnd | None
+        self, files: list[str], synced: SyncedEnd | None, held: int
     ) -> tuple[list[str], SyncedEnd | None]:
         """The segment files to open, and the SYNCED marker to go by: the last one's slot's if it
-        holds one, else `synced` (the stream's `SYNCED` file's)."""
+        holds one, else `synced` (the stream's `SYNCED` file's). The stream's only segment is set
+        aside as damaged, not removed, if it holds no node though the catalog counted `held`
+        entries in it."""
         fs = self.ctx.fs
         for leftover in (f for f in files if f.endswith(TMP_SUFFIX)):
             fs.remove(self.directory / leftover)  # a rewrite that crashed before its rename
@@ -144,6 +153,12 @@ class LogLoader:
                 break
             if _holds_node(head, header):
                 return names, (slot_marker(head, header) if header is not None else None) or synced
+            if held and len(names) == 1:
+                # Not a creation a crash cut short: the stream had entries (a file cut short or
+                # overwritten). Kept for the operator: the stream is unreadable, not empty.
+                log.error("stream %r: its only segment holds none of its %d entries", self.name, held)
+                self._set_aside(self.directory / names.pop())
+                break
             fs.remove(self.directory / names.pop())
         return names, synced
 
@@ -207,12 +222,16 @@ class LogLoader:
         base = segment_base(path.name)
         salvaged = Segment.salvage(self.ctx.fs, path, base)
         if salvaged is None:
-            # Keep the file for the operator, out of the way of a new segment of the same name.
-            self.ctx.fs.rename(path, path.with_name(path.name + DAMAGED_SUFFIX))
+            self._set_aside(path)
             self._note_damage(Gap(base, -1, GapReason.CORRUPT))
             return None
         log.warning("stream %r: segment %s salvaged: header rewritten", self.name, path.name)
         return salvaged, None
+
+    def _set_aside(self, path: Path) -> None:
+        """Keep a damaged segment for the operator, out of the way of a new one of the same name."""
+        self.ctx.fs.rename(path, path.with_name(path.name + DAMAGED_SUFFIX))
+        self.set_aside.append(path.name + DAMAGED_SUFFIX)
 
     def _note_damage(self, gap: Gap) -> None:
         log.error(

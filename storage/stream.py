@@ -139,9 +139,12 @@ class Stream:
         return stream
 
     @classmethod
-    def open(cls, ctx: EngineContext, directory: Path, handed: UnsyncedClose | None = None) -> Stream:
+    def open(
+        cls, ctx: EngineContext, directory: Path, handed: UnsyncedClose | None = None, held: int = 0
+    ) -> Stream:
         """Open a stream's directory; `handed`: its last close, which left its files unsynced and
-        which it takes back (storage/handoff.py: no crash came between, so its bodies are trusted)."""
+        which it takes back (storage/handoff.py: no crash came between, so its bodies are trusted);
+        `held`: the entries the catalog counted in it (CorruptionError if its files hold none)."""
         fs = ctx.fs
         files = fs.listdir(directory)  # one listing answers every "is it there?" below
         present = set(files)
@@ -150,7 +153,7 @@ class Stream:
         old_clean = CLEAN_MARKER in present
         clean = handed is not None or old_clean
         synced = read_synced_end(fs, directory) if not clean and SYNCED_MARKER in present else None
-        loaded = LogLoader(ctx, name, directory).load(first_offset, clean, synced, files)
+        loaded = LogLoader(ctx, name, directory).load(first_offset, clean, synced, files, held)
         stream.segments, stream.index, stream.active = loaded.segments, loaded.index, loaded.active
         stream.first_offset = loaded.first_offset
         stream.end_offset = stream.local_end = stream.visible_end = loaded.end_offset

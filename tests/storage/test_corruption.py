@@ -551,3 +551,30 @@ def test_zero_length_segment_file_does_not_stop_start_up(data):
     assert read_everything(engine)[2] == expected
     appends_still_work(engine)
     engine.close()
+
+
+@pytest.mark.parametrize("config", [None, StreamConfig(max_entries=1000)], ids=["no meta file", "meta file"])
+@pytest.mark.parametrize("size", [0, 1, SEGMENT_HEADER_SIZE - 1])
+def test_a_stream_whose_only_segment_is_cut_below_its_header_stays_unreadable_not_empty(
+    tmp_path, size, config
+):
+    """The catalog counted entries in the stream: a segment that short is damage (a disk, a bad
+    copy), not a creation a crash cut short. The stream is unreadable at its first use and at
+    every start-up after (the directory listed again), its file kept, never opened empty."""
+    directory = tmp_path / "data"
+    engine = open_engine(directory)
+    engine.create_stream(NAME, config)
+    engine.append(NAME, AppendBatch([b"a", b"b", b"c"]))
+    engine.append(OTHER, AppendBatch([b"o1", b"o2"]))
+    engine.close()
+    [segment] = segment_files(directory)
+    os.truncate(segment, size)
+    cut = segment.read_bytes()
+    for _ in range(3):
+        unreadable_at_first_use(directory)
+        engine = open_engine(directory)
+        with pytest.raises(StorageError):
+            engine.append(NAME, AppendBatch([b"x"]))
+        engine.close()
+        assert not segment_files(directory), "a new segment was made in the damaged one's place"
+        assert segment.with_name(segment.name + ".damaged").read_bytes() == cut
