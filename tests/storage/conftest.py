@@ -3,6 +3,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine
 
 from storage import Engine, EngineConfig
 from storage.cleanmark import SyncedEnd, marker_in
@@ -70,3 +72,24 @@ def open_engine(tmp_path, clock):
     yield _open
     for engine in engines:
         engine.close()
+
+
+def model_test_cases(
+    machine: type[RuleBasedStateMachine], *, parts: int, examples: int, steps: int
+) -> list[type]:
+    """A hypothesis state machine's run as `parts` TestCases of `examples` examples of up to
+    `steps` steps each: a pytest item each, so each stays a fraction of its timeout on a loaded
+    machine while together they run as many examples as one long run. Each is a subclass of its
+    own name: the CI profile (derandomize) seeds a machine from its name, so the parts explore
+    different examples there too."""
+    cases = []
+    for part in range(1, parts + 1):
+        case = type(f"{machine.__name__}Part{part}", (machine,), {}).TestCase
+        case.settings = settings(
+            max_examples=examples,
+            stateful_step_count=steps,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        )
+        cases.append(case)
+    return cases

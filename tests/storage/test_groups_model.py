@@ -31,14 +31,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from storage import AppendBatch, Engine, EngineConfig, GroupConfig, GroupReadOptions
 from tests.storage.faultfs import FaultFS
 
-from .conftest import SMALL, FakeClock
+from .conftest import SMALL, FakeClock, model_test_cases
 
 ROOT = Path("/faultfs/data")
 CONSUMERS = ["a", "b", "c"]
@@ -541,10 +540,7 @@ class GroupsModel(RuleBasedStateMachine):
                 assert any(places), offset
 
 
-TestGroupsModel = GroupsModel.TestCase
-TestGroupsModel.settings = settings(
-    max_examples=250,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
+# 250 examples of up to 50 steps, in 5 parts: one part takes about 7 s idle.
+TestGroupsModel1, TestGroupsModel2, TestGroupsModel3, TestGroupsModel4, TestGroupsModel5 = model_test_cases(
+    GroupsModel, parts=5, examples=50, steps=50
 )

@@ -12,13 +12,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from storage import AppendBatch, Engine, EngineConfig, StreamConfig
 
-from .conftest import SMALL, FakeClock
+from .conftest import SMALL, FakeClock, model_test_cases
 
 payloads = st.binary(min_size=0, max_size=300)
 tags = st.sampled_from(["", "", "a", "b", "c"])
@@ -163,10 +162,7 @@ class EngineModel(RuleBasedStateMachine):
             assert info.entries == len(self._live())
 
 
-TestEngineModel = EngineModel.TestCase
-TestEngineModel.settings = settings(
-    max_examples=150,
-    stateful_step_count=60,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
+# 150 examples of up to 60 steps, in 5 parts: one part takes about 8 s idle (each reopen syncs files).
+TestEngineModel1, TestEngineModel2, TestEngineModel3, TestEngineModel4, TestEngineModel5 = model_test_cases(
+    EngineModel, parts=5, examples=30, steps=60
 )
