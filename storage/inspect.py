@@ -22,7 +22,15 @@ from storage.dedup import ProducerTable
 from storage.errors import CorruptionError
 from storage.format import NODE_SPARSE, NODE_ZSTD, SegmentHeader
 from storage.fs import FileSystem
-from storage.layout import META_FILE, META_NEW, PRODUCERS_FILE, SEGMENT_SUFFIX, read_meta, streams_root
+from storage.layout import (
+    DAMAGED_SUFFIX,
+    META_FILE,
+    META_NEW,
+    PRODUCERS_FILE,
+    SEGMENT_SUFFIX,
+    read_meta,
+    streams_root,
+)
 from storage.segment import Segment
 
 
@@ -115,7 +123,12 @@ def verify(data_dir: Path) -> list[str]:
     for directory in sorted(p for p in streams.iterdir() if p.is_dir()):
         # A new stream has no meta file, or stream.meta.new until its first sync (storage/creation.py).
         has_meta = (directory / META_FILE).exists() or (directory / META_NEW).exists()
-        if not has_meta and not any(directory.glob(f"*{SEGMENT_SUFFIX}")):
+        no_segment = not any(directory.glob(f"*{SEGMENT_SUFFIX}"))
+        set_aside = sorted(p.name for p in directory.glob(f"*{SEGMENT_SUFFIX}{DAMAGED_SUFFIX}"))
+        if no_segment and set_aside:  # the stream is unreadable, its directory kept (storage/loader.py)
+            problems.append(f"{directory.name}: no readable segment; set aside: {', '.join(set_aside)}")
+            continue
+        if not has_meta and no_segment:
             continue  # a stream creation a crash cut short: start-up removes it, nothing was in it
         try:
             name, _, _ = read_meta(FileSystem(), directory)
