@@ -133,8 +133,8 @@ class LogLoader:
     ) -> tuple[list[str], SyncedEnd | None]:
         """The segment files to open, and the SYNCED marker to go by: the last one's slot's if it
         holds one, else `synced` (the stream's `SYNCED` file's). The stream's only segment is set
-        aside as damaged, not removed, if it holds no node though the catalog counted `held`
-        entries in it."""
+        aside as damaged, not removed, if neither its header nor a node reads though the catalog
+        counted `held` entries in it."""
         fs = self.ctx.fs
         for leftover in (f for f in files if f.endswith(TMP_SUFFIX)):
             fs.remove(self.directory / leftover)  # a rewrite that crashed before its rename
@@ -153,9 +153,10 @@ class LogLoader:
                 break
             if _holds_node(head, header):
                 return names, (slot_marker(head, header) if header is not None else None) or synced
-            if held and len(names) == 1:
+            if held and len(names) == 1 and header is None:
                 # Not a creation a crash cut short: the stream had entries (a file cut short or
-                # overwritten). Kept for the operator: the stream is unreadable, not empty.
+                # overwritten). Kept for the operator: the stream is unreadable, not empty. (A
+                # whole header without nodes may be a truncation the catalog did not see yet.)
                 log.error("stream %r: its only segment holds none of its %d entries", self.name, held)
                 self._set_aside(self.directory / names.pop())
                 break
