@@ -52,8 +52,11 @@ def check_batch(cfg: EngineConfig, batch: AppendBatch) -> None:
     if n > cfg.max_batch_entries:
         raise LimitExceededError("max_batch_entries", cfg.max_batch_entries, f"batch has {n} entries")
     try:
-        total = sum(map(len, payloads))
-        biggest = total if n == 1 else max(map(len, payloads))
+        if n == 1:  # one entry (most unary Appends): no map, no sum
+            biggest = total = len(payloads[0])
+        else:
+            total = sum(map(len, payloads))
+            biggest = max(map(len, payloads))
     except TypeError as exc:
         raise InvalidArgumentError("payloads must be bytes") from exc
     if biggest > cfg.max_entry_bytes:

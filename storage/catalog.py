@@ -116,7 +116,8 @@ class Catalog:
         self.changes = 0  # streams added or removed since the file was last written
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and self._row(name) is not None
+        # A name in `_rows` without `_row`'s call (the service asks on every Append).
+        return isinstance(name, str) and (name in self._rows or self._row(name) is not None)
 
     def __len__(self) -> int:
         return len(self._base) - len(self._gone) + len(self._rows)

@@ -116,6 +116,8 @@ class GrowingNode:
             return False
         end = ref.pos + NODE_PREFIX_SIZE + 4 * h.slots + h.blob_len + nbytes  # blob_start, inline
         segment = ref.segment
+        if end <= segment.file.reserved:
+            return True  # on disk already (most appends): within the capacity, nothing to reserve
         if end > segment.capacity:
             return False
         segment.reserve(end)

@@ -70,15 +70,16 @@ class OpenStreams:
         ordering), so either the closer sees the pin or the pinner sees `evicted` and goes
         the slow way, which waits for the close to end.
         """
-        stream = self._pin_if_open(name)
+        stream = self.pin_if_open(name)
         if stream is not None:
             return stream
         with self._lock:
             stream = self._hit(name, True)
         return stream if stream is not None else self._open(name, True)
 
-    def _pin_if_open(self, name: str) -> Stream | None:
-        """The hot path of `pin` and `create`, taking no lock: the open stream, pinned, or None."""
+    def pin_if_open(self, name: str) -> Stream | None:
+        """The hot path of `pin`, `create` and the engine's append, taking no lock: the open stream,
+        pinned, or None."""
         stream = self._streams.get(name)
         if stream is not None:
             stream.pins.append(None)
@@ -124,7 +125,7 @@ class OpenStreams:
 
     def create(self, name: str, make: Callable[[], Stream]) -> Stream:
         """The stream, pinned: opened if it exists, else made by `make` (a new stream)."""
-        stream = self._pin_if_open(name)
+        stream = self.pin_if_open(name)
         if stream is not None:
             return stream
         with self._opening:

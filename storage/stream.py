@@ -71,6 +71,7 @@ class Stream:
         self.name = name
         self.directory = directory
         self.config = config
+        self.fsync: FsyncPolicy = config.fsync or ctx.config.fsync  # kept by set_config; no property
         self.lock = threading.RLock()
         # Under "always" an append waits for the sync in flight (`_check_writable`): notified when
         # a sync ends, and when the appends that waited have written (the next sync waits for them).
@@ -187,10 +188,6 @@ class Stream:
         if handed.error is not None:  # its sync failed after the close: refuse appends, as `gate` does
             self.gate.error = handed.error
 
-    @property
-    def fsync(self) -> FsyncPolicy:
-        return self.config.fsync or self.ctx.config.fsync
-
     # ------------------------------------------------------------------ append
 
     def append(
@@ -199,7 +196,8 @@ class Stream:
         """Append a batch; `producer` (id, sequence) makes it idempotent, `expected_end` conditional."""
         with self.lock:
             always = self.fsync is FsyncPolicy.ALWAYS  # read under the lock: set_config may change it
-            self._check_writable(always)
+            if always or self.closed or self.gate.error is not None or self.clean_marker:
+                self._check_writable(always)  # only then has it anything to do (a call less per append)
             if expected_end is not None and expected_end != self.end_offset:
                 raise OffsetMismatchError(expected_end, self.end_offset)
             result = append_one(self, batch, producer)
@@ -243,7 +241,8 @@ class Stream:
 
     def _check_writable(self, always: bool) -> None:
         """Before an append (call with `lock` held; `always`: the fsync policy is "always"):
-        refuse it if the stream cannot take it.
+        refuse it if the stream cannot take it. `append` calls it only when one of its tests
+        may hold: a new test here goes into that condition too.
 
         Under "always", wait first while a sync of the active node's header runs: the append
         would rewrite that header's slot, and the sync could then vouch for nothing newer than
@@ -420,6 +419,7 @@ class Stream:
         with self.maintenance_lock, self.lock:
             self.write_meta(self.first_offset, config)
             self.config = config
+            self.fsync = config.fsync or self.ctx.config.fsync
 
     def close(
         self,

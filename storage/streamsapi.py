@@ -54,12 +54,15 @@ class StreamCalls:
             producer = check_producer(producer)
         if expected_end is not None:
             check_expected_end(expected_end)
-        if name not in self._catalog:
-            validate_name(name)
-            if expected_end:
-                raise OffsetMismatchError(expected_end, 0)  # nothing created
-        # `_use_or_create` without its context manager: this runs once per Append.
-        stream = self._open.create(name, lambda: self._create(name, 0))
+        # `_use_or_create` without its context manager: this runs once per Append. An open
+        # stream exists: only one that is not is looked up in the catalog.
+        stream = self._open.pin_if_open(name)
+        if stream is None:
+            if name not in self._catalog:
+                validate_name(name)
+                if expected_end:
+                    raise OffsetMismatchError(expected_end, 0)  # nothing created
+            stream = self._open.create(name, lambda: self._create(name, 0))
         try:
             result = stream.append(batch, producer, expected_end)
         finally:

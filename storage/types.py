@@ -18,11 +18,12 @@ class FsyncPolicy(StrEnum):
     EVERYSEC = "everysec"  # by the maintenance thread, about once a second
     NO = "no"  # when the operating system decides
 
-    @property
-    def blocks(self) -> bool:
-        """Whether a call that waits for this stream's sync may block (the service then runs it
-        in a thread)."""
-        return self is FsyncPolicy.ALWAYS
+    # Whether a call that waits for this stream's sync may block (the service then runs it in a
+    # thread): an attribute of each member, not a property (every Append reads it).
+    blocks: bool
+
+    def __init__(self, value: str) -> None:
+        self.blocks = value == "always"
 
 
 class GapReason(StrEnum):

@@ -64,6 +64,11 @@ def test_fsync_policy_is_the_streams_own_or_the_engines(open_engine):
     assert engine.fsync_policy("new") is FsyncPolicy.EVERYSEC  # what its first append would get
     engine.create_stream("durable", StreamConfig(fsync="always"))
     assert engine.fsync_policy("durable") is FsyncPolicy.ALWAYS
+    # The open stream's policy follows its config (every append reads it from the stream).
+    engine.set_stream_config("durable", StreamConfig(fsync="no"))
+    assert engine.fsync_policy("durable") is FsyncPolicy.NO
+    engine.set_stream_config("durable", StreamConfig())
+    assert engine.fsync_policy("durable") is FsyncPolicy.EVERYSEC  # none of its own: the engine's
     assert [policy.blocks for policy in FsyncPolicy] == [True, False, False]
     with pytest.raises(InvalidArgumentError, match="fsync must be one of always, everysec, no"):
         StreamConfig(fsync="sometimes")
