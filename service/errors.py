@@ -13,7 +13,7 @@ import functools
 import inspect
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -98,6 +98,17 @@ def _log_unexpected(method: str, exc: BaseException) -> None:
         log.error("%s failed unexpectedly", method, exc_info=exc)
 
 
+async def abort_for(context: Any, method: str, exc: Exception) -> NoReturn:
+    """End the call of `method` with the status for `exc`, raised by its handler (an abort the
+    handler made goes on as it is): what translate_errors does, for a handler that catches its
+    own errors (Append: one coroutine layer less on the hottest call)."""
+    if isinstance(exc, grpc.aio.AbortError):
+        raise exc
+    _log_unexpected(method, exc)
+    await context.abort(*status_for(exc), trailing_metadata=trailers_for(exc))
+    raise AssertionError("context.abort returned")  # it raises AbortError
+
+
 def translate_errors(handler: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a servicer method (coroutine or async generator) so errors become statuses."""
     name = handler.__name__
@@ -109,11 +120,8 @@ def translate_errors(handler: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 async for response in handler(self, request, context):
                     yield response
-            except grpc.aio.AbortError:
-                raise
             except Exception as exc:
-                _log_unexpected(name, exc)
-                await context.abort(*status_for(exc), trailing_metadata=trailers_for(exc))
+                await abort_for(context, name, exc)
 
         return stream_wrapper
 
@@ -121,10 +129,7 @@ def translate_errors(handler: Callable[..., Any]) -> Callable[..., Any]:
     async def unary_wrapper(self: Any, request: Any, context: Any) -> Any:
         try:
             return await handler(self, request, context)
-        except grpc.aio.AbortError:
-            raise
         except Exception as exc:
-            _log_unexpected(name, exc)
-            await context.abort(*status_for(exc), trailing_metadata=trailers_for(exc))
+            await abort_for(context, name, exc)
 
     return unary_wrapper

@@ -57,7 +57,12 @@ def checked_append(request: Any, max_entries: int, what: str) -> tuple[str, Appe
     if count > max_entries:
         # Refuse before building columns for a batch that cannot be taken.
         raise limit_exceeded("max_batch_entries", max_entries, f"entries: the {what} has {count} entries")
-    batch = append_batch(request, stream)
+    if payloads:
+        # The fast form: one payload (most Appends) by index, several in one C call (a list()
+        # of a repeated field costs several times an index).
+        batch = AppendBatch([payloads[0]] if count == 1 else list(payloads))
+    else:
+        batch = entries_batch(request, stream, entries)
     producer = None
     if request.producer_id:
         producer = (
@@ -77,15 +82,10 @@ def appended(result: AppendResult) -> dict[str, Any]:
     }
 
 
-def append_batch(request: pb.AppendRequest, stream: str) -> AppendBatch:
-    """The engine's batch for an AppendRequest whose entries or payloads are set (not both)."""
-    payloads = request.payloads
-    if payloads:
-        # The fast form: a repeated bytes field converts to a list in one C call.
-        return AppendBatch(list(payloads))
+def entries_batch(request: pb.AppendRequest, stream: str, entries: Sequence[pb.Entry]) -> AppendBatch:
+    """The engine's batch for an AppendRequest whose `entries` are set (its payloads are not)."""
     # The engine takes columns. The common batch has payloads only: one pass gets
     # them, and a size comparison done in C proves there is nothing else.
-    entries = request.entries
     columns = list(map(_payload, entries))
     if entries_hold_only_payloads(request, stream, columns):
         return AppendBatch(columns)
