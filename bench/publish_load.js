@@ -94,7 +94,8 @@ async function publishLoop(publisher, streams, inFlight, payload, running, done)
 async function rate(address, mode, callers, seconds, inFlight) {
   const stream = `load-${mode}-${process.pid}`;
   const payload = Buffer.alloc(PAYLOAD, 120);
-  const clients = Array.from({ length: callers }, () => new Client(address, { timeoutMs: 60000 }));
+  // A connection per caller, as redis-benchmark's clients have (grpc-js would share one).
+  const clients = Array.from({ length: callers }, () => new Client(address, { timeoutMs: 60000, ownConnection: true }));
   await clients[0].append(stream, payload); // the stream exists before the clock starts
   const result = await timed(seconds, (running, done) => Promise.all(clients.map((client) => (
     mode === 'append'

@@ -118,7 +118,9 @@ class Client {
   // address: "host:port", or several (an array, or comma-separated): seeds, of which the first
   // that answers is used; in a cluster, each call on a stream goes to the stream's leader.
   // options: token (sent as `authorization: Bearer ...`), rootCerts / certChain / privateKey
-  // (Buffers; any of them turns TLS on), timeoutMs (each call's deadline, its retries included).
+  // (Buffers; any of them turns TLS on), timeoutMs (each call's deadline, its retries included),
+  // ownConnection (true: connections of this client's own; by default grpc-js shares one per
+  // address between all the clients of a process).
   constructor(address, options = {}) {
     const Service = loadService();
     const tls = options.rootCerts || options.certChain || options.tls;
@@ -128,7 +130,10 @@ class Client {
       : grpc.credentials.createInsecure();
     const seeds = seedAddresses(address);
     this.address = seeds.join(',');
-    this.routes = new Routes(seeds, (node) => new Service(node, credentials, CHANNEL_OPTIONS));
+    const channelOptions = options.ownConnection
+      ? { ...CHANNEL_OPTIONS, 'grpc.use_local_subchannel_pool': 1 }
+      : CHANNEL_OPTIONS;
+    this.routes = new Routes(seeds, (node) => new Service(node, credentials, channelOptions));
     this.token = options.token || null;
     this.timeoutMs = options.timeoutMs || 30000;
   }
