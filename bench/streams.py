@@ -302,15 +302,25 @@ def closed_latency(server: Server, streams: int, shape: dict) -> None:
         emit(f"closed_stream_{what}_p99", p99 * 1000, "ms", samples=len(samples), **shape)
 
 
+def timed_load(server: Server, streams: int, entries: int, via: str, shape: dict) -> None:
+    """Load the streams `via` a way of LOADS, every entry acknowledged; its wall-clock time, and
+    the CPU time the server and this client spent on it (the load's cost, whatever the machine's
+    load does to the wall clock)."""
+    server_cpu, client_cpu = server.cpu_s(), time.process_time()
+    with Timer() as t:
+        acked = asyncio.run(LOADS[via](server.address, streams, entries))
+    assert acked == streams * entries, acked
+    emit("many_streams_load_time", t.elapsed, "s", **shape)
+    emit("many_streams_load_server_cpu", server.cpu_s() - server_cpu, "s", **shape)
+    emit("many_streams_load_client_cpu", time.process_time() - client_cpu, "s", **shape)
+
+
 def streamlog_load(data: Path, streams: int, entries: int, via: str) -> None:
     shape = {"system": "streamlog", "streams": streams, "entries": entries, "fsync": "everysec", "via": via}
     server = Server(data, 2 * streams)
     server.start()
     try:
-        with Timer() as t:
-            acked = asyncio.run(LOADS[via](server.address, streams, entries))
-        assert acked == streams * entries, acked
-        emit("many_streams_load_time", t.elapsed, "s", **shape)
+        timed_load(server, streams, entries, via, shape)
         emit("many_streams_server_rss", server.rss_mb(), "MB", **shape)
         emit("many_streams_open_fds", server.fds(), "fds", **shape)
         with Timer() as t:
@@ -334,10 +344,7 @@ def million(data: Path, streams: int, via: str) -> None:
     server = Server(data, 2 * streams)
     server.start()
     try:
-        with Timer() as t:
-            acked = asyncio.run(LOADS[via](server.address, streams, 1))
-        assert acked == streams
-        emit("many_streams_load_time", t.elapsed, "s", **shape)
+        timed_load(server, streams, 1, via, shape)
         emit("many_streams_open_fds", server.fds(), "fds", **shape)
         emit("many_streams_server_rss", server.rss_mb(), "MB", **shape)
         server.stop()

@@ -64,6 +64,8 @@ def test_a_small_load_is_acknowledged_and_reported_by_its_way(
     figures = _figures(capsys.readouterr().out)
     assert figures["many_streams_load_time"]["via"] == via
     assert figures["many_streams_load_time"]["streams"] == 120
+    assert figures["many_streams_load_server_cpu"]["value"] > 0  # the server wrote 120 streams
+    assert figures["many_streams_load_client_cpu"]["value"] > 0
     assert figures["closed_stream_read_p99"]["samples"] == 30
 
 
