@@ -5,29 +5,42 @@ Issue 17's targets, measured with one Python client each:
 - `--streams` streams of `--entries` entries of 100 bytes (100,000 x 10 by default).
   Redis (Debian's redis-server, AOF everysec): XADD through redis-py pipelines of
   1,000 commands; load time, `used_memory`, server RSS. streamlog (`streamlog serve`,
-  fsync everysec, the default `max_open_streams`): one Publish session, one message
-  per stream holding its entries, 1,000 in flight (the client's fastest way to write
-  to many streams today); load time, disk used (`du` of the data directory), server
-  RSS, open file descriptors, a metrics scrape, a ListStreams page.
+  fsync everysec, the default `max_open_streams`), loaded each way the Python client
+  writes to many streams (`--loads`, each on a fresh server and directory): `publish`,
+  one Publish session, one message per stream holding its entries, 1,000 in flight;
+  `append_many`, AsyncClient.append_many calls each carrying as many streams' batches
+  as the server takes (max_append_many_batches and _bytes) up to CALL_BATCHES (a call
+  holds the server's event loop while it creates its streams), CALLS_IN_FLIGHT in flight.
+  Each: load time, disk used (`du` of the data directory), server RSS, open file
+  descriptors, a metrics scrape, a ListStreams page.
 - Appending to and reading from streams the cache closed: one unary Append or Read
   at a time on streams loaded first (long closed); p50 and p99.
-- `--million` streams of 1 entry (1,000,000 by default): load (as above), a clean
-  restart (time until the server answers SERVING), then a kill -9 and a restart
-  with every acknowledged entry read back. With `--direct` the directory is built
+- `--million` streams of 1 entry (1,000,000 by default): load (`--million-via`, the
+  AppendMany calls by default, the faster way), a clean restart (time until the
+  server answers SERVING), then a kill -9 and a restart with every acknowledged entry
+  read back. With `--direct` the directory is built
   in this process instead, for a size a load through one client would take hours
   for: one stream is written by the engine and closed cleanly, and its files are
   copied under each name by `BUILDERS` processes (its segment as it is: the
   entry's bytes are the template's; no meta file, as the engine writes none for
   these names), with the SYNCED marker a clean close leaves in its slot, and the catalog
-  file (and `catalog.clean`) a clean shutdown would write. Then a start-up (with the
+  file (and `catalog.clean`) a clean shutdown would write; the group registry
+  (`groups/`, empty) is the template engine's, so start-up looks into no stream's
+  directory for group files. Then a start-up (with the
   HTTP console on: its history opens no stream; the server's CPU time until
   SERVING is reported beside the wall-clock time), one more
   entry appended through the server to
   `DIRECT_APPENDS` streams, a kill -9, a restart, and those entries and as many
   untouched streams read back.
 
-Checks the free disk before each streamlog load (about 16 KiB a stream) and removes
-every data directory it made. One JSON object per line (bench.common.emit).
+Data directories: the free disk is checked once, for every run (about 16 KiB a
+stream), and every directory is removed only at the end, after the last load. On
+an ext4 without a journal (this project's test machine) inode allocation skips the
+inodes freed in the last 5 s, and for up to 300 s while their inode-table block is
+dirty: after a removal of 100,000 directories every mkdir costs 10-20 times its
+usual kernel time for minutes, so a load timed after a big removal measures the
+removal. For the same reason, wait 5 minutes after removing a big data directory
+(this bench's or any other) before a run. One JSON object per line (bench.common.emit).
 """
 
 from __future__ import annotations
@@ -43,7 +56,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -53,6 +66,7 @@ from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 from bench.common import Timer, emit, free_port, percentiles, serve_command, server_metrics, wait_serving
 from bench.redis_baseline import RedisServer
 from clients.aio import AsyncClient
+from service.config import Settings
 from storage import AppendBatch, Engine, EngineConfig
 from storage.catalog import CATALOG_CLEAN, CATALOG_FILE, Catalog, StreamSummary
 from storage.layout import stream_directory, streams_root
@@ -60,6 +74,15 @@ from storage.layout import stream_directory, streams_root
 PAYLOAD = 100
 PIPELINE = 1_000  # Redis commands per pipeline
 IN_FLIGHT = 1_000  # Publish messages in flight
+# The server's bounds on one AppendMany request (it runs with the default settings).
+MANY_BATCHES = Settings().max_append_many_batches
+MANY_BYTES = Settings().max_append_many_bytes
+# Streams per AppendMany call, below MANY_BATCHES: the server writes a call's new streams on its
+# event loop, one call at a time, and gRPC drops a call left waiting 30 s for the loop (CANCELLED,
+# nothing logged). At 1.5 ms a new stream idle, and several times that under load, a call of
+# 10,000 held the loop past 30 s and the call behind it ended so.
+CALL_BATCHES = 2_000
+CALLS_IN_FLIGHT = 2  # one written by the server while the next is sent and read
 BYTES_PER_STREAM = 16 << 10  # disk a one-entry stream may take (directory, one page, slack)
 LATENCY_SAMPLES = 2_000
 BUILDERS = 2  # processes copying the template stream (--direct)
@@ -161,16 +184,27 @@ def _disk_mb(path: Path) -> float:
 
 
 @contextlib.contextmanager
-def data_directory(streams: int) -> Iterator[Path]:
-    parent = Path(tempfile.mkdtemp(prefix="streamlog-streams-", dir=os.environ.get("BENCH_DIR")))
+def scratch(streams: int) -> Iterator[Callable[[], Path]]:
+    """A maker of data directories for runs of `streams` streams in all: the free disk is checked
+    for all of them first, and they are removed together at the end (see the module doc)."""
+    root = Path(tempfile.mkdtemp(prefix="streamlog-streams-", dir=os.environ.get("BENCH_DIR")))
+    made = 0
+
+    def new() -> Path:
+        nonlocal made
+        made += 1
+        run = root / f"run-{made}"
+        run.mkdir()
+        return run / "data"
+
     try:
         need = streams * BYTES_PER_STREAM
-        free = shutil.disk_usage(parent).free
+        free = shutil.disk_usage(root).free
         if free < 2 * need:
             raise SystemExit(f"bench.streams: {free >> 20} MiB free, {2 * need >> 20} MiB wanted")
-        yield parent / "data"
+        yield new
     finally:
-        shutil.rmtree(parent, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 async def publish_all(address: str, streams: int, entries: int) -> int:
@@ -182,6 +216,49 @@ async def publish_all(address: str, streams: int, entries: int) -> int:
         futures = [await session.publish(stream_name(i), payloads(i, entries)) for i in range(streams)]
         results = await asyncio.gather(*futures)
     return sum(r.last_offset - r.first_offset + 1 for r in results)
+
+
+def append_many_calls(streams: int, entries: int) -> Iterator[list[tuple[str, list[bytes]]]]:
+    """Every stream's entries as one batch, grouped into AppendMany requests as large as the
+    server takes: at most MANY_BATCHES batches (and CALL_BATCHES) and MANY_BYTES bytes (a batch's
+    serialized size counted high: its name, and each payload with 4 bytes for its tag and length,
+    plus 8)."""
+    most = min(MANY_BATCHES, CALL_BATCHES)
+    call: list[tuple[str, list[bytes]]] = []
+    size = 0
+    for i in range(streams):
+        batch = (stream_name(i), payloads(i, entries))
+        batch_size = len(batch[0]) + sum(len(p) + 4 for p in batch[1]) + 8
+        if call and (len(call) == most or size + batch_size > MANY_BYTES):
+            yield call
+            call, size = [], 0
+        call.append(batch)
+        size += batch_size
+    if call:
+        yield call
+
+
+async def append_many_all(address: str, streams: int, entries: int) -> int:
+    """Append every stream's entries by AppendMany calls (append_many_calls), CALLS_IN_FLIGHT of
+    them in flight; the acknowledged entries (a batch refused raises its error)."""
+    calls = append_many_calls(streams, entries)
+    acked = 0
+    async with AsyncClient(address, timeout=None) as client:
+
+        async def caller() -> None:
+            nonlocal acked
+            for call in calls:
+                for result in await client.append_many(call):
+                    if isinstance(result, Exception):
+                        raise result
+                    acked += result.last_offset - result.first_offset + 1
+
+        await asyncio.gather(*(caller() for _ in range(CALLS_IN_FLIGHT)))
+    return acked
+
+
+# How a load writes: a Publish session (one message per stream), or AppendMany calls.
+LOADS = {"publish": publish_all, "append_many": append_many_all}
 
 
 async def read_all(
@@ -225,62 +302,67 @@ def closed_latency(server: Server, streams: int, shape: dict) -> None:
         emit(f"closed_stream_{what}_p99", p99 * 1000, "ms", samples=len(samples), **shape)
 
 
-def streamlog_load(streams: int, entries: int) -> None:
-    shape = {"system": "streamlog", "streams": streams, "entries": entries, "fsync": "everysec"}
-    with data_directory(streams) as data:
-        server = Server(data, 2 * streams)
-        server.start()
-        try:
-            with Timer() as t:
-                acked = asyncio.run(publish_all(server.address, streams, entries))
-            assert acked == streams * entries, acked
-            emit("many_streams_load_time", t.elapsed, "s", **shape)
-            emit("many_streams_server_rss", server.rss_mb(), "MB", **shape)
-            emit("many_streams_open_fds", server.fds(), "fds", **shape)
-            with Timer() as t:
-                seen = server_metrics(server.metrics_port)
-            assert seen["streamlog_entries"] == streams * entries, seen["streamlog_entries"]
-            emit("many_streams_metrics_scrape", t.elapsed * 1000, "ms", **shape)
-            with grpc.insecure_channel(server.address) as channel, Timer() as t:
-                page = pb_grpc.StreamLogServiceStub(channel).ListStreams(
-                    pb.ListStreamsRequest(prefix=stream_name(streams // 2)[:-2], page_size=100)
-                )
-            assert len(page.streams) == 100, len(page.streams)
-            emit("many_streams_list_page", t.elapsed * 1000, "ms", **shape)
-            closed_latency(server, streams, shape)
-        finally:
-            server.stop()
+def timed_load(server: Server, streams: int, entries: int, via: str, shape: dict) -> None:
+    """Load the streams `via` a way of LOADS, every entry acknowledged; its wall-clock time, and
+    the CPU time the server and this client spent on it (the load's cost, whatever the machine's
+    load does to the wall clock)."""
+    server_cpu, client_cpu = server.cpu_s(), time.process_time()
+    with Timer() as t:
+        acked = asyncio.run(LOADS[via](server.address, streams, entries))
+    assert acked == streams * entries, acked
+    emit("many_streams_load_time", t.elapsed, "s", **shape)
+    emit("many_streams_load_server_cpu", server.cpu_s() - server_cpu, "s", **shape)
+    emit("many_streams_load_client_cpu", time.process_time() - client_cpu, "s", **shape)
+
+
+def streamlog_load(data: Path, streams: int, entries: int, via: str) -> None:
+    shape = {"system": "streamlog", "streams": streams, "entries": entries, "fsync": "everysec", "via": via}
+    server = Server(data, 2 * streams)
+    server.start()
+    try:
+        timed_load(server, streams, entries, via, shape)
+        emit("many_streams_server_rss", server.rss_mb(), "MB", **shape)
+        emit("many_streams_open_fds", server.fds(), "fds", **shape)
+        with Timer() as t:
+            seen = server_metrics(server.metrics_port)
+        assert seen["streamlog_entries"] == streams * entries, seen["streamlog_entries"]
+        emit("many_streams_metrics_scrape", t.elapsed * 1000, "ms", **shape)
+        with grpc.insecure_channel(server.address) as channel, Timer() as t:
+            page = pb_grpc.StreamLogServiceStub(channel).ListStreams(
+                pb.ListStreamsRequest(prefix=stream_name(streams // 2)[:-2], page_size=100)
+            )
+        assert len(page.streams) == 100, len(page.streams)
+        emit("many_streams_list_page", t.elapsed * 1000, "ms", **shape)
+        closed_latency(server, streams, shape)
+    finally:
+        server.stop()
+    emit("many_streams_disk", _disk_mb(data), "MB", **shape)
+
+
+def million(data: Path, streams: int, via: str) -> None:
+    shape = {"system": "streamlog", "streams": streams, "entries": 1, "fsync": "everysec", "via": via}
+    server = Server(data, 2 * streams)
+    server.start()
+    try:
+        timed_load(server, streams, 1, via, shape)
+        emit("many_streams_open_fds", server.fds(), "fds", **shape)
+        emit("many_streams_server_rss", server.rss_mb(), "MB", **shape)
+        server.stop()
         emit("many_streams_disk", _disk_mb(data), "MB", **shape)
-
-
-def million(streams: int) -> None:
-    shape = {"system": "streamlog", "streams": streams, "entries": 1, "fsync": "everysec"}
-    with data_directory(streams) as data:
-        server = Server(data, 2 * streams)
-        server.start()
-        try:
-            with Timer() as t:
-                acked = asyncio.run(publish_all(server.address, streams, 1))
-            assert acked == streams
-            emit("many_streams_load_time", t.elapsed, "s", **shape)
-            emit("many_streams_open_fds", server.fds(), "fds", **shape)
-            emit("many_streams_server_rss", server.rss_mb(), "MB", **shape)
-            server.stop()
-            emit("many_streams_disk", _disk_mb(data), "MB", **shape)
-            emit("many_streams_restart_start_up", server.start(), "s", **shape)
-            emit("many_streams_start_up_cpu", server.cpu_s(), "s", **shape)
-            emit("many_streams_restarted_rss", server.rss_mb(), "MB", **shape)
-            server.stop(signal.SIGKILL)
-            emit("many_streams_start_up_after_kill", server.start(), "s", **shape)
-            emit("many_streams_start_up_after_kill_cpu", server.cpu_s(), "s", **shape)
-            with Timer() as t:
-                good = asyncio.run(read_all(server.address, streams, 1))
-            emit("many_streams_acked_present_after_kill", good, "streams", of=streams, **shape)
-            emit("many_streams_read_back", t.elapsed, "s", **shape)
-            if good != streams:
-                raise SystemExit(f"bench.streams: {streams - good} streams lost entries after kill -9")
-        finally:
-            server.stop()
+        emit("many_streams_restart_start_up", server.start(), "s", **shape)
+        emit("many_streams_start_up_cpu", server.cpu_s(), "s", **shape)
+        emit("many_streams_restarted_rss", server.rss_mb(), "MB", **shape)
+        server.stop(signal.SIGKILL)
+        emit("many_streams_start_up_after_kill", server.start(), "s", **shape)
+        emit("many_streams_start_up_after_kill_cpu", server.cpu_s(), "s", **shape)
+        with Timer() as t:
+            good = asyncio.run(read_all(server.address, streams, 1))
+        emit("many_streams_acked_present_after_kill", good, "streams", of=streams, **shape)
+        emit("many_streams_read_back", t.elapsed, "s", **shape)
+        if good != streams:
+            raise SystemExit(f"bench.streams: {streams - good} streams lost entries after kill -9")
+    finally:
+        server.stop()
 
 
 def build_directly(data: Path, streams: int) -> None:
@@ -340,35 +422,34 @@ async def append_after(address: str, picks: list[int]) -> int:
     return acked
 
 
-def million_direct(streams: int) -> None:
+def million_direct(data: Path, streams: int) -> None:
     shape = {"system": "streamlog", "streams": streams, "entries": 1, "fsync": "everysec", "built": "direct"}
-    with data_directory(streams) as data:
-        with Timer() as t:
-            build_directly(data, streams)
-        emit("many_streams_direct_build", t.elapsed, "s", **shape)
-        emit("many_streams_disk", _disk_mb(data), "MB", **shape)
-        server = Server(data, 2 * streams, console=True)
-        try:
-            emit("many_streams_start_up", server.start(), "s", **shape)
-            emit("many_streams_start_up_cpu", server.cpu_s(), "s", **shape)
-            emit("many_streams_restarted_rss", server.rss_mb(), "MB", **shape)
-            emit("many_streams_open_fds", server.fds(), "fds", **shape)
-            rng = random.Random(17)
-            picked = rng.sample(range(streams), 2 * min(DIRECT_APPENDS, streams // 2))
-            appended, others = picked[: len(picked) // 2], picked[len(picked) // 2 :]
-            acked = asyncio.run(append_after(server.address, appended))
-            server.stop(signal.SIGKILL)
-            emit("many_streams_start_up_after_kill", server.start(), "s", **shape)
-            emit("many_streams_start_up_after_kill_cpu", server.cpu_s(), "s", **shape)
-            emit("many_streams_rss_after_kill", server.rss_mb(), "MB", **shape)
-            good = asyncio.run(read_all(server.address, appended, 1, extra=1, template=True))
-            emit("many_streams_acked_present_after_kill", good, "streams", of=acked, **shape)
-            untouched = asyncio.run(read_all(server.address, others, 1, template=True))
-            emit("many_streams_untouched_present_after_kill", untouched, "streams", of=len(others), **shape)
-            if good != acked or untouched != len(others):
-                raise SystemExit("bench.streams: entries missing after kill -9")
-        finally:
-            server.stop()
+    with Timer() as t:
+        build_directly(data, streams)
+    emit("many_streams_direct_build", t.elapsed, "s", **shape)
+    emit("many_streams_disk", _disk_mb(data), "MB", **shape)
+    server = Server(data, 2 * streams, console=True)
+    try:
+        emit("many_streams_start_up", server.start(), "s", **shape)
+        emit("many_streams_start_up_cpu", server.cpu_s(), "s", **shape)
+        emit("many_streams_restarted_rss", server.rss_mb(), "MB", **shape)
+        emit("many_streams_open_fds", server.fds(), "fds", **shape)
+        rng = random.Random(17)
+        picked = rng.sample(range(streams), 2 * min(DIRECT_APPENDS, streams // 2))
+        appended, others = picked[: len(picked) // 2], picked[len(picked) // 2 :]
+        acked = asyncio.run(append_after(server.address, appended))
+        server.stop(signal.SIGKILL)
+        emit("many_streams_start_up_after_kill", server.start(), "s", **shape)
+        emit("many_streams_start_up_after_kill_cpu", server.cpu_s(), "s", **shape)
+        emit("many_streams_rss_after_kill", server.rss_mb(), "MB", **shape)
+        good = asyncio.run(read_all(server.address, appended, 1, extra=1, template=True))
+        emit("many_streams_acked_present_after_kill", good, "streams", of=acked, **shape)
+        untouched = asyncio.run(read_all(server.address, others, 1, template=True))
+        emit("many_streams_untouched_present_after_kill", untouched, "streams", of=len(others), **shape)
+        if good != acked or untouched != len(others):
+            raise SystemExit("bench.streams: entries missing after kill -9")
+    finally:
+        server.stop()
 
 
 def main() -> None:
@@ -379,16 +460,30 @@ def main() -> None:
     parser.add_argument("--million", type=int, default=1_000_000, help="streams of one entry")
     parser.add_argument("--skip-redis", action="store_true")
     parser.add_argument("--skip-load", action="store_true", help="no --streams run (Redis's nor streamlog's)")
+    parser.add_argument(
+        "--loads",
+        default=",".join(LOADS),
+        help=f"the --streams loads, comma-separated (of {', '.join(LOADS)})",
+    )
+    parser.add_argument(
+        "--million-via", choices=list(LOADS), default="append_many", help="how --million loads (the fastest)"
+    )
     parser.add_argument("--direct", action="store_true", help="--million's directory written in-process")
     args = parser.parse_args()
     if args.quick:
         args.streams, args.million = 2_000, 5_000
-    if not args.skip_redis and not args.skip_load:
-        redis_load(args.streams, args.entries)
-    if not args.skip_load:
-        streamlog_load(args.streams, args.entries)
-    if args.million:
-        (million_direct if args.direct else million)(args.million)
+    loads = [] if args.skip_load else args.loads.split(",")
+    if unknown := set(loads) - set(LOADS):
+        parser.error(f"--loads: no such load: {', '.join(sorted(unknown))}")
+    with scratch(args.streams * len(loads) + args.million) as new_data:
+        if loads and not args.skip_redis:
+            redis_load(args.streams, args.entries)
+        for via in loads:
+            streamlog_load(new_data(), args.streams, args.entries, via)
+        if args.million and args.direct:
+            million_direct(new_data(), args.million)
+        elif args.million:
+            million(new_data(), args.million, args.million_via)
 
 
 if __name__ == "__main__":
