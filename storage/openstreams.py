@@ -205,7 +205,7 @@ def _closable(stream: Stream, now: float) -> bool:
         not stream.pins
         and now - stream.touched >= HOLD_S
         and stream.commit is None
-        and not stream.epochs.incarnation
+        and not (stream.has_epochs and stream.epochs.incarnation)  # (a stream without makes none)
         and stream.gate.error is None
     )
 

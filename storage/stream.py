@@ -20,7 +20,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 
 from storage.catalog import StreamSummary
@@ -29,6 +29,7 @@ from storage.cleanmark import SYNCED_MARKER, SyncedEnd, erase_slot, read_synced_
 from storage.config import StreamConfig
 from storage.context import EngineContext
 from storage.creation import PendingCreation, start_creation
+from storage.dedup import ProducerTable
 from storage.durability import SyncGate, sync_now
 from storage.epochs import EpochHistory
 from storage.errors import (
@@ -112,16 +113,41 @@ class Stream:
         self.upkept_seq = 0
         self.upkept_ms = 0
         self.closed_summary: StreamSummary | None = None  # set by close
-        self.producers = new_producer_table(ctx)
-        self.epochs = EpochHistory()
+        # The idempotent producers' table, made on first use (`producers`): most streams have none.
+        self._producers: ProducerTable | None = None
         self.has_epochs = False  # its epochs file exists (a replicated stream's): the catalog lists it
-        # Its halves reach it through a weak proxy: no reference cycle, so a stream the cache lets
-        # go is freed when its last user drops it, not left to the collector's full passes, which
+        # `epochs`, `cleaner`, `retention` and `truncation` are made on first use too: a new stream,
+        # a one-off among a million, may never need them, and each costs its creation. The last
+        # three reach it through a weak proxy: no reference cycle, so a stream the cache lets go is
+        # freed when its last user drops it, not left to the collector's full passes, which
         # traverse every live object (one closed stream per call to a closed stream, issue 17).
-        me = weakref.proxy(self)
-        self.cleaner = Cleaner(me)
-        self.retention = Retention(me)
-        self.truncation = Truncation(me)
+
+    @property
+    def producers(self) -> ProducerTable:
+        table = self._producers
+        if table is None:
+            table = self._producers = new_producer_table(self.ctx)
+        return table
+
+    @producers.setter
+    def producers(self, table: ProducerTable) -> None:
+        self._producers = table
+
+    @cached_property
+    def epochs(self) -> EpochHistory:
+        return EpochHistory()  # replaced by the open or save_epochs when the stream has any
+
+    @cached_property
+    def cleaner(self) -> Cleaner:
+        return Cleaner(weakref.proxy(self))
+
+    @cached_property
+    def retention(self) -> Retention:
+        return Retention(weakref.proxy(self))
+
+    @cached_property
+    def truncation(self) -> Truncation:
+        return Truncation(weakref.proxy(self))
 
     # ------------------------------------------------------------------ open / create
 
@@ -409,7 +435,9 @@ class Stream:
     def save_producers(self, now_ms: int) -> None:
         """Expire idle producers and snapshot the table if it changed (maintenance, close)."""
         with self.lock:
-            raw = self.producers.snapshot(now_ms, self.end_offset)
+            if self._producers is None:  # never made: nothing recorded since the open
+                return
+            raw = self._producers.snapshot(now_ms, self.end_offset)
         if raw is not None:
             self.ctx.fs.write_file_atomic(self.directory / PRODUCERS_FILE, raw)
 

@@ -194,3 +194,42 @@ def test_a_stream_created_empty_gets_a_meta_file_at_its_first_sync_the_cache_clo
     lost = Engine(ROOT, EngineConfig(**SMALL), fs=fs.crashed_copy(mode="lost"))
     assert lost.list_streams() == ["closed-empty", "open-empty"]
     assert lost.info("open-empty").end_offset == 0
+
+
+LAZY_PARTS = ("epochs", "cleaner", "retention", "truncation")  # cached properties of Stream
+
+
+def made_parts(stream) -> list[str]:
+    """The parts a stream makes on first use that it has made so far."""
+    made = [part for part in LAZY_PARTS if part in vars(stream)]
+    return made + ["producers"] * (stream._producers is not None)
+
+
+def test_a_new_stream_makes_no_part_it_does_not_use_and_each_works_once_made_after_a_reopen():
+    """A new stream's producer table, epochs, cleaner, retention and truncation are made on first
+    use: its creation, append and eviction pay for none (issue 17). Made later, after a reopen
+    (a close by the cache, then an engine's restart after a crash), each does its work."""
+    fs = FaultFS()
+    fs.prepare_dir(ROOT)
+    config = EngineConfig(**SMALL, max_open_streams=1)
+    engine = Engine(ROOT, config, fs=fs)
+    engine.append("room", AppendBatch([b"a", b"b"]))
+    room = engine._open.glance("room")
+    assert made_parts(room) == []
+    engine.append("other", AppendBatch([b"x"]))  # closes "room" (the cache holds one)
+    assert room.closed and made_parts(room) == []
+
+    first = engine.append("room", AppendBatch([b"c"]), producer=("p", 1))  # reopened
+    assert made_parts(engine._open.glance("room")) == ["producers"]
+    engine.append("other", AppendBatch([b"y"]))  # closed again: its table is saved
+    assert engine.append("room", AppendBatch([b"c"]), producer=("p", 1)).duplicate
+    engine.sync()
+
+    engine = Engine(ROOT, config, fs=fs.crashed_copy(mode="lost"))  # no clean close
+    retry = engine.append("room", AppendBatch([b"c"]), producer=("p", 1))
+    assert retry.duplicate and retry.first_offset == first.first_offset
+    assert engine.trim("room", 1) == 1  # retention
+    assert engine.compact("room") == 0  # the cleaner: one growing segment, nothing sealed to compact
+    assert engine.read("room", 0, 10).entries()[0].payload == b"b"
+    assert engine.info("room").entries == 2
+    engine.close()
