@@ -38,24 +38,27 @@ def stream_summary(stream: Stream) -> StreamSummary:
     """What the catalog keeps of the stream while it is closed (storage/catalog.py): its
     figures, and when maintenance should visit it: at once if packing is pending or an
     entry or byte limit was not applied since its last write; when its oldest node passes
-    max_age_ms, or its next compaction is due, but at most once per compaction interval."""
-    info = stream_info(stream)
-    cfg = stream.config
-    compaction_interval_ms = stream.ctx.config.compaction_interval_ms
-    due = []
-    limited = cfg.max_entries is not None or cfg.max_bytes is not None
-    if stream.pack_queue or (limited and stream.write_seq != stream.upkept_seq):
-        due.append(1)
-    floor = stream.upkept_ms + compaction_interval_ms
-    if cfg.max_age_ms is not None and info.entries and len(stream.index):
-        due.append(max(stream.index.max_ts[0] + cfg.max_age_ms, floor))
-    if cfg.compaction and len(stream.segments) > 1:
-        due.append(max(stream.cleaner.last_compaction_ms + compaction_interval_ms, floor))
-    return StreamSummary(
-        info.entries,
-        info.bytes_on_disk,
-        info.segments,
-        info.nodes,
-        min(due) if due else 0,
-        stream.has_epochs,  # known without a stat: every close asks
-    )
+    max_age_ms, or its next compaction is due, but at most once per compaction interval.
+    Every cache eviction asks: only the catalog's figures are computed, not `stream_info`."""
+    with stream.lock:
+        segments = stream.segments
+        entries = stream.count(stream.first_offset, stream.visible_end)
+        cfg = stream.config
+        compaction_interval_ms = stream.ctx.config.compaction_interval_ms
+        due = []
+        limited = cfg.max_entries is not None or cfg.max_bytes is not None
+        if stream.pack_queue or (limited and stream.write_seq != stream.upkept_seq):
+            due.append(1)
+        floor = stream.upkept_ms + compaction_interval_ms
+        if cfg.max_age_ms is not None and entries and len(stream.index):
+            due.append(max(stream.index.max_ts[0] + cfg.max_age_ms, floor))
+        if cfg.compaction and len(segments) > 1:
+            due.append(max(stream.cleaner.last_compaction_ms + compaction_interval_ms, floor))
+        return StreamSummary(
+            entries,
+            sum(s.file.size for s in segments),
+            len(segments),
+            len(stream.index),
+            min(due) if due else 0,
+            stream.has_epochs,  # known without a stat: every close asks
+        )
