@@ -132,9 +132,7 @@ class GrowingNode:
         segment = ref.segment
         file = segment.file
         table_start = pos + NODE_PREFIX_SIZE
-        file.write(table_start + 4 * h.slots + h.blob_len, blob)  # blob_start, inline
         table = positions[:-1].tobytes()
-        file.write(table_start + 4 * h.count, table)
         seq = h.seq + 1
         if seq % 2 == self._kept_slot:  # never over the last durable header: skip a number
             seq += 1
@@ -152,7 +150,14 @@ class GrowingNode:
             last_ts,
             h.flags | flags,
         )
-        file.write(pos + NODE_HEADER_SIZE * (seq % 2), header.encode())
+        # The records, then their table entries, then the header that covers them.
+        file.write_parts(
+            (
+                (table_start + 4 * h.slots + h.blob_len, blob),  # blob_start, inline
+                (table_start + 4 * h.count, table),
+                (pos + NODE_HEADER_SIZE * (seq % 2), header.encode()),
+            )
+        )
         ref.header = header
         del self.positions[-1]
         self.positions.extend(positions)

@@ -186,6 +186,37 @@ def test_a_new_streams_first_page_is_written_through_and_mapped_once_it_grows(tm
         assert engine.info("room").damaged == ()
 
 
+def test_a_new_streams_page_is_one_pwrite_and_each_append_into_it_one_more(tmp_path, monkeypatch):
+    """A new stream's first page is written whole (its header and zeros: the write allocates its
+    blocks, no posix_fallocate) and each append while it is not mapped writes its records, their
+    table entries and its header as one pwrite of the span they cover (issue 17)."""
+    calls: list[tuple[str, int]] = []
+    pwrite, fallocate = os.pwrite, os.posix_fallocate
+
+    def counted_pwrite(fd, data, pos):
+        calls.append(("pwrite", len(data)))
+        return pwrite(fd, data, pos)
+
+    def counted_fallocate(fd, start, n):
+        calls.append(("fallocate", n))
+        return fallocate(fd, start, n)
+
+    monkeypatch.setattr(storage.fs.os, "pwrite", counted_pwrite)
+    monkeypatch.setattr(storage.fs.os, "posix_fallocate", counted_fallocate)
+    data = tmp_path / "data"
+    entries = [b"e%d" % i * 30 for i in range(12)]
+    with Engine(data, EngineConfig(**SMALL)) as engine:
+        engine.append("room", AppendBatch(entries[:4]))
+        assert [kind for kind, _ in calls] == ["pwrite", "pwrite"] and calls[0][1] == 4096
+        calls.clear()
+        engine.append("room", AppendBatch(entries[4:8]))
+        engine.append("room", AppendBatch(entries[8:]))  # a second node: its own span
+        assert [kind for kind, _ in calls] == ["pwrite", "pwrite"]
+        assert payloads(engine, "room") == entries
+    with Engine(data, EngineConfig(**SMALL)) as engine:
+        assert payloads(engine, "room") == entries and engine.info("room").damaged == ()
+
+
 def test_a_reopened_segment_is_reserved_again_only_when_it_has_a_hole(tmp_path, monkeypatch):
     """Re-reserving a segment that has every block costs a journal wait on the first write after
     each reopen (issue 17); one a sparse copy left with a hole is reserved again from its start
