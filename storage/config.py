@@ -108,3 +108,6 @@ class StreamConfig:
     def from_dict(cls, data: dict) -> StreamConfig:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+DEFAULT_STREAM_CONFIG = StreamConfig()  # a new stream's (frozen: one instance serves every stream)

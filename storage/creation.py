@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from storage.cleanmark import SYNCED_MARKER, marker_in
-from storage.config import StreamConfig
+from storage.config import DEFAULT_STREAM_CONFIG, StreamConfig
 from storage.durability import DirSync
 from storage.errors import CorruptionError
 from storage.format import SEGMENT_HEADER_SIZE, SegmentHeader
@@ -86,7 +86,7 @@ def start_creation(
 ) -> PendingCreation:
     """Make a new stream's directory (and a hashed name's `stream.meta.new`), syncing nothing."""
     fs.makedirs(directory, durable=False)
-    meta_new = directory.name.startswith(HASHED) or config != StreamConfig()
+    meta_new = directory.name.startswith(HASHED) or config != DEFAULT_STREAM_CONFIG
     if meta_new:
         fs.write_file(directory / META_NEW, encode_meta(name, 0, config))
     return PendingCreation(streams_dir, name, meta_new)

@@ -29,7 +29,7 @@ from storage.cache import NodeCache
 from storage.catalog import CATALOG_CLEAN, Catalog, SortedNames
 from storage.catalogfiles import CatalogFiles
 from storage.closer import FileCloser
-from storage.config import EngineConfig, StreamConfig
+from storage.config import DEFAULT_STREAM_CONFIG, EngineConfig, StreamConfig
 from storage.context import EngineContext
 from storage.durability import DirSync
 from storage.errors import (
@@ -43,9 +43,9 @@ from storage.fs import FileSystem
 from storage.groupmanager import GroupManager
 from storage.groupsapi import GroupCalls
 from storage.handoff import UnsyncedCloses
-from storage.layout import DELETED_SUFFIX, LOCK_FILE, stream_directory, streams_root
+from storage.layout import DELETED_SUFFIX, LOCK_FILE, streams_root
 from storage.maintenance import Maintenance
-from storage.names import validate_name
+from storage.names import dirname_for, validate_name
 from storage.openstreams import OpenStreams, Pinned
 from storage.replicaapi import ReplicaCalls
 from storage.stream import Stream
@@ -75,7 +75,8 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
         self.data_dir = Path(data_dir)
         self._fs = fs or FileSystem()
         self._clock = clock or wall_clock_ms
-        self._fs.makedirs(streams_root(self.data_dir))
+        self._streams_root = streams_root(self.data_dir)  # joined once: each new stream's path is one join
+        self._fs.makedirs(self._streams_root)
         self._lock_fd = self._take_lock() if fs is None else None
         self._lock = threading.Lock()
         self._listeners: list[AppendListener] = []
@@ -91,7 +92,7 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
             self._clock,
             NodeCache(self.config.cache_nodes),
             self._floor,
-            DirSync(self._fs, streams_root(self.data_dir)),
+            DirSync(self._fs, self._streams_root),
         )
         self._catalog = Catalog()  # every stream (storage/catalog.py)
         self._catalog_saved = time.monotonic()
@@ -139,7 +140,7 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
         """Open a stream of the catalog (OpenStreams calls this on a miss)."""
         if name not in self._catalog:
             raise StreamNotFoundError(f"stream {name!r} does not exist")
-        directory = stream_directory(self.data_dir, name)
+        directory = self._streams_root / dirname_for(name)
         dirname = directory.name
         try:
             stream = Stream.open(self._ctx, directory, self._unsynced.take(name), self._catalog.entries(name))
@@ -226,12 +227,12 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
         if name in self._catalog:
             stream = self._open_stream(name)
         else:
-            directory = stream_directory(self.data_dir, name)
+            directory = self._streams_root / dirname_for(name)
             if directory.name in self.unreadable:
                 # Its metadata is damaged: keep the evidence, refuse to write over it.
                 raise PreconditionError(f"stream {name!r} is damaged on disk; see the server log")
             self._catalog.creating(name)  # journaled before its directory is made
-            stream = Stream.create(self._ctx, name, directory, StreamConfig(), incarnation)
+            stream = Stream.create(self._ctx, name, directory, DEFAULT_STREAM_CONFIG, incarnation)
             self._catalog.add(name)
         return stream
 
