@@ -6,7 +6,8 @@ then its blob follows:
     header slot A, header slot B, offset table (4 * slots bytes), blob
 
 Each append writes the new records, then the new table entries, then the
-header slot the sequence number picks; the CRCs grow incrementally with the
+header slot the sequence number picks (one pwrite of their span into a file
+not mapped yet: SegmentFile.write_parts); the CRCs grow incrementally with the
 table and blob. The slot of the last header a sync made durable is never
 overwritten before a newer one is durable (`durable_seq`). docs/FORMAT.md has
 the tables.
