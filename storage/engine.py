@@ -227,11 +227,12 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
         if name in self._catalog:
             stream = self._open_stream(name)
         else:
-            directory = self._streams_root / dirname_for(name)
-            if directory.name in self.unreadable:
+            dirname = dirname_for(name)
+            if dirname in self.unreadable:
                 # Its metadata is damaged: keep the evidence, refuse to write over it.
                 raise PreconditionError(f"stream {name!r} is damaged on disk; see the server log")
             self._catalog.creating(name)  # journaled before its directory is made
+            directory = self._streams_root / dirname
             stream = Stream.create(self._ctx, name, directory, DEFAULT_STREAM_CONFIG, incarnation)
             self._catalog.add(name)
         return stream
