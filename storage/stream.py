@@ -18,18 +18,15 @@ from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from collections.abc import Callable, Iterator, Sequence
-from functools import cached_property, partial
+from functools import partial
 from pathlib import Path
 
 from storage.catalog import StreamSummary
-from storage.cleaner import Cleaner
 from storage.cleanmark import SYNCED_MARKER, SyncedEnd, erase_slot, read_synced_end, write_synced_end
 from storage.config import StreamConfig
 from storage.context import EngineContext
 from storage.creation import PendingCreation, start_creation
-from storage.dedup import ProducerTable
 from storage.durability import SyncGate, sync_now
 from storage.epochs import EpochHistory
 from storage.errors import (
@@ -52,21 +49,20 @@ from storage.layout import (
     read_meta,
     write_meta,
 )
-from storage.loader import LogLoader, new_producer_table
+from storage.loader import LogLoader
 from storage.nodewriter import append_one, append_together
 from storage.packed import decompressor
 from storage.reader import count_entries, read_backward, read_forward, seek_time
 from storage.results import AppendResult, EntriesMeta, Gap, ReadResult
-from storage.retention import Retention
 from storage.segment import NodeRef, NodeView, Segment
 from storage.streaminfo import stream_summary
-from storage.truncation import Truncation
+from storage.streamparts import StreamParts
 from storage.types import AppendBatch, FsyncPolicy, StreamBounds
 
 log = logging.getLogger("streamlog.storage")
 
 
-class Stream:
+class Stream(StreamParts):
     def __init__(self, ctx: EngineContext, name: str, directory: Path, config: StreamConfig) -> None:
         self.ctx = ctx
         self.name = name
@@ -113,41 +109,8 @@ class Stream:
         self.upkept_seq = 0
         self.upkept_ms = 0
         self.closed_summary: StreamSummary | None = None  # set by close
-        # The idempotent producers' table, made on first use (`producers`): most streams have none.
-        self._producers: ProducerTable | None = None
         self.has_epochs = False  # its epochs file exists (a replicated stream's): the catalog lists it
-        # `epochs`, `cleaner`, `retention` and `truncation` are made on first use too: a new stream,
-        # a one-off among a million, may never need them, and each costs its creation. The last
-        # three reach it through a weak proxy: no reference cycle, so a stream the cache lets go is
-        # freed when its last user drops it, not left to the collector's full passes, which
-        # traverse every live object (one closed stream per call to a closed stream, issue 17).
-
-    @property
-    def producers(self) -> ProducerTable:
-        table = self._producers
-        if table is None:
-            table = self._producers = new_producer_table(self.ctx)
-        return table
-
-    @producers.setter
-    def producers(self, table: ProducerTable) -> None:
-        self._producers = table
-
-    @cached_property
-    def epochs(self) -> EpochHistory:
-        return EpochHistory()  # replaced by the open or save_epochs when the stream has any
-
-    @cached_property
-    def cleaner(self) -> Cleaner:
-        return Cleaner(weakref.proxy(self))
-
-    @cached_property
-    def retention(self) -> Retention:
-        return Retention(weakref.proxy(self))
-
-    @cached_property
-    def truncation(self) -> Truncation:
-        return Truncation(weakref.proxy(self))
+        # Its producers, epochs, cleaner, retention and truncation are made on first use (StreamParts).
 
     # ------------------------------------------------------------------ open / create
 
@@ -435,9 +398,9 @@ class Stream:
     def save_producers(self, now_ms: int) -> None:
         """Expire idle producers and snapshot the table if it changed (maintenance, close)."""
         with self.lock:
-            if self._producers is None:  # never made: nothing recorded since the open
+            if not self.made("producers"):  # nothing recorded since the open
                 return
-            raw = self._producers.snapshot(now_ms, self.end_offset)
+            raw = self.producers.snapshot(now_ms, self.end_offset)
         if raw is not None:
             self.ctx.fs.write_file_atomic(self.directory / PRODUCERS_FILE, raw)
 

@@ -196,13 +196,10 @@ def test_a_stream_created_empty_gets_a_meta_file_at_its_first_sync_the_cache_clo
     assert lost.info("open-empty").end_offset == 0
 
 
-LAZY_PARTS = ("epochs", "cleaner", "retention", "truncation")  # cached properties of Stream
-
-
 def made_parts(stream) -> list[str]:
-    """The parts a stream makes on first use that it has made so far."""
-    made = [part for part in LAZY_PARTS if part in vars(stream)]
-    return made + ["producers"] * (stream._producers is not None)
+    """The parts a stream makes on first use (storage/streamparts.py) that it has made so far."""
+    parts = ("producers", "epochs", "cleaner", "retention", "truncation")
+    return [part for part in parts if stream.made(part)]
 
 
 def test_a_new_stream_makes_no_part_it_does_not_use_and_each_works_once_made_after_a_reopen():

@@ -1,0 +1,56 @@
+"""The parts of a stream made on first use: its idempotent producers' table, its epoch
+history, and its maintenance helpers (cleaner, retention, truncation).
+
+Most streams among a million never use them (no producer id, not replicated, never
+compacted, trimmed or truncated): a creation, an append and an eviction make none, which
+saves their making and the garbage collector's walks over them while the stream is open.
+An open sets the producers and the epochs it loads (assignment replaces the lazy value).
+The helpers reach their stream through a weak proxy: no reference cycle, so a stream the
+cache lets go is freed when its last user drops it, not left to the collector's full passes,
+which traverse every live object (one closed stream per call to a closed stream, issue 17).
+"""
+
+from __future__ import annotations
+
+import weakref
+from functools import cached_property
+from typing import TYPE_CHECKING, cast
+
+from storage.cleaner import Cleaner
+from storage.context import EngineContext
+from storage.dedup import ProducerTable
+from storage.epochs import EpochHistory
+from storage.loader import new_producer_table
+from storage.retention import Retention
+from storage.truncation import Truncation
+
+if TYPE_CHECKING:
+    from storage.stream import Stream
+
+
+class StreamParts:
+    ctx: EngineContext  # set by Stream
+
+    def made(self, part: str) -> bool:
+        """Whether the part named `part` was made (or set) so far."""
+        return part in self.__dict__
+
+    @cached_property
+    def producers(self) -> ProducerTable:
+        return new_producer_table(self.ctx)
+
+    @cached_property
+    def epochs(self) -> EpochHistory:
+        return EpochHistory()  # a replicated stream's is set by its open or save_epochs
+
+    @cached_property
+    def cleaner(self) -> Cleaner:
+        return Cleaner(cast("Stream", weakref.proxy(self)))
+
+    @cached_property
+    def retention(self) -> Retention:
+        return Retention(cast("Stream", weakref.proxy(self)))
+
+    @cached_property
+    def truncation(self) -> Truncation:
+        return Truncation(cast("Stream", weakref.proxy(self)))
