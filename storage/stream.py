@@ -6,7 +6,7 @@ segments in storage/nodewriter.py, the reads in storage/reader.py, a sync in
 storage/durability.py (`sync_now`), its figures and catalog summary in
 storage/streaminfo.py; recovery at start-up in storage/loader.py, retention in
 storage/retention.py, and the rewrites of sealed segments (packing, compaction,
-merging) in storage/cleaner.py.
+merging) in storage/cleaner.py; those it makes on first use in storage/streamparts.py.
 
 Locking: `lock` guards the index and the active node (appends, reads, index
 changes); `maintenance_lock` serialises the slow jobs that rewrite or delete
