@@ -44,7 +44,6 @@ from storage.index import NodeIndex
 from storage.layout import (
     CLEAN_MARKER,
     EPOCHS_FILE,
-    PRODUCERS_FILE,
     TRUNCATE_MARKER,
     read_meta,
     write_meta,
@@ -394,15 +393,6 @@ class Stream(StreamParts):
         self.dirty.discard(segment.file)
         self.ctx.cache.drop_segment(segment.uid)
         segment.close(close_file)
-
-    def save_producers(self, now_ms: int) -> None:
-        """Expire idle producers and snapshot the table if it changed (maintenance, close)."""
-        with self.lock:
-            if not self.made("producers"):  # nothing recorded since the open
-                return
-            raw = self.producers.snapshot(now_ms, self.end_offset)
-        if raw is not None:
-            self.ctx.fs.write_file_atomic(self.directory / PRODUCERS_FILE, raw)
 
     # ------------------------------------------------------------------ info, config, close
 

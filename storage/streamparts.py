@@ -1,5 +1,5 @@
-"""The parts of a stream made on first use: its idempotent producers' table, its epoch
-history, and its maintenance helpers (cleaner, retention, truncation).
+"""The parts of a stream made on first use: its idempotent producers' table (and its saving),
+its epoch history, and its maintenance helpers (cleaner, retention, truncation).
 
 Most streams among a million never use them (no producer id, not replicated, never
 compacted, trimmed or truncated): a creation, an append and an eviction make none, which
@@ -12,14 +12,17 @@ which traverse every live object (one closed stream per call to a closed stream,
 
 from __future__ import annotations
 
+import threading
 import weakref
 from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from storage.cleaner import Cleaner
 from storage.context import EngineContext
 from storage.dedup import ProducerTable
 from storage.epochs import EpochHistory
+from storage.layout import PRODUCERS_FILE
 from storage.loader import new_producer_table
 from storage.retention import Retention
 from storage.truncation import Truncation
@@ -29,7 +32,10 @@ if TYPE_CHECKING:
 
 
 class StreamParts:
-    ctx: EngineContext  # set by Stream
+    ctx: EngineContext  # these set by Stream
+    directory: Path
+    lock: threading.RLock
+    end_offset: int
 
     def made(self, part: str) -> bool:
         """Whether the part named `part` was made (or set) so far."""
@@ -38,6 +44,15 @@ class StreamParts:
     @cached_property
     def producers(self) -> ProducerTable:
         return new_producer_table(self.ctx)
+
+    def save_producers(self, now_ms: int) -> None:
+        """Expire idle producers and snapshot the table if it changed (maintenance, close)."""
+        with self.lock:
+            if not self.made("producers"):  # nothing recorded since the open
+                return
+            raw = self.producers.snapshot(now_ms, self.end_offset)
+        if raw is not None:
+            self.ctx.fs.write_file_atomic(self.directory / PRODUCERS_FILE, raw)
 
     @cached_property
     def epochs(self) -> EpochHistory:
