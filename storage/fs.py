@@ -69,19 +69,6 @@ def _reserve(fd: int, path: Path, start: int, length: int) -> None:
         raise DurabilityError(f"cannot reserve space in segment {path.name}: {exc}") from exc
 
 
-def _write_page(fd: int, path: Path, content: bytearray) -> None:
-    """Write a new file's bytes whole, from 0: the write allocates their blocks, so a full disk
-    is DiskFullError here, as in `_reserve`."""
-    try:
-        written = os.pwrite(fd, content, 0)
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DiskFullError(f"no space for segment {path.name} to reach {len(content)} bytes") from exc
-        raise
-    if written != len(content):  # a short write: the disk filled up part way
-        raise DiskFullError(f"no space for segment {path.name} to reach {len(content)} bytes")
-
-
 def _allocated(fd: int, stat: os.stat_result) -> bool:
     """Whether the file has its blocks for every byte: no hole by the file system's account
     (SEEK_HOLE; one that cannot tell says the end) nor by its block count."""
@@ -152,30 +139,6 @@ class SegmentFile:
         except OSError as exc:
             raise DurabilityError(f"cannot write segment {self.path.name}: {exc}") from exc
         copy[pos : pos + len(data)] = data
-
-    def write_parts(self, parts: tuple[tuple[int, bytes], ...]) -> None:
-        """Write each (pos, data) of `parts`, in order. Unmapped, they go to the file as one pwrite
-        of the span they cover (a node's records, table and header: one system call, not three),
-        so a process killed meanwhile leaves all of them or none."""
-        copy = self._copy
-        if copy is None:
-            for pos, data in parts:
-                self._map[pos : pos + len(data)] = data
-            return
-        fd = self._fd
-        if fd is None:
-            raise DurabilityError(f"segment {self.path.name} is closed")
-        lo, hi = len(copy), 0
-        for pos, data in parts:
-            lo, hi = min(lo, pos), max(hi, pos + len(data))
-        span = copy[lo:hi]
-        for pos, data in parts:
-            span[pos - lo : pos - lo + len(data)] = data
-        try:
-            os.pwrite(fd, span, lo)  # into blocks `reserve` allocated: a full disk cannot fail it
-        except OSError as exc:
-            raise DurabilityError(f"cannot write segment {self.path.name}: {exc}") from exc
-        copy[lo : lo + len(span)] = span
 
     def reserve(self, size: int) -> None:
         """Make sure bytes [0, size) are allocated on disk and mapped, growing the file if needed.
@@ -272,24 +235,14 @@ class FileSystem:
         """Create, preallocate and write the header of a segment, durably (unless not `durable`:
         a new stream's first segment, which its creation's commit syncs, storage/creation.py).
 
-        Preallocation makes a full disk fail here and not as SIGBUS later. A segment of at most
-        UNMAPPED_BYTES (a new stream's first page) is written whole instead, its header and
-        zeros in one pwrite, which allocates its blocks as posix_fallocate would (a full disk
-        fails it here) at one system call less; it is written through with pwrite until it grows,
-        and its growth reserves the rest before mapping it. The header is synced with the file,
-        so a segment that exists after a crash always names its base offset.
+        Preallocation makes a full disk fail here and not as SIGBUS later. The
+        header is synced with the file, so a segment that exists after a crash
+        always names its base offset.
         """
-        content = None
-        if size <= UNMAPPED_BYTES:
-            content = bytearray(size)
-            content[: len(header)] = header
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            if content is None:
-                _reserve(fd, path, 0, size)
-                os.pwrite(fd, header, 0)
-            else:
-                _write_page(fd, path, content)
+            _reserve(fd, path, 0, size)
+            os.pwrite(fd, header, 0)
             if durable:
                 os.fsync(fd)
         except (OSError, DiskFullError, DurabilityError) as exc:
@@ -300,6 +253,10 @@ class FileSystem:
             raise DurabilityError(f"cannot create segment {path.name}: {exc}") from exc
         if durable:
             self.sync_dir(path.parent)
+        content = None
+        if size <= UNMAPPED_BYTES:
+            content = bytearray(size)
+            content[: len(header)] = header
         return SegmentFile(path, fd, size, True, self.sync_times, reserved=size, content=content)
 
     def open_segment(self, path: Path, writable: bool) -> SegmentFile:

@@ -6,8 +6,7 @@ then its blob follows:
     header slot A, header slot B, offset table (4 * slots bytes), blob
 
 Each append writes the new records, then the new table entries, then the
-header slot the sequence number picks (one pwrite of their span into a file
-not mapped yet: SegmentFile.write_parts); the CRCs grow incrementally with the
+header slot the sequence number picks; the CRCs grow incrementally with the
 table and blob. The slot of the last header a sync made durable is never
 overwritten before a newer one is durable (`durable_seq`). docs/FORMAT.md has
 the tables.
@@ -133,7 +132,9 @@ class GrowingNode:
         segment = ref.segment
         file = segment.file
         table_start = pos + NODE_PREFIX_SIZE
+        file.write(table_start + 4 * h.slots + h.blob_len, blob)  # blob_start, inline
         table = positions[:-1].tobytes()
+        file.write(table_start + 4 * h.count, table)
         seq = h.seq + 1
         if seq % 2 == self._kept_slot:  # never over the last durable header: skip a number
             seq += 1
@@ -151,14 +152,7 @@ class GrowingNode:
             last_ts,
             h.flags | flags,
         )
-        # The records, then their table entries, then the header that covers them.
-        file.write_parts(
-            (
-                (table_start + 4 * h.slots + h.blob_len, blob),  # blob_start, inline
-                (table_start + 4 * h.count, table),
-                (pos + NODE_HEADER_SIZE * (seq % 2), header.encode()),
-            )
-        )
+        file.write(pos + NODE_HEADER_SIZE * (seq % 2), header.encode())
         ref.header = header
         del self.positions[-1]
         self.positions.extend(positions)

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from storage.errors import CorruptionError, DiskFullError, DurabilityError
-from storage.fs import SEGMENT_MIN_BYTES, UNMAPPED_BYTES
+from storage.fs import SEGMENT_MIN_BYTES
 
 SECTOR_BYTES = 512
 FATES = ("keep", "drop", "garble", "torn")
@@ -118,9 +118,6 @@ class FaultSegmentFile:
         self.writable = writable
         self.closed = False
         self._serial = fs._new_serial()
-        # A new segment of one page is written with pwrite, not mapped, until it grows (as
-        # storage/fs.py's): `write_parts` is then one write point, else one per part.
-        self.unmapped = False
 
     # Deterministic set order: the engine keeps dirty files in a set, and the order of
     # syncs must not depend on memory addresses, or crash point k would move between runs.
@@ -143,26 +140,11 @@ class FaultSegmentFile:
             raise IndexError("mmap slice assignment is wrong size")
         self._fs._write(self._inode, self.path, pos, bytes(data))
 
-    def write_parts(self, parts: tuple[tuple[int, bytes], ...]) -> None:
-        if not self.unmapped:
-            for pos, data in parts:
-                self.write(pos, data)
-            return
-        self._check()
-        lo, hi = self.size, 0
-        for pos, data in parts:
-            lo, hi = min(lo, pos), max(hi, pos + len(data))
-        span = bytearray(self._inode.data[lo:hi])
-        for pos, data in parts:
-            span[pos - lo : pos - lo + len(data)] = data
-        self.write(lo, bytes(span))
-
     def reserve(self, size: int) -> None:
         self._check()
         if size > self.size:
             self._fs._grow(self._inode, self.path, size)
             self.size = self.reserved = size
-            self.unmapped = False
 
     def sync(self) -> None:
         if self.closed:
@@ -330,18 +312,13 @@ class FaultFS:
             self._check_space(size, f"create segment {path.name}")
             inode = _Inode(self._new_serial())
             self._dir_op(parent, (path.name, inode))  # O_CREAT | O_EXCL
-            if size <= UNMAPPED_BYTES:  # one pwrite of the whole page: header and zeros
-                self._write(inode, path, 0, bytes(header) + bytes(size - len(header)))
-            else:
-                _resize(inode.data, size)  # posix_fallocate
-                inode.pending.append((str(path), size, b"", True))
-                self._write(inode, path, 0, bytes(header))  # pwrite of the header
+            _resize(inode.data, size)  # posix_fallocate
+            inode.pending.append((str(path), size, b"", True))
+            self._write(inode, path, 0, bytes(header))  # pwrite of the header
             if durable:
                 self._sync_inode(inode, path)  # os.fsync
                 self.sync_dir(path.parent)
-            file = FaultSegmentFile(self, inode, path, writable=True)
-            file.unmapped = size <= UNMAPPED_BYTES
-            return file
+            return FaultSegmentFile(self, inode, path, writable=True)
 
     def read_head(self, path: Path, length: int) -> bytes:
         with self._lock:

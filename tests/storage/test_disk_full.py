@@ -95,40 +95,6 @@ def tmpfs(tmp_path):
             subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True, timeout=30)
 
 
-def test_real_full_disk_fails_a_new_streams_first_page_cleanly_and_recovers(tmpfs):
-    """A new stream's first page is written whole by one pwrite, not preallocated (issue 17): on a
-    full disk that write is the one that fails, as DiskFullError, and leaves no segment behind."""
-    rng = random.Random(9)
-    data = tmpfs / "data"
-    engine = Engine(data, EngineConfig(**SMALL), clock=Clock())
-    for _ in range(15):  # ~180 KiB to free later
-        engine.append("spare", AppendBatch(batch(rng)))
-    acked = fill_until_full(engine, "main", rng)
-    rooms: dict[str, list[bytes]] = {}
-    for i in range(1000):  # new streams of one page each until the last pages are taken
-        name, items = f"room{i}", [rng.randbytes(100)]
-        try:
-            engine.append(name, AppendBatch(items))
-        except DiskFullError:
-            break
-        rooms[name] = items
-    else:
-        pytest.fail("the disk never filled up")
-    assert list((data / "streams" / name).glob("*.seg")) == []
-    with pytest.raises(DiskFullError):
-        engine.append(name, AppendBatch(items))
-
-    engine.delete_stream("spare")
-    assert engine.append(name, AppendBatch(items)).first_offset == 0
-    rooms[name] = items
-    engine.close()
-    engine = Engine(data, EngineConfig(**SMALL), clock=Clock())
-    assert read_all(engine, "main") == acked
-    for room, items in rooms.items():
-        assert [p for _, p in read_all(engine, room)] == items
-    engine.close()
-
-
 @pytest.mark.parametrize("fsync", ["always", "no"])
 def test_real_full_disk_fails_cleanly_at_segment_creation_and_recovers(tmpfs, fsync):
     rng = random.Random(7)
