@@ -98,7 +98,9 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
         self._catalog_saved = time.monotonic()
         self._catalog_on_disk = True  # until a deletion removes it (_drop_catalog_file)
         self._leftovers = False  # a deletion left its directory: the next start-up must list
-        self._unsynced = UnsyncedCloses(self._fs)  # closed by the cache, synced by the next round
+        self._wake = threading.Event()  # a round now: closes piled up (storage/handoff.py), or the stop
+        # Closed by the cache, synced by the next round.
+        self._unsynced = UnsyncedCloses(self._fs, self.data_dir, self._wake.set)
         self._closer = FileCloser(self.config.background)  # the cache's closes' files (storage/closer.py)
         self._open = OpenStreams(self.config.max_open_streams, self._open_stream, self._close_by_cache)
         self.unreadable: list[str] = []  # stream directories whose metadata failed its checks
@@ -173,6 +175,7 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
             return
         self._closed = True
         self._stop.set()
+        self._wake.set()
         if self._worker is not None:
             self._worker.join()
         self._groups.close()
