@@ -515,7 +515,10 @@ class FileSystem:
         """syncfs(2) the file system holding `path`: every file's and directory's writes on it
         become durable, other processes' included (one call for many closed streams' fsyncs,
         storage/handoff.py). Linux only; DurabilityError if it fails."""
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            raise DurabilityError(f"cannot open {path} to sync its file system: {exc}") from exc
         try:
             with self.sync_times.timed():
                 if _libc().syncfs(fd) != 0:

@@ -325,3 +325,20 @@ def test_closes_piling_up_past_the_bound_wake_the_round_at_once():
         assert calls == [ROOT] and marked_clean(fs, "s0")
     finally:
         engine.close()
+
+
+def test_a_clean_close_of_many_open_streams_syncs_them_with_one_filesystem_sync():
+    fs, engine = new_engine(max_open_streams=SYNCFS_BATCH + 8)
+    written = {f"s{i}": [b"%d" % i] * (1 + i % 3) for i in range(SYNCFS_BATCH + 8)}
+    for name, items in written.items():
+        engine.append(name, AppendBatch(items))
+    assert engine.open_streams() == len(written)
+    calls = counting_syncfs(fs)
+    before = fs.syncs
+    engine.close()
+    assert calls == [ROOT]
+    assert fs.syncs - before <= 4  # the syncfs, the catalog file's 3 (one by one: ~4 syncs a stream)
+    assert all(marked_clean(fs, name) for name in written)
+    lost = Engine(ROOT, EngineConfig(**SMALL), fs=fs.crashed_copy(mode="lost"))
+    assert {name: contents(lost, name) for name in lost.list_streams()} == written
+    assert all(lost.info(name).damaged == () for name in written)
