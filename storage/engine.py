@@ -158,8 +158,9 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
         return stream
 
     def _close_by_cache(self, stream: Stream) -> None:
-        """Close a stream the cache lets go. Under a policy that promises writes to the next round
-        its syncs are that round's, not those of the call that needed the room (storage/handoff.py)."""
+        """Close a stream the cache lets go (or the engine's close). Under a policy that promises
+        writes to the next round its syncs are that round's, not those of the call that needed the
+        room (storage/handoff.py)."""
         handed = stream.close(hand_off=not stream.fsync.blocks, closer=self._closer.close)
         if handed is not None:
             self._unsynced.add(stream.name, handed)
