@@ -17,6 +17,10 @@ rewrite's) makes it durable in an order a power loss cannot tear:
 3. its directory, then the streams directory, whose sync every stream created
    meanwhile shares (DirSync in storage/durability.py).
 
+A round finishing many closed streams at once (storage/handoff.py) keeps that order with
+file-system syncs: one syncfs (1 and 3, and `stream.meta.new`), the renames, a second syncfs
+only if a rename happened.
+
 A crash before that sync leaves a directory holding a segment and no `stream.meta` (and
 `stream.meta.new` for a hashed name). After a process crash (kill -9) the page cache kept
 it all, and after a power loss some of it: start-up adopts the stream when its name and its
@@ -71,14 +75,39 @@ class PendingCreation:
                 return
             for file in files():
                 file.sync()
-            if not self.has_segment and not self._meta_new:
-                fs.write_file(directory / META_NEW, encode_meta(self._name, 0, StreamConfig()))
-                self._meta_new = True
+            self._keep_if_empty(fs, directory)
             if self._meta_new:
                 fs.commit_file(directory / META_NEW, directory / META_FILE)
             fs.sync_dir(directory)
             self._streams_dir.ensure(self._ticket)
             self.pending = False
+
+    # A batch of creations committed by file-system syncs (storage/handoff.py), in the same order:
+    # `before_sync`, a syncfs (segments, meta files, directories), `rename_meta`, a second syncfs
+    # if any renamed, then `synced`.
+
+    def before_sync(self, fs: FileSystem, directory: Path) -> None:
+        with self._lock:
+            if self.pending:
+                self._keep_if_empty(fs, directory)
+
+    def rename_meta(self, fs: FileSystem, directory: Path) -> bool:
+        """Rename a synced `stream.meta.new` to `stream.meta`, synced by nothing; whether it did."""
+        with self._lock:
+            if not (self.pending and self._meta_new):
+                return False
+            fs.replace(directory / META_NEW, directory / META_FILE)
+            return True
+
+    def synced(self) -> None:
+        with self._lock:
+            self.pending = False
+
+    def _keep_if_empty(self, fs: FileSystem, directory: Path) -> None:
+        """A stream with no segment yet is kept by a meta file (unsynced: the commit syncs it)."""
+        if not self.has_segment and not self._meta_new:
+            fs.write_file(directory / META_NEW, encode_meta(self._name, 0, StreamConfig()))
+            self._meta_new = True
 
 
 def start_creation(

@@ -98,7 +98,9 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
         self._catalog_saved = time.monotonic()
         self._catalog_on_disk = True  # until a deletion removes it (_drop_catalog_file)
         self._leftovers = False  # a deletion left its directory: the next start-up must list
-        self._unsynced = UnsyncedCloses(self._fs)  # closed by the cache, synced by the next round
+        self._wake = threading.Event()  # a round now: closes piled up (storage/handoff.py), or the stop
+        # Closed by the cache, synced by the next round.
+        self._unsynced = UnsyncedCloses(self._fs, self.data_dir, self._wake.set)
         self._closer = FileCloser(self.config.background)  # the cache's closes' files (storage/closer.py)
         self._open = OpenStreams(self.config.max_open_streams, self._open_stream, self._close_by_cache)
         self.unreadable: list[str] = []  # stream directories whose metadata failed its checks
@@ -156,8 +158,9 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
         return stream
 
     def _close_by_cache(self, stream: Stream) -> None:
-        """Close a stream the cache lets go. Under a policy that promises writes to the next round
-        its syncs are that round's, not those of the call that needed the room (storage/handoff.py)."""
+        """Close a stream the cache lets go (or the engine's close). Under a policy that promises
+        writes to the next round its syncs are that round's, not those of the call that needed the
+        room (storage/handoff.py)."""
         handed = stream.close(hand_off=not stream.fsync.blocks, closer=self._closer.close)
         if handed is not None:
             self._unsynced.add(stream.name, handed)
@@ -173,13 +176,17 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
             return
         self._closed = True
         self._stop.set()
+        self._wake.set()
         if self._worker is not None:
             self._worker.join()
         self._groups.close()
+        now = self._clock()
         for stream in self._open.values():
             try:
-                stream.close()
-                self._note_closed(stream)
+                # Its syncs and marker handed to the finish below with the cache's closes: past
+                # SYNCFS_BATCH streams one syncfs for all (storage/handoff.py), not ~4 fsyncs each.
+                stream.save_producers(now)
+                self._close_by_cache(stream)
             except StorageError as exc:
                 log.error("stream %r did not close cleanly: %s", stream.name, exc)
         self._closer.stop()

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import ctypes
+import ctypes.util
 import errno
+import functools
 import itertools
 import math
 import mmap
@@ -457,6 +460,30 @@ class FileSystem:
         except OSError as exc:
             raise DurabilityError(f"cannot open {path} to sync it: {exc}") from exc
 
+    def replace(self, src: Path, dst: Path) -> None:
+        """Rename `src` to `dst`, synced by nothing (durable with a later sync of the directory or
+        of the file system: storage/handoff.py's batch)."""
+        try:
+            os.replace(src, dst)
+        except OSError as exc:
+            raise DurabilityError(f"cannot rename {src.name}: {exc}") from exc
+
+    def sync_filesystem(self, path: Path) -> None:
+        """syncfs(2) the file system holding `path`: every file's and directory's writes on it
+        become durable, other processes' included (one call for many closed streams' fsyncs,
+        storage/handoff.py). Linux only; DurabilityError if it fails."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            raise DurabilityError(f"cannot open {path} to sync its file system: {exc}") from exc
+        try:
+            with self.sync_times.timed():
+                if _libc().syncfs(fd) != 0:
+                    code = ctypes.get_errno()
+                    raise DurabilityError(f"syncfs of {path} failed: {os.strerror(code)}")
+        finally:
+            os.close(fd)
+
     def sync_dir(self, path: Path) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -479,6 +506,15 @@ def _fdatasync(path: Path, times: SyncTimes) -> None:
         raise DurabilityError(f"fdatasync of {path} failed: {exc}") from exc
     finally:
         os.close(fd)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library, for the one call Python's os lacks (syncfs); errno kept for the caller."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.syncfs.argtypes = [ctypes.c_int]
+    libc.syncfs.restype = ctypes.c_int
+    return libc
 
 
 def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:

@@ -35,6 +35,7 @@ class Maintenance:
     _unsynced: UnsyncedCloses
     _groups: GroupManager
     _stop: threading.Event
+    _wake: threading.Event
     _save_catalog: Callable[..., bool]
     retention_active: Callable[[str], bool]
 
@@ -92,8 +93,16 @@ class Maintenance:
         stream.upkept_seq, stream.upkept_ms = seq, now
 
     def _maintenance_loop(self) -> None:
+        """A round every interval, or at once when woken: by the stop, or by closes piling up past
+        BACKLOG_BOUND (storage/handoff.py) during the wait or the round before, so a load closing
+        streams faster than a round a second finishes them keeps the rounds going back to back,
+        each batch's syncfs covering the closes that came meanwhile."""
         interval = self.config.maintenance_interval_ms / 1000
-        while not self._stop.wait(interval):
+        while True:
+            self._wake.wait(interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             self.maintain()
 
 

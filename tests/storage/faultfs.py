@@ -9,12 +9,13 @@ Each file (an inode) holds two images:
 Every write goes to `data` at once and is recorded as *pending* until the file
 is synced; a sync applies the pending writes to `durable`. Directory changes
 (create, rename, remove) are likewise pending until `sync_dir` of their
-directory. The composite operations (`create_segment`, `write_file_atomic`,
-`remove`, `rename`, `makedirs`, `remove_tree`) are built from these primitives
+directory; `sync_filesystem` (syncfs) makes everything pending durable at once.
+The composite operations (`create_segment`, `write_file_atomic`, `remove`,
+`rename`, `makedirs`, `remove_tree`) are built from these primitives
 in exactly the order the real `FileSystem` uses them, so a crash can fall
 between any two of their steps.
 
-Crash points. Every file sync and every directory sync is a *sync point*
+Crash points. Every file, directory and file-system sync is a *sync point*
 (numbered from 1 in `syncs`); every segment or file write is a *write point*
 (`writes`). A test can
 
@@ -104,6 +105,16 @@ def _resize(buf: bytearray, size: int) -> None:
         buf.extend(bytes(size - len(buf)))
     else:
         del buf[size:]
+
+
+def _make_durable(inode: _Inode) -> None:
+    """A sync of the file: its pending writes and size changes reach `durable`."""
+    for _, pos, data, resize in inode.pending:
+        if resize:
+            _resize(inode.durable, pos)
+        else:
+            _apply(inode.durable, pos, data)
+    inode.pending.clear()
 
 
 class FaultSegmentFile:
@@ -274,12 +285,7 @@ class FaultFS:
             except OSError:
                 inode.pending.clear()  # fsyncgate: the dirty pages are dropped, never written
                 raise
-            for _, pos, data, resize in inode.pending:
-                if resize:
-                    _resize(inode.durable, pos)
-                else:
-                    _apply(inode.durable, pos, data)
-            inode.pending.clear()
+            _make_durable(inode)
 
     def _used_bytes(self) -> int:
         seen: set[int] = set()
@@ -465,14 +471,17 @@ class FaultFS:
 
     def rename(self, src: Path, dst: Path) -> None:
         with self._lock:
-            if src.parent != dst.parent:
-                raise NotImplementedError("FaultFS renames within one directory only")
-            parent = self._dir(src.parent)
-            node = parent.entries.get(src.name)
-            if node is None:
-                raise FileNotFoundError(errno.ENOENT, "no such file", str(src))
-            self._dir_op(parent, (dst.name, node), (src.name, None))
+            self._replace(src, dst)
             self.sync_dir(dst.parent)
+
+    def _replace(self, src: Path, dst: Path) -> None:
+        if src.parent != dst.parent:
+            raise NotImplementedError("FaultFS renames within one directory only")
+        parent = self._dir(src.parent)
+        node = parent.entries.get(src.name)
+        if node is None:
+            raise FileNotFoundError(errno.ENOENT, "no such file", str(src))
+        self._dir_op(parent, (dst.name, node), (src.name, None))  # os.replace
 
     def remove_tree(self, path: Path) -> None:
         with self._lock:
@@ -489,6 +498,30 @@ class FaultFS:
             self._sync_point(f"sync_dir {path}")
             directory.durable = dict(directory.entries)
             self._pending_dirs = [op for op in self._pending_dirs if op[0] is not directory]
+
+    def replace(self, src: Path, dst: Path) -> None:
+        with self._lock:
+            try:
+                self._replace(src, dst)  # no sync
+            except FileNotFoundError as exc:
+                raise DurabilityError(f"cannot rename {src.name}: {exc}") from exc
+
+    def sync_filesystem(self, path: Path) -> None:
+        """syncfs(2): one sync point after which every inode's and directory's pending state is
+        durable (this FaultFS is one file system). A crash at it keeps what a power loss keeps of
+        each pending change; a failure (EIO) makes nothing durable (which files' pages the kernel
+        dropped syncfs does not say: the engine counts every file of the batch lost)."""
+        with self._lock:
+            self._dir(path)
+            try:
+                self._sync_point(f"syncfs {path}")
+            except OSError as exc:
+                raise DurabilityError(f"syncfs of {path} failed: {exc}") from exc
+            for inode in self._all_inodes():
+                _make_durable(inode)
+            for directory in self._all_dirs():
+                directory.durable = dict(directory.entries)
+            self._pending_dirs = []
 
     # ------------------------------------------------------------------ helpers for tests
 

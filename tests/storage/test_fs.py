@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from storage.errors import DurabilityError
 from storage.fs import FileSystem
 
 
@@ -18,3 +19,12 @@ def test_read_file_returns_the_whole_file(tmp_path, size):
 def test_read_file_of_a_missing_file_raises_file_not_found(tmp_path):
     with pytest.raises(FileNotFoundError):
         FileSystem().read_file(tmp_path / "missing")
+
+
+def test_sync_filesystem_syncs_the_file_system_of_a_directory_and_says_when_it_cannot(tmp_path):
+    fs = FileSystem()
+    count = fs.sync_times.count
+    fs.sync_filesystem(tmp_path)  # a real syncfs(2): timed as a sync
+    assert fs.sync_times.count == count + 1
+    with pytest.raises(DurabilityError, match="cannot open"):
+        fs.sync_filesystem(tmp_path / "missing")

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from storage import AppendBatch, DurabilityError, Engine, EngineConfig
+from storage.handoff import BACKLOG_BOUND, SYNCFS_BATCH
 from storage.layout import stream_directory
 from tests.storage.conftest import SMALL, synced_marker
-from tests.storage.faultfs import FaultFS
+from tests.storage.faultfs import Crash, FaultFS
 
 ROOT = Path("/faultfs/data")
 
@@ -177,3 +178,167 @@ def test_a_stream_opened_and_closed_without_a_write_hands_nothing_to_the_round()
     # No marker rewritten, by the close or the round (the catalog's journal notes the reopen).
     assert [p for p in fs.written[writes:] if "streams" in p.parts] == []
     assert any("streams" in p.parts for p in fs.written[:writes])  # the filter does see stream files
+
+
+# ---------------------------------------------------------------- many closes: one file-system sync
+
+HASHED_NAME = "h" * 250  # longer than a directory name holds: kept in stream.meta.new until its commit
+
+
+def many_closes(renames: bool) -> tuple[FaultFS, Engine, dict[str, list[bytes]], dict[str, list[bytes]]]:
+    """More closes than SYNCFS_BATCH waiting for the round: streams an earlier round synced and
+    that were written again, and new ones (with `renames`, one of a hashed name and one created
+    empty: both keep a stream.meta.new for the round to rename). The stream "open" stays open.
+    Returns the file system, the engine, what each stream was given and what is synced of it."""
+    fs, engine = new_engine()
+    written: dict[str, list[bytes]] = {}
+    for i in range(4):
+        written[f"old-{i}"] = [b"synced-%d" % i]
+        engine.append(f"old-{i}", AppendBatch(written[f"old-{i}"]))
+    engine.maintain()
+    engine.maintain()  # (the first round found the last of them still open)
+    synced = {name: list(items) for name, items in written.items()}
+    for i in range(4):
+        engine.append(f"old-{i}", AppendBatch([b"more-%d" % i] * 3))
+        written[f"old-{i}"] += [b"more-%d" % i] * 3
+    names = [f"new-{i}" for i in range(SYNCFS_BATCH + 4)] + ([HASHED_NAME] if renames else [])
+    for i, name in enumerate(names):
+        written[name] = [b"%d-%d" % (i, j) * (1 + j * 20) for j in range(1 + i % 3)]
+        engine.append(name, AppendBatch(written[name]))
+    if renames:
+        engine.create_stream("empty")
+        written["empty"] = []
+    engine.append("open", AppendBatch([b"open"]))
+    written["open"] = [b"open"]
+    assert engine.open_streams() == 1 and len(engine._unsynced) == len(written) - 1
+    return fs, engine, written, synced
+
+
+def counting_syncfs(fs: FaultFS) -> list[Path]:
+    calls: list[Path] = []
+    real = fs.sync_filesystem
+
+    def sync_filesystem(path: Path) -> None:
+        calls.append(path)
+        real(path)
+
+    fs.sync_filesystem = sync_filesystem  # type: ignore[method-assign]
+    return calls
+
+
+@pytest.mark.parametrize("renames", [False, True])
+def test_a_round_with_more_closes_than_the_batch_finishes_them_with_one_filesystem_sync(renames):
+    fs, engine, written, _ = many_closes(renames)
+    calls = counting_syncfs(fs)
+    before = fs.syncs
+    engine.maintain()
+    assert calls == [ROOT] * (2 if renames else 1)  # a second one for the renames, only if any
+    # The open stream's own syncs (its segment, its directory, the streams directory) besides:
+    # one by one the closes took about three each.
+    assert fs.syncs - before <= len(calls) + 3
+    assert len(engine._unsynced) == 0
+    assert all(marked_clean(fs, name) for name in written if name not in ("open", "empty"))
+    lost = Engine(ROOT, EngineConfig(**SMALL), fs=fs.crashed_copy(mode="lost"))
+    assert {name: contents(lost, name) for name in lost.list_streams()} == written
+    assert lost.unreadable == [] and all(lost.info(name).damaged == () for name in written)
+
+
+def finished(engine: Engine, written: dict[str, list[bytes]]) -> set[str]:
+    """The closed streams the round reported finished: their close done (or gone: done and dropped)."""
+    waiting = engine._unsynced._closes
+    gone_or_done = {name for name in written if name not in waiting or waiting[name].state.name == "DONE"}
+    return gone_or_done - {"open"}
+
+
+@pytest.mark.parametrize("renames", [False, True])
+def test_a_power_loss_at_every_sync_point_of_a_batch_keeps_every_finished_stream_and_tears_none(renames):
+    fs, engine, _, _ = many_closes(renames)
+    before = fs.syncs
+    engine.maintain()
+    points = fs.syncs - before
+    assert points >= 2
+    for k in range(1, points + 2):  # points + 1: the round ended, then the power went
+        fs, engine, written, synced = many_closes(renames)
+        fs.crash_at_sync = fs.syncs + k
+        try:
+            engine.maintain()
+            assert k == points + 1, "the round ended before its last sync point"
+        except Crash:
+            pass
+        done = finished(engine, written)
+        assert (done == set()) if k == 1 else True  # nothing is reported before the syncfs
+        if k == points + 1:
+            assert done == set(written) - {"open"}
+        for seed, mode in [(0, "lost"), (1, "power"), (2, "power"), (3, "power")]:
+            state = fs.crashed_copy(random.Random(seed * 1000 + k), mode)
+            after = Engine(ROOT, EngineConfig(**SMALL), fs=state)
+            assert after.unreadable == [], (k, mode)
+            for name, items in written.items():
+                got = contents(after, name) if after.exists(name) else None
+                if name in done:
+                    assert got == items, (k, mode, name)  # finished: every acknowledged entry
+                elif got is None:
+                    assert not synced.get(name), (k, mode, name)  # only a creation never synced is gone
+                else:  # a prefix, no less than an earlier round synced, never torn
+                    assert got == items[: len(got)] and len(got) >= len(synced.get(name, [])), (k, mode, name)
+                if got is not None:
+                    assert after.info(name).damaged == (), (k, mode, name)
+            after.close()
+
+
+def test_a_failed_filesystem_sync_fails_every_close_of_its_batch():
+    fs, engine, written, _ = many_closes(renames=False)
+    fs.fail_at_sync = fs.syncs + 1  # the round's first sync: the batch's syncfs
+    engine.maintain()
+    assert fs.failed_syncs == 1
+    closed = [name for name in written if name != "open"]
+    assert not any(marked_clean(fs, name) for name in closed if not name.startswith("old-"))
+    for name in closed:  # reopened, each refuses appends, as after its own failed fsync
+        with pytest.raises(DurabilityError):
+            engine.append(name, AppendBatch([b"after"]))
+    assert contents(engine, "new-0") == written["new-0"]  # what it holds is still read
+
+
+def test_closes_piling_up_past_the_bound_wake_the_round_at_once():
+    fs = FaultFS()
+    fs.prepare_dir(ROOT)
+    config = EngineConfig(
+        **{**SMALL, "background": True}, fsync="everysec", max_open_streams=1, maintenance_interval_ms=600_000
+    )
+    engine = Engine(ROOT, config, fs=fs)
+    rounds = threading.Event()
+    maintain = engine.maintain
+
+    def a_round() -> None:
+        maintain()
+        rounds.set()
+
+    engine.maintain = a_round  # type: ignore[method-assign]
+    calls = counting_syncfs(fs)
+    try:
+        for i in range(BACKLOG_BOUND + 1):  # each closes the one before: BACKLOG_BOUND closes wait
+            engine.append(f"s{i}", AppendBatch([b"x"]))
+        assert len(engine._unsynced) == BACKLOG_BOUND
+        assert not rounds.is_set()  # at the bound: the round waits for its interval (ten minutes)
+        engine.append("past", AppendBatch([b"x"]))
+        assert rounds.wait(60)  # woken at once, not ten minutes later
+        assert calls == [ROOT] and marked_clean(fs, "s0")
+    finally:
+        engine.close()
+
+
+def test_a_clean_close_of_many_open_streams_syncs_them_with_one_filesystem_sync():
+    fs, engine = new_engine(max_open_streams=SYNCFS_BATCH + 8)
+    written = {f"s{i}": [b"%d" % i] * (1 + i % 3) for i in range(SYNCFS_BATCH + 8)}
+    for name, items in written.items():
+        engine.append(name, AppendBatch(items))
+    assert engine.open_streams() == len(written)
+    calls = counting_syncfs(fs)
+    before = fs.syncs
+    engine.close()
+    assert calls == [ROOT]
+    assert fs.syncs - before <= 4  # the syncfs, the catalog file's 3 (one by one: ~4 syncs a stream)
+    assert all(marked_clean(fs, name) for name in written)
+    lost = Engine(ROOT, EngineConfig(**SMALL), fs=fs.crashed_copy(mode="lost"))
+    assert {name: contents(lost, name) for name in lost.list_streams()} == written
+    assert all(lost.info(name).damaged == () for name in written)
