@@ -52,9 +52,9 @@ CATALOG_VERSION = 1
 _MAGIC = b"SLCT"
 _HEAD = struct.Struct("<4sIHHII")  # magic, CRC32C of the rest, version, 0, streams, JSON bytes
 TOTALS = ("entries", "bytes_on_disk", "segments", "nodes")
-# Streams opened in one journal generation past which the file is due to be rewritten (the
-# journal's set of them, and a replay's work, stay bounded when closed streams are read at large).
-JOURNAL_OPENED_MAX = 100_000
+# Records in one journal generation past which the file is due to be rewritten (the journal, and
+# a replay's work, stay bounded when the cache opens and closes streams at large).
+JOURNAL_RECORDS_MAX = 200_000
 _OWN_DIRNAME = re.compile(r"[A-Za-z0-9_-]{1,200}")  # a name that is its directory's (storage/names.py)
 
 
@@ -198,16 +198,25 @@ class Catalog:
             if self._row(name) is not None:
                 self._forget(name)
                 self._open.add(name)
-                if self._journal is not None and self._journal.opened(name) >= JOURNAL_OPENED_MAX:
-                    self.changes += 1  # maintenance rewrites the file: a new generation
+                if self._journal is not None:
+                    self._journal.opened(name)
+                    self._journal_grew()
 
     def closed(self, name: str, summary: StreamSummary) -> None:
-        """The stream closed with these figures."""
+        """The stream closed with these figures (journaled: a start-up after a crash knows them)."""
         with self.lock:
             if self._row(name) is not None:
                 self._forget(name)
                 self._keep(name, summary)
                 self._open.discard(name)
+                if self._journal is not None:
+                    self._journal.closed(name, summary)
+                    self._journal_grew()
+
+    def _journal_grew(self) -> None:
+        assert self._journal is not None
+        if self._journal.records >= JOURNAL_RECORDS_MAX:
+            self.changes += 1  # maintenance rewrites the file: a new generation
 
     def _new_row(self, name: str) -> None:
         if name in self._gone:  # back under its old row (zeroed when it went)

@@ -20,7 +20,7 @@ from storage.catalog import (
     StreamSummary,
     read_catalog,
 )
-from storage.catalogjournal import Journal, journal_generations, journal_name, replay
+from storage.catalogjournal import Journal, Replay, journal_generations, journal_name, replay
 from storage.creation import recover_creation
 from storage.epochs import EpochHistory
 from storage.errors import CorruptionError
@@ -69,7 +69,7 @@ class CatalogFiles:
                 if changes is None:  # complete: the journal that continues it starts empty
                     generation = listed.journal
                 else:  # the file and the journals so far stay until the catalog is next saved
-                    self._apply_journal(root, changes.last, changes.opened)
+                    self._apply_journal(root, changes)
                     generation = generations[-1] + 1
                 gone = {name for name in listed.replicated if name not in self._catalog}
                 self._check_replicated(listed.replicated, gone)
@@ -99,16 +99,18 @@ class CatalogFiles:
         # The journals could not be trusted (or there was no file): a new file, a new generation.
         self._save_catalog(1 + max(generations[-1] if generations else 0, listed.journal if listed else 0))
 
-    def _apply_journal(self, root: Path, last: dict[str, bool], opened: set[str]) -> None:
+    def _apply_journal(self, root: Path, changes: Replay) -> None:
         """Start-up after a process crash: the streams the journals say were created since the
         file (each checked as start-up checks a directory the file does not name: a creation the
         crash cut short is finished or removed) or deleted (a deletion the crash cut short is
-        finished), and those opened since, whose figures in the file are stale."""
+        finished), and those opened since, whose figures in the file are stale: the ones they
+        last closed with, else (open at the crash) unknown until the stream is recovered."""
+        last, figures = changes.last, changes.closed
         for name, created in sorted(last.items()):
             directory = stream_directory(self.data_dir, name)
             if created:
                 if self._fs.exists(directory) and self._read_stream_dir(directory) == name:
-                    self._known(name)
+                    self._known(name, figures.get(name, UNKNOWN))
                 elif name in self._catalog:
                     self._catalog.remove(name)
             else:
@@ -118,18 +120,18 @@ class CatalogFiles:
                 for leftover in (directory, doomed):
                     if self._fs.exists(leftover):
                         self._fs.remove_tree(leftover)
-        for name in opened - last.keys():
+        for name in (changes.opened | figures.keys()) - last.keys():
             if name in self._catalog:
-                self._known(name)
+                self._known(name, figures.get(name, UNKNOWN))
         if self._adopted:
             self._fs.sync_dir(root)
 
-    def _known(self, name: str) -> None:
-        """A stream whose figures a maintenance visit will learn."""
+    def _known(self, name: str, summary: StreamSummary) -> None:
+        """A stream with these figures (UNKNOWN: a maintenance visit, or its first use, learns them)."""
         if name in self._catalog:
-            self._catalog.closed(name, UNKNOWN)
+            self._catalog.closed(name, summary)
         else:
-            self._catalog.add_closed(name, UNKNOWN)
+            self._catalog.add_closed(name, summary)
 
     def _check_replicated(self, replicated: list[str], gone: set[str]) -> None:
         """A few streams: their meta and epoch files are checked at start-up, as replication may

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 import urllib.error
@@ -20,12 +21,16 @@ from service.config import Settings
 from service.server import SERVICE
 from storage import AppendBatch
 from tests.service.helpers import ServerThread, append
+from tests.service.processes import ServerProcess
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def scrape(server: ServerThread, token: str | None = None, query: str = "") -> Samples:
-    port = server.server.ops.metrics_server.port
+    return scrape_port(server.server.ops.metrics_server.port, token, query)
+
+
+def scrape_port(port: int, token: str | None = None, query: str = "") -> Samples:
     request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics{query}")
     if token is not None:
         request.add_header("Authorization", f"Bearer {token}")
@@ -43,10 +48,13 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def scrape_when(server: ServerThread, condition: Callable[[Samples], bool], timeout_s: float = 10) -> Samples:
-    """The first scrape that meets `condition`."""
+def scrape_when(
+    server: ServerThread | int, condition: Callable[[Samples], bool], timeout_s: float = 10
+) -> Samples:
+    """The first scrape (of a server, or of a metrics port) that meets `condition`."""
+    port = server if isinstance(server, int) else server.server.ops.metrics_server.port
     deadline = time.monotonic() + timeout_s
-    while not condition(samples := scrape(server)):
+    while not condition(samples := scrape_port(port)):
         assert time.monotonic() < deadline, "the metrics did not get there in time"
         time.sleep(0.01)
     return samples
@@ -373,3 +381,44 @@ def test_totals_cover_streams_the_cache_closed(start_server: Callable[..., Serve
         "room-4",
         "room-5",
     }
+
+
+def test_entries_count_every_stream_after_a_kill_9_and_a_clean_restart(tmp_path: Path) -> None:
+    """Issue 17's case: streams loaded through AppendMany, the server killed -9. The restarted
+    server counts at once the entries of every stream the cache closed (their closes were
+    journaled), the few open at the crash once maintenance has recovered them; a clean restart
+    after that counts them all at once."""
+    streams, cache = 400, 4
+    counts = {f"room-{i:03d}": 1 + i % 3 for i in range(streams)}
+    total = sum(counts.values())
+    processes: list[tuple[ServerProcess, int]] = []
+
+    def start() -> tuple[ServerProcess, int]:
+        port = free_port()
+        env = {"STREAMLOG_METRICS_PORT": str(port), "STREAMLOG_MAX_OPEN_STREAMS": str(cache)}
+        server = ServerProcess("--data", str(tmp_path / "data"), "--port", "0", env=env)
+        processes.append((server, port))
+        return server.wait_ready(), port
+
+    try:
+        server, port = start()
+        batches = [pb.AppendRequest(stream=name, payloads=[b"x"] * n) for name, n in counts.items()]
+        with grpc.insecure_channel(server.target) as channel:
+            stub = pb_grpc.StreamLogServiceStub(channel)
+            for first in range(0, streams, 100):
+                stub.AppendMany(pb.AppendManyRequest(batches=batches[first : first + 100]), timeout=30)
+        assert value(scrape_port(port), "streamlog_entries") == total
+        server.kill()  # SIGKILL
+
+        server, port = start()
+        # At most the `cache` streams open at the crash (3 entries at most each) wait for recovery.
+        assert total - 3 * cache <= value(scrape_port(port), "streamlog_entries") <= total
+        scrape_when(port, lambda samples: value(samples, "streamlog_entries") == total, timeout_s=60)
+        server.process.send_signal(signal.SIGTERM)
+        assert server.finish()[0] == 0
+
+        server, port = start()
+        assert value(scrape_port(port), "streamlog_entries") == total
+    finally:
+        for process, _ in processes:
+            process.kill()

@@ -133,7 +133,7 @@ def test_a_catalog_of_many_streams_is_built_outside_its_lock(monkeypatch):
 
 
 def test_streams_opened_at_large_make_the_file_due(tmp_path, clock, monkeypatch):
-    monkeypatch.setattr(catalog_module, "JOURNAL_OPENED_MAX", 3)
+    monkeypatch.setattr(catalog_module, "JOURNAL_RECORDS_MAX", 3)
     monkeypatch.setattr(maintenance_module, "CATALOG_SAVE_S", 0)  # maintenance writes the file when due
 
     def generations() -> list[int]:
@@ -194,3 +194,31 @@ def test_deletions_on_two_threads_set_the_catalog_file_aside_once(tmp_path, cloc
     assert engine.list_streams() == []
     assert (tmp_path / "data" / "catalog.set-aside").exists()
     engine.close()
+
+
+def test_after_kill_9_the_totals_hold_the_figures_streams_closed_with_and_open_ones_once_recovered(
+    tmp_path, clock
+):
+    """Streams created since the catalog file, closed by the cache: their CLOSED records give
+    their figures to a start-up after a kill -9; the streams open at the crash (one of them
+    reopened and appended to since it closed: its CLOSED record is stale) count once recovered."""
+    data = tmp_path / "data"
+    # No catalog file yet: every stream is in the journal. Its own fs: it takes no lock (a kill -9 frees it).
+    engine = Engine(data, CONFIG, clock=clock, fs=CountingFS())
+    counts = {f"room-{i:03d}": i + 1 for i in range(12)}
+    for name, count in counts.items():
+        engine.append(name, AppendBatch([name.encode()] * count))
+    engine.append("room-000", AppendBatch([b"more"] * 5))  # reopened: room-008 closes
+    counts["room-000"] += 5
+    open_at_crash = {"room-000", "room-009", "room-010", "room-011"}  # the cache's 4 (max_open_streams)
+    assert engine.stats()["entries"] == sum(counts.values())
+    engine = Engine(data, CONFIG, clock=clock, fs=CountingFS())  # the first dropped unclosed: a kill -9
+    closed = sum(n for name, n in counts.items() if name not in open_at_crash)
+    assert engine.stats()["entries"] == closed
+    assert contents(engine, "room-000") == [b"room-000"] + [b"more"] * 5  # recovered: counted
+    assert engine.stats()["entries"] == closed + counts["room-000"]
+    engine.maintain()  # visits the other streams of unknown figures
+    assert engine.stats()["entries"] == sum(counts.values())
+    engine.close()
+    with Engine(data, CONFIG, clock=clock, fs=CountingFS()) as engine:  # a clean restart: the file's figures
+        assert engine.stats()["entries"] == sum(counts.values())
