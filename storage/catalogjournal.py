@@ -176,8 +176,8 @@ def replay(fs: FileSystem, data_dir: Path, first: int, generations: list[int]) -
             except UnicodeDecodeError:
                 return None
             if kind == CLOSED:
-                *totals, upkeep_ms, replicated = _FIGURES.unpack_from(raw, end + length)
-                found.closed[name] = StreamSummary(*totals, upkeep_ms, bool(replicated))
+                entries, size, segments, nodes, upkeep, replicated = _FIGURES.unpack_from(raw, end + length)
+                found.closed[name] = StreamSummary(entries, size, segments, nodes, upkeep, bool(replicated))
             else:
                 found.closed.pop(name, None)
                 if kind == OPENED:
