@@ -126,7 +126,9 @@ class PublishSession:
         self._held_bytes = 0
         self._room = asyncio.Event()  # set while the session holds less than its bounds
         self._room.set()
-        self._news = asyncio.Event()  # set when a message is held, or the client's side ends
+        # Set when the first message held is answerable (its answer made, or its write settled),
+        # or the client's side ends; `run` waits for it only while it holds nothing.
+        self._news = asyncio.Event()
         self._client_done = False
         self._failure: BaseException | None = None
 
@@ -167,9 +169,11 @@ class PublishSession:
                 if self._failure is not None:
                     break  # stopped: this message is not taken (the client resends it)
                 size = request.ByteSize() if not isinstance(request, Refused) else 0
-                self._held.append((_request_id(request), self._take(request), size))
+                answer = self._take(request)
+                self._held.append((_request_id(request), answer, size))
                 self._held_bytes += size
-                self._news.set()
+                if len(self._held) == 1:  # (`run` waits for news only while it holds nothing)
+                    self._news_when_answerable(answer)
                 if len(self._held) >= self._max_messages or self._held_bytes >= self._max_bytes:
                     self._room.clear()
                     await self._room.wait()
@@ -180,6 +184,15 @@ class PublishSession:
         except Exception as exc:  # reading failed: it becomes the call's status
             self._failure = exc
         self._news.set()
+
+    def _news_when_answerable(self, answer: pb.PublishResponse | asyncio.Future[Outcome]) -> None:
+        if isinstance(answer, pb.PublishResponse):
+            self._news.set()
+            return
+        # Once the write has settled, not now: woken now, `run` would be queued before the write
+        # and send this answer ahead of the replies of the subscribers that the write wakes
+        # (they are queued as it writes, before it settles its messages).
+        answer.add_done_callback(lambda _: self._news.set())
 
     def _take(self, request: Any) -> pb.PublishResponse | asyncio.Future[Outcome]:
         """Check a message and hand it to the coalescer; its answer now if it is refused."""

@@ -17,7 +17,7 @@ from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
 from bench.common import free_port
-from service import auth
+from service import auth, limits
 from tests.service.helpers import ServerThread
 from tests.service.test_auth import ACL_TOML, TOKENS_TOML, bearer, write
 from tests.service.test_metrics import scrape, value
@@ -244,3 +244,50 @@ def test_answered_messages_count_as_appends_and_the_session_as_one_call(start_se
     assert value(samples, "streamlog_appended_entries_total", stream="s") == 3
     assert value(samples, "streamlog_refusals_total", kind="limit", reason="max_streams") == 1
     assert value(samples, "streamlog_rpc_duration_seconds_count", method="Publish", code="OK") == 1
+
+
+def test_a_published_entry_is_sent_to_its_waiting_subscriber_before_its_answer(start_server, monkeypatch):
+    """The write that takes a message wakes the stream's subscribers before it settles the
+    message: each subscriber's reply is handed to gRPC ahead of the session's answer (which the
+    publisher waits for less than the subscriber waits for the entry)."""
+    sent: list[str] = []  # the method of each reply handed to gRPC, in order (server thread)
+    real_send = limits.SendTimeout.send
+
+    async def recorded(self: limits.SendTimeout, call: Any, reply: Any) -> None:
+        sent.append(call.method)
+        await real_send(self, call, reply)
+
+    monkeypatch.setattr(limits.SendTimeout, "send", recorded)
+    server = start_server()
+
+    def waiting() -> bool:
+        """The subscriber waits for the next entry and the session for the next message."""
+        (session,) = server.server._servicer._publish._sessions
+        return server.server._waiters.count("s") == 1 and not session._held and not session._news.is_set()
+
+    async def run() -> None:
+        async with (
+            grpc.aio.insecure_channel(server.target) as producer,
+            grpc.aio.insecure_channel(server.target) as reader,
+        ):
+            publish_call = pb_grpc.StreamLogServiceStub(producer).Publish(timeout=TIMEOUT)
+            await publish_call.write(message("s", b"first", request_id=1))
+            await publish_call.read()
+            subscription = pb_grpc.StreamLogServiceStub(reader).Subscribe(
+                pb.SubscribeRequest(stream="s", start=pb.START_POSITION_LATEST), timeout=TIMEOUT
+            )
+            await subscription.read()  # it starts after "first"
+            for i in range(2, 12):
+                for _ in range(1000):  # (bounded: 10 s)
+                    if server.call(waiting):
+                        break
+                    await asyncio.sleep(0.01)
+                sent.clear()
+                await publish_call.write(message("s", b"m%d" % i, request_id=i))
+                answer, reply = await asyncio.gather(publish_call.read(), subscription.read())
+                assert answer.first_offset == reply.entries[0].offset == i - 1
+                assert sent == ["Subscribe", "Publish"], (i, sent)
+            await publish_call.done_writing()
+            subscription.cancel()
+
+    asyncio.run(run())
