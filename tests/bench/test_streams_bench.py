@@ -72,7 +72,7 @@ def test_a_small_load_is_acknowledged_and_reported_by_its_way(
 def test_a_small_million_run_survives_a_kill_with_every_entry(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """--million's run through AppendMany: load, restart, kill -9, every acknowledged entry back."""
+    """--million's run through AppendMany: load, a kill -9 as it ends, every acknowledged entry back."""
     (tmp_path / "run").mkdir()
     bench.million(tmp_path / "run" / "data", 300, "append_many")
     present = _figures(capsys.readouterr().out)["many_streams_acked_present_after_kill"]
