@@ -262,6 +262,11 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
         """How many streams are open now (at most max_open_streams, but for streams in use)."""
         return len(self._open)
 
+    def is_open(self, name: str) -> bool:
+        """Whether the stream is open now: a call to it needs no file created or opened (a hint:
+        the cache may close it meanwhile)."""
+        return self._open.glance(name) is not None
+
     def create_stream(self, name: str, config: StreamConfig | None = None, *, incarnation: int = 0) -> None:
         """Create the stream if it does not exist, and set its config if one is given. A replicated
         stream is created with its `incarnation` (a positive integer, kept with its epochs:

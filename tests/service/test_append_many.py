@@ -6,11 +6,13 @@ fails (bad input, a limit, a refused permission) does not fail the others.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
@@ -171,3 +173,36 @@ def test_appends_wake_blocked_readers_of_every_stream(start_server):
         eventually(lambda: server.call(waiters.count) >= 2)
         stub.AppendMany(pb.AppendManyRequest(batches=[batch("r1", b"1"), batch("r2", b"2")]), timeout=TIMEOUT)
         assert [[e.payload for e in r.result().entries] for r in reads] == [[b"1"], [b"2"]]
+
+
+def test_a_call_creating_many_streams_leaves_the_loop_to_other_calls(start_server, monkeypatch):
+    """While a large AppendMany of new streams is being written (held here in its first mkdir,
+    as a busy disk would), the server answers Health and an Append to an open stream."""
+    server = start_server()
+    fs = server.server.engine._fs
+    creating, release = threading.Event(), threading.Event()
+    makedirs = fs.makedirs
+
+    def slow_makedirs(path: Path, **kwargs: Any) -> None:
+        creating.set()
+        release.wait(TIMEOUT)
+        makedirs(path, **kwargs)
+
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        stub.Append(batch("open", b"first"), timeout=TIMEOUT)
+        monkeypatch.setattr(fs, "makedirs", slow_makedirs)
+        large = stub.AppendMany.future(
+            pb.AppendManyRequest(batches=[batch(f"new-{i}", b"x") for i in range(20)]), timeout=TIMEOUT * 2
+        )
+        try:
+            assert creating.wait(TIMEOUT)
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            assert stub.Append(batch("open", b"second"), timeout=5).first_offset == 1
+            assert not large.done()  # both were answered while the large call was being written
+        finally:
+            release.set()
+        results = large.result()
+    assert offsets(list(results.results)) == [(0, 0)] * 20
+    assert payloads(server, "new-19") == [b"x"]
