@@ -21,7 +21,7 @@ from storage.catalog import (
     read_catalog,
 )
 from storage.catalogjournal import Journal, Replay, journal_generations, journal_name, replay
-from storage.creation import recover_creation
+from storage.creation import Adopted, commit_adopted, recover_creation
 from storage.epochs import EpochHistory
 from storage.errors import CorruptionError
 from storage.fs import FileSystem
@@ -41,7 +41,7 @@ class CatalogFiles:
     _catalog_on_disk: bool
     _lock: threading.Lock
     _leftovers: bool
-    _adopted: int
+    _adopted: list[Adopted]
     _open: OpenStreams
     _unsynced: UnsyncedCloses
     unreadable: list[str]
@@ -69,10 +69,11 @@ class CatalogFiles:
                 if changes is None:  # complete: the journal that continues it starts empty
                     generation = listed.journal
                 else:  # the file and the journals so far stay until the catalog is next saved
-                    self._apply_journal(root, changes)
+                    self._apply_journal(changes)
                     generation = generations[-1] + 1
                 gone = {name for name in listed.replicated if name not in self._catalog}
                 self._check_replicated(listed.replicated, gone)
+                self._commit_adopted()
                 self._catalog.start_journal(Journal(self._fs, self.data_dir, generation))
                 if self.unreadable:  # found among the streams created since: reported again next time
                     self._catalog.relist()
@@ -94,12 +95,11 @@ class CatalogFiles:
             name = self._read_stream_dir(root / dirname)
             if name is not None:
                 self._catalog.add_closed(name, UNKNOWN)
-        if self._adopted:  # the streams directory's entries of the streams adopted
-            self._fs.sync_dir(root)
+        self._commit_adopted()  # before the new catalog file names them
         # The journals could not be trusted (or there was no file): a new file, a new generation.
         self._save_catalog(1 + max(generations[-1] if generations else 0, listed.journal if listed else 0))
 
-    def _apply_journal(self, root: Path, changes: Replay) -> None:
+    def _apply_journal(self, changes: Replay) -> None:
         """Start-up after a process crash: the streams the journals say were created since the
         file (each checked as start-up checks a directory the file does not name: a creation the
         crash cut short is finished or removed) or deleted (a deletion the crash cut short is
@@ -123,8 +123,6 @@ class CatalogFiles:
         for name in (changes.opened | figures.keys()) - last.keys():
             if name in self._catalog:
                 self._known(name, figures.get(name, UNKNOWN))
-        if self._adopted:
-            self._fs.sync_dir(root)
 
     def _known(self, name: str, summary: StreamSummary) -> None:
         """A stream with these figures (UNKNOWN: a maintenance visit, or its first use, learns them)."""
@@ -156,11 +154,18 @@ class CatalogFiles:
             except CorruptionError as exc:
                 self._unreadable(directory, exc)
                 return None
-            self._adopted += recovered is not None
+            if isinstance(recovered, Adopted):
+                self._adopted.append(recovered)
+                return recovered.name
             return recovered
         except (CorruptionError, ValueError, KeyError) as exc:
             self._unreadable(directory, exc)
             return None
+
+    def _commit_adopted(self) -> None:
+        """Make the creations adopted so far durable, together (storage/creation.py)."""
+        commit_adopted(self._fs, self.data_dir, self._adopted)
+        self._adopted = []
 
     def _unreadable(self, directory: Path, exc: Exception) -> None:
         log.error("stream directory %s is unreadable: %s", directory.name, exc)

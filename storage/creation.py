@@ -26,15 +26,18 @@ A crash before that sync leaves a directory holding a segment and no `stream.met
 it all, and after a power loss some of it: start-up adopts the stream when its name and its
 first segment are whole (`recover_creation`), so an acknowledged entry survives a kill -9,
 and otherwise removes the directory (a creation the power took back, with its unsynced
-entries). A directory with a `SYNCED` marker (in its last segment's slot, or the `SYNCED`
-file of format 3 and 4, or version 2's `CLEAN`) was committed before the clean close that
-wrote it, so start-up takes it as it is, syncing nothing.
+entries). The adopted streams are made durable together once every directory is read
+(`commit_adopted`), in the same order with file-system syncs as a round's batch: a kill -9
+during a big load leaves thousands of them. A directory with a `SYNCED` marker (in its last
+segment's slot, or the `SYNCED` file of format 3 and 4, or version 2's `CLEAN`) was committed
+before the clean close that wrote it, so start-up takes it as it is, syncing nothing.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from storage.cleanmark import SYNCED_MARKER, marker_in
@@ -121,12 +124,21 @@ def start_creation(
     return PendingCreation(streams_dir, name, meta_new)
 
 
-def recover_creation(fs: FileSystem, directory: Path, names: list[str]) -> str | None:
+@dataclass(frozen=True)
+class Adopted:
+    """A crashed creation start-up adopts, durable once `commit_adopted` returns."""
+
+    name: str
+    directory: Path
+    meta_new: bool  # its name is in `stream.meta.new`, to be renamed `stream.meta`
+
+
+def recover_creation(fs: FileSystem, directory: Path, names: list[str]) -> str | Adopted | None:
     """At start-up, for a directory with no `stream.meta` (holding `names`): adopt the stream if
     its name (from `stream.meta.new`, else its directory's name) and its first segment are whole,
-    made durable now unless a clean close marked it (the caller syncs the streams directory once
-    for all), and return its name; else remove the directory and return None. Its segments get
-    the usual recovery when it is opened.
+    and return its name when a clean close marked it (durable already), else an `Adopted` for
+    `commit_adopted`; else remove the directory and return None. Its segments get the usual
+    recovery when it is opened.
 
     A new stream's first segment is written without a sync and never synced before its creation
     is committed (a roll would have synced it): a header a power loss tore means that nothing
@@ -139,7 +151,8 @@ def recover_creation(fs: FileSystem, directory: Path, names: list[str]) -> str |
     segments = sorted(n for n in names if n.endswith(SEGMENT_SUFFIX))
     if not segments and any(n.endswith(SEGMENT_SUFFIX + DAMAGED_SUFFIX) for n in names):
         raise CorruptionError("its only segments were set aside as damaged")
-    if META_NEW in names:
+    meta_new = META_NEW in names
+    if meta_new:
         try:
             name = decode_meta(fs.read_file(directory / META_NEW))[0]
         except (CorruptionError, ValueError, KeyError):
@@ -154,16 +167,28 @@ def recover_creation(fs: FileSystem, directory: Path, names: list[str]) -> str |
         if SYNCED_MARKER in names or CLEAN_MARKER in names or marker_in(fs, directory / segments[-1]):
             return name
     if segments and not _first_segment_whole(fs, directory, segments):
-        if META_NEW not in names and len(segments) == 1:
+        if not meta_new and len(segments) == 1:
             fs.remove_tree(directory)
             return None
-        if META_NEW in names:
+        if meta_new:
             for segment in segments:
                 fs.remove(directory / segment)
-    if META_NEW in names:
-        fs.commit_file(directory / META_NEW, directory / META_FILE)
-    fs.sync_dir(directory)
-    return name
+    return Adopted(name, directory, meta_new)
+
+
+def commit_adopted(fs: FileSystem, root: Path, adopted: list[Adopted]) -> None:
+    """Make the creations start-up adopted durable in the order of the module doc, with syncs of
+    `root`'s file system: one syncfs (segments, `stream.meta.new`, directories, the streams
+    directory), the renames to `stream.meta`, a second syncfs only if one was renamed. A
+    DurabilityError stops the start-up, as a failed directory sync did."""
+    if not adopted:
+        return
+    fs.sync_filesystem(root)
+    renamed = [a for a in adopted if a.meta_new]
+    for creation in renamed:
+        fs.replace(creation.directory / META_NEW, creation.directory / META_FILE)
+    if renamed:
+        fs.sync_filesystem(root)
 
 
 def _first_segment_whole(fs: FileSystem, directory: Path, segments: list[str]) -> bool:

@@ -31,6 +31,7 @@ from storage.catalogfiles import CatalogFiles
 from storage.closer import FileCloser
 from storage.config import DEFAULT_STREAM_CONFIG, EngineConfig, StreamConfig
 from storage.context import EngineContext
+from storage.creation import Adopted
 from storage.durability import DirSync
 from storage.errors import (
     CorruptionError,
@@ -104,7 +105,7 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
         self._closer = FileCloser(self.config.background)  # the cache's closes' files (storage/closer.py)
         self._open = OpenStreams(self.config.max_open_streams, self._open_stream, self._close_by_cache)
         self.unreadable: list[str] = []  # stream directories whose metadata failed its checks
-        self._adopted = 0  # stream directories start-up found without stream.meta and kept
+        self._adopted: list[Adopted] = []  # crashed creations start-up keeps, synced together
         self._load()
         # Consumer groups (storage/groupmanager.py): their state lives beside each stream's segments.
         self._groups = GroupManager(

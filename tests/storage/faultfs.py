@@ -31,7 +31,9 @@ Crash points. Every file, directory and file-system sync is a *sync point*
 `crashed_copy(rng, mode)` builds the state a restart would find, as a new FaultFS:
 
 - "process" (kill -9): the page cache survives; every write and directory change is kept;
-  with `torn_inflight`, a write that was under way keeps a random prefix.
+  with `torn_inflight`, a write that was under way keeps a random prefix; with
+  `written_back=False`, what was pending stays pending (the restart came before the kernel
+  wrote the dirty pages back: a power loss after it may still take them).
 - "power": each pending write is kept, dropped, garbled (random bytes) or torn at
   512-byte sector boundaries (a random subset of the sectors it touches reaches the
   disk); pending directory changes are applied up to a random point (journal order).
@@ -626,6 +628,7 @@ class FaultFS:
         dir_ops_kept: int | None = None,
         weights: tuple[float, float, float, float] = (0.45, 0.35, 0.1, 0.1),
         torn_inflight: bool = False,
+        written_back: bool = True,
     ) -> FaultFS:
         """The state a restart finds after a crash now, as a new FaultFS (this one is untouched).
 
@@ -633,6 +636,8 @@ class FaultFS:
         dropped, garbled or torn, at random or as `fate` says; a prefix of the pending
         directory changes survives, `dir_ops_kept` long or random), or "lost" (nothing pending
         survives). `torn_inflight` (process mode): a write under way keeps a random prefix.
+        `written_back=False` (process mode): the pending writes and directory changes stay
+        pending in the copy, over the durable state they had.
         """
         if mode not in ("process", "power", "lost"):
             raise ValueError(f"unknown crash mode {mode!r}")
@@ -682,15 +687,26 @@ class FaultFS:
                     return made[key]
                 if isinstance(node, _Inode):
                     made[key] = new = _Inode(clone._new_serial(), bytes(contents[key]))
+                    if keep_pending:
+                        new.durable, new.pending = bytearray(node.durable), list(node.pending)
                     return new
                 new_dir = clone.root if node is self.root else clone._new_dir()
                 made[key] = new_dir
                 for name, child in sorted(tables[id(node)].items()):
                     new_dir.entries[name] = build(child)
-                new_dir.durable = dict(new_dir.entries)
+                if keep_pending:
+                    new_dir.durable = {name: build(child) for name, child in sorted(node.durable.items())}
+                else:
+                    new_dir.durable = dict(new_dir.entries)
                 return new_dir
 
+            keep_pending = mode == "process" and not written_back
             build(self.root)
+            if keep_pending:
+                clone._pending_dirs = [
+                    (build(directory), tuple((name, None if n is None else build(n)) for name, n in changes))
+                    for directory, changes in self._pending_dirs
+                ]
             return clone
 
     def _all_dirs(self) -> list[_Dir]:

@@ -16,7 +16,8 @@ from storage.catalog import CATALOG_FILE
 from storage.format import SEGMENT_HEADER_SIZE, SLOTTED_HEADER_SIZE, SYNCED_SLOT_SIZE
 from storage.layout import META_FILE, META_NEW, encode_meta, segment_name, stream_directory
 from tests.storage.conftest import SMALL, erase_slot, synced_marker
-from tests.storage.faultfs import FaultFS
+from tests.storage.faultfs import Crash, FaultFS
+from tests.storage.test_handoff import counting_syncfs
 
 ROOT = Path("/faultfs/data")
 
@@ -230,3 +231,73 @@ def test_a_new_stream_makes_no_part_it_does_not_use_and_each_works_once_made_aft
     assert engine.read("room", 0, 10).entries()[0].payload == b"b"
     assert engine.info("room").entries == 2
     engine.close()
+
+
+def crashed_creations(hashed: bool, count: int = 6) -> tuple[FaultFS, dict[str, list[bytes]]]:
+    """A kill -9 before the first round, and a restart before the kernel wrote the page cache
+    back: `count` new streams (one a hashed name's, kept in stream.meta.new, if `hashed`) whose
+    creations nothing synced, their writes still pending."""
+    fs, engine = new_engine("everysec")
+    engine.append("old", AppendBatch([b"old"]))
+    engine.sync()
+    names = [f"n{i}" for i in range(count - hashed)] + ["h" * 250] * hashed
+    written = {name: [b"%s-%d" % (name[:4].encode(), i) for i in range(3)] for name in names}
+    for name, items in written.items():
+        engine.append(name, AppendBatch(items))
+    return fs.crashed_copy(mode="process", written_back=False), written
+
+
+def contents(engine: Engine, name: str) -> list[bytes]:
+    return [e.payload for e in engine.read(name, 0, 100).entries()]
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+def test_start_up_after_a_kill9_makes_the_adopted_creations_durable_with_one_or_two_filesystem_syncs(hashed):
+    state, written = crashed_creations(hashed, count=40)
+    calls = counting_syncfs(state)
+    before = state.syncs
+    after = Engine(ROOT, EngineConfig(**SMALL), fs=state)
+    assert calls == [ROOT] * (2 if hashed else 1)  # a second one for the renames, only if any
+    assert state.syncs - before == len(calls)  # nothing stream by stream
+    assert len(after.list_streams()) == 41
+    lost = Engine(ROOT, EngineConfig(**SMALL), fs=state.crashed_copy(mode="lost"))
+    assert {name: contents(lost, name) for name in written} == written
+    assert lost.unreadable == [] and all(lost.info(name).damaged == () for name in written)
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+def test_a_power_loss_at_every_sync_point_of_start_up_keeps_each_adopted_stream_whole_or_removes_it(hashed):
+    state, _ = crashed_creations(hashed)
+    before = state.syncs
+    syncfs_points: list[int] = []  # the sync point of each syncfs
+    real = state.sync_filesystem
+
+    def sync_filesystem(path: Path) -> None:
+        syncfs_points.append(state.syncs + 1)
+        real(path)
+
+    state.sync_filesystem = sync_filesystem  # type: ignore[method-assign]
+    Engine(ROOT, EngineConfig(**SMALL), fs=state)
+    points = state.syncs - before
+    synced_at = syncfs_points[0] - before if syncfs_points else points
+    for k in range(1, points + 2):  # points + 1: the start-up ended, then the power went
+        state, written = crashed_creations(hashed)
+        state.crash_at_sync = state.syncs + k
+        try:
+            Engine(ROOT, EngineConfig(**SMALL), fs=state)
+            assert k == points + 1, "the start-up ended before its last sync point"
+        except Crash:
+            pass
+        for seed, mode in [(0, "lost"), (1, "power"), (2, "power"), (3, "power")]:
+            crashed = state.crashed_copy(random.Random(seed * 1000 + k), mode)
+            after = Engine(ROOT, EngineConfig(**SMALL), fs=crashed)
+            assert after.unreadable == [] and contents(after, "old") == [b"old"], (k, mode)
+            for name, items in written.items():
+                got = contents(after, name) if after.exists(name) else None
+                if k > synced_at:
+                    assert got == items, (k, mode, name)  # adopted: durable from the first syncfs on
+                else:  # the power took back what the crash left unsynced: some of it, never torn
+                    assert got in (None, [], items), (k, mode, name)
+                if got is not None:
+                    assert after.info(name).damaged == (), (k, mode, name)
+            after.close()
