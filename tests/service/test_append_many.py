@@ -6,6 +6,7 @@ fails (bad input, a limit, a refused permission) does not fail the others.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
 from bench.common import free_port
 from service import auth
+from service.appendmany import ON_LOOP_SLICE
 from tests.cluster.nodes import eventually
 from tests.service.helpers import ServerThread
 from tests.service.test_auth import ACL_TOML, TOKENS_TOML, bearer, write
@@ -206,3 +208,30 @@ def test_a_call_creating_many_streams_leaves_the_loop_to_other_calls(start_serve
         results = large.result()
     assert offsets(list(results.results)) == [(0, 0)] * 20
     assert payloads(server, "new-19") == [b"x"]
+
+
+def test_a_call_to_many_open_streams_is_written_on_the_loop_in_slices_with_turns_between(
+    start_server, monkeypatch
+):
+    """Open streams cost least on the loop; between slices the loop serves other callbacks."""
+    count = 3 * ON_LOOP_SLICE
+    server = start_server(max_append_many_batches=count)
+    names = [f"s{i}" for i in range(count)]
+    assert not any(r.HasField("error") for r in append_many(server, [batch(n, b"a") for n in names]))
+    engine = server.server.engine
+    assert all(engine.is_open(n) for n in names)
+    written: list[int] = []  # the thread of each stream's write
+    turns: list[int] = []  # streams written when a callback queued at the first write ran
+    real = engine.append_many
+
+    def append_many_here(stream: str, appends: Any) -> Any:
+        if not written:
+            asyncio.get_running_loop().call_soon(lambda: turns.append(len(written)))
+        written.append(threading.get_ident())
+        return real(stream, appends)
+
+    monkeypatch.setattr(engine, "append_many", append_many_here)
+    results = append_many(server, [batch(n, b"b") for n in names])
+    assert offsets(results) == [(1, 1)] * count
+    assert set(written) == {server._thread.ident}  # all on the loop: none hopped to a thread
+    assert turns == [ON_LOOP_SLICE]  # the loop ran other callbacks after the first slice
