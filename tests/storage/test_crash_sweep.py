@@ -35,7 +35,8 @@ between a merge and the removal of its source segments (the case recovery
 finishes).
 
 CI runs 1,280 crash points over nine variants (about 40 s on two cores);
-`STREAMLOG_CRASH_POINTS=N` spreads about N over them for a long run. A failure
+`STREAMLOG_CRASH_POINTS=N` spreads about N over them for a long run, and
+`python -m bench.crashsweep` runs the pre-merge one (9,000, three variants). A failure
 names the variant, seed and crash point; rerun one seed with
 `STREAMLOG_CRASH_SEED=... pytest tests/storage/test_crash_sweep.py -k VARIANT`.
 The single-scenario tests at the end pin each engine defect the sweep found.
