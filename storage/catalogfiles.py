@@ -41,7 +41,7 @@ class CatalogFiles:
     _catalog_on_disk: bool
     _lock: threading.Lock
     _leftovers: bool
-    _adopted: list[Adopted]
+    _adopted: dict[Path, Adopted]
     _open: OpenStreams
     _unsynced: UnsyncedCloses
     unreadable: list[str]
@@ -155,7 +155,7 @@ class CatalogFiles:
                 self._unreadable(directory, exc)
                 return None
             if isinstance(recovered, Adopted):
-                self._adopted.append(recovered)
+                self._adopted[directory] = recovered  # (a directory read twice is adopted once)
                 return recovered.name
             return recovered
         except (CorruptionError, ValueError, KeyError) as exc:
@@ -164,8 +164,8 @@ class CatalogFiles:
 
     def _commit_adopted(self) -> None:
         """Make the creations adopted so far durable, together (storage/creation.py)."""
-        commit_adopted(self._fs, self.data_dir, self._adopted)
-        self._adopted = []
+        commit_adopted(self._fs, self.data_dir, list(self._adopted.values()))
+        self._adopted = {}
 
     def _unreadable(self, directory: Path, exc: Exception) -> None:
         log.error("stream directory %s is unreadable: %s", directory.name, exc)

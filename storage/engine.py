@@ -105,7 +105,7 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
         self._closer = FileCloser(self.config.background)  # the cache's closes' files (storage/closer.py)
         self._open = OpenStreams(self.config.max_open_streams, self._open_stream, self._close_by_cache)
         self.unreadable: list[str] = []  # stream directories whose metadata failed its checks
-        self._adopted: list[Adopted] = []  # crashed creations start-up keeps, synced together
+        self._adopted: dict[Path, Adopted] = {}  # crashed creations start-up keeps, synced together
         self._load()
         # Consumer groups (storage/groupmanager.py): their state lives beside each stream's segments.
         self._groups = GroupManager(

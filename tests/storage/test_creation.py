@@ -301,3 +301,18 @@ def test_a_power_loss_at_every_sync_point_of_start_up_keeps_each_adopted_stream_
                 if got is not None:
                     assert after.info(name).damaged == (), (k, mode, name)
             after.close()
+
+
+def test_a_crashed_creation_start_up_reads_twice_is_adopted_once():
+    """A replicated stream deleted and created again (not replicated, a hashed name): after a
+    kill -9 the journal's creation and the catalog's replicated list both read its directory."""
+    fs, engine = new_engine("everysec")
+    name = "h" * 250
+    engine.create_stream(name, incarnation=1)
+    engine.close()
+    engine = Engine(ROOT, EngineConfig(**SMALL, fsync="everysec"), fs=fs)
+    engine.delete_stream(name)
+    engine.append(name, AppendBatch([b"again"]))
+    after = Engine(ROOT, EngineConfig(**SMALL), fs=fs.crashed_copy(mode="process"))
+    assert after.list_streams() == [name] and after.unreadable == []
+    assert contents(after, name) == [b"again"]
