@@ -11,6 +11,7 @@
 const path = require('node:path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
+const protobuf = require('protobufjs');
 const {
   Attempts, LOOKUP_TIMEOUT_MS, ROUTE_KEY, ROUTE_REDIRECT, Routes, retryable, seedAddresses, transient,
 } = require('./routing');
@@ -32,6 +33,28 @@ function loadService() {
     service = grpc.loadPackageDefinition(definition).streamlog.v1.StreamLogService;
   }
   return service;
+}
+
+// Publish's messages, encoded and decoded by protobufjs itself: proto-loader's stub would turn every
+// answer into a plain object with every default filled in and its int64s as strings, and encode a
+// message again on each resend. A session's messages are the client's hot path.
+let publishTypes;
+function loadPublishTypes() {
+  if (!publishTypes) {
+    const root = new protobuf.Root().loadSync(PROTO, { keepCase: true });
+    publishTypes = {
+      request: root.lookupType('streamlog.v1.PublishRequest'),
+      response: root.lookupType('streamlog.v1.PublishResponse'),
+    };
+  }
+  return publishTypes;
+}
+
+const PUBLISH_METHOD = '/streamlog.v1.StreamLogService/Publish';
+
+// An int64 as protobufjs decodes it (a Long, or a Number when it fits 32 bits) as a Number.
+function longToNumber(value) {
+  return toNumber(typeof value === 'number' ? value : value.toNumber());
 }
 
 function toNumber(value) {
@@ -395,19 +418,23 @@ class Publisher {
   // restarted producer with the same id never reuses a sequence the server remembers).
   constructor(client, options = {}) {
     this.client = client;
+    this.types = loadPublishTypes();
     this.producerId = options.producerId || null;
     this.maxInFlight = options.maxInFlight || 1000;
     this.retryMs = options.retryMs === undefined ? 100 : options.retryMs;
     this.sequence = options.firstSequence === undefined ? Date.now() * 1000 : options.firstSequence;
     this.nextId = 0;
-    this.unanswered = []; // {request, resolve, reject}, in the order sent
+    this.unanswered = []; // {id, message (encoded), resolve, reject}, in the order sent
     this.room = []; // publish() calls waiting for maxInFlight to allow them
     this.closing = null;
     this.open();
   }
 
   open() {
-    const call = this.client.stub.Publish(this.client.metadata());
+    const { response } = this.types;
+    // Messages go out as the bytes publish() encoded; answers are decoded, not made plain objects.
+    const call = this.client.stub.makeBidiStreamRequest(PUBLISH_METHOD, (bytes) => bytes,
+      (bytes) => response.decode(bytes), this.client.metadata());
     this.call = call;
     call.on('data', (reply) => {
       if (call === this.call) this.answered(reply); // not the answers of a session replaced
@@ -418,41 +445,44 @@ class Publisher {
     });
   }
 
-  // items: as Client.append's (Buffers/strings, or entries {payload, tag, headers}).
-  async publish(stream, items) {
-    while (this.unanswered.length >= this.maxInFlight) {
-      await new Promise((resolve) => { this.room.push(resolve); });
+  // items: as Client.append's (Buffers/strings, or entries {payload, tag, headers}). The message
+  // is encoded at once: the caller may reuse its Buffers as soon as publish() returns.
+  publish(stream, items) {
+    if (this.unanswered.length >= this.maxInFlight) {
+      return new Promise((resolve) => { this.room.push(resolve); }).then(() => this.publish(stream, items));
     }
-    if (this.closing) throw new Error('the publisher is closed');
+    if (this.closing) return Promise.reject(new Error('the publisher is closed'));
     const list = Array.isArray(items) ? items : [items];
     const plain = list.every((item) => Buffer.isBuffer(item) || typeof item === 'string');
     this.nextId += 1;
-    const request = { stream, request_id: String(this.nextId) };
-    if (plain) request.payloads = list.map((item) => Buffer.from(item));
+    const request = { stream, request_id: this.nextId };
+    if (plain) request.payloads = list.map((item) => (typeof item === 'string' ? Buffer.from(item) : item));
     else request.entries = list.map((item) => ({ ...item, payload: Buffer.from(item.payload) }));
     if (this.producerId) {
       request.producer_id = this.producerId;
-      request.producer_sequence = String(this.sequence);
+      request.producer_sequence = this.sequence;
       this.sequence += 1;
     }
+    const { request: type } = this.types;
+    const message = type.encode(type.fromObject(request)).finish();
     return new Promise((resolve, reject) => {
-      this.unanswered.push({ request, resolve, reject });
-      this.call.write(request);
+      this.unanswered.push({ id: this.nextId, message, resolve, reject });
+      this.call.write(message);
     });
   }
 
   answered(reply) {
     const head = this.unanswered.shift();
-    if (!head || head.request.request_id !== String(reply.request_id)) {
+    if (!head || head.id !== longToNumber(reply.request_id)) {
       this.failed(this.call, { code: grpc.status.INTERNAL, details: `unexpected answer to ${reply.request_id}` });
       return;
     }
     if (reply.error) head.reject(new StreamlogError({ code: reply.error.code, details: reply.error.message }));
     else {
       head.resolve({
-        firstOffset: toNumber(reply.first_offset),
-        lastOffset: toNumber(reply.last_offset),
-        timestampMs: toNumber(reply.timestamp_ms),
+        firstOffset: longToNumber(reply.first_offset),
+        lastOffset: longToNumber(reply.last_offset),
+        timestampMs: longToNumber(reply.timestamp_ms),
         duplicate: reply.duplicate,
       });
     }
@@ -475,7 +505,7 @@ class Publisher {
     this.open();
     old.end(); // half-closed first: grpc-js may not send the cancel of a call with writes queued
     old.cancel();
-    for (const { request } of this.unanswered) this.call.write(request);
+    for (const { message } of this.unanswered) this.call.write(message);
     if (this.closing) this.call.end();
   }
 

@@ -116,3 +116,22 @@ test('a publisher that reconnects resends what was not answered, written once', 
   }
   assert.equal((await client.info('node-resent')).entries, 50);
 });
+
+test('a publisher encodes a message when published: its Buffer reused after, a resend writes what was published', async () => {
+  const publisher = new Publisher(client, { producerId: 'node-reused', firstSequence: 1 });
+  const payload = Buffer.alloc(4);
+  try {
+    const answers = [];
+    for (let i = 0; i < 20; i += 1) {
+      payload.writeUInt32BE(i);
+      answers.push(publisher.publish('node-reused', payload));
+    }
+    payload.fill(0xff);
+    publisher.reconnect(); // writes again every message not yet answered
+    await Promise.all(answers);
+  } finally {
+    await publisher.close();
+  }
+  const batch = await client.read('node-reused', 0, { count: 100 });
+  assert.deepEqual(batch.entries.map((e) => e.payload.readUInt32BE(0)), [...Array(20).keys()]);
+});
