@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,26 @@ from bench.publish import SERVICE
 from tests.clients.nodejs import NODE, needs_node, npm_install
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+async def _run_load(port: int, *args: str) -> dict[str, Any]:
+    """bench/publish_load.js with `args` against the server on `port`; its JSON result."""
+    assert NODE is not None
+    command, mode, *rest = args
+    load = await asyncio.create_subprocess_exec(
+        NODE,
+        "bench/publish_load.js",
+        command,
+        f"127.0.0.1:{port}",
+        mode,
+        *rest,
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(load.communicate(), timeout=120)
+    assert load.returncode == 0, err.decode()
+    return json.loads(out)
 
 
 async def _rate_from(callers: int) -> tuple[dict[str, Any], set[str]]:
@@ -43,23 +64,73 @@ async def _rate_from(callers: int) -> tuple[dict[str, Any], set[str]]:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
-        assert NODE is not None
-        load = await asyncio.create_subprocess_exec(
-            NODE,
-            "bench/publish_load.js",
-            "rate",
-            f"127.0.0.1:{port}",
-            "append",
-            str(callers),
-            "1",
-            cwd=ROOT,
-            stdout=asyncio.subprocess.PIPE,
-        )
-        out, _ = await asyncio.wait_for(load.communicate(), timeout=120)
-        assert load.returncode == 0
-        return json.loads(out), peers
+        return await _run_load(port, "rate", "append", str(callers), "1"), peers
     finally:
         await server.stop(None)
+
+
+async def _most_unanswered(in_flight: int) -> tuple[dict[str, Any], int]:
+    """Run `rate ... publish 1 1 IN_FLIGHT` against a Publish that holds its messages unanswered
+    until none came for 50 ms, then answers them in order; the load's result and the most
+    messages it ever held (what the load sends before it waits)."""
+    most = 0
+
+    async def publish(requests: AsyncIterator[pb.PublishRequest], context: Any) -> AsyncIterator[bytes]:
+        nonlocal most
+        arrived: asyncio.Queue[pb.PublishRequest | None] = asyncio.Queue()  # None: the client is done
+
+        async def take() -> None:
+            async for request in requests:
+                arrived.put_nowait(request)
+            arrived.put_nowait(None)
+
+        taking = asyncio.create_task(take())
+        held: list[int] = []
+        while True:
+            try:
+                request = await asyncio.wait_for(arrived.get(), timeout=0.05) if held else await arrived.get()
+            except TimeoutError:  # none came for 50 ms: answer what is held
+                for request_id in held:
+                    yield pb.PublishResponse(request_id=request_id).SerializeToString()
+                held.clear()
+                continue
+            if request is None:
+                break
+            held.append(request.request_id)
+            most = max(most, len(held))
+        for request_id in held:
+            yield pb.PublishResponse(request_id=request_id).SerializeToString()
+        await taking
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                SERVICE,
+                {
+                    "Append": grpc.unary_unary_rpc_method_handler(
+                        _answer_append,
+                        request_deserializer=pb.AppendRequest.FromString,
+                        response_serializer=pb.AppendResponse.SerializeToString,
+                    ),
+                    "Publish": grpc.stream_stream_rpc_method_handler(
+                        publish, request_deserializer=pb.PublishRequest.FromString
+                    ),
+                },
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        return await _run_load(port, "rate", "publish", "1", "1", str(in_flight)), most
+    finally:
+        await server.stop(None)
+
+
+async def _answer_append(request: pb.AppendRequest, context: Any) -> pb.AppendResponse:
+    """Append for the load's first call (the stream exists before its clock starts)."""
+    return pb.AppendResponse()
 
 
 @needs_node
@@ -70,3 +141,13 @@ def test_rate_gives_each_caller_a_connection_of_its_own_as_redis_benchmark_does(
     result, peers = asyncio.run(_rate_from(4))
     assert result["calls"] > 4
     assert len(peers) == 4, peers
+
+
+@needs_node
+def test_rate_keeps_exactly_in_flight_publish_messages_unanswered() -> None:
+    # Its window (bench/publish_load.js's Window) is what the rows' "in_flight" says: the load
+    # keeps that many messages unanswered, not fewer (nor more: the Publisher's maxInFlight).
+    npm_install()
+    result, most = asyncio.run(_most_unanswered(8))
+    assert result["calls"] > 8
+    assert most == 8
