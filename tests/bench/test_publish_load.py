@@ -12,30 +12,37 @@ from typing import Any
 import grpc
 from streamlog.v1 import streamlog_pb2 as pb
 
-from bench.publish import SERVICE
+from bench.publish import SERVICE, bare_handler
 from tests.clients.nodejs import NODE, needs_node, npm_install
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-async def _run_load(port: int, *args: str) -> dict[str, Any]:
-    """bench/publish_load.js with `args` against the server on `port`; its JSON result."""
-    assert NODE is not None
-    command, mode, *rest = args
-    load = await asyncio.create_subprocess_exec(
-        NODE,
-        "bench/publish_load.js",
-        command,
-        f"127.0.0.1:{port}",
-        mode,
-        *rest,
-        cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(load.communicate(), timeout=120)
-    assert load.returncode == 0, err.decode()
-    return json.loads(out)
+async def _load_against(handlers: tuple[grpc.GenericRpcHandler, ...], *args: str) -> dict[str, Any]:
+    """bench/publish_load.js `args[0]` ADDRESS `args[1:]` against a grpc.aio server with `handlers`
+    (the first that has a method serves it); the load's JSON result."""
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(handlers)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        assert NODE is not None
+        command, *rest = args
+        load = await asyncio.create_subprocess_exec(
+            NODE,
+            "bench/publish_load.js",
+            command,
+            f"127.0.0.1:{port}",
+            *rest,
+            cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(load.communicate(), timeout=120)
+        assert load.returncode == 0, err.decode()
+        return json.loads(out)
+    finally:
+        await server.stop(None)
 
 
 async def _rate_from(callers: int) -> tuple[dict[str, Any], set[str]]:
@@ -46,27 +53,13 @@ async def _rate_from(callers: int) -> tuple[dict[str, Any], set[str]]:
         peers.add(context.peer())
         return pb.AppendResponse()
 
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers(
-        (
-            grpc.method_handlers_generic_handler(
-                SERVICE,
-                {
-                    "Append": grpc.unary_unary_rpc_method_handler(
-                        append,
-                        request_deserializer=pb.AppendRequest.FromString,
-                        response_serializer=pb.AppendResponse.SerializeToString,
-                    )
-                },
-            ),
-        )
+    append_handler = grpc.unary_unary_rpc_method_handler(
+        append,
+        request_deserializer=pb.AppendRequest.FromString,
+        response_serializer=pb.AppendResponse.SerializeToString,
     )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        return await _run_load(port, "rate", "append", str(callers), "1"), peers
-    finally:
-        await server.stop(None)
+    handlers = (grpc.method_handlers_generic_handler(SERVICE, {"Append": append_handler}),)
+    return await _load_against(handlers, "rate", "append", str(callers), "1"), peers
 
 
 async def _most_unanswered(in_flight: int) -> tuple[dict[str, Any], int]:
@@ -102,35 +95,12 @@ async def _most_unanswered(in_flight: int) -> tuple[dict[str, Any], int]:
             yield pb.PublishResponse(request_id=request_id).SerializeToString()
         await taking
 
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers(
-        (
-            grpc.method_handlers_generic_handler(
-                SERVICE,
-                {
-                    "Append": grpc.unary_unary_rpc_method_handler(
-                        _answer_append,
-                        request_deserializer=pb.AppendRequest.FromString,
-                        response_serializer=pb.AppendResponse.SerializeToString,
-                    ),
-                    "Publish": grpc.stream_stream_rpc_method_handler(
-                        publish, request_deserializer=pb.PublishRequest.FromString
-                    ),
-                },
-            ),
-        )
+    # Its first call, an Append (the stream exists before the clock starts), is the bare handler's.
+    publish_handler: grpc.RpcMethodHandler = grpc.stream_stream_rpc_method_handler(
+        publish, request_deserializer=pb.PublishRequest.FromString
     )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        return await _run_load(port, "rate", "publish", "1", "1", str(in_flight)), most
-    finally:
-        await server.stop(None)
-
-
-async def _answer_append(request: pb.AppendRequest, context: Any) -> pb.AppendResponse:
-    """Append for the load's first call (the stream exists before its clock starts)."""
-    return pb.AppendResponse()
+    handlers = (grpc.method_handlers_generic_handler(SERVICE, {"Publish": publish_handler}), bare_handler())
+    return await _load_against(handlers, "rate", "publish", "1", "1", str(in_flight)), most
 
 
 @needs_node
