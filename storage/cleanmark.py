@@ -133,16 +133,17 @@ def erase_slot(file: SegmentFile) -> bool:
     return True
 
 
-def write_synced_end(fs: FileSystem, directory: Path, end: SyncedEnd) -> None:
+def write_synced_end(fs: FileSystem, directory: Path, end: SyncedEnd, *, file_may_exist: bool = True) -> None:
     """Write the marker after the stream's sync, not synced itself: a power loss may tear it or
     keep the one before, which names a prefix synced earlier. Into the SYNCED slot of the
     segment it names if it goes there (an earlier `SYNCED` file, if any, is removed: it names
-    an older segment), else into the stream's `SYNCED` file. A marker that cannot be written
+    an older segment; not looked for unless `file_may_exist`: a stream created since, or opened
+    without one, has none), else into the stream's `SYNCED` file. A marker that cannot be written
     (a full disk) costs the next open a check of the last segment, nothing more."""
     try:
         if end.in_slot:
             fs.write_at(directory / segment_name(end.base_offset), SEGMENT_HEADER_SIZE, end.encode())
-            if fs.exists(directory / SYNCED_MARKER):
+            if file_may_exist and fs.exists(directory / SYNCED_MARKER):
                 fs.remove(directory / SYNCED_MARKER)
         else:
             fs.overwrite_file(directory / SYNCED_MARKER, end.encode())

@@ -8,7 +8,9 @@ share of what remained of a call to a closed stream's tail. The cache's close
 (storage/engine.py) hands the stream's files over here once the stream is closed in every
 other sense (synced or handed to the round, storage/handoff.py; its figures in the catalog);
 a thread unmaps and closes them. A reopening meanwhile maps the files afresh: a shared
-mapping's pages are the page cache's, the same for both.
+mapping's pages are the page cache's, the same for both. Files none of which is mapped (a small
+stream's first page, written through) are closed at once: a close(2) each costs the caller less
+than waking the thread, whose hand-over of the GIL cost about ten futex calls per stream.
 
 At most BACKLOG closes wait, and one is being done: past that the caller closes its own, so
 descriptors and mappings stay within `max_open_streams` plus BACKLOG + 1 streams' worth.
@@ -38,8 +40,9 @@ class FileCloser:
             self._thread.start()
 
     def close(self, files: list[SegmentFile]) -> None:
-        """Unmap and close a closed stream's segment files, on the thread if it has room."""
-        if self._thread is not None:
+        """Unmap and close a closed stream's segment files, on the thread if one is mapped and the
+        thread has room."""
+        if self._thread is not None and any(file.mapped for file in files):
             try:
                 self._waiting.put_nowait(files)
                 return

@@ -123,6 +123,11 @@ class SegmentFile:
         finally:
             os.close(fd)
 
+    @property
+    def mapped(self) -> bool:
+        """Whether the file is mapped (not a first page written through): its close unmaps it."""
+        return self._copy is None
+
     def read(self, pos: int, length: int) -> bytes:
         copy = self._copy
         if copy is None:

@@ -131,10 +131,7 @@ class GrowingNode:
         pos = ref.pos
         segment = ref.segment
         file = segment.file
-        table_start = pos + NODE_PREFIX_SIZE
-        file.write(table_start + 4 * h.slots + h.blob_len, blob)  # blob_start, inline
         table = positions[:-1].tobytes()
-        file.write(table_start + 4 * h.count, table)
         seq = h.seq + 1
         if seq % 2 == self._kept_slot:  # never over the last durable header: skip a number
             seq += 1
@@ -152,7 +149,18 @@ class GrowingNode:
             last_ts,
             h.flags | flags,
         )
-        file.write(pos + NODE_HEADER_SIZE * (seq % 2), header.encode())
+        if h.count == 0 and seq == 1:
+            # A fresh node (a new stream's): nothing from its second header slot to its blob's end
+            # was ever written, so one write (header, table, unused slots, blob) puts nothing
+            # durable at risk; the first slot, which a later header may be kept in, is not touched.
+            # A write torn in flight leaves a header whose body fails its checks: a torn tail, cut.
+            unused = bytes(4 * (h.slots - header.count))
+            file.write(pos + NODE_HEADER_SIZE, b"".join((header.encode(), table, unused, blob)))
+        else:  # records, table entries, then the header: a header is never ahead of its body
+            table_start = pos + NODE_PREFIX_SIZE
+            file.write(table_start + 4 * h.slots + h.blob_len, blob)  # blob_start, inline
+            file.write(table_start + 4 * h.count, table)
+            file.write(pos + NODE_HEADER_SIZE * (seq % 2), header.encode())
         ref.header = header
         del self.positions[-1]
         self.positions.extend(positions)

@@ -67,6 +67,7 @@ class UnsyncedClose:
     creation: PendingCreation | None  # a new stream's creation, not yet durable
     durable_seq: int  # the seq of the last durable header of its growing node (0: none)
     synced: SyncedEnd | None  # the SYNCED marker to write once the files are synced
+    marker_file: bool  # its directory may hold a SYNCED file (Stream.marker_file)
     state: _State = _State.PENDING
     error: DurabilityError | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -89,7 +90,7 @@ class UnsyncedClose:
     def done(self, fs: FileSystem) -> None:
         """Its files are durable: write the marker (after the syncs: see Stream.close). Lock held."""
         if self.synced is not None:
-            write_synced_end(fs, self.directory, self.synced)
+            write_synced_end(fs, self.directory, self.synced, file_may_exist=self.marker_file)
         self.state = _State.DONE
 
     def fail(self, exc: DurabilityError) -> None:

@@ -94,6 +94,9 @@ class Stream(StreamParts):
         # (`_check_writable`). The SYNCED marker that replaced it stays (storage/cleanmark.py).
         self.clean_marker = False
         self.synced_mark: SyncedEnd | None = None  # the SYNCED marker as the open found it
+        # Its directory may hold a SYNCED file (as the open found it; a new stream's has none):
+        # a close that writes the marker into a slot then looks for one to remove.
+        self.marker_file = False
         self.pack_queue: list[Segment] = []  # full segments waiting to be packed
         self.damaged: list[Gap] = []
         self.closed = False
@@ -155,6 +158,7 @@ class Stream(StreamParts):
             stream.has_epochs = True
         stream.clean_marker = old_clean
         stream.synced_mark = loaded.synced
+        stream.marker_file = SYNCED_MARKER in present
         if not clean and stream.active is not None and not _vouched_for(loaded.synced, stream.active):
             # After a crash the recovered tail may be in the page cache only (a kill -9): sync it, so
             # the header appends keep (storage/growing.py) is one a power loss keeps too. A tail the
@@ -271,6 +275,7 @@ class Stream(StreamParts):
         the later ones are gone."""
         self.unmark_clean()
         self.ctx.fs.remove(self.directory / SYNCED_MARKER)
+        self.marker_file = False
         for segment in self.segments:
             if segment.header.has_slot and erase_slot(segment.file):
                 segment.file.sync()
@@ -431,7 +436,7 @@ class Stream(StreamParts):
                     with self.lock:
                         synced = self.synced_end()
                     if synced is not None and synced != self.synced_mark:  # a read-only visit: as it was
-                        write_synced_end(self.ctx.fs, self.directory, synced)
+                        write_synced_end(self.ctx.fs, self.directory, synced, file_may_exist=self.marker_file)
             with self.lock:
                 self.closed_summary = stream_summary(self)
                 self.closed = True
@@ -456,7 +461,7 @@ class Stream(StreamParts):
                 return None
             self.dirty.clear()
             durable_seq = self.active.durable_seq if self.active is not None else 0
-        handed = UnsyncedClose(self.directory, files, self.creation, durable_seq, synced)
+        handed = UnsyncedClose(self.directory, files, self.creation, durable_seq, synced, self.marker_file)
         self.creation = None
         return handed
 

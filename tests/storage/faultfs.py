@@ -130,6 +130,7 @@ class FaultSegmentFile:
         self.reserved = self.size  # memory has no sparse files: every byte of it is there
         self.writable = writable
         self.closed = False
+        self.mapped = True  # as a mapped file: its close goes to the cache's closer thread
         self._serial = fs._new_serial()
 
     # Deterministic set order: the engine keeps dirty files in a set, and the order of

@@ -342,3 +342,25 @@ def test_a_clean_close_of_many_open_streams_syncs_them_with_one_filesystem_sync(
     lost = Engine(ROOT, EngineConfig(**SMALL), fs=fs.crashed_copy(mode="lost"))
     assert {name: contents(lost, name) for name in lost.list_streams()} == written
     assert all(lost.info(name).damaged == () for name in written)
+
+
+def test_the_round_looks_for_a_synced_file_only_in_a_directory_that_had_one(monkeypatch):
+    """A round writing a new stream's marker into its segment's slot looks for no `SYNCED` file
+    to remove (a stat per close): the stream was created since, its directory has none. A stream
+    opened with one (a segment without a slot wrote it) still has it removed once its marker
+    moves into a slot."""
+    fs, engine = new_engine()
+    looked: list[str] = []
+    exists = fs.exists
+    monkeypatch.setattr(fs, "exists", lambda path: looked.append(path.name) or exists(path))
+    for i in range(4):
+        engine.append(f"new-{i}", AppendBatch([b"x"] * 3))
+    engine.maintain()
+    assert all(marked_clean(fs, f"new-{i}") for i in range(3)) and "SYNCED" not in looked
+    directory = stream_directory(ROOT, "new-0")
+    fs.write_file(directory / "SYNCED", b"left by a segment without a slot")
+    engine.append("new-0", AppendBatch([b"y"]))  # reopened: its directory has a SYNCED file
+    engine.append("new-9", AppendBatch([b"z"]))  # closes it
+    engine.maintain()
+    assert "SYNCED" in looked and not fs.exists(directory / "SYNCED") and marked_clean(fs, "new-0")
+    assert contents(engine, "new-0") == [b"x"] * 3 + [b"y"]

@@ -193,9 +193,10 @@ def test_a_stream_the_cache_closes_is_freed_without_the_garbage_collector(open_e
 
 
 def test_streams_whose_files_wait_for_the_closer_reopen_whole_and_fds_stay_bounded(tmp_path, monkeypatch):
-    """The cache's closes leave their files to a thread (storage/closer.py). With that thread
+    """The cache's closes leave mapped files to a thread (storage/closer.py). With that thread
     stalled, streams closed a moment ago reopen with every entry and take appends, descriptors
     stay within max_open_streams plus the closer's backlog, and nothing is lost at shutdown."""
+    pad = b"." * 3000  # with it a stream's first batch passes its first page: its segment is mapped
     stalled = threading.Event()
     release = threading.Event()
     close_all = closer._close_all
@@ -213,11 +214,11 @@ def test_streams_whose_files_wait_for_the_closer_reopen_whole_and_fds_stay_bound
         before = open_fds()
         for round_ in range(3):
             for name in NAMES:
-                engine.append(name, AppendBatch([f"{name}/{round_}".encode()]))
+                engine.append(name, AppendBatch([f"{name}/{round_}".encode(), pad]))
                 assert open_fds() - before <= 2 + closer.BACKLOG + 1 + 2
         assert stalled.is_set() and engine._closer._waiting.qsize() == closer.BACKLOG  # closes waiting
         for name in NAMES:  # each reopened while the files of the last closes wait
-            assert contents(engine, name) == [f"{name}/{r}".encode() for r in range(3)]
+            assert contents(engine, name) == [e for r in range(3) for e in (f"{name}/{r}".encode(), pad)]
             engine.append(name, AppendBatch([b"after"]))
             assert open_fds() - before <= 2 + closer.BACKLOG + 1 + 2
     finally:
@@ -226,4 +227,33 @@ def test_streams_whose_files_wait_for_the_closer_reopen_whole_and_fds_stay_bound
     assert open_fds() <= before  # every waiting file closed by the engine's close
     with Engine(tmp_path / "data", EngineConfig(**SMALL)) as reopened:
         for name in NAMES:
-            assert contents(reopened, name) == [f"{name}/{r}".encode() for r in range(3)] + [b"after"]
+            assert contents(reopened, name) == [
+                e for r in range(3) for e in (f"{name}/{r}".encode(), pad)
+            ] + [b"after"]
+
+
+def test_a_small_streams_file_is_closed_by_the_cache_at_once_not_by_the_closer_thread(tmp_path, monkeypatch):
+    """A stream whose segment is a first page written through (not mapped) has nothing to unmap:
+    its close(2) costs the caller less than waking the closer thread (the GIL's hand-over each
+    time), so the cache closes it at once; a mapped one still goes to the thread."""
+    closing_threads: list[str] = []
+    close_all = closer._close_all
+
+    def recorded(files):
+        closing_threads.append(threading.current_thread().name)
+        close_all(files)
+
+    monkeypatch.setattr(closer, "_close_all", recorded)
+    config = {**SMALL, "background": True, "max_open_streams": 2, "maintenance_interval_ms": 3_600_000}
+    with Engine(tmp_path / "data", EngineConfig(**config)) as engine:
+        for name in NAMES:
+            engine.append(name, AppendBatch([name.encode()]))
+        assert closing_threads == ["MainThread"] * (len(NAMES) - 2)
+        closing_threads.clear()
+        engine.append("big", AppendBatch([b"." * 3000, b"." * 3000]))  # past a page: mapped
+        engine.append("next", AppendBatch([b"n"]))
+        engine.append("last", AppendBatch([b"l"]))  # closes "big"
+        engine._closer.stop()  # waits for the thread to close what it was given
+        assert closing_threads == ["MainThread", "MainThread", "streamlog-closer"]
+        for name in NAMES:
+            assert contents(engine, name) == [name.encode()]
