@@ -94,9 +94,7 @@ class Stream(StreamParts):
         # (`_check_writable`). The SYNCED marker that replaced it stays (storage/cleanmark.py).
         self.clean_marker = False
         self.synced_mark: SyncedEnd | None = None  # the SYNCED marker as the open found it
-        # Its directory may hold a SYNCED file (as the open found it; a new stream's has none):
-        # a close that writes the marker into a slot then looks for one to remove.
-        self.marker_file = False
+        self.marker_file = False  # a SYNCED file in its directory as the open found it (to remove)
         self.pack_queue: list[Segment] = []  # full segments waiting to be packed
         self.damaged: list[Gap] = []
         self.closed = False
@@ -106,8 +104,7 @@ class Stream(StreamParts):
         self.pins: list[None] = []
         self.evicted = False
         self.touched = 0.0
-        # What maintenance last did here (write_seq then, wall-clock ms): a closed stream's
-        # summary says when it needs another visit.
+        # What maintenance last did here (write_seq then, wall-clock ms): when to visit it again.
         self.upkept_seq = 0
         self.upkept_ms = 0
         self.closed_summary: StreamSummary | None = None  # set by close
