@@ -100,6 +100,7 @@ class PendingCreation:
             if not (self.pending and self._meta_new):
                 return False
             fs.replace(directory / META_NEW, directory / META_FILE)
+            self._meta_new = False  # a commit by the stream reopened before the batch ends renames none
             return True
 
     def synced(self) -> None:

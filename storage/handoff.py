@@ -26,7 +26,6 @@ back everything dirty on it (docs/DURABILITY.md has its cost on a shared file sy
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -102,26 +101,35 @@ def finish_together(fs: FileSystem, root: Path, closes: list[UnsyncedClose]) -> 
     """Finish many closes with file-system syncs of `root`'s file system, in the order of
     storage/creation.py: one syncfs (every close's segments, meta files and directories), the
     renames of `stream.meta.new`, a second syncfs only if one was renamed, then each creation
-    marked committed and each marker written. A syncfs that fails fails every close of the batch."""
-    with contextlib.ExitStack() as held:
-        for close in closes:
-            held.enter_context(close.lock)  # a reopening waits for the batch, as for a close's own
-        waiting = [close for close in closes if close.state is _State.PENDING]
-        for close in waiting:
-            if close.creation is not None:
-                close.creation.before_sync(fs, close.directory)
-        if not _sync_filesystem(fs, root, waiting):
-            return
-        renamed = False
-        for close in waiting:
-            if close.creation is not None:
+    marked committed and each marker written. A syncfs that fails fails every close of the batch
+    still waiting.
+
+    No close's lock is held across a syncfs (tens to hundreds of milliseconds under a load): a
+    stream reopened meanwhile takes its close back at once (`UnsyncedCloses.take`), and the batch
+    leaves it alone from then on. Its files and creation are the stream's again, made durable by
+    its own next sync; a write-back error the syncfs met stays for that sync's fsync to report,
+    as syncfs reports it through the file system, not through the files (Linux's errseq)."""
+    waiting = []
+    for close in closes:
+        with close.lock:
+            if close.state is _State.PENDING:
+                if close.creation is not None:
+                    close.creation.before_sync(fs, close.directory)
+                waiting.append(close)
+    if not _sync_filesystem(fs, root, waiting):
+        return
+    renamed = False
+    for close in waiting:
+        with close.lock:
+            if close.state is _State.PENDING and close.creation is not None:
                 try:
                     renamed = close.creation.rename_meta(fs, close.directory) or renamed
                 except DurabilityError as exc:
                     close.fail(exc)
-        if renamed and not _sync_filesystem(fs, root, waiting):
-            return
-        for close in waiting:
+    if renamed and not _sync_filesystem(fs, root, waiting):
+        return
+    for close in waiting:
+        with close.lock:  # held for a marker's write: a reopening waits for no more
             if close.state is _State.PENDING:
                 if close.creation is not None:
                     close.creation.synced()
@@ -129,12 +137,14 @@ def finish_together(fs: FileSystem, root: Path, closes: list[UnsyncedClose]) -> 
 
 
 def _sync_filesystem(fs: FileSystem, root: Path, closes: list[UnsyncedClose]) -> bool:
-    """syncfs for a batch; False if it failed, and then so did every close of the batch."""
+    """syncfs for a batch; False if it failed, and then so did every close of it still waiting."""
     try:
         fs.sync_filesystem(root)
     except DurabilityError as exc:
         for close in closes:
-            close.fail(exc)
+            with close.lock:
+                if close.state is _State.PENDING:
+                    close.fail(exc)
         return False
     return True
 
@@ -166,7 +176,7 @@ class UnsyncedCloses:
             close = self._closes.pop(name, None)
         if close is None:
             return None
-        with close.lock:  # waits for a round finishing it now
+        with close.lock:  # waits for a round finishing it alone now, or for a batch's marker write
             if close.state is _State.DONE:
                 return None
             close.state = _State.TAKEN if close.state is _State.PENDING else close.state

@@ -364,3 +364,47 @@ def test_the_round_looks_for_a_synced_file_only_in_a_directory_that_had_one(monk
     engine.maintain()
     assert "SYNCED" in looked and not fs.exists(directory / "SYNCED") and marked_clean(fs, "new-0")
     assert contents(engine, "new-0") == [b"x"] * 3 + [b"y"]
+
+
+@pytest.mark.parametrize("blocked", [1, 2])  # the batch's first syncfs, or its second (after the renames)
+def test_a_stream_reopened_while_its_batch_syncs_is_not_held_by_the_syncfs_and_keeps_every_entry(blocked):
+    fs, engine, written, _ = many_closes(renames=True)
+    real = fs.sync_filesystem
+    calls: list[Path] = []
+    entered, release = threading.Event(), threading.Event()
+
+    def sync_filesystem(path: Path) -> None:
+        calls.append(path)
+        if len(calls) == blocked:
+            entered.set()
+            assert release.wait(60), "the test never released the syncfs"
+        real(path)
+
+    fs.sync_filesystem = sync_filesystem  # type: ignore[method-assign]
+    round_ = threading.Thread(target=engine.maintain)
+    round_.start()
+    try:
+        assert entered.wait(60)
+        reopened = threading.Thread(
+            target=lambda: [engine.append(name, AppendBatch([b"during"])) for name in ("new-3", HASHED_NAME)]
+        )
+        reopened.start()
+        reopened.join(30)  # the syncfs is still blocked: the reopens must not wait for it
+        assert not reopened.is_alive(), "a reopen waited for the round's syncfs"
+        assert contents(engine, "new-3") == written["new-3"] + [b"during"]
+    finally:
+        release.set()
+        round_.join()
+    for name in ("new-3", HASHED_NAME):
+        written[name] = written[name] + [b"during"]
+    assert not marked_clean(fs, "new-3")  # taken back during the batch: left to the stream
+    assert marked_clean(fs, "new-4")
+    assert not any(close.state.name == "FAILED" for close in engine._unsynced._closes.values())
+    engine.maintain()  # the reopened streams' own syncs (the one open now, and the one handed off)
+    engine.maintain()
+    for seed, mode in [(0, "lost"), (1, "power"), (2, "power")]:
+        after = Engine(ROOT, EngineConfig(**SMALL), fs=fs.crashed_copy(random.Random(seed), mode))
+        assert after.unreadable == [], mode
+        assert {name: contents(after, name) for name in after.list_streams()} == written, mode
+        assert all(after.info(name).damaged == () for name in written), mode
+        after.close()
