@@ -458,6 +458,11 @@ class EngineCollector(Collector):
         for key, help_text in totals.items():
             yield GaugeMetricFamily(f"streamlog_{key}", help_text, stats[key])
         yield GaugeMetricFamily(
+            "streamlog_closes_waiting",
+            "Streams the cache closed whose writes wait for the maintenance round's sync.",
+            stats["closes_waiting"],
+        )
+        yield GaugeMetricFamily(
             "streamlog_unreadable_streams",
             "Stream directories whose metadata failed its checks at start-up (not served).",
             len(stats["unreadable_streams"]),

@@ -346,6 +346,7 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
         return {
             "streams": len(self._catalog),
             "open_streams": len(infos),
+            "closes_waiting": self._unsynced.waiting(),  # for the round's syncs (storage/handoff.py)
             **totals,
             "cache_hits": self._ctx.cache.hits,
             "cache_misses": self._ctx.cache.misses,

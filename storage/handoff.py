@@ -162,6 +162,12 @@ class UnsyncedCloses:
     def __len__(self) -> int:
         return len(self._closes)
 
+    def waiting(self) -> int:
+        """The closes the round has still to finish (not the failed ones kept for their reopening)."""
+        with self._lock:
+            closes = list(self._closes.values())
+        return sum(close.state is _State.PENDING for close in closes)
+
     def add(self, name: str, close: UnsyncedClose) -> None:
         with self._lock:
             self._closes[name] = close

@@ -383,6 +383,25 @@ def test_totals_cover_streams_the_cache_closed(start_server: Callable[..., Serve
     }
 
 
+def test_closes_waiting_for_the_round_are_a_gauge_that_falls_to_zero_once_they_are_synced(
+    start_server: Callable[..., ServerThread], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under everysec the streams the cache closes wait for the maintenance round's sync: the
+    gauge counts them (bench.streams waits for 0 before it times calls to closed streams)."""
+    server = start_server(metrics_port=free_port(), max_open_streams=2)
+    engine = server.server.engine
+    rounds = threading.Event()
+    monkeypatch.setattr(engine, "maintain", rounds.set)  # the rounds do nothing from now on
+    assert rounds.wait(30)  # the loop has come to one: no real round is under way any more
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        for i in range(6):
+            stub.Append(pb.AppendRequest(stream=f"room-{i}", payloads=[b"x"]), timeout=5)
+    assert value(scrape(server), "streamlog_closes_waiting") == 4  # 6 streams, 2 open
+    engine.sync()  # finishes them as a round would
+    assert value(scrape(server), "streamlog_closes_waiting") == 0
+
+
 def test_entries_count_every_stream_after_a_kill_9_and_a_clean_restart(tmp_path: Path) -> None:
     """Issue 17's case: streams loaded through AppendMany, the server killed -9. The restarted
     server counts at once the entries of every stream the cache closed (their closes were

@@ -236,7 +236,7 @@ def test_a_round_with_more_closes_than_the_batch_finishes_them_with_one_filesyst
     # The open stream's own syncs (its segment, its directory, the streams directory) besides:
     # one by one the closes took about three each.
     assert fs.syncs - before <= len(calls) + 3
-    assert len(engine._unsynced) == 0
+    assert len(engine._unsynced) == 0 and engine.stats()["closes_waiting"] == 0
     assert all(marked_clean(fs, name) for name in written if name not in ("open", "empty"))
     lost = Engine(ROOT, EngineConfig(**SMALL), fs=fs.crashed_copy(mode="lost"))
     assert {name: contents(lost, name) for name in lost.list_streams()} == written
@@ -288,9 +288,11 @@ def test_a_power_loss_at_every_sync_point_of_a_batch_keeps_every_finished_stream
 
 def test_a_failed_filesystem_sync_fails_every_close_of_its_batch():
     fs, engine, written, _ = many_closes(renames=False)
+    assert engine.stats()["closes_waiting"] == len(written) - 1  # every stream but the open one
     fs.fail_at_sync = fs.syncs + 1  # the round's first sync: the batch's syncfs
     engine.maintain()
     assert fs.failed_syncs == 1
+    assert engine.stats()["closes_waiting"] == 0  # failed: kept for their reopening, not waiting
     closed = [name for name in written if name != "open"]
     assert not any(marked_clean(fs, name) for name in closed if not name.startswith("old-"))
     for name in closed:  # reopened, each refuses appends, as after its own failed fsync
