@@ -14,7 +14,10 @@ Issue 17's targets, measured with one Python client each:
   Each: load time, disk used (`du` of the data directory), server RSS, open file
   descriptors, a metrics scrape, a ListStreams page.
 - Appending to and reading from streams the cache closed: one unary Append or Read
-  at a time on streams loaded first (long closed); p50 and p99.
+  at a time on streams loaded first (long closed); p50 and p99. First the bench waits
+  (at most ROUND_WAIT_S) until the server's maintenance rounds have synced the closes
+  the load handed them (`streamlog_closes_waiting` 0), so the calls time closed
+  streams, not the load's tail of syncs; that wait is reported on its own.
 - `--million` streams of 1 entry (1,000,000 by default): load (`--million-via`, the
   AppendMany calls by default, the faster way), a kill -9 as the load ends and a
   restart (time until the server answers SERVING) with every acknowledged entry read
@@ -85,6 +88,7 @@ CALL_BATCHES = 2_000
 CALLS_IN_FLIGHT = 2  # one written by the server while the next is sent and read
 BYTES_PER_STREAM = 16 << 10  # disk a one-entry stream may take (directory, one page, slack)
 LATENCY_SAMPLES = 2_000
+ROUND_WAIT_S = 300  # the longest wait for the load's closes to be synced before the latency calls
 BUILDERS = 2  # processes copying the template stream (--direct)
 DIRECT_APPENDS = 10_000  # streams appended to through the server before the kill -9 (--direct)
 
@@ -281,8 +285,23 @@ async def read_all(
     return good
 
 
+def wait_for_round(server: Server, shape: dict) -> None:
+    """Wait until the server has synced the closes the load handed to its rounds (at most
+    ROUND_WAIT_S); the wait, and the closes still waiting at its end (0 unless it timed out)."""
+    with Timer() as t:
+        deadline = time.monotonic() + ROUND_WAIT_S
+        while (waiting := server_metrics(server.metrics_port)["streamlog_closes_waiting"]) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.05)  # another process's state: read through its metrics
+    emit("closes_synced_wait", t.elapsed, "s", **shape)
+    emit("closes_waiting_after_wait", waiting, "closes", **shape)
+
+
 def closed_latency(server: Server, streams: int, shape: dict) -> None:
-    """Append to and read from streams the cache closed (the first ones loaded), one at a time."""
+    """Append to and read from streams the cache closed (the first ones loaded), one at a time,
+    once the load's closes are synced."""
+    wait_for_round(server, shape)
     picks = random.Random(17).sample(range(streams // 2), min(LATENCY_SAMPLES, streams // 2))
     half = len(picks) // 2
     with grpc.insecure_channel(server.address) as channel:
