@@ -15,9 +15,10 @@ Issue 17's targets, measured with one Python client each:
   descriptors, a metrics scrape, a ListStreams page.
 - Appending to and reading from streams the cache closed: one unary Append or Read
   at a time on streams loaded first (long closed); p50 and p99. First the bench waits
-  (at most ROUND_WAIT_S) until the server's maintenance rounds have synced the closes
-  the load handed them (`streamlog_closes_waiting` 0), so the calls time closed
-  streams, not the load's tail of syncs; that wait is reported on its own.
+  (at most ROUND_WAIT_S) until the server's maintenance rounds have synced what the
+  load wrote (`streamlog_closes_waiting` and `streamlog_open_streams_unsynced` 0), so
+  the calls time closed streams, not the load's tail of syncs; that wait is reported
+  on its own.
 - `--million` streams of 1 entry (1,000,000 by default): load (`--million-via`, the
   AppendMany calls by default, the faster way), a kill -9 as the load ends and a
   restart (time until the server answers SERVING) with every acknowledged entry read
@@ -285,17 +286,22 @@ async def read_all(
     return good
 
 
+def unsynced(server: Server) -> float:
+    """The server's streams whose writes its rounds have not synced yet: closed ones, open ones."""
+    seen = server_metrics(server.metrics_port)
+    return seen["streamlog_closes_waiting"] + seen["streamlog_open_streams_unsynced"]
+
+
 def wait_for_round(server: Server, shape: dict) -> None:
-    """Wait until the server has synced the closes the load handed to its rounds (at most
-    ROUND_WAIT_S); the wait, and the closes still waiting at its end (0 unless it timed out)."""
+    """Wait until the server has synced what the load wrote, the closes it handed to the rounds
+    and its open streams (at most ROUND_WAIT_S); the wait, and the streams still unsynced at its
+    end (0 unless it timed out)."""
     with Timer() as t:
         deadline = time.monotonic() + ROUND_WAIT_S
-        while (waiting := server_metrics(server.metrics_port)["streamlog_closes_waiting"]) and (
-            time.monotonic() < deadline
-        ):
+        while (waiting := unsynced(server)) and time.monotonic() < deadline:
             time.sleep(0.05)  # another process's state: read through its metrics
     emit("closes_synced_wait", t.elapsed, "s", **shape)
-    emit("closes_waiting_after_wait", waiting, "closes", **shape)
+    emit("unsynced_after_wait", waiting, "streams", **shape)
 
 
 def closed_latency(server: Server, streams: int, shape: dict) -> None:

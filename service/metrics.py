@@ -463,6 +463,11 @@ class EngineCollector(Collector):
             stats["closes_waiting"],
         )
         yield GaugeMetricFamily(
+            "streamlog_open_streams_unsynced",
+            "Open streams with writes (or a creation) no sync has taken up yet.",
+            stats["open_unsynced"],
+        )
+        yield GaugeMetricFamily(
             "streamlog_unreadable_streams",
             "Stream directories whose metadata failed its checks at start-up (not served).",
             len(stats["unreadable_streams"]),

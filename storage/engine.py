@@ -339,7 +339,8 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
     def stats(self) -> dict:
         """Totals over every stream (the closed ones as of their last close: storage/catalog.py),
         and the open streams' figures one by one (no closed stream is opened for this)."""
-        infos = [stream_info(s) for s in self._open.values()]
+        open_streams = self._open.values()
+        infos = [stream_info(s) for s in open_streams]
         totals = self._catalog.totals()
         for key in totals:
             totals[key] += sum(getattr(i, key) for i in infos)
@@ -347,6 +348,8 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
             "streams": len(self._catalog),
             "open_streams": len(infos),
             "closes_waiting": self._unsynced.waiting(),  # for the round's syncs (storage/handoff.py)
+            # Open streams with writes or a creation no sync has taken up yet (everysec: the round's).
+            "open_unsynced": sum(1 for s in open_streams if s.dirty or s.creation is not None),
             **totals,
             "cache_hits": self._ctx.cache.hits,
             "cache_misses": self._ctx.cache.misses,

@@ -67,28 +67,28 @@ def test_a_small_load_is_acknowledged_and_reported_by_its_way(
     assert figures["many_streams_load_server_cpu"]["value"] > 0  # the server wrote 120 streams
     assert figures["many_streams_load_client_cpu"]["value"] > 0
     assert figures["closed_stream_read_p99"]["samples"] == 30
-    assert figures["closes_waiting_after_wait"]["value"] == 0  # the latency calls came after the syncs
+    assert figures["unsynced_after_wait"]["value"] == 0  # the latency calls came after the syncs
 
 
 @pytest.mark.parametrize(("bound_s", "left"), [(300, 0), (0, 5)])
 def test_the_latency_calls_wait_for_the_loads_closes_to_be_synced_within_a_bound(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], bound_s: float, left: int
 ) -> None:
-    """The bench reads the server's streamlog_closes_waiting until it is 0, or until the bound,
-    and reports the wait and what was left."""
+    """The bench reads the server's unsynced streams (closes waiting, open ones) until they are 0,
+    or until the bound, and reports the wait and what was left."""
     gauge = iter([5, 5, 2, 0])
     scrapes: list[int] = []
 
     def server_metrics(port: int) -> dict[str, float]:
         scrapes.append(port)
-        return {"streamlog_closes_waiting": next(gauge)}
+        return {"streamlog_closes_waiting": next(gauge), "streamlog_open_streams_unsynced": 0}
 
     monkeypatch.setattr(bench, "server_metrics", server_metrics)
     monkeypatch.setattr(bench, "ROUND_WAIT_S", bound_s)
     server = bench.Server(Path("unused"), 10)
     bench.wait_for_round(server, {"streams": 10})
     figures = _figures(capsys.readouterr().out)
-    assert figures["closes_waiting_after_wait"]["value"] == left
+    assert figures["unsynced_after_wait"]["value"] == left
     assert figures["closes_synced_wait"]["unit"] == "s"
     assert scrapes == [server.metrics_port] * (4 if left == 0 else 1)
 

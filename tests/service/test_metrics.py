@@ -383,11 +383,12 @@ def test_totals_cover_streams_the_cache_closed(start_server: Callable[..., Serve
     }
 
 
-def test_closes_waiting_for_the_round_are_a_gauge_that_falls_to_zero_once_they_are_synced(
+def test_streams_waiting_for_the_rounds_sync_are_gauges_that_fall_to_zero_once_synced(
     start_server: Callable[..., ServerThread], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Under everysec the streams the cache closes wait for the maintenance round's sync: the
-    gauge counts them (bench.streams waits for 0 before it times calls to closed streams)."""
+    """Under everysec the streams the cache closes, and the open ones written, wait for the
+    maintenance round's sync: the gauges count them (bench.streams waits for 0 before it times
+    calls to closed streams)."""
     server = start_server(metrics_port=free_port(), max_open_streams=2)
     engine = server.server.engine
     rounds = threading.Event()
@@ -397,9 +398,14 @@ def test_closes_waiting_for_the_round_are_a_gauge_that_falls_to_zero_once_they_a
         stub = pb_grpc.StreamLogServiceStub(channel)
         for i in range(6):
             stub.Append(pb.AppendRequest(stream=f"room-{i}", payloads=[b"x"]), timeout=5)
-    assert value(scrape(server), "streamlog_closes_waiting") == 4  # 6 streams, 2 open
-    engine.sync()  # finishes them as a round would
-    assert value(scrape(server), "streamlog_closes_waiting") == 0
+    samples = scrape(server)
+    assert value(samples, "streamlog_closes_waiting") == 4  # 6 streams, 2 open
+    assert value(samples, "streamlog_open_streams_unsynced") == 2  # written, created, not synced
+    engine.sync()  # finishes them as a round would, and syncs the open ones
+    samples = scrape(server)
+    assert (
+        value(samples, "streamlog_closes_waiting") == value(samples, "streamlog_open_streams_unsynced") == 0
+    )
 
 
 def test_entries_count_every_stream_after_a_kill_9_and_a_clean_restart(tmp_path: Path) -> None:
