@@ -30,6 +30,13 @@ SEGMENT_MIN_BYTES = 64  # a segment header; anything shorter is a file whose cre
 # A new segment this small (a new stream's first page) is written through with pwrite, not mapped:
 # a mapping costs five system calls (fstat, dup, mmap, munmap, close) and a page fault per stream.
 UNMAPPED_BYTES = 4096
+# What a stream's reopening reads (its directory, meta file, markers, segments) is opened without
+# an access-time update. Under `relatime` (the usual mount) the first read of a file or directory
+# written since it was last read updates its atime, which dirties its inode: the inode's table
+# block, if the kernel let it go from its cache, is then read from disk, queued behind what a
+# syncfs is writing back (tens to hundreds of ms under a load: a reopen's tail, issue 17).
+# O_NOATIME is for the file's owner (or CAP_FOWNER): another's file is opened without it.
+_NOATIME = getattr(os, "O_NOATIME", 0)
 
 
 class SyncTimes:
@@ -271,7 +278,7 @@ class FileSystem:
         """Map a segment. One with no hole counts as reserved: its first write after a reopen
         then needs no `posix_fallocate`, which waits for the file system's journal (behind
         any other stream's sync) to change nothing."""
-        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        fd = _open_to_read(path, os.O_RDWR if writable else os.O_RDONLY)
         stat = os.fstat(fd)
         size = stat.st_size
         if size < SEGMENT_MIN_BYTES:
@@ -392,7 +399,7 @@ class FileSystem:
     def read_file(self, path: Path) -> bytes:
         """The file's bytes, read with the descriptor alone (a buffered file object costs four
         more system calls: a reopen reads a marker this way)."""
-        fd = os.open(path, os.O_RDONLY)
+        fd = _open_to_read(path, os.O_RDONLY)
         try:
             want = os.fstat(fd).st_size + 1  # one read to its end, one to see the end
             chunks = []
@@ -403,18 +410,25 @@ class FileSystem:
             os.close(fd)
 
     def read_head(self, path: Path, length: int) -> bytes:
-        with path.open("rb") as f:
-            return f.read(length)
+        fd = _open_to_read(path, os.O_RDONLY)
+        try:
+            return os.pread(fd, length, 0)
+        finally:
+            os.close(fd)
 
     def exists(self, path: Path) -> bool:
         return path.exists()
 
     def listdir(self, path: Path) -> list[str]:
-        """The names in a directory, sorted; none if it is not there (one system call, no stat)."""
+        """The names in a directory, sorted; none if it is not there (no stat)."""
         try:
-            return sorted(os.listdir(path))
+            fd = _open_to_read(path, os.O_RDONLY | os.O_DIRECTORY)
         except (FileNotFoundError, NotADirectoryError):
             return []
+        try:
+            return sorted(os.listdir(fd))
+        finally:
+            os.close(fd)
 
     def entries(self, path: Path) -> set[str]:
         """The names in a directory, unordered (the streams directory: a million, not sorted)."""
@@ -511,6 +525,16 @@ def _fdatasync(path: Path, times: SyncTimes) -> None:
         raise DurabilityError(f"fdatasync of {path} failed: {exc}") from exc
     finally:
         os.close(fd)
+
+
+def _open_to_read(path: Path, flags: int) -> int:
+    """A descriptor opened with O_NOATIME if the file is ours (see _NOATIME), else without."""
+    if _NOATIME:
+        try:
+            return os.open(path, flags | _NOATIME)
+        except PermissionError:  # (EPERM: not the owner)
+            pass
+    return os.open(path, flags)
 
 
 @functools.cache

@@ -1,12 +1,18 @@
 """The real file system's small-file reads (storage/fs.py): a reopen reads its stream's marker
-with `read_file`, straight from the descriptor."""
+with `read_file`, straight from the descriptor, and touches no access time."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
+from storage import AppendBatch, Engine, EngineConfig
 from storage.errors import DurabilityError
 from storage.fs import FileSystem
+from storage.layout import stream_directory
+from tests.storage.conftest import SMALL
 
 
 @pytest.mark.parametrize("size", [0, 1, 100, 4096, 70_000])
@@ -28,3 +34,34 @@ def test_sync_filesystem_syncs_the_file_system_of_a_directory_and_says_when_it_c
     assert fs.sync_times.count == count + 1
     with pytest.raises(DurabilityError, match="cannot open"):
         fs.sync_filesystem(tmp_path / "missing")
+
+
+def _age_access_times(paths: list[Path]) -> dict[Path, int]:
+    """Set each path's atime an hour before its mtime (so `relatime` would update it on a read)."""
+    aged = {}
+    for path in paths:
+        stat = path.stat()
+        aged[path] = stat.st_mtime_ns - 3600 * 10**9
+        os.utime(path, ns=(aged[path], stat.st_mtime_ns))
+    return aged
+
+
+def test_a_reopened_stream_reads_its_directory_and_files_without_updating_their_access_times(tmp_path):
+    """An atime update dirties the inode, whose table block may have to be read from disk behind
+    a syncfs's write-back: a reopen (its listing, meta, markers, segment mappings) makes none."""
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"x")
+    _age_access_times([probe])
+    before = probe.stat().st_atime_ns
+    probe.read_bytes()
+    if probe.stat().st_atime_ns == before:
+        pytest.skip("this file system does not update access times (mounted noatime): nothing to see")
+    config = EngineConfig(**SMALL, max_open_streams=1)  # (SMALL: no background thread)
+    with Engine(tmp_path / "data", config) as engine:
+        engine.append("h" * 250, AppendBatch([b"1", b"2"]))  # a hashed name: its meta file is read too
+        engine.append("b", AppendBatch([b"3"]))  # closes the first
+        engine.sync()
+        directory = stream_directory(tmp_path / "data", "h" * 250)
+        aged = _age_access_times([directory, *directory.iterdir()])
+        assert [e.payload for e in engine.read("h" * 250, 0, 10).entries()] == [b"1", b"2"]  # reopened
+        assert {path: path.stat().st_atime_ns for path in aged} == aged
