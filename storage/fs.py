@@ -222,13 +222,28 @@ class SegmentFile:
 
 
 class AppendFile:
-    """A file written only at its end (O_APPEND), each append one write(2), never synced."""
+    """A file written only at its end (O_APPEND), each append one write(2), never synced.
 
-    def __init__(self, fd: int) -> None:
+    Its blocks are allocated APPEND_STEP bytes ahead, past its size (fallocate's KEEP_SIZE: the
+    size stays what was written), so an append allocates none: ext4 allocates a delayed block
+    under the file's i_data_sem, which the file's own write-back holds while it allocates, and a
+    round's syncfs writes the file back behind the disk's queue (the catalog journal's appends,
+    one per reopen and per close: tens of ms in D state, issue 17)."""
+
+    APPEND_STEP = 1 << 20
+
+    def __init__(self, fd: int, end: int) -> None:
         self._fd = fd
+        self._end = end  # the file's size
+        self._allocated = end  # blocks allocated up to here (at least)
 
     def append(self, data: bytes) -> None:
+        end = self._end + len(data)
+        if end > self._allocated:
+            self._allocated = end + self.APPEND_STEP
+            _allocate_ahead(self._fd, self._end, self._allocated - self._end)
         _write_all(self._fd, data)
+        self._end = end
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -382,7 +397,7 @@ class FileSystem:
         except OSError:
             os.close(fd)
             raise
-        return AppendFile(fd)
+        return AppendFile(fd, len(head))
 
     def boot_id(self) -> str:
         """The kernel's id of this boot: what was written under another one may not have survived
@@ -537,12 +552,24 @@ def _open_to_read(path: Path, flags: int) -> int:
     return os.open(path, flags)
 
 
+def _allocate_ahead(fd: int, start: int, length: int) -> None:
+    """Allocate blocks for [start, start+length) without changing the file's size; where the file
+    system cannot (no space, no such call), the writes allocate them as they go."""
+    _libc().fallocate(fd, FALLOC_FL_KEEP_SIZE, start, length)
+
+
+FALLOC_FL_KEEP_SIZE = 1
+
+
 @functools.cache
 def _libc() -> ctypes.CDLL:
-    """The C library, for the one call Python's os lacks (syncfs); errno kept for the caller."""
+    """The C library, for the calls Python's os lacks (syncfs, fallocate with a mode); errno kept
+    for the caller."""
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     libc.syncfs.argtypes = [ctypes.c_int]
     libc.syncfs.restype = ctypes.c_int
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    libc.fallocate.restype = ctypes.c_int
     return libc
 
 

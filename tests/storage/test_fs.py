@@ -10,7 +10,7 @@ import pytest
 
 from storage import AppendBatch, Engine, EngineConfig
 from storage.errors import DurabilityError
-from storage.fs import FileSystem
+from storage.fs import AppendFile, FileSystem
 from storage.layout import stream_directory
 from tests.storage.conftest import SMALL
 
@@ -65,3 +65,23 @@ def test_a_reopened_stream_reads_its_directory_and_files_without_updating_their_
         aged = _age_access_times([directory, *directory.iterdir()])
         assert [e.payload for e in engine.read("h" * 250, 0, 10).entries()] == [b"1", b"2"]  # reopened
         assert {path: path.stat().st_atime_ns for path in aged} == aged
+
+
+def test_an_append_file_has_its_blocks_allocated_ahead_of_its_size_and_holds_exactly_what_was_appended(
+    tmp_path,
+):
+    """The catalog journal's appends allocate no block of their own (a delayed allocation waits for
+    the file's write-back by a syncfs): the blocks come ahead, in steps, and the size stays the data's."""
+    path = tmp_path / "journal"
+    file = FileSystem().create_append(path, b"head")
+    records = [bytes([i % 251]) * (1000 + i) for i in range(1500)]  # about 2.6 MB: past a step
+    ahead = []  # bytes allocated past the file's end, after each append
+    try:
+        for record in records:
+            file.append(record)
+            stat = path.stat()
+            ahead.append(stat.st_blocks * 512 - stat.st_size)
+    finally:
+        file.close()
+    assert min(ahead) >= 0 and max(ahead) >= AppendFile.APPEND_STEP  # a step ahead, not a block
+    assert path.read_bytes() == b"head" + b"".join(records)  # the size is the data's
