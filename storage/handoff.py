@@ -71,6 +71,11 @@ class UnsyncedClose:
     error: DurabilityError | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    @property
+    def has_syncs(self) -> bool:
+        """Whether finishing it syncs anything (files or a creation), not only writes its marker."""
+        return bool(self.files) or self.creation is not None
+
     def finish(self, fs: FileSystem) -> None:
         """Sync what the close left unsynced, then mark the clean close (the round)."""
         with self.lock:
@@ -192,11 +197,14 @@ class UnsyncedCloses:
         """Finish every close waiting (the round); the failed ones stay for their reopening."""
         with self._lock:
             closes = list(self._closes.items())
-        if sum(close.state is _State.PENDING for _, close in closes) > SYNCFS_BATCH:
-            finish_together(self._fs, self._root, [close for _, close in closes])
-        else:
-            for _, close in closes:
-                close.finish(self._fs)
+        # A close with nothing to sync (a stream synced before it closed: its marker only) is
+        # finished alone at no sync's cost; only the others make a batch worth a syncfs, which
+        # writes back the whole file system (calls to closed streams close as many synced ones).
+        syncing = [close for _, close in closes if close.state is _State.PENDING and close.has_syncs]
+        if len(syncing) > SYNCFS_BATCH:
+            finish_together(self._fs, self._root, syncing)
+        for _, close in closes:
+            close.finish(self._fs)  # (a close the batch finished or failed is left as it is)
         for name, close in closes:
             if close.state is _State.DONE:
                 with self._lock:
