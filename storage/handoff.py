@@ -20,8 +20,9 @@ failed does (after a failed fsync the kernel may have dropped the pages: Postgre
 A close costs about four syncs (its segments, its directory, the streams directory's share):
 about 4 ms, 200 closes a second, fewer than a load creating streams makes (issue 17: 480 a
 second, the backlog grew without bound). A round with more than SYNCFS_BATCH closes waiting
-finishes them with one syncfs(2) of the data directory's file system instead, which writes
-back everything dirty on it (docs/DURABILITY.md has its cost on a shared file system).
+that have something to sync finishes them with one syncfs(2) of the data directory's file
+system instead, which writes back everything dirty on it (docs/DURABILITY.md has its cost on
+a shared file system); a close that leaves only its marker needs no sync.
 """
 
 from __future__ import annotations
