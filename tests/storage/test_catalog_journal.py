@@ -153,6 +153,25 @@ def test_streams_opened_at_large_make_the_file_due(tmp_path, clock, monkeypatch)
         assert generations() == [first[-1] + 1]
 
 
+def test_many_streams_created_make_the_file_due_before_its_minute(tmp_path, clock, monkeypatch):
+    """A start-up after a kill -9 checks the directory of each stream created since the file: a
+    load's creations must not wait the minute between saves to be taken into a new one."""
+    monkeypatch.setattr(maintenance_module, "CATALOG_SAVE_CHANGES", 3)
+
+    def generations() -> list[int]:
+        return journal_generations(p.name for p in data.iterdir())
+
+    data = tmp_path / "data"
+    with Engine(data, CONFIG, clock=clock) as engine:
+        first = generations()
+        fill(engine, 2)
+        engine.maintain()
+        assert generations() == first  # two creations, within the minute: not due yet
+        fill(engine, 3)  # the third creation
+        engine.maintain()
+        assert generations() == [first[-1] + 1]
+
+
 def test_a_stream_created_since_the_file_and_found_unreadable_is_reported_by_every_start_up(tmp_path, clock):
     data = tmp_path / "data"
     killed_after_changes(data, clock, CountingFS())
