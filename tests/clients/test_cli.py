@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -344,6 +345,16 @@ def test_groups_consume_prints_batches_and_acknowledges_them(server: ServerThrea
         assert run(server, *CONSUME, "w1", "--ahead", "0")[0] == EXIT_USAGE
 
 
+@pytest.fixture
+def ctrl_c_as_in_a_terminal() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt, as in a terminal: a run a script started in its background
+    inherits SIGINT ignored, and Python then leaves it so."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("ctrl_c_as_in_a_terminal")
 def test_groups_consume_ends_in_order_on_ctrl_c(server: ServerThread) -> None:
     with Client(server.target) as client:
         client.create_group("jobs", "workers", create_stream=True)
