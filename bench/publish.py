@@ -14,7 +14,9 @@ one-entry messages of 100 bytes,
   would write (`bare_handler`: Append parses its request and answers an empty
   AppendResponse; Publish an empty answer with the message's request_id; no
   interceptors, no engine; system "bare"): the ceiling of a unary call and of a
-  session's message here;
+  session's message here; its Subscribe relays each published message's entries
+  to the stream's subscribers, so the Python Publish -> Subscribe latency against it
+  is grpc.aio's own floor for the latency target;
 - append-to-subscriber latency at 1,000 entries/s (Publish and Append, a Subscribe
   on the same connection: grpc-js shares one between clients of an address), everysec,
   with what the Node process spent (its event loop's delay, its CPU per entry, the
@@ -76,9 +78,25 @@ def bare_handler() -> grpc.GenericRpcHandler:
     async def append(request: pb.AppendRequest, context: Any) -> pb.AppendResponse:
         return pb.AppendResponse()
 
+    subscribers: dict[str, set[asyncio.Queue[list[bytes]]]] = {}
+
     async def publish(requests: AsyncIterator[pb.PublishRequest], context: Any) -> AsyncIterator[bytes]:
         async for request in requests:  # (parsed: the client checks the request_id of each answer)
+            for queue in subscribers.get(request.stream, ()):
+                queue.put_nowait(list(request.payloads))
             yield pb.PublishResponse(request_id=request.request_id).SerializeToString()
+
+    async def subscribe(request: pb.SubscribeRequest, context: Any) -> AsyncIterator[bytes]:
+        """Relays what Publish gets for the stream, as it gets it: no storage, no offsets."""
+        queue: asyncio.Queue[list[bytes]] = asyncio.Queue()
+        subscribers.setdefault(request.stream, set()).add(queue)
+        try:
+            yield pb.SubscribeResponse().SerializeToString()  # registered: as streamlog's first reply
+            while True:
+                entries = [pb.Entry(payload=payload) for payload in await queue.get()]
+                yield pb.SubscribeResponse(entries=entries).SerializeToString()
+        finally:
+            subscribers[request.stream].discard(queue)
 
     return grpc.method_handlers_generic_handler(
         SERVICE,
@@ -90,6 +108,9 @@ def bare_handler() -> grpc.GenericRpcHandler:
             ),
             "Publish": grpc.stream_stream_rpc_method_handler(
                 publish, request_deserializer=pb.PublishRequest.FromString
+            ),
+            "Subscribe": grpc.unary_stream_rpc_method_handler(
+                subscribe, request_deserializer=pb.SubscribeRequest.FromString
             ),
         },
     )
@@ -215,6 +236,8 @@ def run(quick: bool) -> None:
                 got = rate(address, pid, rpc, callers, seconds)
                 value = got.pop("value")
                 emit("calls", value, "calls/s", system="bare", rpc=_rpc_name(rpc), callers=callers, **got)
+        got = asyncio.run(python_publish_latency(address, 1000, latency_s))
+        emit_latencies(got, system="bare", rpc="Publish", client="python grpc.aio")
     for fsync in ("everysec", "always"):
         with streamlog_server(fsync) as address:
             pid = int(server_process(int(address.rsplit(":", 1)[1])).name)
