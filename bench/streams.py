@@ -129,12 +129,19 @@ def redis_load(streams: int, entries: int) -> None:
 class Server:
     """`streamlog serve` on a data directory; its log beside it."""
 
-    def __init__(self, data: Path, max_streams: int, *, console: bool = False) -> None:
-        """`console`: the HTTP API and console on too (their start-up is measured with the rest)."""
+    def __init__(
+        self, data: Path, max_streams: int, settings: dict[str, str], *, console: bool = False
+    ) -> None:
+        """`settings`: more server settings (`--set`); `console`: the HTTP API and console on too
+        (their start-up is measured with the rest)."""
         self.data = data
         self.port, self.metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self._settings = {"max_streams": max_streams, "metrics_port": self.metrics_port}
+        self._settings: dict[str, object] = {
+            **settings,
+            "max_streams": max_streams,
+            "metrics_port": self.metrics_port,
+        }
         if console:
             self._settings["http_port"] = free_port()
         self.proc: subprocess.Popen | None = None
@@ -340,9 +347,10 @@ def timed_load(server: Server, streams: int, entries: int, via: str, shape: dict
     emit("many_streams_load_client_cpu", time.process_time() - client_cpu, "s", **shape)
 
 
-def streamlog_load(data: Path, streams: int, entries: int, via: str) -> None:
+def streamlog_load(data: Path, streams: int, entries: int, via: str, settings: dict[str, str]) -> None:
     shape = {"system": "streamlog", "streams": streams, "entries": entries, "fsync": "everysec", "via": via}
-    server = Server(data, 2 * streams)
+    shape |= settings
+    server = Server(data, 2 * streams, settings)
     server.start()
     try:
         timed_load(server, streams, entries, via, shape)
@@ -364,9 +372,10 @@ def streamlog_load(data: Path, streams: int, entries: int, via: str) -> None:
     emit("many_streams_disk", _disk_mb(data), "MB", **shape)
 
 
-def million(data: Path, streams: int, via: str) -> None:
+def million(data: Path, streams: int, via: str, settings: dict[str, str]) -> None:
     shape = {"system": "streamlog", "streams": streams, "entries": 1, "fsync": "everysec", "via": via}
-    server = Server(data, 2 * streams)
+    shape |= settings
+    server = Server(data, 2 * streams, settings)
     server.start()
     try:
         timed_load(server, streams, 1, via, shape)
@@ -449,13 +458,14 @@ async def append_after(address: str, picks: list[int]) -> int:
     return acked
 
 
-def million_direct(data: Path, streams: int) -> None:
+def million_direct(data: Path, streams: int, settings: dict[str, str]) -> None:
     shape = {"system": "streamlog", "streams": streams, "entries": 1, "fsync": "everysec", "built": "direct"}
+    shape |= settings
     with Timer() as t:
         build_directly(data, streams)
     emit("many_streams_direct_build", t.elapsed, "s", **shape)
     emit("many_streams_disk", _disk_mb(data), "MB", **shape)
-    server = Server(data, 2 * streams, console=True)
+    server = Server(data, 2 * streams, settings, console=True)
     try:
         emit("many_streams_start_up", server.start(), "s", **shape)
         emit("many_streams_start_up_cpu", server.cpu_s(), "s", **shape)
@@ -496,7 +506,17 @@ def main() -> None:
         "--million-via", choices=list(LOADS), default="append_many", help="how --million loads (the fastest)"
     )
     parser.add_argument("--direct", action="store_true", help="--million's directory written in-process")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of every streamlog server of the run (as `streamlog serve --set`); repeatable",
+    )
     args = parser.parse_args()
+    settings = dict(item.split("=", 1) for item in args.set if "=" in item)
+    if len(settings) != len(args.set):
+        parser.error("--set: KEY=VALUE")
     if args.quick:
         args.streams, args.million = 2_000, 5_000
     loads = [] if args.skip_load else args.loads.split(",")
@@ -506,11 +526,11 @@ def main() -> None:
         if loads and not args.skip_redis:
             redis_load(args.streams, args.entries)
         for via in loads:
-            streamlog_load(new_data(), args.streams, args.entries, via)
+            streamlog_load(new_data(), args.streams, args.entries, via, settings)
         if args.million and args.direct:
-            million_direct(new_data(), args.million)
+            million_direct(new_data(), args.million, settings)
         elif args.million:
-            million(new_data(), args.million, args.million_via)
+            million(new_data(), args.million, args.million_via, settings)
 
 
 if __name__ == "__main__":

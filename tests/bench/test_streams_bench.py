@@ -58,11 +58,14 @@ def test_a_small_load_is_acknowledged_and_reported_by_its_way(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], via: str
 ) -> None:
     """Both loads (the Publish session, the AppendMany calls) against a real server: every entry
-    acknowledged (the load asserts it, and the metrics' count), figures labelled with the way."""
+    acknowledged (the load asserts it, and the metrics' count), figures labelled with the way and
+    with the `--set` settings, which the server runs with (8 open streams: few descriptors)."""
     (tmp_path / "run").mkdir()
-    bench.streamlog_load(tmp_path / "run" / "data", 120, 3, via)
+    bench.streamlog_load(tmp_path / "run" / "data", 120, 3, via, {"max_open_streams": "8"})
     figures = _figures(capsys.readouterr().out)
     assert figures["many_streams_load_time"]["via"] == via
+    assert figures["many_streams_load_time"]["max_open_streams"] == "8"
+    assert figures["many_streams_open_fds"]["value"] < 60  # the default 1,024 would keep 120 streams open
     assert figures["many_streams_load_time"]["streams"] == 120
     assert figures["many_streams_load_server_cpu"]["value"] > 0  # the server wrote 120 streams
     assert figures["many_streams_load_client_cpu"]["value"] > 0
@@ -85,7 +88,7 @@ def test_the_latency_calls_wait_for_the_loads_closes_to_be_synced_within_a_bound
 
     monkeypatch.setattr(bench, "server_metrics", server_metrics)
     monkeypatch.setattr(bench, "ROUND_WAIT_S", bound_s)
-    server = bench.Server(Path("unused"), 10)
+    server = bench.Server(Path("unused"), 10, {})
     bench.wait_for_round(server, {"streams": 10})
     figures = _figures(capsys.readouterr().out)
     assert figures["unsynced_after_wait"]["value"] == left
@@ -98,7 +101,7 @@ def test_a_small_million_run_survives_a_kill_with_every_entry(
 ) -> None:
     """--million's run through AppendMany: load, a kill -9 as it ends, every acknowledged entry back."""
     (tmp_path / "run").mkdir()
-    bench.million(tmp_path / "run" / "data", 300, "append_many")
+    bench.million(tmp_path / "run" / "data", 300, "append_many", {})
     present = _figures(capsys.readouterr().out)["many_streams_acked_present_after_kill"]
     assert (present["value"], present["of"], present["via"]) == (300, 300, "append_many")
 
