@@ -266,7 +266,9 @@ class SlotHeader(NamedTuple):
         raw = self.name.encode()
         if not 0 < len(raw) <= MAX_NAME_BYTES:
             raise ValueError(f"a slot header cannot hold a name of {len(raw)} bytes")
-        head = _SLOT_HEADER.pack(SLOT_MAGIC, SLOT_VERSION, self.flags, self.generation, self.created_ms, len(raw))
+        head = _SLOT_HEADER.pack(
+            SLOT_MAGIC, SLOT_VERSION, self.flags, self.generation, self.created_ms, len(raw)
+        )
         body = head + raw + bytes(_SLOT_CRC_AT - len(head) - len(raw))  # zeros up to the CRC
         return body + _CRC.pack(crc32c(body))
 
@@ -303,7 +305,9 @@ class PackHeader(NamedTuple):
 
     def encode(self) -> bytes:
         """The whole of slot 0."""
-        head = _with_crc(_PACK_HEADER.pack(PACK_MAGIC, PACK_VERSION, 0, self.pack_id, SLOT_BYTES, SLOT_HEADER_BYTES))
+        head = _with_crc(
+            _PACK_HEADER.pack(PACK_MAGIC, PACK_VERSION, 0, self.pack_id, SLOT_BYTES, SLOT_HEADER_BYTES)
+        )
         return head + bytes(SLOT_BYTES - PACK_HEADER_BYTES)
 
     @classmethod
