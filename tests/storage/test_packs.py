@@ -15,6 +15,7 @@ from storage.errors import CorruptionError, DiskFullError
 from storage.format import SLOT_BYTES, SLOT_HEADER_BYTES, SLOT_SEGMENT_BYTES, SegmentHeader, SlotHeader
 from storage.fs import FileSystem
 from storage.growing import GrowingNode
+from storage.inspect import main as inspect_main
 from storage.layout import STREAMS_DIR, segment_name
 from storage.names import dirname_for
 from storage.packs import (
@@ -349,3 +350,36 @@ def test_a_sync_lets_other_threads_create_and_write_slots_while_it_waits(tmp_pat
         syncer.join(10)
     assert not syncer.is_alive()
     packs.close()
+
+
+def test_inspect_lists_packs_and_checks_each_slots_segment(tmp_path, capsys):
+    data = tmp_path / "data"
+    (data / STREAMS_DIR).mkdir(parents=True)
+    packs = Packs(FileSystem(), data)
+    places = {
+        name: packs.create_slot(name, MS, SLOT_SEGMENT) for name in ("ok", "freed", "torn", "bad header")
+    }
+    for name in ("ok", "torn"):
+        append(packs.open_slot(places[name], name, writable=True), [b"entry %d" % i for i in range(6)])
+    packs.free_slot(places["freed"])
+    packs.close()
+    assert inspect_main(["verify", str(data)]) == 0
+    assert inspect_main(["packs", str(data)]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "pack 00000  16777216 bytes  4095 slots: 3 used, 4092 free, 0 damaged"  # (after verify's "ok")
+    ]
+    with (data / "packs" / "00000.pack").open("r+b") as f:
+        _, slot, _ = split_place(places["torn"])
+        f.seek(slot * SLOT_BYTES + SLOT_HEADER_BYTES + 400)  # inside its node's blob (from 384)
+        f.write(b"\xff\xff")
+        f.seek(split_place(places["bad header"])[1] * SLOT_BYTES + 40)
+        f.write(b"\xff")
+    assert inspect_main(["packs", str(data)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "pack 00000  16777216 bytes  4095 slots: 2 used, 4092 free, 1 damaged"
+    assert out[1:] == [
+        "problem: stream 'torn' in slot 3 of pack 0: node at byte 192 (offset 0) failed its checks",
+        "problem: slot 4 of pack 0: slot header CRC mismatch (the stream in it is unreadable)",
+    ]
+    assert inspect_main(["verify", str(data)]) == 1
+    assert capsys.readouterr().out.splitlines() == out[1:]
