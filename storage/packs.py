@@ -152,14 +152,18 @@ class Packs:
             self._adopted = True
 
     def create_slot(self, name: str, created_ms: int, segment: bytes) -> int:
-        """Write a new stream's slot (header and `segment`, one pwrite) and return its place."""
+        """Write a new stream's slot (header, `segment` and zeros to the slot's end: one pwrite)
+        and return its place."""
         if len(segment) > SLOT_SEGMENT_BYTES:
             raise SlotFull(f"a segment of {len(segment)} bytes does not fit a slot")
         with self._lock:
             pack, slot, generation = self._take()
             file = self._files[pack]
             try:
-                file.write(slot * SLOT_BYTES, SlotHeader(name, generation, created_ms).encode() + segment)
+                # The whole slot: a reused one's old nodes past the new segment's end must read as
+                # nothing, or a scan could take one for the new stream's next node.
+                header = SlotHeader(name, generation, created_ms).encode()
+                file.write(slot * SLOT_BYTES, header + segment + bytes(SLOT_SEGMENT_BYTES - len(segment)))
             except BaseException:
                 self._give_back(pack, slot, generation)
                 raise
