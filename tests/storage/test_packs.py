@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from storage import Engine, EngineConfig
-from storage.errors import CorruptionError, DiskFullError
+from storage.errors import CorruptionError, DiskFullError, DurabilityError
 from storage.format import SLOT_BYTES, SLOT_HEADER_BYTES, SLOT_SEGMENT_BYTES, SegmentHeader, SlotHeader
 from storage.fs import FileSystem
 from storage.growing import GrowingNode
@@ -467,3 +467,31 @@ def test_a_reused_slot_keeps_nothing_of_its_last_stream():
     reopened, cut = Segment.over(packs.open_slot(new, "new", writable=False), verify=True)
     assert cut is None
     assert [ref.base_offset for ref in reopened.nodes] == [0]  # not old's node at offset 16
+
+
+def test_a_real_pack_file_is_allocated_written_within_it_synced_and_reserved_again_if_sparse(tmp_path):
+    fs = FileSystem()
+    path = tmp_path / "00000.pack"
+    pack = fs.create_pack(path, 4 * SLOT_BYTES, b"head")
+    assert path.stat().st_size == 4 * SLOT_BYTES and path.stat().st_blocks * 512 >= 4 * SLOT_BYTES
+    pack.write(SLOT_BYTES, b"slot one")
+    with pytest.raises(DurabilityError, match="past the end"):
+        pack.write(4 * SLOT_BYTES - 2, b"abc")
+    syncs = fs.sync_times.count
+    pack.sync()
+    assert fs.sync_times.count == syncs + 1
+    pack.grow(8 * SLOT_BYTES)
+    assert (pack.size, path.stat().st_size) == (8 * SLOT_BYTES, 8 * SLOT_BYTES)
+    pack.close()
+    with pytest.raises(FileExistsError):
+        fs.create_pack(path, SLOT_BYTES, b"again")
+    sparse = tmp_path / "00001.pack"  # a copy whose unwritten tail became a hole (cp, a restore)
+    with sparse.open("wb") as f:
+        f.write(path.read_bytes()[: 2 * SLOT_BYTES])
+        f.truncate(8 * SLOT_BYTES)
+    if sparse.stat().st_blocks * 512 >= 8 * SLOT_BYTES:
+        pytest.skip("this file system made no hole")
+    copy = fs.open_pack(sparse)
+    assert sparse.stat().st_blocks * 512 >= 8 * SLOT_BYTES  # every slot's block allocated again
+    assert copy.read(SLOT_BYTES, 8) == b"slot one"
+    copy.close()
