@@ -238,7 +238,6 @@ class Catalog:
                 self._open.add(name)
                 if self._journal is not None:
                     self._journal.opened(name)
-                    self._journal_grew()
 
     def closed(self, name: str, summary: StreamSummary) -> None:
         """The stream closed with these figures (journaled: a start-up after a crash knows them)."""
@@ -249,12 +248,6 @@ class Catalog:
                 self._open.discard(name)
                 if self._journal is not None:
                     self._journal.closed(name, summary)
-                    self._journal_grew()
-
-    def _journal_grew(self) -> None:
-        assert self._journal is not None
-        if self._journal.records >= JOURNAL_RECORDS_MAX:
-            self.changes += 1  # maintenance rewrites the file: a new generation
 
     def _new_row(self, name: str, place: int) -> None:
         if name in self._gone:  # back under its old row (zeroed when it went)
@@ -434,6 +427,12 @@ class Catalog:
     def journal_generation(self) -> int:
         with self.lock:
             return self._journal.generation if self._journal is not None else 0
+
+    def journal_full(self) -> bool:
+        """Whether the journal reached JOURNAL_RECORDS_MAX records: the file is due now (a replay
+        after a kill -9 stays bounded however fast streams come, go, open and close)."""
+        with self.lock:
+            return self._journal is not None and self._journal.records >= JOURNAL_RECORDS_MAX
 
     def journal_mark(self) -> tuple[Journal, int] | None:
         """The journal and its length now, taken before a round syncs the packs and then the
