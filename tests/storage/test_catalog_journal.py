@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from crc32c import crc32c
 
 import storage.catalog as catalog_module
 import storage.maintenance as maintenance_module
@@ -424,3 +425,28 @@ def test_a_promotion_done_since_the_file_moves_the_stream_to_its_directory_at_st
     engine = Engine(data, CONFIG, clock=clock, fs=CountingFS())  # the first dropped unclosed: a kill -9
     assert engine._catalog.place("slotted") == NO_PLACE and "slotted" in engine.list_streams()
     engine.close()
+
+
+def test_the_version_3_records_are_laid_out_as_docs_format_says(tmp_path):
+    data = tmp_path / "data"
+    journal = journaled(data)
+    start = journal.length()
+    journal.placed("ab", P1)
+    journal.promoting("ab", P1)
+    journal.promoted("ab")
+    journal.vouch(start)
+    journal.close()
+    raw = (data / journal_name(1)).read_bytes()
+    assert raw[:8] == b"SLCJ" + (3).to_bytes(2, "little") + raw[6:8] and start == 8 + raw[6]
+
+    def record(kind: bytes, name: bytes, payload: bytes) -> bytes:
+        body = kind + len(name).to_bytes(2, "little") + name + payload
+        return body + crc32c(body).to_bytes(4, "little")
+
+    place = P1.to_bytes(8, "little", signed=True)
+    assert raw[start:] == (
+        record(b"p", b"ab", place)
+        + record(b"M", b"ab", place)
+        + record(b"m", b"ab", b"")
+        + record(b"r", b"", start.to_bytes(8, "little"))
+    )
