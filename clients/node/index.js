@@ -482,8 +482,8 @@ class Publisher {
     const { request: type } = this.types;
     const message = type.encode(type.fromObject(request)).finish();
     return new Promise((resolve, reject) => {
-      this.unanswered.push({ id: this.nextId, message, resolve, reject });
       if (this.session === null && this.resendTimer === null) this.open(); // the last one ended
+      this.unanswered.push({ id: this.nextId, message, resolve, reject });
       // Not written to a session whose status came: its end resends the message or rejects it.
       if (this.writable()) this.session.call.write(message);
     });

@@ -218,6 +218,24 @@ test('a publisher with a producer id resends over a dropped connection, each mes
     ['first', ...Array.from({ length: 50 }, (_, i) => `o${i}`), 'last']);
 });
 
+test('a publisher with a producer id fails its messages once its server stayed unreachable for timeoutMs', { timeout: 20000 }, async () => {
+  const proxy = await droppingProxy();
+  const dropped = new Client(proxy.address, { timeoutMs: 1000 });
+  const publisher = new Publisher(dropped, { producerId: 'node-unreachable', firstSequence: 1, retryMs: 50 });
+  try {
+    await publisher.publish('node-unreachable', 'first');
+    const unanswered = settled(publisher.publish('node-unreachable', 'second'));
+    proxy.close(); // the connection drops and no new one is accepted
+    const started = Date.now();
+    const error = await unanswered;
+    assert.ok(error instanceof StreamlogError && error.code === 14, String(error)); // UNAVAILABLE
+    assert.ok(Date.now() - started >= 900, `failed after ${Date.now() - started} ms`);
+    await publisher.close();
+  } finally {
+    dropped.close();
+  }
+});
+
 test('closing a publisher whose session ended resolves', { timeout: 20000 }, async () => {
   const proxy = await droppingProxy();
   const dropped = new Client(proxy.address, { timeoutMs: 10000 });
