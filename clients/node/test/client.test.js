@@ -176,11 +176,22 @@ test('a publisher whose session the server ends fails what it left, then opens a
   }
 });
 
-test('a publisher whose connection drops fails what it left unanswered, then opens a new session', { timeout: 20000 }, async () => {
+// A publisher whose client reaches the server through a droppingProxy, for `body`; closed after.
+async function throughProxy(timeoutMs, options, body) {
   const proxy = await droppingProxy();
-  const dropped = new Client(proxy.address, { timeoutMs: 10000 });
-  const publisher = new Publisher(dropped);
+  const dropped = new Client(proxy.address, { timeoutMs });
+  const publisher = new Publisher(dropped, options);
   try {
+    await body(publisher, proxy);
+  } finally {
+    await publisher.close();
+    dropped.close();
+    proxy.close();
+  }
+}
+
+test('a publisher whose connection drops fails what it left unanswered, then opens a new session', { timeout: 20000 }, async () => {
+  await throughProxy(10000, {}, async (publisher, proxy) => {
     await publisher.publish('node-dropped', 'first');
     const answers = Array.from({ length: 20 }, (_, i) => settled(publisher.publish('node-dropped', `d${i}`)));
     proxy.drop();
@@ -190,39 +201,27 @@ test('a publisher whose connection drops fails what it left unanswered, then ope
     }
     const after = await publisher.publish('node-dropped', 'after');
     assert.equal(after.firstOffset, (await client.info('node-dropped')).entries - 1);
-  } finally {
-    await publisher.close();
-    dropped.close();
-    proxy.close();
-  }
+  });
 });
 
 test('a publisher with a producer id resends over a dropped connection, each message written once', { timeout: 20000 }, async () => {
-  const proxy = await droppingProxy();
-  const dropped = new Client(proxy.address, { timeoutMs: 10000 });
-  const publisher = new Publisher(dropped, { producerId: 'node-dropped-once', firstSequence: 1, retryMs: 10 });
-  try {
+  const options = { producerId: 'node-dropped-once', firstSequence: 1, retryMs: 10 };
+  await throughProxy(10000, options, async (publisher, proxy) => {
     await publisher.publish('node-dropped-once', 'first');
     const answers = Array.from({ length: 50 }, (_, i) => publisher.publish('node-dropped-once', `o${i}`));
     proxy.drop();
     assert.deepEqual((await Promise.all(answers)).map((a) => a.firstOffset), Array.from({ length: 50 }, (_, i) => i + 1));
     proxy.drop(); // nothing unanswered: the next message opens a new session
     assert.equal((await publisher.publish('node-dropped-once', 'last')).firstOffset, 51);
-  } finally {
-    await publisher.close();
-    dropped.close();
-    proxy.close();
-  }
+  });
   const batch = await client.read('node-dropped-once', 0, { count: 100 });
   assert.deepEqual(batch.entries.map((e) => e.payload.toString()),
     ['first', ...Array.from({ length: 50 }, (_, i) => `o${i}`), 'last']);
 });
 
 test('a publisher with a producer id fails its messages once its server stayed unreachable for timeoutMs', { timeout: 20000 }, async () => {
-  const proxy = await droppingProxy();
-  const dropped = new Client(proxy.address, { timeoutMs: 1000 });
-  const publisher = new Publisher(dropped, { producerId: 'node-unreachable', firstSequence: 1, retryMs: 50 });
-  try {
+  const options = { producerId: 'node-unreachable', firstSequence: 1, retryMs: 50 };
+  await throughProxy(1000, options, async (publisher, proxy) => {
     await publisher.publish('node-unreachable', 'first');
     const unanswered = settled(publisher.publish('node-unreachable', 'second'));
     proxy.close(); // the connection drops and no new one is accepted
@@ -230,24 +229,15 @@ test('a publisher with a producer id fails its messages once its server stayed u
     const error = await unanswered;
     assert.ok(error instanceof StreamlogError && error.code === 14, String(error)); // UNAVAILABLE
     assert.ok(Date.now() - started >= 900, `failed after ${Date.now() - started} ms`);
-    await publisher.close();
-  } finally {
-    dropped.close();
-  }
+  });
 });
 
 test('closing a publisher whose session ended resolves', { timeout: 20000 }, async () => {
-  const proxy = await droppingProxy();
-  const dropped = new Client(proxy.address, { timeoutMs: 10000 });
-  const publisher = new Publisher(dropped);
-  try {
+  await throughProxy(10000, {}, async (publisher, proxy) => {
     await publisher.publish('node-closed-after', 'first');
     const unanswered = settled(publisher.publish('node-closed-after', 'second'));
     proxy.drop();
     await unanswered;
     await publisher.close();
-  } finally {
-    dropped.close();
-    proxy.close();
-  }
+  });
 });
