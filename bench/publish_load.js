@@ -13,7 +13,8 @@
 // connection: grpc-js shares one between clients of an address); prints {"p50_us", "p99_us",
 // "received"} of append-to-subscriber latency and what this process spent meanwhile: its event
 // loop's delay ("node_loop_delay_p99_us", "node_loop_delay_max_us"), its CPU per entry
-// ("node_cpu_us_per_entry") and, for `publish`, the messages it had unanswered when it sent one
+// ("node_cpu_us_per_entry"), the time from each send to its call's answer ("node_answer_p50_us",
+// "node_answer_p99_us": the call's own path, without the delivery to the subscriber) and, for `publish`, the messages it had unanswered when it sent one
 // ("node_unanswered_p99", "node_unanswered_max"; at LATENCY_IN_FLIGHT the publisher waits).
 // `spread` (for bench/members.py): a cluster's load, over the comma-separated STREAMS in turn,
 // IN_FLIGHT one-entry calls unanswered in all: `append` from one Client given the SEEDS (it sends
@@ -191,6 +192,7 @@ async function latency(address, mode, perSecond, seconds) {
   loopDelay.enable();
   const cpu = process.cpuUsage();
   const unanswered = [];
+  const answers = []; // µs from each send to its call's answer
   const t0 = process.hrtime.bigint();
   const interval = BigInt(Math.round(1e9 / perSecond));
   const calls = new Window();
@@ -199,8 +201,10 @@ async function latency(address, mode, perSecond, seconds) {
     if (wait > 0) await new Promise((resolve) => { setTimeout(resolve, wait); });
     const payload = Buffer.alloc(PAYLOAD, 120);
     if (publisher) unanswered.push(publisher.unanswered.length);
-    payload.writeBigUInt64LE(process.hrtime.bigint(), 0);
-    calls.add(publisher ? publisher.publish(stream, payload) : producer.append(stream, payload));
+    const sent = process.hrtime.bigint();
+    payload.writeBigUInt64LE(sent, 0);
+    const call = publisher ? publisher.publish(stream, payload) : producer.append(stream, payload);
+    calls.add(call.then(() => { answers.push(Number(process.hrtime.bigint() - sent) / 1000); }));
     // A server that falls behind the schedule delays it (and the figures show that), but is
     // never sent more than IN_FLIGHT calls at once (past max_concurrent_calls_per_connection).
     const full = calls.room(LATENCY_IN_FLIGHT - 1);
@@ -215,6 +219,7 @@ async function latency(address, mode, perSecond, seconds) {
   reader.close();
   micros.sort((a, b) => a - b);
   unanswered.sort((a, b) => a - b);
+  answers.sort((a, b) => a - b);
   return {
     p50_us: percentile(micros, 50),
     p99_us: percentile(micros, 99),
@@ -223,6 +228,8 @@ async function latency(address, mode, perSecond, seconds) {
     node_loop_delay_p99_us: Math.max(0, loopDelay.percentile(99) / 1000 - 1000),
     node_loop_delay_max_us: Math.max(0, loopDelay.max / 1000 - 1000),
     node_cpu_us_per_entry: (used.user + used.system) / total,
+    node_answer_p50_us: percentile(answers, 50),
+    node_answer_p99_us: percentile(answers, 99),
     ...(publisher ? { node_unanswered_p99: percentile(unanswered, 99), node_unanswered_max: unanswered.at(-1) } : {}),
   };
 }

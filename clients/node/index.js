@@ -411,7 +411,9 @@ class Client {
 // rejects its own Promise (a StreamlogError with its status) and the session goes on. With a
 // producerId, every message carries the next sequence, and when the call fails with
 // UNAVAILABLE the messages not yet answered are written again, in order, on a new session:
-// those the old one wrote come back as duplicates, so nothing is written twice.
+// those the old one wrote come back as duplicates, so nothing is written twice. Otherwise a call
+// that ends rejects what it left unanswered with its status, and the next publish() opens a new
+// session. Nothing is written to a call once its status has arrived.
 class Publisher {
   // options: producerId (resends become safe), maxInFlight (publish() waits past it),
   // retryMs (pause before a new session), firstSequence (default: now in microseconds, so a
@@ -427,6 +429,9 @@ class Publisher {
     this.unanswered = []; // {id, message (encoded), resolve, reject}, in the order sent
     this.room = []; // publish() calls waiting for maxInFlight to allow them
     this.closing = null;
+    this.session = null; // {call, failure}: the current call; null once it ended
+    this.resendTimer = null; // set while the unanswered messages wait for a new session
+    this.failingSince = null; // when sessions started failing with nothing answered since
     this.open();
   }
 
@@ -435,14 +440,25 @@ class Publisher {
     // Messages go out as the bytes publish() encoded; answers are decoded, not made plain objects.
     const call = this.client.stub.makeBidiStreamRequest(PUBLISH_METHOD, (bytes) => bytes,
       (bytes) => response.decode(bytes), this.client.metadata());
-    this.call = call;
+    const session = { call, failure: null };
+    this.session = session;
+    // Only the current session's events count: not those of a session replaced.
     call.on('data', (reply) => {
-      if (call === this.call) this.answered(reply); // not the answers of a session replaced
+      if (session === this.session) this.answered(reply);
     });
-    call.on('error', (error) => this.failed(call, error));
+    // grpc-js emits 'error' as the call's status arrives, and 'end' once the answers that came
+    // before it are delivered: from the first nothing is written, at the second the rest settle.
+    call.on('error', (error) => {
+      session.failure = session.failure || error;
+    });
     call.on('end', () => {
-      if (call === this.call) this.ended(null);
+      if (session === this.session) this.ended(session.failure);
     });
+  }
+
+  // Whether a message may be written now: a session is open and its status has not arrived.
+  writable() {
+    return this.session !== null && this.session.failure === null;
   }
 
   // items: as Client.append's (Buffers/strings, or entries {payload, tag, headers}). The message
@@ -466,17 +482,23 @@ class Publisher {
     const { request: type } = this.types;
     const message = type.encode(type.fromObject(request)).finish();
     return new Promise((resolve, reject) => {
+      if (this.session === null && this.resendTimer === null) this.open(); // the last one ended
       this.unanswered.push({ id: this.nextId, message, resolve, reject });
-      this.call.write(message);
+      // Not written to a session whose status came: its end resends the message or rejects it.
+      if (this.writable()) this.session.call.write(message);
     });
   }
 
   answered(reply) {
     const head = this.unanswered.shift();
     if (!head || head.id !== longToNumber(reply.request_id)) {
-      this.failed(this.call, { code: grpc.status.INTERNAL, details: `unexpected answer to ${reply.request_id}` });
+      if (head) this.unanswered.unshift(head);
+      const { call } = this.session;
+      this.ended({ code: grpc.status.INTERNAL, details: `unexpected answer to ${reply.request_id}` });
+      call.cancel();
       return;
     }
+    this.failingSince = null;
     if (reply.error) head.reject(new StreamlogError({ code: reply.error.code, details: reply.error.message }));
     else {
       head.resolve({
@@ -490,39 +512,50 @@ class Publisher {
     if (waiting) waiting();
   }
 
-  failed(call, error) {
-    if (call !== this.call) return; // a session already replaced
-    if (error.code === grpc.status.UNAVAILABLE && this.producerId && this.unanswered.length) {
-      setTimeout(() => this.reconnect(), this.retryMs);
-      return;
+  // The current session's call ended, with `status` (null: OK). With a producerId, messages left
+  // unanswered by UNAVAILABLE go to a new session after retryMs, for as long as the client's
+  // timeoutMs from the first failure with nothing answered since; else they fail with it.
+  ended(status) {
+    this.session = null;
+    if (status && status.code === grpc.status.UNAVAILABLE && this.producerId && this.unanswered.length) {
+      const now = Date.now();
+      if (this.failingSince === null) this.failingSince = now;
+      if (now - this.failingSince < this.client.timeoutMs) {
+        this.resendTimer = setTimeout(() => this.reconnect(), this.retryMs);
+        return;
+      }
     }
-    this.ended(new StreamlogError(error));
-  }
-
-  // Ends the current session and writes every unanswered message again on a new one.
-  reconnect() {
-    const old = this.call;
-    this.open();
-    old.end(); // half-closed first: grpc-js may not send the cancel of a call with writes queued
-    old.cancel();
-    for (const { message } of this.unanswered) this.call.write(message);
-    if (this.closing) this.call.end();
-  }
-
-  ended(error) {
-    const failure = error || new Error('the Publish session ended before answering');
+    this.failingSince = null;
+    const failure = new StreamlogError(status
+      || { code: grpc.status.UNAVAILABLE, details: 'the Publish session ended before answering this message' });
     for (const { reject } of this.unanswered.splice(0)) reject(failure);
     for (const waiting of this.room.splice(0)) waiting();
     if (this.closing) this.closing.resolve();
   }
 
-  // Half-closes the session and resolves once every message is answered (or the call ends).
+  // Ends the current session and writes every unanswered message again on a new one.
+  reconnect() {
+    clearTimeout(this.resendTimer);
+    this.resendTimer = null;
+    const old = this.session;
+    this.open();
+    if (old) {
+      old.call.end(); // half-closed first: grpc-js may not send the cancel of a call with writes queued
+      old.call.cancel();
+    }
+    for (const { message } of this.unanswered) this.session.call.write(message);
+    if (this.closing) this.session.call.end();
+  }
+
+  // Half-closes the session and resolves once every message is answered (or has failed).
   close() {
     if (!this.closing) {
       let resolve;
       const done = new Promise((r) => { resolve = r; });
       this.closing = { done, resolve };
-      this.call.end();
+      if (this.writable()) this.session.call.end();
+      else if (this.session === null && this.resendTimer === null) resolve(); // nothing unanswered
+      // (else the session's end, or the resend's, resolves it)
     }
     return this.closing.done;
   }

@@ -3,6 +3,7 @@
 // (tests/clients/test_node.py starts one and runs this).
 
 const assert = require('node:assert/strict');
+const net = require('node:net');
 const { test, after } = require('node:test');
 const { Client, Publisher, StreamlogError } = require('..');
 
@@ -10,6 +11,30 @@ const address = process.env.STREAMLOG_ADDRESS;
 if (!address) throw new Error('set STREAMLOG_ADDRESS to a running streamlog server');
 const client = new Client(address, { timeoutMs: 10000 });
 after(() => client.close());
+
+// A TCP proxy to the server whose connections drop() cuts, as a network failure would.
+async function droppingProxy() {
+  const [host, port] = [address.slice(0, address.lastIndexOf(':')), Number(address.slice(address.lastIndexOf(':') + 1))];
+  const sockets = new Set();
+  const proxy = net.createServer((down) => {
+    const up = net.connect(port, host);
+    for (const socket of [down, up]) {
+      sockets.add(socket);
+      socket.on('error', () => {});
+      socket.on('close', () => sockets.delete(socket));
+    }
+    down.pipe(up);
+    up.pipe(down);
+  });
+  await new Promise((resolve) => { proxy.listen(0, '127.0.0.1', resolve); });
+  return {
+    address: `127.0.0.1:${proxy.address().port}`,
+    drop: () => { for (const socket of sockets) socket.destroy(); },
+    close: () => { proxy.close(); for (const socket of sockets) socket.destroy(); },
+  };
+}
+
+const settled = (promise) => promise.then((a) => a.firstOffset, (error) => error);
 
 test('append and read back, both batch forms', async () => {
   const first = await client.append('node-orders', ['one', Buffer.from('two')]);
@@ -134,4 +159,85 @@ test('a publisher encodes a message when published: its Buffer reused after, a r
   }
   const batch = await client.read('node-reused', 0, { count: 100 });
   assert.deepEqual(batch.entries.map((e) => e.payload.readUInt32BE(0)), [...Array(20).keys()]);
+});
+
+test('a publisher whose session the server ends fails what it left, then opens a new one', { timeout: 20000 }, async () => {
+  const publisher = new Publisher(client);
+  try {
+    // Over any server's max_message_bytes (16 MiB by default): gRPC ends the call.
+    const big = settled(publisher.publish('node-ended', Buffer.alloc(17 << 20)));
+    const behind = settled(publisher.publish('node-ended', 'behind it'));
+    for (const error of [await big, await behind]) {
+      assert.ok(error instanceof StreamlogError && error.code === 8, String(error)); // RESOURCE_EXHAUSTED
+    }
+    assert.equal((await publisher.publish('node-ended', 'after')).firstOffset, 0);
+  } finally {
+    await publisher.close();
+  }
+});
+
+// A publisher whose client reaches the server through a droppingProxy, for `body`; closed after.
+async function throughProxy(timeoutMs, options, body) {
+  const proxy = await droppingProxy();
+  const dropped = new Client(proxy.address, { timeoutMs });
+  const publisher = new Publisher(dropped, options);
+  try {
+    await body(publisher, proxy);
+  } finally {
+    await publisher.close();
+    dropped.close();
+    proxy.close();
+  }
+}
+
+test('a publisher whose connection drops fails what it left unanswered, then opens a new session', { timeout: 20000 }, async () => {
+  await throughProxy(10000, {}, async (publisher, proxy) => {
+    await publisher.publish('node-dropped', 'first');
+    const answers = Array.from({ length: 20 }, (_, i) => settled(publisher.publish('node-dropped', `d${i}`)));
+    proxy.drop();
+    for (const answer of await Promise.all(answers)) {
+      // Written or not, each either has its offset or failed with the call's status.
+      assert.ok(typeof answer === 'number' || (answer instanceof StreamlogError && answer.code === 14), String(answer));
+    }
+    const after = await publisher.publish('node-dropped', 'after');
+    assert.equal(after.firstOffset, (await client.info('node-dropped')).entries - 1);
+  });
+});
+
+test('a publisher with a producer id resends over a dropped connection, each message written once', { timeout: 20000 }, async () => {
+  const options = { producerId: 'node-dropped-once', firstSequence: 1, retryMs: 10 };
+  await throughProxy(10000, options, async (publisher, proxy) => {
+    await publisher.publish('node-dropped-once', 'first');
+    const answers = Array.from({ length: 50 }, (_, i) => publisher.publish('node-dropped-once', `o${i}`));
+    proxy.drop();
+    assert.deepEqual((await Promise.all(answers)).map((a) => a.firstOffset), Array.from({ length: 50 }, (_, i) => i + 1));
+    proxy.drop(); // nothing unanswered: the next message opens a new session
+    assert.equal((await publisher.publish('node-dropped-once', 'last')).firstOffset, 51);
+  });
+  const batch = await client.read('node-dropped-once', 0, { count: 100 });
+  assert.deepEqual(batch.entries.map((e) => e.payload.toString()),
+    ['first', ...Array.from({ length: 50 }, (_, i) => `o${i}`), 'last']);
+});
+
+test('a publisher with a producer id fails its messages once its server stayed unreachable for timeoutMs', { timeout: 20000 }, async () => {
+  const options = { producerId: 'node-unreachable', firstSequence: 1, retryMs: 50 };
+  await throughProxy(1000, options, async (publisher, proxy) => {
+    await publisher.publish('node-unreachable', 'first');
+    const unanswered = settled(publisher.publish('node-unreachable', 'second'));
+    proxy.close(); // the connection drops and no new one is accepted
+    const started = Date.now();
+    const error = await unanswered;
+    assert.ok(error instanceof StreamlogError && error.code === 14, String(error)); // UNAVAILABLE
+    assert.ok(Date.now() - started >= 900, `failed after ${Date.now() - started} ms`);
+  });
+});
+
+test('closing a publisher whose session ended resolves', { timeout: 20000 }, async () => {
+  await throughProxy(10000, {}, async (publisher, proxy) => {
+    await publisher.publish('node-closed-after', 'first');
+    const unanswered = settled(publisher.publish('node-closed-after', 'second'));
+    proxy.drop();
+    await unanswered;
+    await publisher.close();
+  });
 });
