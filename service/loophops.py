@@ -34,10 +34,6 @@ class LoopHops:
         self._loop_thread = threading.get_ident()
         self._held = threading.local()  # .receivers: the open batch's news, per receiver
 
-    def on_loop(self) -> bool:
-        """Whether the caller runs on the loop's thread."""
-        return threading.get_ident() == self._loop_thread
-
     def tell(self, receive: Receiver, key: Hashable, value: Any) -> None:
         """Have `receive({key: value, ...})` run on the loop, soon: in this thread's batch if it
         has one open (with the batch's other news), else in a hop of its own. Any thread."""
@@ -47,7 +43,7 @@ class LoopHops:
             if news is None:
                 news = receivers[receive] = {}
             news[key] = value
-        elif self.on_loop():
+        elif threading.get_ident() == self._loop_thread:
             self._loop.call_soon(receive, {key: value})
         else:
             self._hop({receive: {key: value}})
