@@ -8,14 +8,15 @@ Publish's coalesced messages: one lock, one sync under "always", one wake-up), o
 which append_many does not take).
 
 Where a stream is written is what it costs the loop (measured, CPU time, an everysec engine
-and the server's two append listeners): an open stream's batch costs about 45 µs there and
-2.5 times as much from a thread (the listeners' hops back to the loop), so open streams whose
-fsync policy does not block are written on the loop, ON_LOOP_SLICE at a time with a turn of
-the loop between slices (1,000 of them held it 45 ms in one go). A stream to create costs 300
-to 900 µs of CPU and a mkdir's wait, one to reopen a file open and a mapping: those, and the
-streams whose sync blocks, are written after them in one thread hop, one after another, so
-that a disk's slowness never holds the loop (10,000 new streams held it for tens of seconds,
-and every other call of the server waited).
+and the server's two append listeners): an open stream's batch costs about 45 µs there, so open
+streams whose fsync policy does not block are written on the loop, ON_LOOP_SLICE at a time with
+a turn of the loop between slices (1,000 of them held it 45 ms in one go). A stream to create
+costs 300 to 900 µs of CPU and a mkdir's wait, one to reopen a file open and a mapping: those,
+and the streams whose sync blocks, are written after them in one thread hop, one after another,
+so that a disk's slowness never holds the loop (10,000 new streams held it for tens of seconds,
+and every other call of the server waited). The thread writes them in one batch of the
+listeners' hops (service/loophops.py): the readers to wake hear of all its streams in one
+wake-up of the loop, not one per stream.
 
 The request as a whole is checked first (`check_request`): at least one batch, at most
 max_append_many_batches of them and max_append_many_bytes. In a cluster the routing layer
@@ -34,6 +35,7 @@ from service import streamwire, validation
 from service.callcontext import CallContext
 from service.config import Settings
 from service.errors import ServiceError, invalid_argument, limit_exceeded, status_for, translate_errors
+from service.loophops import LoopHops
 from service.serving import Serving
 from service.streamwire import Producer
 from storage import AppendBatch, AppendResult, Engine, StorageError
@@ -90,9 +92,13 @@ def _write(engine: Engine, stream: str, writes: _Writes, outcomes: list[Any]) ->
             outcomes[i] = exc
 
 
-def _write_all(engine: Engine, streams: list[tuple[str, _Writes]], outcomes: list[Any]) -> None:
-    for stream, writes in streams:
-        _write(engine, stream, writes, outcomes)
+def _write_all(
+    engine: Engine, streams: list[tuple[str, _Writes]], outcomes: list[Any], hops: LoopHops
+) -> None:
+    """Write streams one after another, in a thread: their listeners' news reaches the loop in one hop."""
+    with hops.batch():
+        for stream, writes in streams:
+            _write(engine, stream, writes, outcomes)
 
 
 class AppendManyCalls:
@@ -134,5 +140,5 @@ class AppendManyCalls:
             if on_loop % ON_LOOP_SLICE == 0:
                 await asyncio.sleep(0)  # the other calls' turn
         if hop:
-            await serving.in_thread(_write_all, engine, hop, outcomes)
+            await serving.in_thread(_write_all, engine, hop, outcomes, serving.waiters.hops)
         return pb.AppendManyResponse(results=list(map(_result, outcomes)))

@@ -44,6 +44,7 @@ from cluster.replication.service import PEER_SECRET, REPLICA_STATE, REPLICATE, R
 from cluster.replication.service import add_to_server as add_replica_service
 from service.config import Settings
 from service.forwarding import Forwarder
+from service.loophops import LoopHops
 from service.metrics import ClusterState
 from service.opencalls import OpenCalls
 from service.peers import PeerChannels
@@ -128,9 +129,12 @@ class ClusterNode:
         """The internal services peers call (replication), on the server's port."""
         add_replica_service(self.replica_service, server)
 
-    async def start(self, engine: Engine, forget: Callable[[str], None], calls: OpenCalls) -> None:
+    async def start(
+        self, engine: Engine, forget: Callable[[str], None], calls: OpenCalls, hops: LoopHops
+    ) -> None:
         """Join the cluster, serving `engine`; `forget(name)` ends the waits on a deleted stream;
-        `calls`: the server's open calls (service/opencalls.py)."""
+        `calls`: the server's open calls (service/opencalls.py); `hops`: the server's hops of the
+        engine's listeners to the loop (a thread's AppendMany tells the leaders in one)."""
         self.engine = engine
         self._calls = calls
         self.replicas.attach(engine, forget)
@@ -145,6 +149,7 @@ class ClusterNode:
             forget=forget,
             live=lambda: self.coordinator.nodes.live().keys(),
             ask_state=self._ask_state,
+            to_loop=hops.tell,
             config=ReplicationConfig(
                 replica_lag_ms=settings.replica_lag_ms,
                 max_fetch_bytes=settings.replica_fetch_bytes,

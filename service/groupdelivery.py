@@ -57,7 +57,7 @@ class GroupDelivery:
     def __init__(self, serving: Serving) -> None:
         self._serving = serving
         # Blocked group readers, served in arrival order; the dispatcher reads through `_dispatch`.
-        self.waits = GroupWaits(self._dispatch)
+        self.waits = GroupWaits(self._dispatch, hops=serving.waiters.hops)
 
     def listen_to(self, engine: Engine) -> None:
         """Register the wake-ups of blocked group readers with the engine (once per engine)."""

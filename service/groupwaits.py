@@ -27,17 +27,21 @@ Wake-ups, and never polling:
 The engine calls listeners on whatever thread made the change, sometimes while
 it holds another stream's group lock (dead letters), and forbids them to call
 group methods. So listeners only hop to the loop and schedule the dispatcher,
-which reads in a task of its own.
+which reads in a task of its own. The hops go through `LoopHops`
+(service/loophops.py): a thread's batch of appends (AppendMany) reaches the loop in
+one hop, and wakes the queues of the streams it wrote that have one. No wake-up is
+lost, as for plain readers (service/waiters.py): a queue's first read runs on the loop
+after the waiter joined it, and a hop runs after the loop step that made it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from service.loophops import LoopHops
 from service.waiters import Wake
 from storage import GroupReadOptions, GroupReadResult
 from storage.engine import wall_clock_ms
@@ -80,9 +84,13 @@ class _Queue:
 class GroupWaits:
     """Per-group queues of blocked readers. Create it on the event loop it serves."""
 
-    def __init__(self, read: GroupReader, clock: Callable[[], int] = wall_clock_ms) -> None:
+    def __init__(
+        self, read: GroupReader, clock: Callable[[], int] = wall_clock_ms, hops: LoopHops | None = None
+    ) -> None:
+        """`hops`: the server's (shared with its plain readers, so that a batch makes one hop)."""
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
+        self._hops = hops or LoopHops()
         self._read = read
         self._clock = clock  # the engine's clock: next_due_ms is in its milliseconds
         self._queues: dict[str, dict[str, _Queue]] = {}
@@ -161,13 +169,16 @@ class GroupWaits:
     def on_append(self, stream: str, end_offset: int) -> None:
         """The engine's append listener; safe to call from any thread."""
         if threading.get_ident() != self._loop_thread:
-            self._on_loop(self._wake_stream, stream)
+            self._hops.tell(self._wake_streams, stream, end_offset)
         elif stream in self._queues:  # (most appends find no group reader waiting)
             self._wake_stream(stream)
 
     def on_group_change(self, stream: str, group: str) -> None:
         """The engine's group listener; safe to call from any thread."""
-        self._on_loop(self._wake_group, stream, group)
+        if threading.get_ident() == self._loop_thread:
+            self._wake_group(stream, group)
+        else:
+            self._hops.tell(self._wake_groups, (stream, group), None)
 
     def kick(self, stream: str, group: str) -> None:
         """Have the group's waiters read again (e.g. after the group was deleted). Loop thread only."""
@@ -186,17 +197,19 @@ class GroupWaits:
             for queue in by_group.values():
                 self._end(queue, Wake.CLOSED)
 
-    def _on_loop(self, function: Callable[..., None], *args: str) -> None:
-        if threading.get_ident() == self._loop_thread:
-            function(*args)
-            return
-        # RuntimeError: the loop is closed, so the server has stopped and nobody waits.
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(function, *args)
+    def _wake_streams(self, ends: dict[str, int]) -> None:
+        """Appends made on another thread: stream -> its new end."""
+        for stream in ends.keys() & self._queues.keys():
+            self._wake_stream(stream)
 
     def _wake_stream(self, stream: str) -> None:
         for queue in list(self._queues.get(stream, {}).values()):
             self._kick(queue)
+
+    def _wake_groups(self, changed: dict[tuple[str, str], None]) -> None:
+        """Group changes made on another thread: (stream, group) -> None."""
+        for stream, group in changed:
+            self._wake_group(stream, group)
 
     def _wake_group(self, stream: str, group: str) -> None:
         queue = self._queues.get(stream, {}).get(group)

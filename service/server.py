@@ -259,7 +259,9 @@ class StreamLogServer:
         self._servicer.attach_engine(self.engine)
         if self.cluster is not None:
             try:
-                await self.cluster.start(self.engine, self._forget_stream, self.ops.open_calls)
+                await self.cluster.start(
+                    self.engine, self._forget_stream, self.ops.open_calls, self._waiters.hops
+                )
             except BaseException:
                 await self.stop()
                 raise

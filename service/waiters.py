@@ -9,21 +9,31 @@ reader is one future in a dict.
 
 Everything here runs on the event loop thread. The engine calls the listener on
 the appending thread, which is the loop thread for appends made directly on it and
-an executor thread for "always"-fsync appends; the latter hop to the loop with
-`call_soon_threadsafe`.
+one of the server's threads for the others (an "always"-fsync append, the streams an
+AppendMany creates or reopens); those hop to the loop through `LoopHops`
+(service/loophops.py): one hop per call, or, for a thread's batch (AppendMany), one
+hop for the whole batch, which hands `_wake_many` every stream's new end at once.
 
 No wake-up is lost: a reader reads the engine and registers its future with no
 `await` in between, and the engine calls the listener only after the appended
 entries are visible to reads. So an append is either visible to that read, or its
-listener call runs on the loop after the future is registered.
+listener call runs on the loop after the future is registered. In a batch the same
+holds of the batch as a whole: its hop is made when the batch ends, after its last
+append is visible, and runs on the loop after the loop's current step. A reader whose
+read came before one of the batch's appends was visible either registered before
+that step ended, and the hop finds it, or its read and registration run after the
+hop was made, and the read sees every entry of the batch. (A batch could skip its
+hop when no reader waits on any of its streams only if the reader read again after
+registering: the thread cannot see a read that has not registered yet.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import threading
+
+from service.loophops import LoopHops
 
 
 class Wake(enum.Enum):
@@ -41,6 +51,8 @@ class Waiters:
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
+        # The hops of the engine's listeners to this loop; AppendMany batches its thread's on it.
+        self.hops = LoopHops()
         # stream -> {future: offset waited for}. A dict per stream makes removal O(1)
         # when one of thousands of subscribers leaves.
         self._waiting: dict[str, dict[asyncio.Future[Wake], int]] = {}
@@ -86,9 +98,7 @@ class Waiters:
             if stream in self._waiting:  # (most appends find no reader waiting)
                 self._wake_appended(stream, end_offset)
             return
-        # RuntimeError: the loop is closed, so the server has stopped and nobody waits.
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._wake_appended, stream, end_offset)
+        self.hops.tell(self._wake_many, stream, end_offset)
 
     def on_delete(self, stream: str) -> None:
         """End every wait on `stream` with DELETED. Call on the loop thread."""
@@ -100,6 +110,11 @@ class Waiters:
         waiting, self._waiting = self._waiting, {}
         for futures in waiting.values():
             self._wake_all(futures, Wake.CLOSED)
+
+    def _wake_many(self, ends: dict[str, int]) -> None:
+        """Appends made on another thread: stream -> its new end."""
+        for stream in ends.keys() & self._waiting.keys():
+            self._wake_appended(stream, ends[stream])
 
     def _wake_appended(self, stream: str, end_offset: int) -> None:
         waiting = self._waiting.get(stream)

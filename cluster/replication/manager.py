@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from cluster.placement import PlacementTable, StreamPlacement
 from cluster.replication import copies
@@ -45,6 +47,12 @@ from cluster.replication.pace import Pace
 from storage import Engine
 
 log = logging.getLogger("streamlog.cluster.replication")
+
+# Runs on the loop with the streams it is told of: name -> the value told.
+Receiver = Callable[[dict[str, Any]], None]
+# `to_loop(receive, name, value)` has `receive({name: value, ...})` run on the loop: the service's
+# `LoopHops.tell` (service/loophops.py), which gathers a thread's batch of appends into one hop.
+ToLoop = Callable[[Receiver, str, Any], None]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,10 +80,16 @@ class ReplicaManager:
         forget: Callable[[str], None] = lambda _name: None,
         live: Callable[[], Iterable[str]] = lambda: (),
         ask_state: AskState | None = None,
+        to_loop: ToLoop | None = None,
     ) -> None:
         """`forget(name)` (on the loop) ends the waits on a copy wiped here (an older incarnation);
-        `live()`: the live nodes; `ask_state`: a peer's ReplicaState (cluster/replication/handover.py)."""
+        `live()`: the live nodes; `ask_state`: a peer's ReplicaState (cluster/replication/handover.py);
+        `to_loop`: how the engine's listeners reach the loop (else one hop per call)."""
         self.node_id = node_id
+        self._to_loop = to_loop or self._hop
+        # The engine's listeners' receivers on the loop (one object each: a batch gathers per receiver).
+        self._logs_grew: Receiver = functools.partial(self._told, StreamLeader.on_log)
+        self._group_batches_made: Receiver = functools.partial(self._told, StreamLeader.on_group_batch)
         self._forget = forget
         self._live_nodes = live
         self._ask_state = ask_state
@@ -348,22 +362,22 @@ class ReplicaManager:
 
     # -- engine and follower callbacks
 
-    def _on_log(self, name: str, _end: int) -> None:
-        self._tell(name, StreamLeader.on_log)
+    def _on_log(self, name: str, end: int) -> None:
+        # On the engine's calling thread: to the loop (the listener may not call the engine back).
+        if self._loop is not None and name in self.leaders:
+            self._to_loop(self._logs_grew, name, end)
 
-    def _on_group_batch(self, name: str, _seq: int) -> None:
-        self._tell(name, StreamLeader.on_group_batch)
+    def _on_group_batch(self, name: str, seq: int) -> None:
+        if self._loop is not None and name in self.leaders:
+            self._to_loop(self._group_batches_made, name, seq)
 
-    def _tell(self, name: str, news: Callable[[StreamLeader], None]) -> None:
-        # On the engine's calling thread: hop to the loop.
-        loop = self._loop
-        if loop is not None and name in self.leaders:
-            loop.call_soon_threadsafe(self._told, name, news)
+    def _hop(self, receive: Receiver, name: str, value: Any) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(receive, {name: value})
 
-    def _told(self, name: str, news: Callable[[StreamLeader], None]) -> None:
-        leader = self.leaders.get(name)
-        if leader is not None:
-            news(leader)
+    def _told(self, news: Callable[[StreamLeader], None], names: dict[str, Any]) -> None:
+        for name in names.keys() & self.leaders.keys():
+            news(self.leaders[name])
 
     def _committed(self, name: str, hw: int) -> None:
         # From a follower's thread: a plain dict write of an int.

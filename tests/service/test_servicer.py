@@ -41,8 +41,8 @@ class CountingExecutor(ThreadPoolExecutor):
 
 
 class Harness:
-    def __init__(self, data_dir: Path, engine: Any = None) -> None:
-        self.settings = small_settings(data_dir)
+    def __init__(self, data_dir: Path, engine: Any = None, **settings: Any) -> None:
+        self.settings = small_settings(data_dir, **settings)
         self.engine = Engine(data_dir, config=engine_config(self.settings, background=False))
         self.waiters = Waiters()
         self.engine.add_append_listener(self.waiters.on_append)
@@ -56,11 +56,12 @@ class Harness:
         self.engine.close()
 
 
-def run(tmp_path: Path, scenario: Callable[[Harness], Awaitable[None]]) -> None:
-    """Run `scenario` on a fresh event loop with a fresh servicer and engine."""
+def run(tmp_path: Path, scenario: Callable[[Harness], Awaitable[None]], **settings: Any) -> None:
+    """Run `scenario` on a fresh event loop with a fresh servicer and engine (`settings`: the
+    server's, over tests.service.helpers.SMALL)."""
 
     async def main() -> None:
-        harness = Harness(tmp_path / "data")
+        harness = Harness(tmp_path / "data", **settings)
         try:
             await scenario(harness)
         finally:
