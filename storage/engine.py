@@ -44,7 +44,7 @@ from storage.fs import FileSystem
 from storage.groupmanager import GroupManager
 from storage.groupsapi import GroupCalls
 from storage.handoff import UnsyncedCloses
-from storage.layout import DELETED_SUFFIX, LOCK_FILE, streams_root
+from storage.layout import LOCK_FILE, streams_root
 from storage.maintenance import Maintenance
 from storage.names import dirname_for, validate_name
 from storage.openstreams import OpenStreams, Pinned
@@ -292,11 +292,8 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
             self._open.discard(name)
         stream.close(clean=False)
         self._drop_catalog_file()
-        # Rename first so a crash mid-delete leaves a directory that start-up finishes removing.
-        doomed = stream.directory.with_name(stream.directory.name + DELETED_SUFFIX)
         self._leftovers = True  # until the directory is gone: start-up would finish the removal
-        self._fs.rename(stream.directory, doomed)
-        self._fs.remove_tree(doomed)
+        stream.home.remove()
         self._leftovers = False
 
     def add_append_listener(self, listener: AppendListener) -> None:

@@ -103,7 +103,7 @@ def write_records(
 ) -> None:
     """Write stored records as they are at end_offset (replication, storage/replica.py; call with
     `lock` held). `positions`: their count+1 boundaries from 0; they fit one batch's limits."""
-    stream.unmark_clean()
+    stream.home.unmark_clean()
     n = len(positions) - 1
     node = stream.active
     if (
