@@ -16,6 +16,7 @@ from typing import NamedTuple
 from crc32c import crc32c
 
 from storage.errors import CorruptionError
+from storage.names import MAX_NAME_BYTES
 
 # Segment headers: version 2 files grow in steps up to their capacity (docs/FORMAT.md,
 # "Segment file"); version 1 files were created at their full size and are read as such;
@@ -229,3 +230,98 @@ def check_positions(body: NodeBody) -> None:
     positions = body.positions
     if positions[0] != 0 or positions[-1] != len(body.blob):
         raise CorruptionError("node offset table does not span its blob")
+
+
+# Small-stream slots (format 6, behind `small_streams`: docs/FORMAT.md, "Pack files"). A pack file is
+# made of SLOT_BYTES slots; slot 0 holds the pack header, every other slot a slot header and then
+# the first SLOT_SEGMENT_BYTES of a growing segment, byte for byte what its `.seg` file would hold.
+SLOT_BYTES = 4096
+SLOT_HEADER_BYTES = 512
+SLOT_SEGMENT_BYTES = SLOT_BYTES - SLOT_HEADER_BYTES
+SLOT_VERSION = 1
+SLOT_MAGIC = b"SLPK"
+# magic, version, flags, generation, created ms, name length (the name follows at byte 22)
+_SLOT_HEADER = struct.Struct("<4sHHIqH")
+_SLOT_CRC_AT = SLOT_HEADER_BYTES - 4
+_FREE_SLOT_HEADER = bytes(SLOT_HEADER_BYTES)
+
+PACK_VERSION = 1
+PACK_MAGIC = b"SLOGPACK"
+PACK_HEADER_BYTES = 64  # at the start of slot 0; the rest of the slot is zeros
+# magic, version, flags, pack id, slot bytes, slot header bytes
+_PACK_HEADER = struct.Struct("<8sHHIII36x")
+
+assert _PACK_HEADER.size == PACK_HEADER_BYTES - 4
+
+
+class SlotHeader(NamedTuple):
+    """The first SLOT_HEADER_BYTES of a used slot: whose stream it holds, since which reuse."""
+
+    name: str
+    generation: int  # +1 at each reuse of the slot (the catalog's place keeps it mod 2**24)
+    created_ms: int
+    flags: int = 0
+
+    def encode(self) -> bytes:
+        raw = self.name.encode()
+        if not 0 < len(raw) <= MAX_NAME_BYTES:
+            raise ValueError(f"a slot header cannot hold a name of {len(raw)} bytes")
+        head = _SLOT_HEADER.pack(
+            SLOT_MAGIC, SLOT_VERSION, self.flags, self.generation, self.created_ms, len(raw)
+        )
+        body = head + raw + bytes(_SLOT_CRC_AT - len(head) - len(raw))  # zeros up to the CRC
+        return body + _CRC.pack(crc32c(body))
+
+    @classmethod
+    def decode(cls, raw: bytes) -> SlotHeader | None:
+        """The header in the first SLOT_HEADER_BYTES of `raw`; None for a free slot (all zeros);
+        CorruptionError for any other header that fails a check."""
+        raw = bytes(raw[:SLOT_HEADER_BYTES])
+        if raw == _FREE_SLOT_HEADER:
+            return None
+        if len(raw) < SLOT_HEADER_BYTES:
+            raise CorruptionError(f"slot header cut short at {len(raw)} bytes")
+        magic, version, flags, generation, created_ms, length = _SLOT_HEADER.unpack_from(raw)
+        if magic != SLOT_MAGIC:
+            raise CorruptionError("not a streamlog slot (bad magic)")
+        if not _crc_ok(raw):
+            raise CorruptionError("slot header CRC mismatch")
+        if version != SLOT_VERSION:
+            raise CorruptionError(f"unsupported slot format version {version}")
+        if not 0 < length <= MAX_NAME_BYTES:
+            raise CorruptionError(f"slot header names a name of {length} bytes")
+        start = _SLOT_HEADER.size
+        try:
+            name = raw[start : start + length].decode()
+        except UnicodeDecodeError as exc:
+            raise CorruptionError("slot header's name is not UTF-8") from exc
+        return cls(name, generation, created_ms, flags)
+
+
+class PackHeader(NamedTuple):
+    """The header in slot 0 of a pack file."""
+
+    pack_id: int  # also the file's name
+
+    def encode(self) -> bytes:
+        """The whole of slot 0."""
+        head = _with_crc(
+            _PACK_HEADER.pack(PACK_MAGIC, PACK_VERSION, 0, self.pack_id, SLOT_BYTES, SLOT_HEADER_BYTES)
+        )
+        return head + bytes(SLOT_BYTES - PACK_HEADER_BYTES)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> PackHeader:
+        if len(raw) < PACK_HEADER_BYTES:
+            raise CorruptionError("pack file is shorter than its header")
+        raw = bytes(raw[:PACK_HEADER_BYTES])
+        magic, version, flags, pack_id, slot_bytes, header_bytes = _PACK_HEADER.unpack_from(raw)
+        if magic != PACK_MAGIC:
+            raise CorruptionError("not a streamlog pack (bad magic)")
+        if not _crc_ok(raw):
+            raise CorruptionError("pack header CRC mismatch")
+        if version != PACK_VERSION or flags:
+            raise CorruptionError(f"unsupported pack format version {version} (flags {flags:#x})")
+        if (slot_bytes, header_bytes) != (SLOT_BYTES, SLOT_HEADER_BYTES):
+            raise CorruptionError(f"pack of {slot_bytes}-byte slots with {header_bytes}-byte headers")
+        return cls(pack_id)

@@ -75,8 +75,8 @@ def _reserve(fd: int, path: Path, start: int, length: int) -> None:
         os.posix_fallocate(fd, start, length)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DiskFullError(f"no space for segment {path.name} to reach {start + length} bytes") from exc
-        raise DurabilityError(f"cannot reserve space in segment {path.name}: {exc}") from exc
+            raise DiskFullError(f"no space for {path.name} to reach {start + length} bytes") from exc
+        raise DurabilityError(f"cannot reserve space in {path.name}: {exc}") from exc
 
 
 def _allocated(fd: int, stat: os.stat_result) -> bool:
@@ -251,6 +251,54 @@ class AppendFile:
             self._fd = -1
 
 
+class PackFile:
+    """A file of slots shared by many streams (storage/packs.py): read and write at a position,
+    grow, sync. It keeps its descriptor: a pack is written by every stream it holds."""
+
+    def __init__(self, path: Path, fd: int, size: int, times: SyncTimes) -> None:
+        self.path = path
+        self.size = size  # bytes allocated (the file's length)
+        self._fd = fd
+        self._times = times
+
+    def read(self, pos: int, length: int) -> bytes:
+        """The bytes at [pos, pos+length), fewer past the file's end."""
+        try:
+            return os.pread(self._fd, length, pos)
+        except OSError as exc:
+            raise DurabilityError(f"cannot read pack {self.path.name}: {exc}") from exc
+
+    def write(self, pos: int, data: bytes | bytearray) -> None:
+        """One pwrite within the allocated length (`grow` made room: a full disk cannot fail it)."""
+        if pos + len(data) > self.size:
+            raise DurabilityError(f"write past the end of pack {self.path.name}")
+        try:
+            if os.pwrite(self._fd, data, pos) != len(data):
+                raise OSError(errno.EIO, "short write")
+        except OSError as exc:
+            raise DurabilityError(f"cannot write pack {self.path.name}: {exc}") from exc
+
+    def grow(self, size: int) -> None:
+        """Allocate the file's blocks up to `size` (DiskFullError, the file unchanged, when the
+        disk is full); the new length is durable with the next sync."""
+        if size > self.size:
+            _reserve(self._fd, self.path, self.size, size - self.size)
+            self.size = size
+
+    def sync(self) -> None:
+        """fdatasync the file (the GIL is released while it waits)."""
+        try:
+            with self._times.timed():
+                os.fdatasync(self._fd)
+        except OSError as exc:
+            raise DurabilityError(f"fdatasync of {self.path} failed: {exc}") from exc
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
@@ -269,6 +317,22 @@ class FileSystem:
         header is synced with the file, so a segment that exists after a crash
         always names its base offset.
         """
+        fd = self._create_reserved(path, size, header, durable)
+        content = None
+        if size <= UNMAPPED_BYTES:
+            content = bytearray(size)
+            content[: len(header)] = header
+        return SegmentFile(path, fd, size, True, self.sync_times, reserved=size, content=content)
+
+    def create_pack(self, path: Path, size: int, header: bytes) -> PackFile:
+        """Create a pack file of `size` allocated bytes starting with `header`, durably (file and
+        directory synced: a pack is made once per gigabyte of slots). A full disk is DiskFullError
+        with no file left."""
+        return PackFile(path, self._create_reserved(path, size, header, durable=True), size, self.sync_times)
+
+    def _create_reserved(self, path: Path, size: int, header: bytes, durable: bool) -> int:
+        """A descriptor of a new file of `size` allocated bytes starting with `header` (`durable`:
+        file and directory synced); on any failure, no file is left."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             _reserve(fd, path, 0, size)
@@ -280,14 +344,26 @@ class FileSystem:
             os.unlink(path)
             if isinstance(exc, DiskFullError | DurabilityError):
                 raise
-            raise DurabilityError(f"cannot create segment {path.name}: {exc}") from exc
+            raise DurabilityError(f"cannot create {path.name}: {exc}") from exc
         if durable:
             self.sync_dir(path.parent)
-        content = None
-        if size <= UNMAPPED_BYTES:
-            content = bytearray(size)
-            content[: len(header)] = header
-        return SegmentFile(path, fd, size, True, self.sync_times, reserved=size, content=content)
+        return fd
+
+    def open_pack(self, path: Path) -> PackFile:
+        """Open a pack file to read and write its slots; one with a hole is reserved again from 0
+        (DiskFullError if it cannot be), so no slot write ever meets a full disk."""
+        try:
+            fd = _open_to_read(path, os.O_RDWR)
+        except OSError as exc:
+            raise DurabilityError(f"cannot open pack {path.name}: {exc}") from exc
+        stat = os.fstat(fd)
+        if not _allocated(fd, stat):  # copied sparse (cp, a restore): reserved again, as segments are
+            try:
+                _reserve(fd, path, 0, stat.st_size)
+            except (DiskFullError, DurabilityError):
+                os.close(fd)
+                raise
+        return PackFile(path, fd, stat.st_size, self.sync_times)
 
     def open_segment(self, path: Path, writable: bool) -> SegmentFile:
         """Map a segment. One with no hole counts as reserved: its first write after a reopen

@@ -17,6 +17,8 @@
         *.seg.damaged                        a segment with nothing readable, kept for the operator
     DATA/streams/<encoded name>.deleted/     a stream whose deletion a crash interrupted
     DATA/groups/<encoded name>               the stream has consumer groups (storage/groupregistry.py)
+    DATA/packs/<5-digit pack id>.pack        small streams' slots (format 6, behind small_streams:
+                                             storage/packs.py)
 
 The consumer groups' files beside the segments are named in storage/grouplog.py.
 docs/FORMAT.md has the byte layout of each file.
@@ -41,6 +43,8 @@ if TYPE_CHECKING:  # fs.py names its temporary files with TMP_SUFFIX from here
 
 LOCK_FILE = "LOCK"
 STREAMS_DIR = "streams"
+PACKS_DIR = "packs"
+PACK_SUFFIX = ".pack"
 DELETED_SUFFIX = ".deleted"
 META_FILE = "stream.meta"
 META_NEW = "stream.meta.new"  # a new stream's meta file until its creation is durable (storage/creation.py)
@@ -64,6 +68,18 @@ def stream_directory(data_dir: Path, name: str) -> Path:
 
 def segment_name(base_offset: int) -> str:
     return f"{base_offset:020d}{SEGMENT_SUFFIX}"
+
+
+def pack_name(pack_id: int) -> str:
+    return f"{pack_id:05d}{PACK_SUFFIX}"
+
+
+def pack_id_of(name: str) -> int | None:
+    """The id a pack file's name gives, or None for any other name."""
+    stem = name.removesuffix(PACK_SUFFIX)
+    if len(stem) != 5 or not stem.isascii() or not stem.isdigit() or stem == name:
+        return None
+    return int(stem)
 
 
 def segment_base(filename: str) -> int:

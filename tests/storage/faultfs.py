@@ -188,6 +188,40 @@ class FaultAppendFile:
         pass
 
 
+class FaultPackFile:
+    """The PackFile of a FaultFS: each write a write point, pending by byte range until a sync,
+    so a crash keeps or loses each slot's writes apart from its neighbours' in the same file."""
+
+    def __init__(self, fs: FaultFS, inode: _Inode, path: Path) -> None:
+        self._fs = fs
+        self._inode = inode
+        self.path = path
+        self.size = len(inode.data)
+
+    def read(self, pos: int, length: int) -> bytes:
+        with self._fs._lock:
+            return bytes(self._inode.data[pos : pos + length])
+
+    def write(self, pos: int, data: bytes | bytearray) -> None:
+        if pos + len(data) > self.size:
+            raise DurabilityError(f"write past the end of pack {self.path.name}")
+        self._fs._write(self._inode, self.path, pos, bytes(data))
+
+    def grow(self, size: int) -> None:
+        if size > self.size:
+            self._fs._grow(self._inode, self.path, size)  # DiskFullError: nothing changed
+            self.size = size
+
+    def sync(self) -> None:
+        try:
+            self._fs._sync_inode(self._inode, self.path)
+        except OSError as exc:
+            raise DurabilityError(f"fdatasync of {self.path} failed: {exc}") from exc
+
+    def close(self) -> None:
+        pass
+
+
 class FaultFS:
     """In-memory file system with crash, fsync-failure and disk-full injection (see the module doc)."""
 
@@ -315,19 +349,38 @@ class FaultFS:
         self, path: Path, size: int, header: bytes, *, durable: bool = True
     ) -> FaultSegmentFile:
         with self._lock:
-            parent = self._dir(path.parent)
-            if path.name in parent.entries:
-                raise FileExistsError(errno.EEXIST, "file exists", str(path))
-            self._check_space(size, f"create segment {path.name}")
-            inode = _Inode(self._new_serial())
-            self._dir_op(parent, (path.name, inode))  # O_CREAT | O_EXCL
-            _resize(inode.data, size)  # posix_fallocate
-            inode.pending.append((str(path), size, b"", True))
-            self._write(inode, path, 0, bytes(header))  # pwrite of the header
-            if durable:
-                self._sync_inode(inode, path)  # os.fsync
-                self.sync_dir(path.parent)
-            return FaultSegmentFile(self, inode, path, writable=True)
+            return FaultSegmentFile(
+                self, self._create_reserved(path, size, header, durable), path, writable=True
+            )
+
+    def _create_reserved(self, path: Path, size: int, header: bytes, durable: bool) -> _Inode:
+        """A new file of `size` allocated bytes starting with `header`, as the real one makes a
+        segment or a pack (`durable`: file and directory synced)."""
+        parent = self._dir(path.parent)
+        if path.name in parent.entries:
+            raise FileExistsError(errno.EEXIST, "file exists", str(path))
+        self._check_space(size, f"create {path.name}")
+        inode = _Inode(self._new_serial())
+        self._dir_op(parent, (path.name, inode))  # O_CREAT | O_EXCL
+        _resize(inode.data, size)  # posix_fallocate
+        inode.pending.append((str(path), size, b"", True))
+        self._write(inode, path, 0, bytes(header))  # pwrite of the header
+        if durable:
+            self._sync_inode(inode, path)  # os.fsync
+            self.sync_dir(path.parent)
+        return inode
+
+    def create_pack(self, path: Path, size: int, header: bytes) -> FaultPackFile:
+        with self._lock:
+            return FaultPackFile(self, self._create_reserved(path, size, header, durable=True), path)
+
+    def open_pack(self, path: Path) -> FaultPackFile:
+        with self._lock:
+            try:
+                inode = self._file(path)
+            except FileNotFoundError as exc:  # as the real one: open(2) fails
+                raise DurabilityError(f"cannot open pack {path.name}: {exc}") from exc
+            return FaultPackFile(self, inode, path)
 
     def read_head(self, path: Path, length: int) -> bytes:
         with self._lock:

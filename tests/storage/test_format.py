@@ -17,7 +17,9 @@ from storage.format import (
     NODE_ZSTD,
     NodeBody,
     NodeHeader,
+    PackHeader,
     SegmentHeader,
+    SlotHeader,
     pick_header,
 )
 from storage.inspect import main as inspect_main
@@ -54,6 +56,83 @@ def test_a_growing_segment_header_is_version_3_and_leaves_room_for_its_synced_sl
         struct.pack_into("<HHI", body, 8, version, flags, size)
         with pytest.raises(CorruptionError):
             SegmentHeader.decode(bytes(body) + struct.pack("<I", crc32c(bytes(body))))
+
+
+def _with_new_crc(raw: bytes | bytearray, crc_at: int) -> bytes:
+    """`raw` with its CRC32C (of the bytes before `crc_at`) recomputed: a field changed on purpose."""
+    raw = bytearray(raw)
+    raw[crc_at : crc_at + 4] = struct.pack("<I", crc32c(bytes(raw[:crc_at])))
+    return bytes(raw)
+
+
+def test_slot_header_bytes():
+    raw = SlotHeader("orders/é", generation=7, created_ms=1_700_000_000_123, flags=2).encode()
+    name = "orders/é".encode()
+    assert len(raw) == 512
+    assert raw[:4] == b"SLPK"
+    assert struct.unpack_from("<HHIqH", raw, 4) == (1, 2, 7, 1_700_000_000_123, len(name))
+    assert raw[22 : 22 + len(name)] == name
+    assert raw[22 + len(name) : 508] == bytes(508 - 22 - len(name))
+    assert struct.unpack_from("<I", raw, 508)[0] == crc32c(raw[:508])
+    assert SlotHeader.decode(raw + b"segment bytes") == SlotHeader("orders/é", 7, 1_700_000_000_123, 2)
+    longest = SlotHeader("n" * 255, 1, 0)
+    assert SlotHeader.decode(longest.encode()) == longest
+    with pytest.raises(ValueError):
+        SlotHeader("n" * 256, 1, 0).encode()
+
+
+def test_a_free_slot_header_is_all_zeros_and_every_damaged_field_is_refused():
+    assert SlotHeader.decode(bytes(512)) is None
+    raw = SlotHeader("s", generation=3, created_ms=5).encode()
+    for i in range(512):  # any bit flip: the CRC (or the magic) catches it
+        damaged = bytearray(raw)
+        damaged[i] ^= 0x04
+        with pytest.raises(CorruptionError):
+            SlotHeader.decode(damaged)
+    fields = {  # each field wrong under a CRC that matches: refused for its own reason
+        "bad magic": (0, b"SLPX"),
+        "version": (4, struct.pack("<H", 2)),
+        "a name of 0 bytes": (20, struct.pack("<H", 0)),
+        "a name of 256 bytes": (20, struct.pack("<H", 256)),
+        "not UTF-8": (22, b"\xff"),
+    }
+    for why, (pos, value) in fields.items():
+        damaged = bytearray(raw)
+        damaged[pos : pos + len(value)] = value
+        with pytest.raises(CorruptionError, match=why):
+            SlotHeader.decode(_with_new_crc(damaged, 508))
+    with pytest.raises(CorruptionError, match="cut short"):
+        SlotHeader.decode(raw[:300])
+
+
+def test_pack_header_bytes():
+    raw = PackHeader(pack_id=12).encode()
+    assert len(raw) == 4096  # the whole of slot 0
+    assert raw[:8] == b"SLOGPACK"
+    assert struct.unpack_from("<HHIII", raw, 8) == (1, 0, 12, 4096, 512)
+    assert raw[24:60] == bytes(36)
+    assert struct.unpack_from("<I", raw, 60)[0] == crc32c(raw[:60])
+    assert raw[64:] == bytes(4096 - 64)
+    assert PackHeader.decode(raw) == PackHeader(12)
+    for i in range(64):
+        damaged = bytearray(raw)
+        damaged[i] ^= 0x10
+        with pytest.raises(CorruptionError):
+            PackHeader.decode(damaged)
+    fields = {
+        "bad magic": (0, b"SLOGPACX"),
+        "version 2": (8, struct.pack("<H", 2)),
+        "flags 0x1": (10, struct.pack("<H", 1)),
+        "8192-byte slots": (16, struct.pack("<I", 8192)),
+        "256-byte headers": (20, struct.pack("<I", 256)),
+    }
+    for why, (pos, value) in fields.items():
+        damaged = bytearray(raw)
+        damaged[pos : pos + len(value)] = value
+        with pytest.raises(CorruptionError, match=why):
+            PackHeader.decode(_with_new_crc(damaged[:64], 60))
+    with pytest.raises(CorruptionError, match="shorter"):
+        PackHeader.decode(raw[:63])
 
 
 def test_node_header_bytes_and_slot_choice():

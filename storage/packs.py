@@ -1,0 +1,326 @@
+"""Pack files: small streams' segments in 4 KiB slots of shared files, with no inode each.
+
+    DATA/packs/00000.pack, 00001.pack, ...   up to PACK_BYTES each (docs/FORMAT.md, "Pack files")
+
+Slot 0 of a pack holds its header; every other slot is free (its header all zeros) or holds
+one stream: a slot header (name, generation) and then the first SLOT_SEGMENT_BYTES of a growing
+segment, byte for byte what the stream's first `.seg` file would hold (docs/design/small-streams.md).
+A stream in a slot is found by its *place* (the catalog's column): pack, slot and generation in
+one int64. `SlotFile` is the window over one slot that `Segment` and `GrowingNode` write through.
+
+Space: a pack grows by `posix_fallocate` in GROWTH_BYTES steps before any slot of a step is
+written, so a full disk is DiskFullError at a creation, with nothing changed, and a slot's
+writes never need a block. Reuse: a freed slot is taken again only once a `sync` that began after
+its zeroing has ended (so no crash can bring back a stream's header over another's data), and its
+generation goes up by one, so a stale place names no stream.
+
+Nothing in the engine uses packs yet (small_streams, step 3 of the design).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+from storage.errors import CorruptionError
+from storage.format import SLOT_BYTES, SLOT_HEADER_BYTES, SLOT_SEGMENT_BYTES, PackHeader, SlotHeader
+from storage.fs import FileSystem, PackFile
+from storage.layout import PACKS_DIR, pack_id_of, pack_name
+
+log = logging.getLogger("streamlog.storage")
+
+PACK_BYTES = 1 << 30
+SLOTS_PER_PACK = PACK_BYTES // SLOT_BYTES  # slot 0 is the pack's header
+GROWTH_BYTES = 16 << 20
+MAX_PACKS = 1 << 15  # a place is a non-negative int64: the pack id takes its top 15 bits
+SCAN_BYTES = 16 << 20  # what a scan reads at a time
+NO_PLACE = -1  # a directory stream's place
+_GENERATION_MASK = (1 << 24) - 1
+_FREE_HEADER = bytes(SLOT_HEADER_BYTES)
+
+
+def make_place(pack: int, slot: int, generation: int) -> int:
+    return pack << 48 | slot << 24 | generation & _GENERATION_MASK
+
+
+def split_place(place: int) -> tuple[int, int, int]:
+    """(pack, slot, generation mod 2**24) of a place."""
+    return place >> 48, (place >> 24) & 0xFFFFFF, place & _GENERATION_MASK
+
+
+class SlotFull(Exception):
+    """A segment in a slot would grow past SLOT_SEGMENT_BYTES: the stream needs a directory."""
+
+
+class SlotFile:
+    """`fs.SegmentFile`'s interface over one slot's segment: positions count from the segment's
+    start (the slot's byte SLOT_HEADER_BYTES). Reads come from the copy its open read; each write
+    is one pwrite into the pack (then copied), and marks the pack written for the next sync."""
+
+    mapped = False  # (its close is the caller's, as an unmapped segment's)
+
+    def __init__(
+        self, pack: PackFile, start: int, content: bytearray, writable: bool, written: Callable[[], None]
+    ) -> None:
+        self.path = pack.path
+        self.size = self.reserved = SLOT_SEGMENT_BYTES  # allocated with the pack's growth step
+        self.writable = writable
+        self.closed = False
+        self._pack = pack
+        self._start = start  # where the segment starts in the pack
+        self._copy = content
+        self._written = written
+
+    def read(self, pos: int, length: int) -> bytes:
+        return bytes(self._copy[pos : pos + length])
+
+    def write(self, pos: int, data: bytes) -> None:
+        if self.closed or not self.writable:
+            raise ValueError(f"slot at byte {self._start} of {self.path.name} is not open for writing")
+        if pos < 0 or pos + len(data) > SLOT_SEGMENT_BYTES:
+            raise SlotFull(f"a write of {len(data)} bytes at {pos} does not fit the slot")
+        self._pack.write(self._start + pos, data)
+        self._written()  # after the write: a sync that begins after it covers it
+        self._copy[pos : pos + len(data)] = data
+
+    def reserve(self, size: int) -> None:
+        if size > SLOT_SEGMENT_BYTES:
+            raise SlotFull(f"a segment of {size} bytes does not fit a slot")
+
+    def sync(self) -> None:
+        """fdatasync the pack (every slot's writes in it so far; the GIL released while it waits)."""
+        if not self.closed:
+            self._pack.sync()
+
+    def close(self) -> None:
+        self.closed = True  # the pack's descriptor is shared: it stays open
+
+
+class Packs:
+    """The pack files of a data directory: take, open and free slots; sync; scan.
+
+    Thread-safe: slots are taken and written under one lock (a creation is one pwrite); a sync
+    holds it only to note what to sync and to release the slots the sync made reusable.
+    With packs on disk, `adopt` must name the slots in use (the catalog's places) before a slot
+    is taken: the packs do not record which of their slots a catalog row still refers to."""
+
+    def __init__(self, fs: FileSystem, data_dir: Path) -> None:
+        self._fs = fs
+        self.directory = data_dir / PACKS_DIR
+        self._lock = threading.Lock()
+        self._files: dict[int, PackFile] = {}  # opened so far
+        self._ids: list[int] | None = None  # the packs on disk, listed at first use
+        self._adopted = False
+        self._next = 1  # the last pack's first slot never taken
+        # Free slots, (pack, slot) -> their last generation (0: unknown): reusable now, and freed
+        # since the last sync began (reusable once one that began after their zeroing ends).
+        self._free: dict[tuple[int, int], int] = {}
+        self._freeing: dict[tuple[int, int], int] = {}
+        self._dirty: set[int] = set()
+
+    @property
+    def written(self) -> bool:
+        """Whether a pack was written since the last sync began."""
+        return bool(self._dirty)
+
+    def adopt(self, places: Iterable[int]) -> None:
+        """Take `places` as the slots in use (start-up, from the catalog): every other slot of the
+        packs is free (a creation whose record was lost left its slot to be taken again)."""
+        used: dict[int, set[int]] = {}
+        for place in places:
+            if place != NO_PLACE:
+                pack, slot, _ = split_place(place)
+                used.setdefault(pack, set()).add(slot)
+        with self._lock:
+            ids = self._pack_ids()
+            self._free.clear()
+            self._next = 1
+            for pack in ids:
+                taken = used.get(pack, set())
+                slots = self._open(pack).size // SLOT_BYTES
+                if pack == ids[-1]:
+                    self._next = max(taken, default=0) + 1
+                    slots = min(slots, self._next)
+                self._free.update(((pack, slot), 0) for slot in range(1, slots) if slot not in taken)
+            self._adopted = True
+
+    def create_slot(self, name: str, created_ms: int, segment: bytes) -> int:
+        """Write a new stream's slot (header and `segment`, one pwrite) and return its place."""
+        if len(segment) > SLOT_SEGMENT_BYTES:
+            raise SlotFull(f"a segment of {len(segment)} bytes does not fit a slot")
+        with self._lock:
+            pack, slot, generation = self._take()
+            file = self._files[pack]
+            try:
+                file.write(slot * SLOT_BYTES, SlotHeader(name, generation, created_ms).encode() + segment)
+            except BaseException:
+                self._give_back(pack, slot, generation)
+                raise
+            self._dirty.add(pack)
+            return make_place(pack, slot, generation)
+
+    def open_slot(self, place: int, name: str, writable: bool) -> SlotFile:
+        """The slot at `place` (one pread), which must hold `name` at the place's generation."""
+        pack, slot, generation = split_place(place)
+        where = f"slot {slot} of pack {pack}"
+        if place < 0 or not 0 < slot < SLOTS_PER_PACK:
+            raise CorruptionError(f"{where} is no slot of a stream (place {place})")
+        with self._lock:
+            if pack not in self._pack_ids():
+                raise CorruptionError(f"{where}: there is no pack file {pack_name(pack)}")
+            file = self._open(pack)
+        raw = file.read(slot * SLOT_BYTES, SLOT_BYTES)
+        if len(raw) < SLOT_BYTES:
+            raise CorruptionError(f"{where} is past the pack's end ({file.size} bytes)")
+        header = SlotHeader.decode(raw)  # CorruptionError if damaged
+        if header is None:
+            raise CorruptionError(f"{where} is free, not stream {name!r}'s")
+        if header.name != name or header.generation & _GENERATION_MASK != generation:
+            raise CorruptionError(
+                f"{where} holds {header.name!r} at generation {header.generation}, "
+                f"not {name!r} at {generation}"
+            )
+        written = self._written_callback(pack)
+        return SlotFile(
+            file, slot * SLOT_BYTES + SLOT_HEADER_BYTES, bytearray(raw[SLOT_HEADER_BYTES:]), writable, written
+        )
+
+    def free_slot(self, place: int) -> None:
+        """Zero the slot's header (one pwrite); the slot is taken again only after the next
+        `sync` that begins after this."""
+        pack, slot, generation = split_place(place)
+        with self._lock:
+            if (pack, slot) in self._free or (pack, slot) in self._freeing:
+                raise ValueError(f"slot {slot} of pack {pack} is already free")
+            if pack not in self._pack_ids() or not 0 < slot < SLOTS_PER_PACK:
+                raise ValueError(f"place {place} is no slot of these packs")
+            self._open(pack).write(slot * SLOT_BYTES, _FREE_HEADER)
+            self._dirty.add(pack)
+            self._freeing[pack, slot] = generation
+
+    def sync(self) -> None:
+        """fdatasync every pack written since the last sync began (the GIL released while each
+        waits, and the lock not held: slots are taken meanwhile); then the slots freed before it
+        began may be taken again."""
+        with self._lock:
+            dirty = [self._files[pack] for pack in sorted(self._dirty)]
+            self._dirty.clear()
+            freed, self._freeing = self._freeing, {}
+        try:
+            for file in dirty:
+                file.sync()
+        except BaseException:
+            with self._lock:
+                self._dirty.update(pack for pack, file in self._files.items() if file in dirty)
+                self._freeing.update(freed)
+            raise
+        with self._lock:
+            self._free.update(freed)
+
+    def scan(self, damaged: list[tuple[int, str]] | None = None) -> Iterator[tuple[int, SlotHeader]]:
+        """(place, header) of every used slot, pack by pack, read SCAN_BYTES at a time (the
+        fallback with no trusted index, and inspect). A slot whose header fails its checks is
+        skipped, and put in `damaged` (its place at generation 0, and why) when given."""
+        with self._lock:
+            ids = list(self._pack_ids())
+        for pack in ids:
+            with self._lock:
+                file = self._open(pack)
+            pos = SLOT_BYTES
+            while pos < file.size:
+                chunk = file.read(pos, min(SCAN_BYTES, file.size - pos))
+                for at in range(0, len(chunk) - SLOT_BYTES + 1, SLOT_BYTES):
+                    slot = (pos + at) // SLOT_BYTES
+                    try:
+                        header = SlotHeader.decode(chunk[at : at + SLOT_HEADER_BYTES])
+                    except CorruptionError as exc:
+                        if damaged is not None:
+                            damaged.append((make_place(pack, slot, 0), str(exc)))
+                        continue
+                    if header is not None:
+                        yield make_place(pack, slot, header.generation), header
+                if len(chunk) < SLOT_BYTES:
+                    break
+                pos += len(chunk) - len(chunk) % SLOT_BYTES
+
+    def close(self) -> None:
+        with self._lock:
+            for file in self._files.values():
+                file.close()
+            self._files.clear()
+            self._ids = None
+            self._adopted = False
+
+    # ------------------------------------------------------------------ with the lock held
+
+    def _pack_ids(self) -> list[int]:
+        if self._ids is None:
+            self._ids = sorted(i for i in map(pack_id_of, self._fs.listdir(self.directory)) if i is not None)
+        return self._ids
+
+    def _open(self, pack: int) -> PackFile:
+        file = self._files.get(pack)
+        if file is None:
+            file = self._fs.open_pack(self.directory / pack_name(pack))
+            try:
+                if PackHeader.decode(file.read(0, SLOT_BYTES)).pack_id != pack:
+                    raise CorruptionError(f"pack file {pack_name(pack)} names another pack")
+            except CorruptionError:
+                file.close()
+                raise
+            self._files[pack] = file
+        return file
+
+    def _take(self) -> tuple[int, int, int]:
+        """A slot to write: (pack, slot, generation). A freed one first, else the next one of the
+        last pack, its growth step allocated first (DiskFullError: nothing changed)."""
+        ids = self._pack_ids()
+        if ids and not self._adopted:
+            raise RuntimeError("Packs.adopt must name the slots in use before a slot is taken")
+        self._adopted = True
+        if self._free:
+            (pack, slot), generation = self._free.popitem()
+            file = self._open(pack)
+            if not generation:  # freed before this process: its last header, if any, tells
+                try:
+                    header = SlotHeader.decode(file.read(slot * SLOT_BYTES, SLOT_HEADER_BYTES))
+                except CorruptionError:
+                    header = None
+                generation = header.generation if header is not None else 0
+            return pack, slot, (generation + 1) & _GENERATION_MASK or 1
+        if not ids or self._next == SLOTS_PER_PACK:
+            self._new_pack(ids[-1] + 1 if ids else 0)
+        pack, slot = ids[-1], self._next
+        file = self._open(pack)
+        end = (slot + 1) * SLOT_BYTES
+        if end > file.size:
+            file.grow(min(PACK_BYTES, -(-end // GROWTH_BYTES) * GROWTH_BYTES))
+        self._next += 1
+        return pack, slot, 1
+
+    def _give_back(self, pack: int, slot: int, generation: int) -> None:
+        """A taken slot whose write failed: free again (its last generation kept)."""
+        if (pack, slot) == (self._pack_ids()[-1], self._next - 1):
+            self._next -= 1
+        else:
+            self._free[pack, slot] = generation - 1
+
+    def _new_pack(self, pack: int) -> None:
+        if pack >= MAX_PACKS:
+            raise RuntimeError(f"{MAX_PACKS} packs of slots are in use: no place can name another")
+        if pack == 0:
+            self._fs.makedirs(self.directory)
+        self._files[pack] = self._fs.create_pack(
+            self.directory / pack_name(pack), GROWTH_BYTES, PackHeader(pack).encode()
+        )
+        self._pack_ids().append(pack)
+        self._next = 1
+
+    def _written_callback(self, pack: int) -> Callable[[], None]:
+        def written() -> None:
+            with self._lock:
+                self._dirty.add(pack)
+
+        return written

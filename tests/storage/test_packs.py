@@ -1,0 +1,351 @@
+"""Pack files of slots (storage/packs.py): places, one write per creation, a segment in a slot that
+is byte for byte a `.seg` file, reuse after a sync, growth steps, a full disk, crashes, scans."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from pathlib import Path
+
+import pytest
+
+from storage import Engine, EngineConfig
+from storage.errors import CorruptionError, DiskFullError
+from storage.format import SLOT_BYTES, SLOT_HEADER_BYTES, SLOT_SEGMENT_BYTES, SegmentHeader, SlotHeader
+from storage.fs import FileSystem
+from storage.growing import GrowingNode
+from storage.layout import STREAMS_DIR, segment_name
+from storage.names import dirname_for
+from storage.packs import (
+    GROWTH_BYTES,
+    NO_PLACE,
+    Packs,
+    SlotFile,
+    SlotFull,
+    make_place,
+    split_place,
+)
+from storage.records import encode_batch
+from storage.segment import Segment
+from storage.types import AppendBatch
+from tests.storage.faultfs import Crash, FaultFS, PendingWrite
+
+ROOT = Path("/faultfs/data")
+PACK = ROOT / "packs" / "00000.pack"
+MS = 1_700_000_000_000
+SLOT_SEGMENT = SegmentHeader(0, 0, SLOT_SEGMENT_BYTES, MS).encode()
+
+
+def fault_packs() -> tuple[FaultFS, Packs]:
+    fs = FaultFS()
+    fs.prepare_dir(ROOT)
+    return fs, Packs(fs, ROOT)  # type: ignore[arg-type]  # FaultFS has FileSystem's interface
+
+
+def append(file: SlotFile, payloads: list[bytes], first: int = 0) -> Segment:
+    """A growing node with `payloads` in a new segment over `file`, as a new stream's first append
+    writes it (storage/nodewriter.py), and a second batch after it."""
+    segment = Segment(file, SegmentHeader.decode(file.read(0, 64)))
+    node = GrowingNode.start(segment, 16, first)
+    segment.nodes.append(node.ref)
+    half = len(payloads) // 2
+    for batch, start in ((payloads[:half], 0), (payloads[half:], half)):
+        blob, positions = encode_batch(first + start, MS, AppendBatch(batch), node.positions[-1])
+        assert node.make_room(len(batch), len(blob))
+        node.append(blob, positions, MS, MS, 0)
+    return segment
+
+
+def test_a_place_is_pack_slot_and_generation_in_one_int64():
+    place = make_place(32767, 262143, 7)
+    assert 0 <= place < 2**63
+    assert split_place(place) == (32767, 262143, 7)
+    assert split_place(make_place(3, 1, 2**24 + 5)) == (3, 1, 5)  # the generation mod 2**24
+    assert NO_PLACE < 0
+
+
+def test_a_creation_is_one_write_and_its_slot_reads_back():
+    fs, packs = fault_packs()
+    first = packs.create_slot("a", MS, SLOT_SEGMENT)  # makes the pack (its header, synced)
+    writes = fs.writes
+    place = packs.create_slot("b", MS + 1, SLOT_SEGMENT + b"xyz")
+    assert fs.writes == writes + 1 and fs.written[-1] == PACK
+    assert split_place(first) == (0, 1, 1) and split_place(place) == (0, 2, 1)
+    raw = fs.file_bytes(PACK)[2 * SLOT_BYTES : 3 * SLOT_BYTES]
+    assert SlotHeader.decode(raw) == SlotHeader("b", 1, MS + 1)
+    assert raw[SLOT_HEADER_BYTES:] == SLOT_SEGMENT + b"xyz" + bytes(
+        SLOT_SEGMENT_BYTES - len(SLOT_SEGMENT) - 3
+    )
+    file = packs.open_slot(place, "b", writable=False)
+    assert file.read(0, len(SLOT_SEGMENT) + 3) == SLOT_SEGMENT + b"xyz"
+    assert (file.size, file.reserved, file.mapped) == (SLOT_SEGMENT_BYTES, SLOT_SEGMENT_BYTES, False)
+    with pytest.raises(ValueError):
+        file.write(0, b"no")
+    with pytest.raises(SlotFull):
+        packs.create_slot("c", MS, bytes(SLOT_SEGMENT_BYTES + 1))
+
+
+def test_a_segment_in_a_slot_is_what_its_seg_file_holds_and_todays_engine_reads_it(tmp_path):
+    fs = FileSystem()
+    packs = Packs(fs, tmp_path / "data")
+    payloads = [bytes([i]) * 100 for i in range(10)]
+    place = packs.create_slot("small", MS, SLOT_SEGMENT)
+    append(packs.open_slot(place, "small", writable=True), payloads)
+    # The same stream as a `.seg` file of the same capacity, written by the same code.
+    (tmp_path / "seg").mkdir()
+    segment = Segment.create(fs, tmp_path / "seg", 0, SLOT_SEGMENT_BYTES, SLOT_SEGMENT_BYTES, MS)
+    segment.file.write(0, bytes(SLOT_SEGMENT_BYTES))  # (a new file's SYNCED slot is zeros: it stays so)
+    segment.file.write(0, SLOT_SEGMENT)
+    append(segment.file, payloads)
+    segment.close()
+    packs.sync()
+    slot = (tmp_path / "data" / "packs" / "00000.pack").read_bytes()[SLOT_BYTES : 2 * SLOT_BYTES]
+    seg_file = (tmp_path / "seg" / segment_name(0)).read_bytes()
+    assert slot[SLOT_HEADER_BYTES:] == seg_file
+    # What promotion does (design §6, checkslot): the slot's segment as a stream's first file.
+    stream_dir = tmp_path / "data" / STREAMS_DIR / dirname_for("small")
+    stream_dir.mkdir(parents=True)
+    (stream_dir / segment_name(0)).write_bytes(slot[SLOT_HEADER_BYTES:])
+    packs.close()
+    engine = Engine(tmp_path / "data", EngineConfig(background=False))
+    try:
+        result = engine.read("small", 0, 100)
+        assert [(e.offset, e.payload) for e in result.entries()] == list(enumerate(payloads))
+        more = [b"more-%d" % i for i in range(40)]
+        assert engine.append("small", AppendBatch(more)).first_offset == 10
+        entries = [e.payload for e in engine.read("small", 0, 100).entries()]
+        assert entries == payloads + more
+    finally:
+        engine.close()
+
+
+def test_a_segment_cannot_grow_past_its_slot():
+    _, packs = fault_packs()
+    file = packs.open_slot(packs.create_slot("s", MS, SLOT_SEGMENT), "s", writable=True)
+    segment = append(file, [b"x" * 100] * 4)
+    node = GrowingNode.resume(segment.nodes[-1])
+    assert not node.make_room(1, SLOT_SEGMENT_BYTES)  # the caller promotes the stream
+    file.reserve(SLOT_SEGMENT_BYTES)
+    with pytest.raises(SlotFull):
+        file.reserve(SLOT_SEGMENT_BYTES + 1)
+    with pytest.raises(SlotFull):
+        file.write(SLOT_SEGMENT_BYTES - 1, b"ab")
+
+
+def test_a_freed_slot_is_reused_after_a_sync_with_its_generation_up():
+    fs, packs = fault_packs()
+    a = packs.create_slot("a", MS, SLOT_SEGMENT)
+    packs.create_slot("b", MS, SLOT_SEGMENT)
+    packs.sync()
+    packs.free_slot(a)
+    assert fs.file_bytes(PACK)[SLOT_BYTES : SLOT_BYTES + SLOT_HEADER_BYTES] == bytes(SLOT_HEADER_BYTES)
+    assert packs.written
+    c = packs.create_slot("c", MS, SLOT_SEGMENT)
+    assert split_place(c) == (0, 3, 1)  # not a's slot: its zeroing is not durable yet
+    packs.sync()
+    assert not packs.written
+    d = packs.create_slot("a", MS, SLOT_SEGMENT)  # a stream of the same name, recreated
+    assert split_place(d) == (0, 1, 2)
+    with pytest.raises(CorruptionError, match="generation 2, not 'a' at 1"):
+        packs.open_slot(a, "a", writable=False)  # a stale place: the old generation
+    with pytest.raises(CorruptionError, match="holds 'a'"):
+        packs.open_slot(d, "b", writable=False)  # another name
+    packs.open_slot(d, "a", writable=False)
+    packs.free_slot(c)
+    with pytest.raises(ValueError, match="already free"):
+        packs.free_slot(c)
+
+
+def test_a_slot_freed_while_a_sync_runs_waits_for_the_next():
+    fs, packs = fault_packs()
+    a = packs.create_slot("a", MS, SLOT_SEGMENT)
+    packs.create_slot("b", MS, SLOT_SEGMENT)
+    fs.on_sync = lambda _: packs.free_slot(a) if fs.on_sync else None
+    packs.sync()  # a's zeroing came after this sync began (at its fdatasync)
+    fs.on_sync = None
+    assert split_place(packs.create_slot("c", MS, SLOT_SEGMENT)) == (0, 3, 1)
+    packs.sync()
+    assert split_place(packs.create_slot("d", MS, SLOT_SEGMENT)) == (0, 1, 2)
+
+
+def test_a_pack_grows_in_steps_before_a_step_is_written_and_a_full_pack_starts_the_next(monkeypatch):
+    fs, packs = fault_packs()
+    packs.create_slot("s0", MS, SLOT_SEGMENT)
+    assert len(fs.file_bytes(PACK)) == GROWTH_BYTES
+    step = GROWTH_BYTES // SLOT_BYTES
+    for i in range(1, step - 1):  # slots 2 .. step-1: within the first step
+        packs.create_slot(f"s{i}", MS, SLOT_SEGMENT)
+    assert len(fs.file_bytes(PACK)) == GROWTH_BYTES and fs.pending_growths() == 0
+    writes = fs.writes
+    place = packs.create_slot("next", MS, SLOT_SEGMENT)
+    assert split_place(place) == (0, step, 1)
+    assert len(fs.file_bytes(PACK)) == 2 * GROWTH_BYTES and fs.pending_growths() == 1
+    assert fs.writes == writes + 1  # the growth (fallocate) is no write; then the slot's one
+    packs.sync()
+    assert fs.pending_growths() == 0
+    # Packs of 10 slots growing 4 at a time: the last step is cut at the pack's size.
+    monkeypatch.setattr("storage.packs.GROWTH_BYTES", 4 * SLOT_BYTES)
+    monkeypatch.setattr("storage.packs.SLOTS_PER_PACK", 10)
+    monkeypatch.setattr("storage.packs.PACK_BYTES", 10 * SLOT_BYTES)
+    fs, packs = fault_packs()
+    sizes = []
+    for i in range(9):
+        packs.create_slot(f"s{i}", MS, SLOT_SEGMENT)
+        sizes.append(len(fs.file_bytes(PACK)) // SLOT_BYTES)
+    assert sizes == [4, 4, 4, 8, 8, 8, 8, 10, 10]
+    assert split_place(packs.create_slot("new pack", MS, SLOT_SEGMENT)) == (1, 1, 1)
+    assert fs.listdir(ROOT / "packs") == ["00000.pack", "00001.pack"]
+
+
+def test_a_full_disk_at_a_growth_step_changes_nothing(monkeypatch):
+    fs, packs = fault_packs()
+    fs.disk_full = True
+    with pytest.raises(DiskFullError):
+        packs.create_slot("first", MS, SLOT_SEGMENT)  # the pack's creation
+    assert fs.listdir(ROOT / "packs") == []
+    fs.disk_full = False
+    monkeypatch.setattr("storage.packs.GROWTH_BYTES", 4 * SLOT_BYTES)
+    places = [packs.create_slot(f"s{i}", MS, SLOT_SEGMENT) for i in range(3)]  # slots 1-3 of 4
+    assert len(fs.file_bytes(PACK)) == 4 * SLOT_BYTES
+    before, writes = fs.file_bytes(PACK), fs.writes
+    fs.disk_full = True
+    with pytest.raises(DiskFullError):
+        packs.create_slot("no room", MS, SLOT_SEGMENT)
+    assert (fs.file_bytes(PACK), fs.writes, packs.written) == (before, writes, True)
+    packs.free_slot(places[0])
+    packs.sync()
+    assert split_place(packs.create_slot("reused", MS, SLOT_SEGMENT)) == (0, 1, 2)  # no growth needed
+    fs.disk_full = False
+    assert split_place(packs.create_slot("grown", MS, SLOT_SEGMENT)) == (0, 4, 1)  # no slot skipped
+    assert len(fs.file_bytes(PACK)) == 8 * SLOT_BYTES
+
+
+def _restart(fs: FaultFS, places: list[int]) -> Packs:
+    packs = Packs(fs, ROOT)  # type: ignore[arg-type]
+    packs.adopt(places)
+    return packs
+
+
+def test_kill_keeps_the_page_cache_and_power_loss_keeps_what_a_sync_made_durable_by_byte_range():
+    fs, packs = fault_packs()
+    a = packs.create_slot("a", MS, SLOT_SEGMENT)
+    b = packs.create_slot("b", MS, SLOT_SEGMENT)
+    packs.sync()
+    c = packs.create_slot("c", MS, SLOT_SEGMENT)
+    append(packs.open_slot(a, "a", writable=True), [b"after the sync"] * 2)
+    a_bytes = packs.open_slot(a, "a", writable=False).read(0, SLOT_SEGMENT_BYTES)
+
+    killed = _restart(fs.crashed_copy(mode="process"), [a, b, c])
+    assert killed.open_slot(a, "a", writable=False).read(0, SLOT_SEGMENT_BYTES) == a_bytes
+    killed.open_slot(c, "c", writable=False)
+
+    lost = _restart(fs.crashed_copy(mode="lost"), [a, b])
+    assert lost.open_slot(a, "a", writable=False).read(0, SLOT_SEGMENT_BYTES) == SLOT_SEGMENT + bytes(
+        SLOT_SEGMENT_BYTES - len(SLOT_SEGMENT)
+    )
+    lost.open_slot(b, "b", writable=False)
+    with pytest.raises(CorruptionError, match="free"):
+        lost.open_slot(c, "c", writable=False)
+
+    # Writes to one file, kept or lost by byte range: c's creation lands, a's appends do not.
+    def c_only(write: PendingWrite) -> str:
+        return "keep" if write.pos // SLOT_BYTES == 3 else "drop"
+
+    power = _restart(fs.crashed_copy(random.Random(1), "power", fate=c_only), [a, b, c])
+    power.open_slot(c, "c", writable=False)
+    assert power.open_slot(a, "a", writable=False).read(0, SLOT_SEGMENT_BYTES) != a_bytes
+
+
+def test_a_crash_at_the_sync_point_of_a_growth_step_loses_only_its_slots():
+    fs, packs = fault_packs()
+    places = [packs.create_slot(f"s{i}", MS, SLOT_SEGMENT) for i in range(GROWTH_BYTES // SLOT_BYTES)]
+    fs.crash_at_sync = fs.syncs + 1
+    with pytest.raises(Crash):
+        packs.sync()  # the growth and the last slot's write still pending
+    restarted = _restart(fs.crashed_copy(mode="lost"), places[:-1])
+    with pytest.raises(CorruptionError, match="past the pack's end"):
+        restarted.open_slot(places[-1], f"s{len(places) - 1}", writable=False)
+    assert split_place(restarted.create_slot("again", MS, SLOT_SEGMENT)) == split_place(places[-1])
+
+
+def test_start_up_takes_the_slots_in_use_from_the_catalog():
+    fs, packs = fault_packs()
+    a, b, c = (packs.create_slot(n, MS, SLOT_SEGMENT) for n in "abc")
+    packs.sync()
+    packs.close()
+    restarted = Packs(fs, ROOT)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="adopt"):
+        restarted.create_slot("d", MS, SLOT_SEGMENT)
+    restarted.adopt([a, c, NO_PLACE])  # b's record was lost: its slot is free, its header still there
+    assert split_place(restarted.create_slot("d", MS, SLOT_SEGMENT)) == (0, 2, 2)
+    assert split_place(restarted.create_slot("e", MS, SLOT_SEGMENT)) == (0, 4, 1)
+    with pytest.raises(CorruptionError, match="holds 'd'"):
+        restarted.open_slot(b, "b", writable=False)
+
+
+def test_a_slot_is_refused_where_its_pack_or_slot_is_missing():
+    fs, packs = fault_packs()
+    place = packs.create_slot("a", MS, SLOT_SEGMENT)
+    with pytest.raises(CorruptionError, match=r"no pack file 00003\.pack"):
+        packs.open_slot(make_place(3, 1, 1), "a", writable=False)
+    with pytest.raises(CorruptionError, match="past the pack's end"):
+        packs.open_slot(make_place(0, GROWTH_BYTES // SLOT_BYTES + 5, 1), "a", writable=False)
+    with pytest.raises(CorruptionError, match="no slot"):
+        packs.open_slot(make_place(0, 0, 1), "a", writable=False)  # the pack's header
+    fs.poke(PACK, 0, b"junk")
+    restarted = Packs(fs, ROOT)  # type: ignore[arg-type]
+    with pytest.raises(CorruptionError, match="bad magic"):
+        restarted.adopt([place])
+
+
+def test_scan_lists_every_used_slot_and_the_damaged_ones(monkeypatch):
+    monkeypatch.setattr("storage.packs.SCAN_BYTES", 3 * SLOT_BYTES)  # slots across reads
+    fs, packs = fault_packs()
+    places = [packs.create_slot(f"s{i}", MS + i, SLOT_SEGMENT) for i in range(7)]
+    packs.free_slot(places[2])
+    fs.poke(PACK, 5 * SLOT_BYTES + 30, b"\xff")  # slot 5's header (s4) damaged
+    damaged: list[tuple[int, str]] = []
+    found = list(packs.scan(damaged))
+    kept = [0, 1, 3, 5, 6]
+    assert found == [(places[i], SlotHeader(f"s{i}", 1, MS + i)) for i in kept]
+    assert damaged == [(make_place(0, 5, 0), "slot header CRC mismatch")]
+
+
+class _HeldSync:
+    """os.fdatasync that waits until released (a disk behind a long queue), then syncs."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self._real = os.fdatasync
+        self.waited = False  # it stopped waiting (released, or after 5 s)
+
+    def __call__(self, fd: int) -> None:
+        self.entered.set()
+        self.release.wait(5)
+        self.waited = True
+        self._real(fd)
+
+
+@pytest.mark.parametrize("which", ["packs", "slot file"])
+def test_a_sync_lets_other_threads_create_and_write_slots_while_it_waits(tmp_path, monkeypatch, which):
+    packs = Packs(FileSystem(), tmp_path)
+    place = packs.create_slot("a", MS, SLOT_SEGMENT)
+    file = packs.open_slot(place, "a", writable=True)
+    held = _HeldSync()
+    monkeypatch.setattr(os, "fdatasync", held)
+    syncer = threading.Thread(target=packs.sync if which == "packs" else file.sync)
+    syncer.start()
+    try:
+        assert held.entered.wait(10)
+        other = packs.create_slot("b", MS, SLOT_SEGMENT)  # neither the lock nor the GIL is held
+        packs.open_slot(other, "b", writable=True).write(100, b"meanwhile")
+        file.write(200, b"and here")
+        assert packs.written
+        assert not held.waited  # the sync still waits: nothing above waited for it
+    finally:
+        held.release.set()
+        syncer.join(10)
+    assert not syncer.is_alive()
+    packs.close()
