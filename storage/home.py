@@ -106,6 +106,12 @@ class DirectoryHome:
 
     # ------------------------------------------------------------------ files beside the segments
 
+    def make_durable(self, files: list[SegmentFile]) -> None:
+        """Sync the files the stream wrote since its last sync, then commit its creation."""
+        for file in files:
+            file.sync()
+        self.commit_creation(lambda: [])  # its files were just synced
+
     def commit_creation(self, files: Callable[[], list[SegmentFile]]) -> None:
         """Make a new stream's creation durable, if it is not yet; `files`: its segment files to
         sync first (asked under the creation's lock: a segment made meanwhile is among them)."""
@@ -151,6 +157,17 @@ class DirectoryHome:
         self.synced_mark = None  # so the next close writes one
 
     # ------------------------------------------------------------------ close
+
+    def close(self, stream: Stream, hand_off: bool) -> UnsyncedClose | None:
+        """A clean close's work: with `hand_off` (a policy that promises writes to the next round)
+        what is left for that round (`hand_off`), else the stream synced, its producers saved, and
+        its SYNCED marker written; None if nothing is left."""
+        handed = self.hand_off(stream) if hand_off else None
+        if handed is None:
+            stream.sync()
+            stream.save_producers(stream.ctx.clock())
+            self.mark_synced(stream)  # after the sync: see mark_synced
+        return handed
 
     def mark_synced(self, stream: Stream) -> None:
         """A clean close synced every write: write the SYNCED marker naming the end as it stands

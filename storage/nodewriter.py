@@ -161,6 +161,9 @@ def _start_node(stream: Stream, entries: int, nbytes: int, ts: int) -> GrowingNo
     slots = _node_slots(stream, entries)
     tail = stream.segments[-1] if stream.segments else None
     need = NODE_PREFIX_SIZE + 4 * slots + nbytes
+    if tail is not None and tail.end_pos + need > tail.capacity and stream.in_slot:
+        stream.directory_home()  # outgrew its slot: promoted, its segment's capacity the engine's
+        tail = stream.segments[-1]
     if (
         tail is None
         or tail.packed

@@ -22,9 +22,10 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
+from typing import cast
 
 from storage.catalog import StreamSummary
-from storage.config import StreamConfig
+from storage.config import DEFAULT_STREAM_CONFIG, StreamConfig
 from storage.context import EngineContext
 from storage.creation import PendingCreation
 from storage.durability import SyncGate, sync_now
@@ -41,6 +42,7 @@ from storage.fs import SegmentFile
 from storage.growing import GrowingNode
 from storage.handoff import UnsyncedClose
 from storage.home import DirectoryHome
+from storage.slothome import SlotHome, Slots
 from storage.index import NodeIndex
 from storage.nodewriter import append_one, append_together
 from storage.packed import decompressor
@@ -55,7 +57,7 @@ log = logging.getLogger("streamlog.storage")
 
 
 class Stream(StreamParts):
-    def __init__(self, ctx: EngineContext, name: str, home: DirectoryHome, config: StreamConfig) -> None:
+    def __init__(self, ctx: EngineContext, name: str, home: DirectoryHome | SlotHome, config: StreamConfig) -> None:
         self.ctx = ctx
         self.name = name
         self.home = home  # where its bytes live (storage/home.py)
@@ -108,6 +110,36 @@ class Stream(StreamParts):
         """Its creation, while it is not durable yet (storage/creation.py)."""
         return self.home.creation
 
+    @property
+    def in_slot(self) -> bool:
+        """Whether it lives in a slot of a pack file (storage/slothome.py), not a directory."""
+        return type(self.home) is SlotHome
+
+    def directory_home(self) -> DirectoryHome:
+        """Its directory, promoted to one first if it is in a slot (with `lock` held, as for the
+        changes that need it: a meta file, epochs, groups, a truncation, a second segment)."""
+        home = self.home
+        if type(home) is SlotHome:
+            with self.lock:
+                home = self.home
+                if type(home) is SlotHome:
+                    return home.promote(self)
+        return cast(DirectoryHome, home)
+
+    @classmethod
+    def create_in_slot(cls, ctx: EngineContext, slots: Slots, name: str, directory: Path) -> Stream:
+        """A new stream in a slot (storage/slothome.py): the default config, no epochs."""
+        home, segment = SlotHome.create(ctx, slots, name, directory)
+        stream = cls(ctx, name, home, DEFAULT_STREAM_CONFIG)
+        stream.segments.append(segment)
+        stream.write_seq = 1  # a sync is due, written or not: its slot and `p` record
+        return stream
+
+    @classmethod
+    def open_in_slot(cls, ctx: EngineContext, slots: Slots, name: str, directory: Path, place: int) -> Stream:
+        """Open a stream in the slot at `place`."""
+        return cls._opened(ctx, SlotHome(ctx, slots, name, directory, place), None, 0)
+
     @classmethod
     def create(
         cls, ctx: EngineContext, name: str, directory: Path, config: StreamConfig, incarnation: int = 0
@@ -127,7 +159,12 @@ class Stream(StreamParts):
         """Open a stream's directory; `handed`: its last close, which left its files unsynced and
         which it takes back (storage/handoff.py); `held`: the entries the catalog counted in it
         (storage/home.py's `load`)."""
-        home = DirectoryHome(ctx, directory)
+        return cls._opened(ctx, DirectoryHome(ctx, directory), handed, held)
+
+    @classmethod
+    def _opened(
+        cls, ctx: EngineContext, home: DirectoryHome | SlotHome, handed: UnsyncedClose | None, held: int
+    ) -> Stream:
         opened = home.load(handed, held)
         loaded = opened.loaded
         stream = cls(ctx, opened.name, home, opened.config)
@@ -143,7 +180,7 @@ class Stream(StreamParts):
             stream.has_epochs = True
         if opened.truncating:
             stream.truncation.finish_pending()
-        if handed is not None:
+        if handed is not None and type(home) is DirectoryHome:
             home.take_back(stream, handed)
         return stream
 
@@ -228,10 +265,9 @@ class Stream(StreamParts):
 
     # ------------------------------------------------------------------ durability
 
-    def commit_creation(self, synced: bool = False) -> None:
-        """Make a new stream's creation durable, if it is not yet (storage/creation.py); `synced`:
-        every segment file was just synced (the sync path), so the commit syncs none again."""
-        self.home.commit_creation((lambda: []) if synced else self._segment_files)
+    def commit_creation(self) -> None:
+        """Make a new stream's creation durable, if it is not yet (storage/creation.py)."""
+        self.home.commit_creation(self._segment_files)
 
     def _segment_files(self) -> list[SegmentFile]:
         with self.lock:
@@ -239,7 +275,7 @@ class Stream(StreamParts):
 
     def write_meta(self, first_offset: int, config: StreamConfig) -> None:
         """Replace the meta file, atomically and durably (a new stream's creation first)."""
-        self.home.write_meta(self.name, first_offset, config, self._segment_files)
+        self.directory_home().write_meta(self.name, first_offset, config, self._segment_files)
 
     def sync(self) -> None:
         with self.lock:
@@ -267,7 +303,7 @@ class Stream(StreamParts):
 
     def save_epochs(self, epochs: EpochHistory) -> None:
         """Replace the epoch history, durably and atomically (storage/epochs.py)."""
-        self.home.save_epochs(epochs)
+        self.directory_home().save_epochs(epochs)
         self.epochs = epochs
         self.has_epochs = True
 
@@ -351,12 +387,7 @@ class Stream(StreamParts):
             if self.closed:
                 return None
             if clean and self.gate.error is None:
-                if hand_off:
-                    handed = self.home.hand_off(self)
-                if handed is None:
-                    self.sync()
-                    self.save_producers(self.ctx.clock())
-                    self.home.mark_synced(self)  # after the sync: see DirectoryHome.mark_synced
+                handed = self.home.close(self, hand_off)
             with self.lock:
                 self.closed_summary = stream_summary(self)
                 self.closed = True

@@ -73,6 +73,7 @@ class Truncation:
         if not isinstance(end_offset, int) or end_offset < 0:
             raise InvalidArgumentError("a truncation offset must be a non-negative integer")
         with s.maintenance_lock, s.lock:
+            s.directory_home()  # (a stream in a slot is promoted first: the cut's marker is a file)
             if not s.first_offset <= end_offset <= s.end_offset:
                 raise InvalidArgumentError(
                     f"cannot truncate stream {s.name!r} to {end_offset}: the cut must lie between its "

@@ -1,0 +1,258 @@
+"""A small stream's home in a slot of a shared pack file (docs/design/small-streams.md §4-§5,
+behind `EngineConfig.small_streams = "slots"`).
+
+A stream created by an append with the default config and no incarnation gets a slot
+(storage/packs.py): its slot header and an empty growing segment of SLOT_SEGMENT_BYTES written
+with one pwrite, then one catalog-journal record `p` naming the place (storage/catalog.py's
+`add`): no directory, no file, no inode. Its appends go through `GrowingNode` into the slot's
+`SlotFile` as into a one-page segment; its open is one pread, every node checked (there is no
+SYNCED marker to trust: at most 3.5 KiB); its close journals its figures (the catalog's, as
+any close) and writes nothing else: no marker, no hand-off, the pack's dirty pages are the
+round's.
+
+Durability (`SlotSync`): the everysec round, and under "always" each append's sync as a group
+commit, take the journal's length L, fdatasync the packs written since the last sync, fdatasync
+the journal, then journal `r`(L): every record before L names durable slot data.
+
+Promotion (`SlotHome.promote`) moves the stream to a directory of its own when it needs one:
+its segment outgrows the slot, or a meta file (a config, a trim), groups, a truncation or epochs.
+With the stream's locks held: journal `M`; make the directory (storage/creation.py's
+`start_creation`); write the slot's segment as its first `.seg` file, header rewritten with the
+engine's segment capacity; sync it, the directory and the streams directory (the creation's
+commit); journal `m` and sync the journal, so the stream is in its directory, durably, before an
+append goes there; zero the slot's header (free once a sync made that durable). A crash before
+the journal's `m` is durable leaves the slot the stream's and a directory the next open removes
+(`leftover_removed`); after it, the directory, whole since its syncs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+from storage.catalog import Catalog
+from storage.config import StreamConfig
+from storage.context import EngineContext
+from storage.creation import start_creation
+from storage.errors import DurabilityError
+from storage.format import NODE_PREFIX_SIZE, SLOT_BYTES, SLOT_SEGMENT_BYTES, SLOTTED_HEADER_SIZE, SegmentHeader
+from storage.fs import SegmentFile
+from storage.growing import GrowingNode
+from storage.home import DirectoryHome, Opened
+from storage.index import NodeIndex
+from storage.layout import segment_name
+from storage.loader import LogLoader
+from storage.nodewriter import FIRST_NODE_SLOTS
+from storage.packs import NO_PLACE, Packs
+from storage.segment import Segment
+from storage.types import AppendBatch
+
+if TYPE_CHECKING:
+    from storage.handoff import UnsyncedClose
+    from storage.stream import Stream
+
+
+class SlotSync:
+    """What makes slot streams durable: the packs written and the catalog journal's records that
+    name their slots, synced together, and callers waiting at once sharing one such sync (the
+    round, and under "always" every append to a slot stream). A failed sync is remembered: every
+    later wait raises it (after a failed fdatasync the kernel may have dropped the pages)."""
+
+    def __init__(self, packs: Packs, catalog: Catalog) -> None:
+        self._packs = packs
+        self._catalog = catalog
+        self._cond = threading.Condition()
+        self._started = 0  # syncs begun (one at a time)
+        self._ended = 0  # the last sync that ended well
+        self._syncing = False
+        self._journaled = False  # a record naming a slot was journaled since the last sync began
+        self.error: DurabilityError | None = None
+
+    def journaled(self) -> None:
+        """A record naming a slot (a creation) was just journaled: the next wait syncs."""
+        with self._cond:
+            self._journaled = True
+
+    def wait(self) -> None:
+        """Return once every slot write and record journaled before this call is durable: at
+        once if nothing was written since the last sync began and none is running."""
+        with self._cond:
+            due = self._syncing or self._journaled or self._packs.written
+            need = self._started + 1 if due else self._ended
+            while self._ended < need:
+                if self.error is not None:
+                    raise self.error
+                if self._syncing:
+                    self._cond.wait()
+                    continue
+                self._syncing = True
+                self._journaled = False
+                self._started += 1
+                number = self._started
+                self._cond.release()
+                failure = None
+                try:
+                    self._sync()
+                except DurabilityError as exc:
+                    failure = exc
+                finally:
+                    self._cond.acquire()
+                    self._syncing = False
+                    self._cond.notify_all()
+                if failure is not None:
+                    self.error = failure
+                    raise failure
+                self._ended = number
+            if self.error is not None:
+                raise self.error
+
+    def _sync(self) -> None:
+        mark = self._catalog.journal_mark()  # before the packs' sync: each record in it names a written slot
+        self._packs.sync()
+        if mark is not None:
+            journal, length = mark
+            journal.sync()
+            self._catalog.vouch(journal, length)
+
+
+class Slots:
+    """The engine's slot streams: their packs, their sync, and the catalog that places them."""
+
+    def __init__(self, ctx: EngineContext, data_dir: Path, catalog: Catalog) -> None:
+        self.ctx = ctx
+        self.packs = Packs(ctx.fs, data_dir)
+        self.catalog = catalog
+        self.sync = SlotSync(self.packs, catalog)
+
+    def close(self) -> None:
+        self.packs.close()
+
+
+class SlotHome:
+    """A stream in a slot: `DirectoryHome`'s interface, `directory` the one it would be promoted to."""
+
+    clean_marker = False  # no marker of any kind: every open checks the slot's nodes
+    creation = None  # its creation is durable with the slot's pack and its `p` record
+
+    def __init__(self, ctx: EngineContext, slots: Slots, name: str, directory: Path, place: int) -> None:
+        self.ctx = ctx
+        self.slots = slots
+        self.name = name
+        self.directory = directory
+        self.place = place
+
+    @classmethod
+    def create(cls, ctx: EngineContext, slots: Slots, name: str, directory: Path) -> tuple[SlotHome, Segment]:
+        """A new stream in a slot, placed in the catalog (journaled), and its empty segment.
+        The slot is written whole (zeros past the segment's header): a reused slot keeps
+        nothing of its last stream's nodes."""
+        header = SegmentHeader(0, 0, SLOT_SEGMENT_BYTES, ctx.clock())
+        raw = header.encode()
+        place = slots.packs.create_slot(name, header.created_ms, raw + bytes(SLOT_SEGMENT_BYTES - len(raw)))
+        slots.catalog.add(name, place)  # the `p` record, after the slot's write
+        slots.sync.journaled()
+        file = slots.packs.open_slot(place, name, writable=True)
+        return cls(ctx, slots, name, directory, place), Segment(_as_segment_file(file), header)
+
+    def load(self, handed: UnsyncedClose | None, held: int) -> Opened:
+        """Read the stream from its slot (one pread, every node checked). A slot stream's close
+        hands nothing off (`handed` is None) and the catalog's count needs no check (the slot
+        header names the stream at its generation)."""
+        file = self.slots.packs.open_slot(self.place, self.name, writable=True)
+        loaded = LogLoader(self.ctx, self.name, self.directory).load_slot(_as_segment_file(file))
+        return Opened(self.name, StreamConfig(), loaded, None, False)
+
+    def leftover_removed(self) -> bool:
+        """Remove the directory a promotion a crash cut short left (its `m` was not durable, so
+        the slot is the stream's); whether there was one."""
+        fs = self.ctx.fs
+        if not fs.exists(self.directory):
+            return False
+        fs.remove_tree(self.directory)
+        return True
+
+    def remove(self) -> None:
+        """A deleted stream's slot: its header zeroed, reused after the next sync."""
+        self.slots.packs.free_slot(self.place)
+
+    # ------------------------------------------------------------------ as DirectoryHome
+
+    def make_durable(self, files: list[SegmentFile]) -> None:
+        """Sync the stream's writes: the packs and the journal, shared with every slot stream."""
+        self.slots.sync.wait()
+
+    def commit_creation(self, files: Callable[[], list[SegmentFile]]) -> None:
+        """Nothing to commit: the slot and its `p` record are the round's (`SlotSync`)."""
+
+    def unmark_clean(self) -> None:
+        """No marker to remove (a slot stream has none)."""
+
+    def save_file(self, name: str, raw: bytes) -> None:
+        """A slot stream keeps no file beside its segment: its producers are rebuilt from its nodes
+        at each open (storage/loader.py's `load_slot`), so their snapshot is not kept."""
+
+    def close(self, stream: Stream, hand_off: bool) -> UnsyncedClose | None:
+        """A close writes nothing: its writes are the next round's (`SlotSync`), or synced now when
+        the policy does not promise them to it."""
+        if not hand_off:
+            stream.sync()
+        return None
+
+    # ------------------------------------------------------------------ promotion
+
+    def promote(self, stream: Stream) -> DirectoryHome:
+        """Move the stream into a directory of its own (the module doc's steps; call with the
+        stream's `lock` held, no append between). Returns its new home, already the stream's."""
+        ctx, fs, catalog = self.ctx, self.ctx.fs, self.slots.catalog
+        old = stream.segments[0]
+        catalog.promoting(self.name)  # M
+        creation = start_creation(fs, ctx.streams_dir, self.name, self.directory, stream.config)
+        header = dataclasses.replace(old.header, capacity=ctx.config.segment_bytes).encode()
+        body = header + old.file.read(len(header), old.end_pos - len(header))
+        file = fs.create_segment(self.directory / segment_name(0), SLOT_BYTES, body, durable=False)
+        creation.has_segment = True
+        creation.commit(fs, self.directory, lambda: [file])  # the segment, meta, directories
+        catalog.set_place(self.name, NO_PLACE)  # m
+        mark = catalog.journal_mark()
+        if mark is not None:
+            mark[0].sync()  # m durable before an append goes to the directory
+        segment, _ = Segment.open_file(file, verify=False)
+        stream.release(old)  # (its file closed: the pack's descriptor stays)
+        stream.segments = [segment]
+        resumed = segment.nodes[-1] if segment.nodes else None
+        stream.index = NodeIndex(segment.nodes)
+        stream.active = GrowingNode.resume(resumed) if resumed is not None else None  # synced: durable
+        stream.dirty.clear()
+        self.slots.packs.free_slot(self.place)
+        home = DirectoryHome(ctx, self.directory)
+        stream.home = home
+        return home
+
+
+# What a record adds to its payload at most in a slot stream's first node (field tags, lengths,
+# offset and timestamp varints), and that node's offset table at its smallest (nodewriter.py's
+# FIRST_NODE_SLOTS entries).
+RECORD_OVERHEAD = 24
+_SLOT_ROOM = SLOT_SEGMENT_BYTES - SLOTTED_HEADER_SIZE - NODE_PREFIX_SIZE
+
+
+def fits_slot(batches: Iterable[AppendBatch]) -> bool:
+    """Whether a new stream's first batches fit a slot, written as one node: payloads only (no
+    tags, headers or delivery times: a stream carrying them starts in a directory). A batch
+    the estimate lets through and that does not fit promotes the stream: correct, if slower."""
+    entries = size = 0
+    for batch in batches:
+        if batch.tags is not None or batch.headers is not None or batch.deliver_at_ms is not None:
+            return False
+        entries += len(batch.payloads)
+        size += sum(map(len, batch.payloads))
+    return size + entries * RECORD_OVERHEAD + 4 * max(entries, FIRST_NODE_SLOTS) <= _SLOT_ROOM
+
+
+def _as_segment_file(file: object) -> SegmentFile:
+    """A SlotFile is used where Segment and GrowingNode take a SegmentFile: it has its interface
+    (storage/packs.py) without being one."""
+    return cast(SegmentFile, file)
