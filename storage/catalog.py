@@ -13,9 +13,10 @@ On disk it is one file, `DATA/catalog` (docs/FORMAT.md), replaced atomically, so
 start-up reads one file instead of a million `stream.meta` files. It is a cache of
 what the stream directories hold, never the truth about which streams exist: the
 engine's start-up (storage/engine.py) lists the streams directory, takes from the
-file the streams whose directories it names, reads the meta file of the others,
-and forgets the names whose directory is gone. A missing or damaged file is
-rebuilt from the directories alone.
+file the streams whose directories it names and those in a slot of a pack file
+(a `place`: they have no directory), reads the meta file of the others, and
+forgets the names whose directory is gone. A missing or damaged file is rebuilt
+from the directories alone.
 """
 
 from __future__ import annotations
@@ -48,10 +49,13 @@ CATALOG_FILE = "catalog"
 CATALOG_SET_ASIDE = "catalog.set-aside"
 # Present after a clean shutdown wrote a complete file: start-up need not list the streams.
 CATALOG_CLEAN = "catalog.clean"
-CATALOG_VERSION = 1
+CATALOG_VERSION = 2  # 2: the place column
 _MAGIC = b"SLCT"
 _HEAD = struct.Struct("<4sIHHII")  # magic, CRC32C of the rest, version, 0, streams, JSON bytes
 TOTALS = ("entries", "bytes_on_disk", "segments", "nodes")
+# A stream's place when it has a directory of its own; else its slot in a pack file (design
+# docs/design/small-streams.md: pack << 48 | slot << 24 | generation mod 2**24).
+NO_PLACE = -1
 # Records in one journal generation past which the file is due to be rewritten (the journal, and
 # a replay's work, stay bounded when the cache opens and closes streams at large).
 JOURNAL_RECORDS_MAX = 200_000
@@ -78,21 +82,25 @@ UNKNOWN = StreamSummary(upkeep_ms=1)  # found by its meta file alone: a visit le
 @dataclass
 class CatalogFile:
     """What the file holds: the names (sorted), their figures (columns in TOTALS order), the
-    directory names that are not the stream's own name, the replicated streams, and the
-    pending upkeep of closed streams ((upkeep_ms, name))."""
+    directory names that are not the stream's own name, the replicated streams, the
+    pending upkeep of closed streams ((upkeep_ms, name)), and their places (NO_PLACE for
+    every stream of a version-1 file)."""
 
     names: list[str]
     columns: list[array]
     dirs: dict[str, str]
     replicated: list[str]
     due: list[tuple[int, str]]
+    places: array
     journal: int = 0  # the generation of the journal that continues the file (storage/catalogjournal.py)
 
     def dirnames(self) -> set[str]:
-        found = set(self.names)
+        """The directories of its streams in streams/ (a stream in a slot has none)."""
+        found = {name for name, place in zip(self.names, self.places, strict=True) if place == NO_PLACE}
         for name, dirname in self.dirs.items():
-            found.discard(name)
-            found.add(dirname)
+            if name in found:
+                found.discard(name)
+                found.add(dirname)
         return found
 
 
@@ -107,6 +115,7 @@ class Catalog:
         # Per row, TOTALS of the stream if it is closed (zeros while it is open or gone).
         self._columns = [array("q") for _ in TOTALS]
         self._upkeep = array("q")  # per row: StreamSummary.upkeep_ms of a closed stream
+        self._places = array("q")  # per row: where the stream is (NO_PLACE: its own directory)
         self._totals = [0] * len(TOTALS)  # sums of the columns
         self._due: list[tuple[int, str]] = []  # heap of (upkeep_ms, name); stale items skipped
         self._replicated: set[str] = set()
@@ -144,6 +153,7 @@ class Catalog:
             n = len(listed.names)
             self._base, self._gone, self._rows = listed.names, set(), {}
             self._columns = listed.columns
+            self._places = listed.places
             self._upkeep = array("q", bytes(8 * n))
             for when, name in listed.due:
                 self._upkeep[bisect_left(self._base, name)] = when
@@ -155,11 +165,11 @@ class Catalog:
                     self._drop(name)
             self._totals = [sum(column) for column in self._columns]
 
-    def add_closed(self, name: str, summary: StreamSummary) -> None:
-        """Start-up: a stream found by its directory (closed)."""
+    def add_closed(self, name: str, summary: StreamSummary, place: int = NO_PLACE) -> None:
+        """Start-up: a stream found by its directory, or by a journal's record of its slot (closed)."""
         with self.lock:
             if self._row(name) is None:
-                self._new_row(name)
+                self._new_row(name, place)
             self._keep(name, summary)
             self.changes += 1
 
@@ -172,15 +182,43 @@ class Catalog:
             if self._journal is not None:
                 self._journal.created(name)
 
-    def add(self, name: str) -> None:
-        """A stream created now (it is open)."""
+    def add(self, name: str, place: int = NO_PLACE) -> None:
+        """A stream created now (it is open): in its own directory (its creation journaled by
+        `creating`), or in the slot at `place`, written already: journaled here, so that a
+        record never names a slot the page cache does not hold."""
         with self.lock:
-            if self._row(name) is not None:
+            row = self._row(name)
+            if row is not None:
                 self._forget(name)
+                self._places[row] = place
             else:
-                self._new_row(name)
+                self._new_row(name, place)
             self._open.add(name)
             self.changes += 1
+            if place != NO_PLACE and self._journal is not None:
+                self._journal.placed(name, place)
+
+    def set_place(self, name: str, place: int) -> None:
+        """The stream moved (journaled): to its own directory (NO_PLACE) at a promotion's end,
+        or into a slot."""
+        with self.lock:
+            row = self._row(name)
+            if row is None:
+                return
+            self._places[row] = place
+            if self._journal is not None:
+                if place == NO_PLACE:
+                    self._journal.promoted(name)
+                else:
+                    self._journal.placed(name, place)
+
+    def promoting(self, name: str) -> None:
+        """The stream's promotion from its slot to a directory begins (journaled: a start-up after
+        a crash checks the directory it may have left)."""
+        with self.lock:
+            row = self._row(name)
+            if row is not None and self._journal is not None:
+                self._journal.promoting(name, self._places[row])
 
     def remove(self, name: str, *, unreadable: bool = False) -> None:
         """The stream is deleted, or (`unreadable`) its directory failed its checks: then the next
@@ -200,7 +238,6 @@ class Catalog:
                 self._open.add(name)
                 if self._journal is not None:
                     self._journal.opened(name)
-                    self._journal_grew()
 
     def closed(self, name: str, summary: StreamSummary) -> None:
         """The stream closed with these figures (journaled: a start-up after a crash knows them)."""
@@ -211,23 +248,24 @@ class Catalog:
                 self._open.discard(name)
                 if self._journal is not None:
                     self._journal.closed(name, summary)
-                    self._journal_grew()
 
-    def _journal_grew(self) -> None:
-        assert self._journal is not None
-        if self._journal.records >= JOURNAL_RECORDS_MAX:
-            self.changes += 1  # maintenance rewrites the file: a new generation
-
-    def _new_row(self, name: str) -> None:
+    def _new_row(self, name: str, place: int) -> None:
         if name in self._gone:  # back under its old row (zeroed when it went)
             self._gone.discard(name)
+            self._places[self._row_of(name)] = place
         else:
             self._rows[name] = len(self._upkeep)
             for column in self._columns:
                 column.append(0)
             self._upkeep.append(0)
+            self._places.append(place)
         if self._sorted is not None:
             self._sorted.add(name)
+
+    def _row_of(self, name: str) -> int:
+        row = self._row(name)
+        assert row is not None
+        return row
 
     def _drop(self, name: str) -> None:
         self._forget(name)
@@ -239,8 +277,7 @@ class Catalog:
             self._sorted.remove(name)
 
     def _keep(self, name: str, summary: StreamSummary) -> None:
-        row = self._row(name)
-        assert row is not None
+        row = self._row_of(name)
         for i, column in enumerate(self._columns):
             column[row] = summary[i]
             self._totals[i] += summary[i]
@@ -252,8 +289,7 @@ class Catalog:
 
     def _forget(self, name: str) -> None:
         # Its heap item, if any, goes stale: `due` skips it.
-        row = self._row(name)
-        assert row is not None
+        row = self._row_of(name)
         for i, column in enumerate(self._columns):
             self._totals[i] -= column[row]
             column[row] = 0
@@ -271,6 +307,12 @@ class Catalog:
         with self.lock:
             row = self._row(name)
             return 0 if row is None else self._columns[0][row]  # TOTALS[0]: entries
+
+    def place(self, name: str) -> int:
+        """Where the stream is: its slot, or NO_PLACE (its own directory, or not in the catalog)."""
+        with self.lock:
+            row = self._row(name)
+            return NO_PLACE if row is None else self._places[row]
 
     def due(self, now_ms: int, limit: int) -> list[str]:
         """Up to `limit` closed streams whose upkeep is due, soonest first (maintenance's batch)."""
@@ -309,13 +351,13 @@ class Catalog:
         """The file's bytes: every stream but `skip` (streams whose creation is not durable yet),
         with the figures of the closed ones and, for the open ones, `summaries` (else UNKNOWN).
         `journal` (a new generation) continues the file from now on: the streams of `skip` are
-        recorded in it as created. The lock is held only to copy the columns (a million rows:
-        milliseconds); the file is built outside it."""
+        recorded in it as created (in their slots, for those that have one). The lock is held
+        only to copy the columns (a million rows: milliseconds); the file is built outside it."""
         with self.lock:
             # The file's names are never changed in place: `load` replaces the list.
             base, left = self._base, self._gone | skip
             added = sorted((n, r) for n, r in self._rows.items() if n not in skip)
-            columns = [column[:] for column in self._columns]
+            columns = [column[:] for column in (*self._columns, self._places)]  # the file's columns
             upkeep = self._upkeep[:]
             replicated = self._replicated - skip
             unknown = self._open - skip
@@ -324,7 +366,11 @@ class Catalog:
             if journal is not None:
                 self._journal, generation = journal, journal.generation
                 for name in skip:
-                    journal.created(name)
+                    row = self._row(name)
+                    if row is not None and self._places[row] != NO_PLACE:
+                        journal.placed(name, self._places[row])
+                    else:
+                        journal.created(name)
         if old is not None and journal is not None:
             old.close()
         # The file's names are in order already: merge the few created since into them.
@@ -338,18 +384,23 @@ class Catalog:
             names = base
             columns = [column[: len(base)] for column in columns]  # rows of streams added and gone
             due = {base[r]: when for r, when in enumerate(upkeep) if when}
+        *figures, places = columns
         for name in unknown:  # open, maybe since `summaries` were taken: visited after a crash
             due[name] = UNKNOWN.upkeep_ms
         for name, summary in summaries.items():
             if name in skip:
                 continue
             i = bisect_left(names, name)
-            for column, value in zip(columns, summary, strict=False):
+            for column, value in zip(figures, summary, strict=False):
                 column[i] = value
             due[name] = summary.upkeep_ms or UNKNOWN.upkeep_ms
             if summary.replicated:
                 replicated.add(name)
-        dirs = {n: dirname_for(n) for n in names if not _OWN_DIRNAME.fullmatch(n)}
+        dirs = {
+            n: dirname_for(n)
+            for n, place in zip(names, places, strict=True)
+            if place == NO_PLACE and not _OWN_DIRNAME.fullmatch(n)
+        }
         head = json.dumps(
             {
                 "dirs": dirs,
@@ -377,6 +428,25 @@ class Catalog:
         with self.lock:
             return self._journal.generation if self._journal is not None else 0
 
+    def journal_full(self) -> bool:
+        """Whether the journal reached JOURNAL_RECORDS_MAX records: the file is due now (a replay
+        after a kill -9 stays bounded however fast streams come, go, open and close)."""
+        with self.lock:
+            return self._journal is not None and self._journal.records >= JOURNAL_RECORDS_MAX
+
+    def journal_mark(self) -> tuple[Journal, int] | None:
+        """The journal and its length now, taken before a round syncs the packs and then the
+        journal (`Journal.sync`, outside the lock): every record before it names written data."""
+        with self.lock:
+            return None if self._journal is None else (self._journal, self._journal.length())
+
+    def vouch(self, journal: Journal, length: int) -> None:
+        """Record that the journal's bytes before `length` name durable data (after the syncs
+        `journal_mark` says): unless a new generation began meanwhile, with a file that holds them."""
+        with self.lock:
+            if journal is self._journal:
+                journal.vouch(length)
+
     def close_journal(self) -> None:
         with self.lock:
             journal, self._journal = self._journal, None
@@ -385,28 +455,35 @@ class Catalog:
 
 
 def decode_catalog(raw: bytes) -> CatalogFile:
-    """The file's content (CorruptionError if it is damaged or of another version)."""
+    """The file's content (CorruptionError if it is damaged or of another version). A version-1
+    file (before places) holds directory streams only."""
     if len(raw) < _HEAD.size or raw[:4] != _MAGIC:
         raise CorruptionError("catalog has a bad magic")
     _, crc, version, _, n, head_len = _HEAD.unpack_from(raw)
     body = memoryview(raw)[_HEAD.size :]
     if crc32c(body) != crc:
         raise CorruptionError("catalog CRC mismatch")
-    if version != CATALOG_VERSION:
+    if version not in (1, CATALOG_VERSION):
         raise CorruptionError(f"catalog version {version} is not {CATALOG_VERSION}")
-    names_end = len(body) - 8 * n * len(TOTALS)
+    stored = len(TOTALS) + (version >= 2)  # the figures, then the places
+    names_end = len(body) - 8 * n * stored
     if not head_len <= names_end <= len(body):
         raise CorruptionError("catalog sizes do not add up")
     try:
         head = json.loads(bytes(body[:head_len]))
         names = bytes(body[head_len:names_end]).decode().split("\0") if n else []
         width = 8 * n
-        columns = [
-            _column(body[names_end + width * i : names_end + width * (i + 1)]) for i in range(len(TOTALS))
-        ]
+        columns = [_column(body[names_end + width * i : names_end + width * (i + 1)]) for i in range(stored)]
+        places = columns.pop() if version >= 2 else array("q", [NO_PLACE]) * n
         due = [(int(when), str(name)) for when, name in head["due"]]
         listed = CatalogFile(
-            names, columns, dict(head["dirs"]), list(head["replicated"]), due, int(head.get("journal", 0))
+            names,
+            columns,
+            dict(head["dirs"]),
+            list(head["replicated"]),
+            due,
+            places,
+            int(head.get("journal", 0)),
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptionError(f"catalog is malformed: {exc}") from exc

@@ -15,6 +15,7 @@ from storage.catalog import (
     CATALOG_CLEAN,
     CATALOG_FILE,
     CATALOG_SET_ASIDE,
+    NO_PLACE,
     UNKNOWN,
     Catalog,
     StreamSummary,
@@ -101,16 +102,22 @@ class CatalogFiles:
 
     def _apply_journal(self, changes: Replay) -> None:
         """Start-up after a process crash: the streams the journals say were created since the
-        file (each checked as start-up checks a directory the file does not name: a creation the
-        crash cut short is finished or removed) or deleted (a deletion the crash cut short is
-        finished), and those opened since, whose figures in the file are stale: the ones they
-        last closed with, else (open at the crash) unknown until the stream is recovered."""
-        last, figures = changes.last, changes.closed
+        file, in a slot (kept: checked at first use, as a slot is written before its record) or
+        in a directory (each checked as start-up checks a directory the file does not name: a
+        creation the crash cut short is finished or removed), or deleted (a deletion the crash
+        cut short is finished), those promoted since (in their directory now), and those opened
+        since, whose figures in the file are stale: the ones they last closed with, else (open
+        at the crash) unknown until the stream is recovered."""
+        last, figures, places = changes.last, changes.closed, changes.places
         for name, created in sorted(last.items()):
+            place = places.get(name, NO_PLACE)
+            if place != NO_PLACE:  # created in a slot: no directory to look into
+                self._known(name, figures.get(name, UNKNOWN), place)
+                continue
             directory = stream_directory(self.data_dir, name)
             if created:
                 if self._fs.exists(directory) and self._read_stream_dir(directory) == name:
-                    self._known(name, figures.get(name, UNKNOWN))
+                    self._known(name, figures.get(name, UNKNOWN), NO_PLACE)
                 elif name in self._catalog:
                     self._catalog.remove(name)
             else:
@@ -123,13 +130,18 @@ class CatalogFiles:
         for name in (changes.opened | figures.keys()) - last.keys():
             if name in self._catalog:
                 self._known(name, figures.get(name, UNKNOWN))
+        for name in places.keys() - last.keys():  # promoted (NO_PLACE), of a stream the file names
+            self._catalog.set_place(name, places[name])
 
-    def _known(self, name: str, summary: StreamSummary) -> None:
-        """A stream with these figures (UNKNOWN: a maintenance visit, or its first use, learns them)."""
-        if name in self._catalog:
-            self._catalog.closed(name, summary)
-        else:
-            self._catalog.add_closed(name, summary)
+    def _known(self, name: str, summary: StreamSummary, place: int | None = None) -> None:
+        """A stream with these figures (UNKNOWN: a maintenance visit, or its first use, learns them)
+        and, unless None, this place."""
+        if name not in self._catalog:
+            self._catalog.add_closed(name, summary, NO_PLACE if place is None else place)
+            return
+        self._catalog.closed(name, summary)
+        if place is not None:
+            self._catalog.set_place(name, place)
 
     def _check_replicated(self, replicated: list[str], gone: set[str]) -> None:
         """A few streams: their meta and epoch files are checked at start-up, as replication may

@@ -15,13 +15,21 @@ older journals. After a process crash (kill -9) the page cache kept every record
 replays the journals of the file's generation onwards, in order, and lists no directory. A
 journal is trusted only if it was started since the machine last booted (its header holds
 the kernel's boot id: an operating-system crash or a power loss may have lost unsynced
-records) and every record in it is whole; otherwise start-up lists the streams directory, as
+records) and every record in it is whole, but for a torn last one (the crash cut its write
+short: what it announced never happened); otherwise start-up lists the streams directory, as
 without a journal. A `RELIST` record asks for that listing too (a stream found unreadable:
 the listing reports it again).
 
+A stream in a slot of a pack file (docs/design/small-streams.md) has no directory to find:
+its `PLACED` record, written once its slot is, says where it is; a promotion to a directory is
+`PROMOTING` (begun) then `PROMOTED` (done). A round that synced the packs and then the journal
+writes `VOUCHED` with the journal's length before the syncs: every record before it names
+durable data.
+
     header: b"SLCJ", u16 version, u16 boot id bytes, the boot id (ASCII)
-    record: u8 kind, u16 name bytes, the name (UTF-8), [figures], u32 CRC32C of the ones before
-    figures (CLOSED records only): i64 entries, bytes on disk, segments, nodes, upkeep_ms, u8 replicated
+    record: u8 kind, u16 name bytes, the name (UTF-8), [payload], u32 CRC32C of the ones before
+    payload: CLOSED: i64 entries, bytes on disk, segments, nodes, upkeep_ms, u8 replicated;
+             PLACED, PROMOTING: i64 place; VOUCHED (no name): u64 length
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import logging
 import re
 import struct
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,20 +45,28 @@ from typing import TYPE_CHECKING
 
 from crc32c import crc32c
 
-from storage.catalog import StreamSummary
+from storage.catalog import NO_PLACE, StreamSummary
 from storage.errors import StorageError
 
 if TYPE_CHECKING:
     from storage.fs import AppendFile, FileSystem
 
-JOURNAL_VERSION = 2  # 2: CLOSED records
+JOURNAL_VERSION = 3  # 2: CLOSED records; 3: places, promotions, VOUCHED
 _MAGIC = b"SLCJ"
 _HEAD = struct.Struct("<4sHH")
 _RECORD = struct.Struct("<BH")
 _FIGURES = struct.Struct("<qqqqqB")  # a StreamSummary's fields, in order
+_PLACE = struct.Struct("<q")
+_LENGTH = struct.Struct("<Q")
 _CRC = struct.Struct("<I")
 CREATED, DELETED, OPENED, CLOSED, RELIST = b"+"[0], b"-"[0], b"o"[0], b"c"[0], b"!"[0]
-_KINDS = {CREATED, DELETED, OPENED, CLOSED, RELIST}
+PLACED, PROMOTING, PROMOTED, VOUCHED = b"p"[0], b"M"[0], b"m"[0], b"r"[0]
+# The kinds each version writes -> their payload's bytes.
+_KINDS_2 = {CREATED: 0, DELETED: 0, OPENED: 0, CLOSED: _FIGURES.size, RELIST: 0}
+_PAYLOADS = {
+    2: _KINDS_2,
+    3: {**_KINDS_2, PLACED: _PLACE.size, PROMOTING: _PLACE.size, PROMOTED: 0, VOUCHED: _LENGTH.size},
+}
 _NAME = re.compile(r"catalog\.(\d{1,18})\.log")
 
 log = logging.getLogger("streamlog.storage")
@@ -64,11 +81,9 @@ def journal_generations(names: Iterable[str]) -> list[int]:
     return sorted(int(m.group(1)) for n in names if (m := _NAME.fullmatch(n)))
 
 
-def encode_record(kind: int, name: str, figures: StreamSummary | None = None) -> bytes:
+def encode_record(kind: int, name: str, payload: bytes = b"") -> bytes:
     raw = name.encode()
-    body = _RECORD.pack(kind, len(raw)) + raw
-    if figures is not None:
-        body += _FIGURES.pack(*figures)
+    body = _RECORD.pack(kind, len(raw)) + raw + payload
     return body + _CRC.pack(crc32c(body))
 
 
@@ -78,16 +93,19 @@ class Journal:
     def __init__(self, fs: FileSystem, data_dir: Path, generation: int) -> None:
         self.generation = generation
         self._fs = fs
+        self._data_dir = data_dir
         self._path = data_dir / journal_name(generation)
         boot = fs.boot_id().encode()
+        head = _HEAD.pack(_MAGIC, JOURNAL_VERSION, len(boot)) + boot
         try:
-            self._file: AppendFile | None = fs.create_append(
-                self._path, _HEAD.pack(_MAGIC, JOURNAL_VERSION, len(boot)) + boot
-            )
+            self._file: AppendFile | None = fs.create_append(self._path, head)
         except OSError as exc:
             raise StorageError(f"cannot start the catalog journal {self._path.name}: {exc}") from exc
         self._open: set[str] = set()  # streams opened since their last CLOSED record (or none)
         self.records = 0  # written in this generation: a replay's work
+        self._length = len(head)  # bytes written
+        self._entry_durable = False  # whether the file's directory entry was synced
+        self._closing = threading.Lock()  # a sync (on the round's thread) never meets a closed file
 
     def created(self, name: str) -> None:
         self._append(CREATED, name)
@@ -105,17 +123,50 @@ class Journal:
     def closed(self, name: str, figures: StreamSummary) -> None:
         """Record the figures the stream closed with: its last ones, until it is opened again."""
         self._open.discard(name)
-        self._append(CLOSED, name, figures)
+        self._append(CLOSED, name, _FIGURES.pack(*figures))
 
     def relist(self, name: str) -> None:
         self._append(RELIST, name)
 
-    def _append(self, kind: int, name: str, figures: StreamSummary | None = None) -> None:
+    def placed(self, name: str, place: int) -> None:
+        """Record a stream created in the slot at `place` (once the slot is written)."""
+        self._append(PLACED, name, _PLACE.pack(place))
+
+    def promoting(self, name: str, place: int) -> None:
+        """Record that the stream's promotion from the slot at `place` to a directory begins."""
+        self._append(PROMOTING, name, _PLACE.pack(place))
+
+    def promoted(self, name: str) -> None:
+        """Record that the stream's promotion is done: it is in its directory, its slot is not its."""
+        self._append(PROMOTED, name)
+
+    def length(self) -> int:
+        """The bytes written so far (a round's mark, before its syncs)."""
+        return self._length
+
+    def vouch(self, length: int) -> None:
+        """Record that every record before byte `length` names durable data (the packs and the
+        journal were synced since `length` was taken)."""
+        self._append(VOUCHED, "", _LENGTH.pack(length))
+
+    def sync(self) -> None:
+        """fdatasync the journal (and, the first time, the data directory that names it): its
+        records so far survive a power loss."""
+        with self._closing:
+            if self._file is not None:
+                self._file.sync()
+                if not self._entry_durable:
+                    self._fs.sync_dir(self._data_dir)
+                    self._entry_durable = True
+
+    def _append(self, kind: int, name: str, payload: bytes = b"") -> None:
         if self._file is None:
             return  # broken: removed, so start-up lists the streams directory
         self.records += 1
+        record = encode_record(kind, name, payload)
         try:
-            self._file.append(encode_record(kind, name, figures))
+            self._file.append(record)
+            self._length += len(record)
         except (OSError, StorageError) as exc:
             # A record lost must not leave a journal that looks whole: without this generation
             # start-up cannot trust the ones after it either, until the catalog is next saved.
@@ -127,26 +178,33 @@ class Journal:
                 log.error("catalog journal %s could not be removed: %s", self._path.name, again)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        with self._closing:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
 
 @dataclass
 class Replay:
-    """What the journals since the catalog file say: per name its last CREATED or DELETED
-    record (True: created), the streams opened (figures in the file stale), and the figures
-    of those whose last record is a CLOSED one (the others opened or created since have
-    figures unknown until they are recovered)."""
+    """What the journals since the catalog file say: per name its last CREATED, PLACED or DELETED
+    record (True: created), the streams opened (figures in the file stale), the figures of
+    those whose last record is a CLOSED one (the others opened or created since have figures
+    unknown until they are recovered), the places the journals gave (a slot, or NO_PLACE once
+    promoted; a stream created in a directory has none here), the promotions begun and not done
+    (name -> the slot it leaves), and per generation the length its last VOUCHED record gave."""
 
     last: dict[str, bool] = field(default_factory=dict)
     opened: set[str] = field(default_factory=set)
     closed: dict[str, StreamSummary] = field(default_factory=dict)
+    places: dict[str, int] = field(default_factory=dict)
+    promoting: dict[str, int] = field(default_factory=dict)
+    vouched: dict[int, int] = field(default_factory=dict)
 
 
 def replay(fs: FileSystem, data_dir: Path, first: int, generations: list[int]) -> Replay | None:
     """The journals from generation `first` on, in order; None if they cannot be trusted (one
-    missing, from before the last boot, damaged, or holding a RELIST record)."""
+    missing, from before the last boot, damaged, or holding a RELIST record). A torn record at
+    the end of the last one is a write a kill -9 cut short: left out."""
     wanted = [g for g in generations if g >= first]
     if not wanted or wanted != list(range(first, first + len(wanted))):
         return None
@@ -157,32 +215,60 @@ def replay(fs: FileSystem, data_dir: Path, first: int, generations: list[int]) -
         if len(raw) < _HEAD.size:
             return None
         magic, version, boot_len = _HEAD.unpack_from(raw)
-        pos = _HEAD.size + boot_len
-        if magic != _MAGIC or version != JOURNAL_VERSION or raw[_HEAD.size : pos] != boot:
+        start = _HEAD.size + boot_len
+        if magic != _MAGIC or version not in _PAYLOADS or raw[_HEAD.size : start] != boot:
             return None
-        while pos < len(raw):
-            end = pos + _RECORD.size
-            if end > len(raw):
-                return None
-            kind, length = _RECORD.unpack_from(raw, pos)
-            body_end = end + length + (_FIGURES.size if kind == CLOSED else 0)
-            stop = body_end + _CRC.size
-            if stop > len(raw) or kind not in _KINDS or kind == RELIST:
-                return None
-            if _CRC.unpack_from(raw, body_end)[0] != crc32c(raw[pos:body_end]):
-                return None
-            try:
-                name = raw[end : end + length].decode()
-            except UnicodeDecodeError:
-                return None
-            if kind == CLOSED:
-                entries, size, segments, nodes, upkeep, replicated = _FIGURES.unpack_from(raw, end + length)
-                found.closed[name] = StreamSummary(entries, size, segments, nodes, upkeep, bool(replicated))
-            else:
-                found.closed.pop(name, None)
-                if kind == OPENED:
-                    found.opened.add(name)
-                else:
-                    found.last[name] = kind == CREATED
-            pos = stop
+        if not _replay_records(raw, start, _PAYLOADS[version], generation, generation == wanted[-1], found):
+            return None
     return found
+
+
+def _replay_records(
+    raw: bytes, pos: int, payloads: dict[int, int], generation: int, last: bool, found: Replay
+) -> bool:
+    """Add one generation's records from `pos` on to `found`; False if they cannot be trusted."""
+    while pos < len(raw):
+        end = pos + _RECORD.size
+        if end > len(raw):
+            return last  # torn
+        kind, length = _RECORD.unpack_from(raw, pos)
+        size = payloads.get(kind)
+        if size is None or kind == RELIST:
+            return False
+        body_end = end + length + size
+        stop = body_end + _CRC.size
+        if stop > len(raw):
+            return last  # torn
+        if _CRC.unpack_from(raw, body_end)[0] != crc32c(raw[pos:body_end]):
+            return False
+        try:
+            name = raw[end : end + length].decode()
+        except UnicodeDecodeError:
+            return False
+        at = end + length  # the payload
+        if kind == CLOSED:
+            entries, on_disk, segments, nodes, upkeep, replicated = _FIGURES.unpack_from(raw, at)
+            found.closed[name] = StreamSummary(entries, on_disk, segments, nodes, upkeep, bool(replicated))
+        elif kind == OPENED:
+            found.closed.pop(name, None)
+            found.opened.add(name)
+        elif kind == PROMOTING:
+            found.promoting[name] = _PLACE.unpack_from(raw, at)[0]
+        elif kind == PROMOTED:
+            found.promoting.pop(name, None)
+            found.places[name] = NO_PLACE
+        elif kind == VOUCHED:
+            vouched = _LENGTH.unpack_from(raw, at)[0]
+            if vouched > pos:  # it cannot vouch for what came after it
+                return False
+            found.vouched[generation] = vouched
+        else:  # CREATED, PLACED, DELETED: the stream came or went
+            found.closed.pop(name, None)
+            found.promoting.pop(name, None)
+            found.last[name] = kind != DELETED
+            if kind == PLACED:
+                found.places[name] = _PLACE.unpack_from(raw, at)[0]
+            else:
+                found.places.pop(name, None)
+        pos = stop
+    return True

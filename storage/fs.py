@@ -222,7 +222,7 @@ class SegmentFile:
 
 
 class AppendFile:
-    """A file written only at its end (O_APPEND), each append one write(2), never synced.
+    """A file written only at its end (O_APPEND), each append one write(2), synced on demand.
 
     Its blocks are allocated APPEND_STEP bytes ahead, past its size (fallocate's KEEP_SIZE: the
     size stays what was written), so an append allocates none: ext4 allocates a delayed block
@@ -244,6 +244,13 @@ class AppendFile:
             _allocate_ahead(self._fd, self._end, self._allocated - self._end)
         _write_all(self._fd, data)
         self._end = end
+
+    def sync(self) -> None:
+        """fdatasync: what was appended survives a power loss."""
+        try:
+            os.fdatasync(self._fd)
+        except OSError as exc:
+            raise DurabilityError(f"fdatasync of an append file failed: {exc}") from exc
 
     def close(self) -> None:
         if self._fd >= 0:

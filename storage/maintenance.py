@@ -2,7 +2,7 @@
 `maintain()` called directly): everysec syncs and creation commits of the open streams,
 their packing, retention, producer snapshots and due compaction; closed streams whose upkeep
 is due (storage/catalog.py) opened for it a few at a time; group upkeep; the catalog file
-rewritten when streams came or went. `Engine` takes it from `Maintenance`.
+rewritten when streams came or went, or when its journal is full. `Engine` takes it from `Maintenance`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ CATALOG_SAVE_S = 60  # the catalog file is rewritten at most this often when str
 # ... or sooner, once this many came or went: a start-up after a kill -9 checks the directory of
 # each stream created since the file (~0.1 ms apiece), so a load's 60 s of creations took seconds.
 CATALOG_SAVE_CHANGES = 10_000
+# ... and at once when its journal holds JOURNAL_RECORDS_MAX records (storage/catalog.py): streams
+# opened and closed at large change no stream's presence, yet each makes two records.
 
 
 class Maintenance:
@@ -80,7 +82,9 @@ class Maintenance:
                 self._open.end_visit(stream)
         self._groups.maintain()  # group expiry and dead letters, everysec journal syncs, checkpoints
         changes, since = self._catalog.changes, time.monotonic() - self._catalog_saved
-        if changes and (changes >= CATALOG_SAVE_CHANGES or since >= CATALOG_SAVE_S):
+        if self._catalog.journal_full() or (
+            changes and (changes >= CATALOG_SAVE_CHANGES or since >= CATALOG_SAVE_S)
+        ):
             try:
                 self._slots.sync.wait()  # the file must name no slot a power loss could take back
                 self._save_catalog()

@@ -184,6 +184,12 @@ class FaultAppendFile:
             fs._check_space(len(data), f"write {self._path.name}")
             fs._write(self._inode, self._path, len(self._inode.data), data)
 
+    def sync(self) -> None:
+        try:
+            self._fs._sync_inode(self._inode, self._path)
+        except OSError as exc:
+            raise DurabilityError(f"fdatasync of {self._path} failed: {exc}") from exc
+
     def close(self) -> None:
         pass
 

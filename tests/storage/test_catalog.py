@@ -11,7 +11,7 @@ import pytest
 from crc32c import crc32c
 
 from storage import AppendBatch, CorruptionError, Engine, EngineConfig, StreamBounds, StreamConfig
-from storage.catalog import CATALOG_CLEAN, CATALOG_FILE, Catalog, StreamSummary, decode_catalog
+from storage.catalog import CATALOG_CLEAN, CATALOG_FILE, NO_PLACE, Catalog, StreamSummary, decode_catalog
 from storage.fs import FileSystem
 from storage.layout import META_FILE, stream_directory
 from tests.storage.conftest import SMALL
@@ -326,3 +326,97 @@ def test_a_catalog_whose_names_are_out_of_order_counts_as_damaged():
     raw[4:8] = crc32c(bytes(raw[20:])).to_bytes(4, "little")
     with pytest.raises(CorruptionError, match="not in order"):
         decode_catalog(bytes(raw))
+
+
+PLACE = 1 << 48 | 5 << 24 | 1  # pack 1, slot 5, its first generation
+
+
+def as_version_1(raw: bytes) -> bytes:
+    """A catalog file as the version before places wrote it: no place column."""
+    n = int.from_bytes(raw[12:16], "little")
+    body = raw[20 : len(raw) - 8 * n]
+    return raw[:4] + crc32c(body).to_bytes(4, "little") + (1).to_bytes(2, "little") + raw[10:20] + body
+
+
+def test_places_round_trip_through_the_file():
+    catalog = Catalog()
+    catalog.add_closed("dir", StreamSummary(1, 10, 1, 1))
+    catalog.add_closed("slot", StreamSummary(2, 4096, 1, 1), PLACE)
+    catalog.add("new-slot", PLACE + 1)  # created now, open
+    catalog.add("new-dir")
+    catalog.add_closed("promoted", StreamSummary(3, 30, 1, 1), PLACE + 2)
+    catalog.set_place("promoted", NO_PLACE)
+    listed = decode_catalog(catalog.encode(set(), {}))
+    assert listed.names == ["dir", "new-dir", "new-slot", "promoted", "slot"]
+    assert list(listed.places) == [NO_PLACE, NO_PLACE, PLACE + 1, NO_PLACE, PLACE]
+    assert list(listed.columns[0]) == [1, 0, 0, 3, 2]  # the figures are where they were
+    assert listed.dirnames() == {"dir", "new-dir", "promoted"}  # a slot stream has no directory
+    again = Catalog()
+    again.load(listed, set())
+    assert [again.place(n) for n in ["slot", "new-slot", "dir", "promoted", "absent"]] == [
+        PLACE,
+        PLACE + 1,
+        NO_PLACE,
+        NO_PLACE,
+        NO_PLACE,
+    ]
+    again.remove("slot")
+    again.add("slot")  # recreated in a directory, under its old row
+    again.add("another", PLACE + 3)
+    listed = decode_catalog(again.encode(set(), {}))
+    assert dict(zip(listed.names, listed.places, strict=True)) == {
+        "another": PLACE + 3,
+        "dir": NO_PLACE,
+        "new-dir": NO_PLACE,
+        "new-slot": PLACE + 1,
+        "promoted": NO_PLACE,
+        "slot": NO_PLACE,
+    }
+
+
+def test_a_version_1_file_is_read_with_no_place_and_written_as_version_2(tmp_path, clock):
+    config = EngineConfig(**SMALL, max_open_streams=4)
+    data = tmp_path / "data"
+    with Engine(data, config, clock=clock) as engine:
+        written = fill(engine, 6)
+    path = data / CATALOG_FILE
+    path.write_bytes(as_version_1(path.read_bytes()))
+    old = decode_catalog(path.read_bytes())
+    assert old.names == sorted(written) and list(old.places) == [NO_PLACE] * 6
+    fs = CountingFS()
+    engine = Engine(data, config, clock=clock, fs=fs)
+    assert fs.stream_listings == 0 and fs.meta_reads == 0  # a clean start-up: the file was trusted
+    assert engine.list_streams() == sorted(written) and engine.stats()["entries"] == 18
+    assert all(contents(engine, name) == items for name, items in written.items())
+    engine.close()
+    raw = path.read_bytes()
+    assert int.from_bytes(raw[8:10], "little") == 2
+    assert list(decode_catalog(raw).places) == [NO_PLACE] * 6
+
+
+@pytest.mark.parametrize("start_up", ["clean", "kill -9", "listing"])
+def test_a_stream_in_a_slot_survives_start_up_without_a_directory(tmp_path, clock, start_up):
+    """A slot stream has no directory in streams/: start-up must not forget it, whether it reads
+    the file alone, the file and its journal, or the file and the listing of streams/."""
+    config = EngineConfig(**SMALL, max_open_streams=4)
+    data = tmp_path / "data"
+    with Engine(data, config, clock=clock) as engine:
+        written = fill(engine, 3)
+    engine = Engine(data, config, clock=clock, fs=CountingFS())  # its own fs: no lock, a kill -9 frees it
+    # As the engine will make one (docs/design/small-streams.md, step 3): its slot written, then added.
+    engine._catalog.add("slotted", PLACE)
+    engine._catalog.closed("slotted", StreamSummary(1, 4096, 1, 1))
+    if start_up != "kill -9":
+        engine.close()
+    if start_up == "listing":  # neither a clean shutdown's mark nor a journal to trust
+        (data / CATALOG_CLEAN).unlink()
+        for log in data.glob("catalog.*.log"):
+            log.unlink()
+    fs = CountingFS()
+    engine = Engine(data, config, clock=clock, fs=fs)
+    assert fs.stream_listings == (start_up == "listing")
+    assert engine.list_streams() == sorted([*written, "slotted"])
+    assert engine._catalog.place("slotted") == PLACE and engine._catalog.place("room-001") == NO_PLACE
+    assert engine.stats()["entries"] == 9 + 1
+    assert all(contents(engine, name) == items for name, items in written.items())
+    engine.close()
