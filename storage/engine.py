@@ -48,8 +48,8 @@ from storage.layout import LOCK_FILE, streams_root
 from storage.maintenance import Maintenance
 from storage.names import dirname_for, validate_name
 from storage.openstreams import OpenStreams, Pinned
-from storage.replicaapi import ReplicaCalls
 from storage.packs import NO_PLACE
+from storage.replicaapi import ReplicaCalls
 from storage.slothome import Slots
 from storage.stream import Stream
 from storage.streaminfo import stream_info
@@ -114,7 +114,9 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
         self._small = self.config.small_streams == "slots"
         self._load()
         if self._fs.exists(self._slots.packs.directory):
-            self._slots.packs.adopt(self._catalog.places())
+            self._slots.packs.adopt(self._catalog.placed().values())
+            if not self._clean_start and self._slots.packs.clear_unnamed():
+                self._slots.sync.wait()  # before a stream is created: a scan never brings them back
         # Consumer groups (storage/groupmanager.py): their state lives beside each stream's segments.
         self._groups = GroupManager(
             self,
@@ -156,7 +158,9 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
         place = self._catalog.place(name)
         try:
             if place == NO_PLACE:
-                stream = Stream.open(self._ctx, directory, self._unsynced.take(name), self._catalog.entries(name))
+                stream = Stream.open(
+                    self._ctx, directory, self._unsynced.take(name), self._catalog.entries(name)
+                )
             else:
                 stream = Stream.open_in_slot(self._ctx, self._slots, name, directory, place)
         except (CorruptionError, ValueError, KeyError, FileNotFoundError) as exc:

@@ -38,6 +38,7 @@ from storage.format import (
     SLOTTED_HEADER_SIZE,
     SegmentHeader,
 )
+from storage.fs import SegmentFile
 from storage.growing import GrowingNode
 from storage.index import NodeIndex
 from storage.layout import (
@@ -51,7 +52,6 @@ from storage.layout import (
 from storage.packed import decompressor
 from storage.records import find_producers
 from storage.results import Gap
-from storage.fs import SegmentFile
 from storage.segment import NodeRef, Segment
 from storage.types import GapReason
 

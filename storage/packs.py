@@ -146,6 +146,32 @@ class Packs:
                 self._free.update(((pack, slot), 0) for slot in range(1, slots) if slot not in taken)
             self._adopted = True
 
+    def clear_unnamed(self) -> int:
+        """After `adopt` at a start-up that followed a crash: zero the header of every slot it
+        found free that still names a stream (a creation whose record the crash lost, a freeing
+        it cut short), and of those past the last taken one in the last pack, so that a later
+        scan (a start-up with no trusted index) cannot bring them back. Returns how many;
+        the zeroing is durable with the next sync."""
+        cleared = 0
+        with self._lock:
+            ids = self._pack_ids()
+            if not ids:
+                return 0
+            last = self._open(ids[-1])
+            tail = last.read(self._next * SLOT_BYTES, max(0, last.size - self._next * SLOT_BYTES))
+            past = [
+                (ids[-1], self._next + i // SLOT_BYTES)
+                for i in range(0, len(tail) - SLOT_BYTES + 1, SLOT_BYTES)
+                if tail[i : i + SLOT_HEADER_BYTES] != _FREE_HEADER
+            ]
+            for pack, slot in [*self._free, *past]:
+                file = self._open(pack)
+                if file.read(slot * SLOT_BYTES, SLOT_HEADER_BYTES) != _FREE_HEADER:
+                    file.write(slot * SLOT_BYTES, _FREE_HEADER)
+                    self._dirty.add(pack)
+                    cleared += 1
+        return cleared
+
     def create_slot(self, name: str, created_ms: int, segment: bytes) -> int:
         """Write a new stream's slot (header and `segment`, one pwrite) and return its place."""
         if len(segment) > SLOT_SEGMENT_BYTES:

@@ -19,15 +19,17 @@ its segment outgrows the slot, or a meta file (a config, a trim), groups, a trun
 With the stream's locks held: journal `M`; make the directory (storage/creation.py's
 `start_creation`); write the slot's segment as its first `.seg` file, header rewritten with the
 engine's segment capacity; sync it, the directory and the streams directory (the creation's
-commit); journal `m` and sync the journal, so the stream is in its directory, durably, before an
-append goes there; zero the slot's header (free once a sync made that durable). A crash before
-the journal's `m` is durable leaves the slot the stream's and a directory the next open removes
-(`leftover_removed`); after it, the directory, whole since its syncs.
+commit); journal `m`; zero the slot's header; sync the packs and the journal (`SlotSync`) before
+an append goes to the directory. So a slot that still names the stream after a crash holds all
+of it, the directory at most a copy: the slot wins (the directory is removed at the stream's
+next open, `_remove_leftover`, or by a start-up's scan); once the zeroing is durable the
+directory is the stream, whole since its syncs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -38,7 +40,13 @@ from storage.config import StreamConfig
 from storage.context import EngineContext
 from storage.creation import start_creation
 from storage.errors import DurabilityError
-from storage.format import NODE_PREFIX_SIZE, SLOT_BYTES, SLOT_SEGMENT_BYTES, SLOTTED_HEADER_SIZE, SegmentHeader
+from storage.format import (
+    NODE_PREFIX_SIZE,
+    SLOT_BYTES,
+    SLOT_SEGMENT_BYTES,
+    SLOTTED_HEADER_SIZE,
+    SegmentHeader,
+)
 from storage.fs import SegmentFile
 from storage.growing import GrowingNode
 from storage.home import DirectoryHome, Opened
@@ -53,6 +61,8 @@ from storage.types import AppendBatch
 if TYPE_CHECKING:
     from storage.handoff import UnsyncedClose
     from storage.stream import Stream
+
+log = logging.getLogger("streamlog.storage")
 
 
 class SlotSync:
@@ -161,22 +171,24 @@ class SlotHome:
         """Read the stream from its slot (one pread, every node checked). A slot stream's close
         hands nothing off (`handed` is None) and the catalog's count needs no check (the slot
         header names the stream at its generation)."""
+        self._remove_leftover()
         file = self.slots.packs.open_slot(self.place, self.name, writable=True)
         loaded = LogLoader(self.ctx, self.name, self.directory).load_slot(_as_segment_file(file))
         return Opened(self.name, StreamConfig(), loaded, None, False)
 
-    def leftover_removed(self) -> bool:
-        """Remove the directory a promotion a crash cut short left (its `m` was not durable, so
-        the slot is the stream's); whether there was one."""
-        fs = self.ctx.fs
-        if not fs.exists(self.directory):
-            return False
-        fs.remove_tree(self.directory)
-        return True
+    def _remove_leftover(self) -> None:
+        """Remove, durably, the directory a promotion a crash cut short left (its `m` was not
+        durable, so the slot is the stream's): a later promotion makes it anew, and a start-up
+        that lists streams/ must not take it for the stream."""
+        if self.ctx.fs.exists(self.directory):
+            log.warning("stream %r: removing the directory a promotion cut short left", self.name)
+            self.ctx.fs.remove_tree(self.directory)
 
     def remove(self) -> None:
-        """A deleted stream's slot: its header zeroed, reused after the next sync."""
+        """A deleted stream's slot: its header zeroed, durably (as a directory's removal is: a
+        scan must not bring the stream back), reused after that sync."""
         self.slots.packs.free_slot(self.place)
+        self.slots.sync.wait()
 
     # ------------------------------------------------------------------ as DirectoryHome
 
@@ -216,9 +228,10 @@ class SlotHome:
         creation.has_segment = True
         creation.commit(fs, self.directory, lambda: [file])  # the segment, meta, directories
         catalog.set_place(self.name, NO_PLACE)  # m
-        mark = catalog.journal_mark()
-        if mark is not None:
-            mark[0].sync()  # m durable before an append goes to the directory
+        self.slots.packs.free_slot(self.place)
+        # The slot's zeroing, then `m`, durable before an append goes to the directory: a slot that
+        # still names the stream after a crash holds all of it (the directory at most a copy).
+        self.slots.sync.wait()
         segment, _ = Segment.open_file(file, verify=False)
         stream.release(old)  # (its file closed: the pack's descriptor stays)
         stream.segments = [segment]
@@ -226,7 +239,6 @@ class SlotHome:
         stream.index = NodeIndex(segment.nodes)
         stream.active = GrowingNode.resume(resumed) if resumed is not None else None  # synced: durable
         stream.dirty.clear()
-        self.slots.packs.free_slot(self.place)
         home = DirectoryHome(ctx, self.directory)
         stream.home = home
         return home

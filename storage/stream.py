@@ -42,13 +42,13 @@ from storage.fs import SegmentFile
 from storage.growing import GrowingNode
 from storage.handoff import UnsyncedClose
 from storage.home import DirectoryHome
-from storage.slothome import SlotHome, Slots
 from storage.index import NodeIndex
 from storage.nodewriter import append_one, append_together
 from storage.packed import decompressor
 from storage.reader import count_entries, read_backward, read_forward, seek_time
 from storage.results import AppendResult, EntriesMeta, Gap, ReadResult
 from storage.segment import NodeRef, NodeView, Segment
+from storage.slothome import SlotHome, Slots
 from storage.streaminfo import stream_summary
 from storage.streamparts import StreamParts
 from storage.types import AppendBatch, FsyncPolicy, StreamBounds
@@ -57,7 +57,9 @@ log = logging.getLogger("streamlog.storage")
 
 
 class Stream(StreamParts):
-    def __init__(self, ctx: EngineContext, name: str, home: DirectoryHome | SlotHome, config: StreamConfig) -> None:
+    def __init__(
+        self, ctx: EngineContext, name: str, home: DirectoryHome | SlotHome, config: StreamConfig
+    ) -> None:
         self.ctx = ctx
         self.name = name
         self.home = home  # where its bytes live (storage/home.py)

@@ -28,12 +28,13 @@ from storage.truncation import Truncation
 
 if TYPE_CHECKING:
     from storage.home import DirectoryHome
+    from storage.slothome import SlotHome
     from storage.stream import Stream
 
 
 class StreamParts:
     ctx: EngineContext  # these set by Stream
-    home: DirectoryHome
+    home: DirectoryHome | SlotHome
     lock: threading.RLock
     end_offset: int
 

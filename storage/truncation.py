@@ -73,7 +73,6 @@ class Truncation:
         if not isinstance(end_offset, int) or end_offset < 0:
             raise InvalidArgumentError("a truncation offset must be a non-negative integer")
         with s.maintenance_lock, s.lock:
-            s.directory_home()  # (a stream in a slot is promoted first: the cut's marker is a file)
             if not s.first_offset <= end_offset <= s.end_offset:
                 raise InvalidArgumentError(
                     f"cannot truncate stream {s.name!r} to {end_offset}: the cut must lie between its "
@@ -84,7 +83,7 @@ class Truncation:
                 if epochs is not None:
                     s.save_epochs(epochs)
                 return
-            s.home.drop_markers(s.segments)
+            s.directory_home().drop_markers(s.segments)
             # What stays must be durable before the intent is: recovery redoes the cut from there.
             for file in list(s.dirty):
                 file.sync()
@@ -104,7 +103,7 @@ class Truncation:
         end_offset = decode_marker(fs.read_file(path))
         with s.maintenance_lock, s.lock:
             # Even when the log is cut already: the epochs and producers may not be yet.
-            s.home.drop_markers(s.segments)
+            s.directory_home().drop_markers(s.segments)
             if s.first_offset <= end_offset <= s.end_offset:
                 self._cut(end_offset)
         fs.remove(path)
