@@ -2,6 +2,7 @@
 
     python -m storage.inspect PATH           list segments and nodes (PATH: data dir, stream dir or .seg file)
     python -m storage.inspect verify DATA    check every stream; exit status 1 if anything is damaged
+    python -m storage.inspect packs DATA     list pack files: slots used, free, damaged; check each slot
     add --json for one JSON object per line
 
 It only reads: safe to run beside a live server (the active node may then
@@ -31,6 +32,7 @@ from storage.layout import (
     read_meta,
     streams_root,
 )
+from storage.packinspect import inspect_packs
 from storage.segment import Segment
 
 
@@ -158,6 +160,7 @@ def verify(data_dir: Path) -> list[str]:
                 expected = report.nodes[-1].end_offset
             if report.packed:
                 expected = _packed_end(path, expected)
+    problems.extend(inspect_packs(data_dir)[1])
     return problems
 
 
@@ -219,6 +222,23 @@ def _print_report(report: SegmentReport, as_json: bool) -> None:
         print(f"  problem: {problem}")
 
 
+def _print_packs(data_dir: Path, as_json: bool) -> int:
+    reports, problems = inspect_packs(data_dir)
+    for r in reports:
+        if as_json:
+            print(json.dumps({**asdict(r), "free": r.free}))
+        else:
+            print(
+                f"pack {r.pack_id:05d}  {r.file_bytes} bytes  {r.slots} slots: "
+                f"{r.used} used, {r.free} free, {r.damaged} damaged"
+            )
+    for problem in problems:
+        print(json.dumps({"problem": problem}) if as_json else f"problem: {problem}")
+    if not reports and not as_json:
+        print(f"no pack files in {data_dir}")
+    return 1 if problems else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m storage.inspect", description=__doc__.split("\n\n")[0])
     parser.add_argument("args", nargs="+", metavar="[verify] PATH")
@@ -233,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
         if not problems and not ns.json:
             print("ok: no damage found")
         return 1 if problems else 0
+    if ns.args[0] == "packs":
+        if len(ns.args) != 2:
+            parser.error("packs takes one data directory")
+        return _print_packs(Path(ns.args[1]), ns.json)
     status = 0
     for arg in ns.args:
         path = Path(arg)

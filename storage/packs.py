@@ -26,7 +26,7 @@ from pathlib import Path
 
 from storage.errors import CorruptionError
 from storage.format import SLOT_BYTES, SLOT_HEADER_BYTES, SLOT_SEGMENT_BYTES, PackHeader, SlotHeader
-from storage.fs import FileSystem, PackFile
+from storage.fs import FileSystem, PackFile, SegmentFile
 from storage.layout import PACKS_DIR, pack_id_of, pack_name
 
 log = logging.getLogger("streamlog.storage")
@@ -54,12 +54,13 @@ class SlotFull(Exception):
     """A segment in a slot would grow past SLOT_SEGMENT_BYTES: the stream needs a directory."""
 
 
-class SlotFile:
+class SlotFile(SegmentFile):
     """`fs.SegmentFile`'s interface over one slot's segment: positions count from the segment's
     start (the slot's byte SLOT_HEADER_BYTES). Reads come from the copy its open read; each write
-    is one pwrite into the pack (then copied), and marks the pack written for the next sync."""
+    is one pwrite into the pack (then copied), and marks the pack written for the next sync.
 
-    mapped = False  # (its close is the caller's, as an unmapped segment's)
+    A SegmentFile by type, as the engine holds a stream's files (dirty sets, the closer), but none
+    of its state: every method is this class's own, so SegmentFile's constructor is not called."""
 
     def __init__(
         self, pack: PackFile, start: int, content: bytearray, writable: bool, written: Callable[[], None]
@@ -70,11 +71,15 @@ class SlotFile:
         self.closed = False
         self._pack = pack
         self._start = start  # where the segment starts in the pack
-        self._copy = content
+        self._content = content
         self._written = written
 
+    @property
+    def mapped(self) -> bool:
+        return False  # (its close is the caller's, as an unmapped segment's)
+
     def read(self, pos: int, length: int) -> bytes:
-        return bytes(self._copy[pos : pos + length])
+        return bytes(self._content[pos : pos + length])
 
     def write(self, pos: int, data: bytes) -> None:
         if self.closed or not self.writable:
@@ -83,7 +88,7 @@ class SlotFile:
             raise SlotFull(f"a write of {len(data)} bytes at {pos} does not fit the slot")
         self._pack.write(self._start + pos, data)
         self._written()  # after the write: a sync that begins after it covers it
-        self._copy[pos : pos + len(data)] = data
+        self._content[pos : pos + len(data)] = data
 
     def reserve(self, size: int) -> None:
         if size > SLOT_SEGMENT_BYTES:
@@ -173,14 +178,18 @@ class Packs:
         return cleared
 
     def create_slot(self, name: str, created_ms: int, segment: bytes) -> int:
-        """Write a new stream's slot (header and `segment`, one pwrite) and return its place."""
+        """Write a new stream's slot (header, `segment` and zeros to the slot's end: one pwrite)
+        and return its place."""
         if len(segment) > SLOT_SEGMENT_BYTES:
             raise SlotFull(f"a segment of {len(segment)} bytes does not fit a slot")
         with self._lock:
             pack, slot, generation = self._take()
             file = self._files[pack]
             try:
-                file.write(slot * SLOT_BYTES, SlotHeader(name, generation, created_ms).encode() + segment)
+                # The whole slot: a reused one's old nodes past the new segment's end must read as
+                # nothing, or a scan could take one for the new stream's next node.
+                header = SlotHeader(name, generation, created_ms).encode()
+                file.write(slot * SLOT_BYTES, header + segment + bytes(SLOT_SEGMENT_BYTES - len(segment)))
             except BaseException:
                 self._give_back(pack, slot, generation)
                 raise

@@ -246,6 +246,14 @@ class Segment:
         return segment, segment._scan(verify)
 
     @classmethod
+    def over(cls, file: SegmentFile, *, verify: bool) -> tuple[Segment, str | None]:
+        """A segment over a file already open (a slot's: storage/packs.py), its node chain indexed
+        as `open` indexes one with no SYNCED marker to trust (CorruptionError: a damaged header).
+        Returns the segment and, when the chain stopped before the end of the written data, why."""
+        segment = cls(file, SegmentHeader.decode(file.read(0, SEGMENT_HEADER_SIZE)))
+        return segment, segment._scan(verify)
+
+    @classmethod
     def salvage(cls, fs: FileSystem, path: Path, base_offset: int) -> Segment | None:
         """Open a segment whose header is damaged, trusting the base offset in its name.
 

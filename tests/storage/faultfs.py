@@ -10,14 +10,16 @@ Every write goes to `data` at once and is recorded as *pending* until the file
 is synced; a sync applies the pending writes to `durable`. Directory changes
 (create, rename, remove) are likewise pending until `sync_dir` of their
 directory; `sync_filesystem` (syncfs) makes everything pending durable at once.
-The composite operations (`create_segment`, `write_file_atomic`, `remove`,
-`rename`, `makedirs`, `remove_tree`) are built from these primitives
+The composite operations (`create_segment`, `create_pack`, `write_file_atomic`,
+`remove`, `rename`, `makedirs`, `remove_tree`) are built from these primitives
 in exactly the order the real `FileSystem` uses them, so a crash can fall
 between any two of their steps.
 
 Crash points. Every file, directory and file-system sync is a *sync point*
 (numbered from 1 in `syncs`); every segment or file write is a *write point*
-(`writes`). A test can
+(`writes`). A pack file (`create_pack`, `open_pack`) is one file many streams' slots share:
+each of its writes is pending by its byte range, so a crash keeps or loses each slot's apart.
+A test can
 
 - raise `Crash` at sync point k or write point k (`crash_at_sync`, `crash_at_write`);
 - run a hook at each point (`on_sync`, `on_write`) that snapshots the post-crash
