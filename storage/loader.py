@@ -133,7 +133,7 @@ class LogLoader:
         the slot's open read), a torn tail cut, durably, before an append goes on; its producers
         rebuilt from its nodes (it keeps no snapshot). CorruptionError if the segment's header
         fails its checks: the stream is unreadable, its slot kept for the operator."""
-        segment, cut = Segment.open_file(file, verify=True)
+        segment, cut = Segment.over(file, verify=True)
         if cut:
             log.warning("stream %r: its slot: %s", self.name, cut)
             segment.truncate_after(segment.end_pos)

@@ -215,21 +215,13 @@ class Segment:
         and agrees with the chain. Returns the segment and, when the node chain
         stopped before the end of the written data, why.
         """
-        return cls.open_file(fs.open_segment(path, writable), verify=verify, synced=synced)
-
-    @classmethod
-    def open_file(
-        cls, file: SegmentFile, *, verify: bool, synced: SyncedEnd | None = None
-    ) -> tuple[Segment, str | None]:
-        """`open` over a file opened already (a slot's, storage/packs.py); closed if its header
-        fails its checks."""
+        file = fs.open_segment(path, writable)
         try:
             header = SegmentHeader.decode(file.read(0, SEGMENT_HEADER_SIZE))
         except CorruptionError:
             file.close()
             raise
         segment = cls(file, header)
-        path = file.path
         if synced is not None and (synced.base_offset, synced.created_ms) == (
             header.base_offset,
             header.created_ms,

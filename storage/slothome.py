@@ -33,13 +33,13 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from storage.catalog import Catalog
 from storage.config import StreamConfig
 from storage.context import EngineContext
 from storage.creation import start_creation
-from storage.errors import DurabilityError
+from storage.durability import SyncGate
 from storage.format import (
     NODE_PREFIX_SIZE,
     SLOT_BYTES,
@@ -74,58 +74,40 @@ class SlotSync:
     def __init__(self, packs: Packs, catalog: Catalog) -> None:
         self._packs = packs
         self._catalog = catalog
-        self._cond = threading.Condition()
-        self._started = 0  # syncs begun (one at a time)
-        self._ended = 0  # the last sync that ended well
-        self._syncing = False
+        self._gate = SyncGate()  # its leader syncs; the others wait for a sync that covers them
+        self._lock = threading.Lock()
+        self._asked = 0  # syncs asked for: a sync covers those asked before it began
+        self._running = False
         self._journaled = False  # a record naming a slot was journaled since the last sync began
-        self.error: DurabilityError | None = None
 
     def journaled(self) -> None:
         """A record naming a slot (a creation) was just journaled: the next wait syncs."""
-        with self._cond:
-            self._journaled = True
+        self._journaled = True
 
     def wait(self) -> None:
         """Return once every slot write and record journaled before this call is durable: at
-        once if nothing was written since the last sync began and none is running."""
-        with self._cond:
-            due = self._syncing or self._journaled or self._packs.written
-            need = self._started + 1 if due else self._ended
-            while self._ended < need:
-                if self.error is not None:
-                    raise self.error
-                if self._syncing:
-                    self._cond.wait()
-                    continue
-                self._syncing = True
-                self._journaled = False
-                self._started += 1
-                number = self._started
-                self._cond.release()
-                failure = None
-                try:
-                    self._sync()
-                except DurabilityError as exc:
-                    failure = exc
-                finally:
-                    self._cond.acquire()
-                    self._syncing = False
-                    self._cond.notify_all()
-                if failure is not None:
-                    self.error = failure
-                    raise failure
-                self._ended = number
-            if self.error is not None:
-                raise self.error
+        once if nothing was written since the last sync began and none is running (DurabilityError
+        if a sync failed, now or before)."""
+        with self._lock:
+            if self._running or self._journaled or self._packs.written:
+                self._asked += 1
+            asked = self._asked
+        self._gate.wait(asked, self._sync)
 
-    def _sync(self) -> None:
-        mark = self._catalog.journal_mark()  # before the packs' sync: each record in it names a written slot
-        self._packs.sync()
-        if mark is not None:
-            journal, length = mark
-            journal.sync()
-            self._catalog.vouch(journal, length)
+    def _sync(self) -> int:
+        with self._lock:
+            covered, self._running, self._journaled = self._asked, True, False
+        try:
+            mark = self._catalog.journal_mark()  # before the packs' sync: its records name written slots
+            self._packs.sync()
+            if mark is not None:
+                journal, length = mark
+                journal.sync()
+                self._catalog.vouch(journal, length)
+        finally:
+            with self._lock:
+                self._running = False
+        return covered
 
 
 class Slots:
@@ -165,7 +147,7 @@ class SlotHome:
         slots.catalog.add(name, place)  # the `p` record, after the slot's write
         slots.sync.journaled()
         file = slots.packs.open_slot(place, name, writable=True)
-        return cls(ctx, slots, name, directory, place), Segment(_as_segment_file(file), header)
+        return cls(ctx, slots, name, directory, place), Segment(file, header)
 
     def load(self, handed: UnsyncedClose | None, held: int) -> Opened:
         """Read the stream from its slot (one pread, every node checked). A slot stream's close
@@ -173,7 +155,7 @@ class SlotHome:
         header names the stream at its generation)."""
         self._remove_leftover()
         file = self.slots.packs.open_slot(self.place, self.name, writable=True)
-        loaded = LogLoader(self.ctx, self.name, self.directory).load_slot(_as_segment_file(file))
+        loaded = LogLoader(self.ctx, self.name, self.directory).load_slot(file)
         return Opened(self.name, StreamConfig(), loaded, None, False)
 
     def _remove_leftover(self) -> None:
@@ -232,7 +214,7 @@ class SlotHome:
         # The slot's zeroing, then `m`, durable before an append goes to the directory: a slot that
         # still names the stream after a crash holds all of it (the directory at most a copy).
         self.slots.sync.wait()
-        segment, _ = Segment.open_file(file, verify=False)
+        segment, _ = Segment.over(file, verify=False)
         stream.release(old)  # (its file closed: the pack's descriptor stays)
         stream.segments = [segment]
         resumed = segment.nodes[-1] if segment.nodes else None
@@ -262,9 +244,3 @@ def fits_slot(batches: Iterable[AppendBatch]) -> bool:
         entries += len(batch.payloads)
         size += sum(map(len, batch.payloads))
     return size + entries * RECORD_OVERHEAD + 4 * max(entries, FIRST_NODE_SLOTS) <= _SLOT_ROOM
-
-
-def _as_segment_file(file: object) -> SegmentFile:
-    """A SlotFile is used where Segment and GrowingNode take a SegmentFile: it has its interface
-    (storage/packs.py) without being one."""
-    return cast(SegmentFile, file)

@@ -22,7 +22,6 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
-from typing import cast
 
 from storage.catalog import StreamSummary
 from storage.config import DEFAULT_STREAM_CONFIG, StreamConfig
@@ -121,12 +120,11 @@ class Stream(StreamParts):
         """Its directory, promoted to one first if it is in a slot (with `lock` held, as for the
         changes that need it: a meta file, epochs, groups, a truncation, a second segment)."""
         home = self.home
-        if type(home) is SlotHome:
-            with self.lock:
-                home = self.home
-                if type(home) is SlotHome:
-                    return home.promote(self)
-        return cast(DirectoryHome, home)
+        if isinstance(home, DirectoryHome):
+            return home
+        with self.lock:
+            home = self.home
+            return home if isinstance(home, DirectoryHome) else home.promote(self)
 
     @classmethod
     def create_in_slot(cls, ctx: EngineContext, slots: Slots, name: str, directory: Path) -> Stream:
