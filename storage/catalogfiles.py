@@ -116,19 +116,23 @@ class CatalogFiles:
 
     def _scan_slots(self) -> None:
         """With no journal to trust (a power loss, a damaged or missing one): the streams in slots
-        are those the packs' slot headers name (every header read, design §5's fallback), each at
-        the place its header gives; a row whose slot names it no more is its directory's if the
-        listing found one (promoted since the file), else dropped (a creation a power loss took
-        back, or a slot freed). Of two slots naming one stream (one deleted, its
-        zeroing lost, then created again) the later creation wins. A stream also found in a
-        directory keeps the slot if the directory is its promotion cut short (its first segment
-        created when the slot was: storage/slothome.py), else the directory (created later)."""
+        are those the packs' slot headers name (every header read, design §5's fallback, and the
+        segment header after it), each at the place its header gives. A row whose slot names it
+        no more is its directory's if the listing found one (promoted since the file), else
+        dropped (a creation a power loss took back, or a slot freed). Of two slots naming one
+        stream (one deleted, its zeroing lost, then created again) the later creation wins. A
+        stream also found in a directory keeps the slot if the directory is its promotion cut
+        short (its first segment created when the slot was: storage/slothome.py), else the
+        directory (created later)."""
         found: dict[str, tuple[int, int]] = {}  # name -> (created ms, place)
         if self._fs.exists(self._slots.packs.directory):
             damaged: list[tuple[int, str]] = []
             for place, header in self._slots.packs.scan(damaged):
                 if (header.created_ms, place) > found.get(header.name, (-1, NO_PLACE)):
                     found[header.name] = (header.created_ms, place)
+            for name, (_, place) in list(found.items()):
+                if not self._segment_whole(name, place):  # its creation's write torn: never synced
+                    del found[name]
             for place, why in damaged:
                 log.error("slot at place %d is damaged and skipped: %s", place, why)
         for name in self._catalog.placed().keys() - found.keys():
@@ -146,6 +150,17 @@ class CatalogFiles:
                 self._fs.remove_tree(stream_directory(self.data_dir, name))
                 self._adopted.pop(stream_directory(self.data_dir, name), None)
                 self._catalog.set_place(name, place)
+
+    def _segment_whole(self, name: str, place: int) -> bool:
+        """Whether the slot's segment header reads. A slot and its segment are written by one
+        pwrite; a power loss may keep the header's sector and not the segment's: a creation no
+        sync covered, whose stream was never durable."""
+        try:
+            file = self._slots.packs.open_slot(place, name, writable=False)
+            SegmentHeader.decode(file.read(0, SEGMENT_HEADER_SIZE))
+            return True
+        except CorruptionError:
+            return False
 
     def _created_ms(self, name: str) -> int:
         """When the first segment of a directory stream was created (-1: it has none that reads)."""

@@ -126,6 +126,7 @@ def write_packed(stream: Stream, bodies: Sequence[tuple[NodeBody, int, int, int]
     this returns: `bodies` are its nodes (body, min and max timestamp, carried flags), sparse
     where offsets are missing. The growing tail is sealed first (synced, queued for packing),
     so that the next append starts a new segment after this one."""
+    stream.directory_home()  # (a stream in a slot moves to a directory first: a second segment)
     tail = stream.segments[-1] if stream.segments else None
     if tail is not None and not tail.packed:
         tail.file.sync()  # complete on disk before the next segment exists, as _roll does

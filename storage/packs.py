@@ -140,6 +140,7 @@ class Packs:
                 used.setdefault(pack, set()).add(slot)
         with self._lock:
             ids = self._pack_ids()
+            self._leave_out_damaged(ids, used)
             self._free.clear()
             self._next = 1
             for pack in ids:
@@ -262,7 +263,12 @@ class Packs:
             ids = list(self._pack_ids())
         for pack in ids:
             with self._lock:
-                file = self._open(pack)
+                try:
+                    file = self._open(pack)
+                except CorruptionError as exc:  # its slots cannot be found: none is taken as a stream's
+                    if damaged is not None:
+                        damaged.append((make_place(pack, 0, 0), str(exc)))
+                    continue
             pos = SLOT_BYTES
             while pos < file.size:
                 chunk = file.read(pos, min(SCAN_BYTES, file.size - pos))
@@ -294,6 +300,22 @@ class Packs:
         if self._ids is None:
             self._ids = sorted(i for i in map(pack_id_of, self._fs.listdir(self.directory)) if i is not None)
         return self._ids
+
+    def _leave_out_damaged(self, ids: list[int], used: dict[int, set[int]]) -> None:
+        """Take out of `ids` the packs whose header fails its checks (adopt). The last one, if no
+        place names a slot of it, is a creation a crash cut short (a pack is durable, header and
+        all, before a slot of it is written): removed. Any other stays for the operator; the
+        streams it held are unreadable (their opens find no pack)."""
+        for pack in list(ids):
+            try:
+                self._open(pack)
+            except CorruptionError as exc:
+                ids.remove(pack)
+                if pack > max(ids, default=-1) and pack not in used:
+                    log.warning("pack %s: %s; a creation cut short, removed", pack_name(pack), exc)
+                    self._fs.remove(self.directory / pack_name(pack))
+                else:
+                    log.error("pack %s: %s; its slots are left alone", pack_name(pack), exc)
 
     def _open(self, pack: int) -> PackFile:
         file = self._files.get(pack)

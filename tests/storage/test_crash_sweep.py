@@ -159,6 +159,15 @@ VARIANTS = [
         "slots-always-power", "always", "power", 60, ops=frozenset({"aux", "reopen"}), small_streams="slots"
     ),
     Variant(
+        "slots-everysec-power",
+        "everysec",
+        "power",
+        40,
+        ops=frozenset({"aux", "reopen"}),
+        write_share=0.3,
+        small_streams="slots",
+    ),
+    Variant(
         "slots-everysec-kill9",
         "everysec",
         "process",

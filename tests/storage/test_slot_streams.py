@@ -277,3 +277,31 @@ def test_a_stream_promoted_after_the_catalog_file_survives_a_power_loss():
     lost = restart(fs.crashed_copy(mode="lost"), "always")  # no journal to trust: a listing and a scan
     assert contents(lost, "p") == [ENTRY, b"y" * 3500]
     assert not in_slot(lost, "p")
+
+
+def test_a_pack_whose_creation_a_crash_cut_short_is_removed_at_start_up():
+    fs, engine = new_engine()
+    engine.append("a", AppendBatch([ENTRY]))
+    engine.close()
+    # A second pack whose header never reached the disk: no slot of it is any stream's.
+    fs.write_file(ROOT / PACKS_DIR / "00001.pack", bytes(4096 * 4))
+    again = restart(fs.crashed_copy(mode="process"))
+    assert fs.exists(ROOT / PACKS_DIR / "00001.pack")
+    assert not again._fs.exists(ROOT / PACKS_DIR / "00001.pack")
+    assert contents(again, "a") == [ENTRY]
+    again.append("b", AppendBatch([ENTRY]))  # a slot of pack 0 again, or a new pack 1
+    assert contents(again, "b") == [ENTRY]
+
+
+def test_after_a_power_loss_a_slot_whose_segment_never_reached_the_disk_is_no_stream():
+    fs, engine = new_engine()
+    engine.append("whole", AppendBatch([ENTRY]))
+    engine.append("torn", AppendBatch([ENTRY]))
+    engine.maintain()
+    place = engine._catalog.place("torn")
+    pack, slot = place >> 48, (place >> 24) & 0xFFFFFF
+    # As a power loss may leave a creation's one write: the slot header's sector, not the segment's.
+    fs.poke(ROOT / PACKS_DIR / f"{pack:05d}.pack", slot * 4096 + 512, bytes(512))
+    lost = restart(fs.crashed_copy(mode="lost"))  # no journal to trust: the scan
+    assert lost.list_streams() == ["whole"] and lost.unreadable == []
+    assert contents(lost, "whole") == [ENTRY]
