@@ -15,8 +15,9 @@ older journals. After a process crash (kill -9) the page cache kept every record
 replays the journals of the file's generation onwards, in order, and lists no directory. A
 journal is trusted only if it was started since the machine last booted (its header holds
 the kernel's boot id: an operating-system crash or a power loss may have lost unsynced
-records) and every record in it is whole, but for a torn last one (the crash cut its write
-short: what it announced never happened); otherwise start-up lists the streams directory, as
+records) and every record in it is whole, but for a torn last one (a crash cut its write
+short: what it announced never happened; a generation a start-up left behind may end so too,
+until the catalog is next saved); otherwise start-up lists the streams directory, as
 without a journal. A `RELIST` record asks for that listing too (a stream found unreadable:
 the listing reports it again).
 
@@ -204,7 +205,8 @@ class Replay:
 def replay(fs: FileSystem, data_dir: Path, first: int, generations: list[int]) -> Replay | None:
     """The journals from generation `first` on, in order; None if they cannot be trusted (one
     missing, from before the last boot, damaged, or holding a RELIST record). A torn record at
-    the end of the last one is a write a kill -9 cut short: left out."""
+    the end of one is a write a kill -9 cut short: left out (a start-up after it replays it and
+    goes on in the next generation, so the torn one need not be the last)."""
     wanted = [g for g in generations if g >= first]
     if not wanted or wanted != list(range(first, first + len(wanted))):
         return None
@@ -218,19 +220,17 @@ def replay(fs: FileSystem, data_dir: Path, first: int, generations: list[int]) -
         start = _HEAD.size + boot_len
         if magic != _MAGIC or version not in _PAYLOADS or raw[_HEAD.size : start] != boot:
             return None
-        if not _replay_records(raw, start, _PAYLOADS[version], generation, generation == wanted[-1], found):
+        if not _replay_records(raw, start, _PAYLOADS[version], generation, found):
             return None
     return found
 
 
-def _replay_records(
-    raw: bytes, pos: int, payloads: dict[int, int], generation: int, last: bool, found: Replay
-) -> bool:
+def _replay_records(raw: bytes, pos: int, payloads: dict[int, int], generation: int, found: Replay) -> bool:
     """Add one generation's records from `pos` on to `found`; False if they cannot be trusted."""
     while pos < len(raw):
         end = pos + _RECORD.size
         if end > len(raw):
-            return last  # torn
+            return True  # torn: left out
         kind, length = _RECORD.unpack_from(raw, pos)
         size = payloads.get(kind)
         if size is None or kind == RELIST:
@@ -238,7 +238,7 @@ def _replay_records(
         body_end = end + length + size
         stop = body_end + _CRC.size
         if stop > len(raw):
-            return last  # torn
+            return True  # torn: left out
         if _CRC.unpack_from(raw, body_end)[0] != crc32c(raw[pos:body_end]):
             return False
         try:

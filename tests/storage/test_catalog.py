@@ -346,7 +346,13 @@ def test_places_round_trip_through_the_file():
     catalog.add("new-dir")
     catalog.add_closed("promoted", StreamSummary(3, 30, 1, 1), PLACE + 2)
     catalog.set_place("promoted", NO_PLACE)
-    listed = decode_catalog(catalog.encode(set(), {}))
+    raw = catalog.encode(set(), {})
+    assert raw[8:10] == (2).to_bytes(2, "little")
+    places = [
+        int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(len(raw) - 40, len(raw), 8)
+    ]
+    assert places == [NO_PLACE, NO_PLACE, PLACE + 1, NO_PLACE, PLACE]  # the last column, after the figures
+    listed = decode_catalog(raw)
     assert listed.names == ["dir", "new-dir", "new-slot", "promoted", "slot"]
     assert list(listed.places) == [NO_PLACE, NO_PLACE, PLACE + 1, NO_PLACE, PLACE]
     assert list(listed.columns[0]) == [1, 0, 0, 3, 2]  # the figures are where they were

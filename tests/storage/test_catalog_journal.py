@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from crc32c import crc32c
 
 import storage.catalog as catalog_module
 import storage.maintenance as maintenance_module
@@ -360,9 +361,29 @@ def test_a_torn_last_record_is_left_out(tmp_path, cut):
     path.write_bytes(path.read_bytes()[: whole + cut])
     found = replay(FileSystem(), data, 1, [1, 2])
     assert found is not None and found.places == {"a": P1, "b": P2} and "torn" not in found.last
-    # Torn in a generation that another follows: not a write a crash cut short.
-    (data / journal_name(1)).write_bytes((data / journal_name(1)).read_bytes()[:-cut])
+    # Whole but for its CRC: damage, not a write cut short.
+    raw = bytearray(path.read_bytes()[:whole])
+    raw[-1] ^= 0x01
+    path.write_bytes(bytes(raw))
     assert replay(FileSystem(), data, 1, [1, 2]) is None
+
+
+def test_a_torn_record_left_by_one_kill_9_does_not_make_the_start_up_after_the_next_list(tmp_path, clock):
+    """The start-up after the first crash replays the torn generation and goes on in the next
+    one, keeping the torn one until the file is next written: the second crash's start-up
+    replays both."""
+    data = tmp_path / "data"
+    written = killed_after_changes(data, clock, CountingFS())
+    last = data / journal_name(journal_generations(p.name for p in data.iterdir())[-1])
+    last.write_bytes(last.read_bytes()[:-2])  # the crash cut the last record's write short
+    engine = Engine(data, CONFIG, clock=clock, fs=CountingFS())
+    engine.append("after", AppendBatch([b"x"]))
+    written["after"] = [b"x"]
+    fs = CountingFS()
+    engine = Engine(data, CONFIG, clock=clock, fs=fs)  # the first dropped unclosed: a second kill -9
+    assert fs.stream_listings == 0 and engine.list_streams() == sorted(written)
+    assert all(contents(engine, name) == items for name, items in written.items())
+    engine.close()
 
 
 def test_a_version_2_journal_replays_as_before_and_holds_no_place(tmp_path):
@@ -404,3 +425,28 @@ def test_a_promotion_done_since_the_file_moves_the_stream_to_its_directory_at_st
     engine = Engine(data, CONFIG, clock=clock, fs=CountingFS())  # the first dropped unclosed: a kill -9
     assert engine._catalog.place("slotted") == NO_PLACE and "slotted" in engine.list_streams()
     engine.close()
+
+
+def test_the_version_3_records_are_laid_out_as_docs_format_says(tmp_path):
+    data = tmp_path / "data"
+    journal = journaled(data)
+    start = journal.length()
+    journal.placed("ab", P1)
+    journal.promoting("ab", P1)
+    journal.promoted("ab")
+    journal.vouch(start)
+    journal.close()
+    raw = (data / journal_name(1)).read_bytes()
+    assert raw[:8] == b"SLCJ" + (3).to_bytes(2, "little") + raw[6:8] and start == 8 + raw[6]
+
+    def record(kind: bytes, name: bytes, payload: bytes) -> bytes:
+        body = kind + len(name).to_bytes(2, "little") + name + payload
+        return body + crc32c(body).to_bytes(4, "little")
+
+    place = P1.to_bytes(8, "little", signed=True)
+    assert raw[start:] == (
+        record(b"p", b"ab", place)
+        + record(b"M", b"ab", place)
+        + record(b"m", b"ab", b"")
+        + record(b"r", b"", start.to_bytes(8, "little"))
+    )
