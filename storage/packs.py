@@ -124,6 +124,7 @@ class Packs:
         self._free: dict[tuple[int, int], int] = {}
         self._freeing: dict[tuple[int, int], int] = {}
         self._dirty: set[int] = set()
+        self._left_out: set[int] = set()  # packs whose header failed its checks (adopt), kept
 
     @property
     def written(self) -> bool:
@@ -311,11 +312,12 @@ class Packs:
                 self._open(pack)
             except CorruptionError as exc:
                 ids.remove(pack)
-                if pack > max(ids, default=-1) and pack not in used:
+                if pack > max([*ids, *self._left_out], default=-1) and pack not in used:
                     log.warning("pack %s: %s; a creation cut short, removed", pack_name(pack), exc)
                     self._fs.remove(self.directory / pack_name(pack))
                 else:
                     log.error("pack %s: %s; its slots are left alone", pack_name(pack), exc)
+                    self._left_out.add(pack)  # its name is not reused
 
     def _open(self, pack: int) -> PackFile:
         file = self._files.get(pack)
@@ -348,7 +350,7 @@ class Packs:
                 generation = header.generation if header is not None else 0
             return pack, slot, (generation + 1) & _GENERATION_MASK or 1
         if not ids or self._next == SLOTS_PER_PACK:
-            self._new_pack(ids[-1] + 1 if ids else 0)
+            self._new_pack(max([*ids, *self._left_out], default=-1) + 1)
         pack, slot = ids[-1], self._next
         file = self._open(pack)
         end = (slot + 1) * SLOT_BYTES
