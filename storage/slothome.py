@@ -79,10 +79,23 @@ class SlotSync:
         self._asked = 0  # syncs asked for: a sync covers those asked before it began
         self._running = False
         self._journaled = False  # a record naming a slot was journaled since the last sync began
+        # Slot streams closed with writes no sync has covered yet: the seq of the last durable
+        # header of their growing node (in a 1-tuple: each close's own), as storage/handoff.py's
+        # `durable_seq`: reopened before a sync, a stream keeps that header's slot, not the newer
+        # header its close left, which a power loss may take.
+        self._closed: dict[str, tuple[int]] = {}
 
     def journaled(self) -> None:
         """A record naming a slot (a creation) was just journaled: the next wait syncs."""
         self._journaled = True
+
+    def closed_unsynced(self, name: str, durable_seq: int) -> None:
+        self._closed[name] = (durable_seq,)
+
+    def take_back(self, name: str) -> int | None:
+        """The durable header's seq a stream's close left unsynced (None: its writes are synced)."""
+        left = self._closed.pop(name, None)
+        return None if left is None else left[0]
 
     def wait(self) -> None:
         """Return once every slot write and record journaled before this call is durable: at
@@ -97,6 +110,7 @@ class SlotSync:
     def _sync(self) -> int:
         with self._lock:
             covered, self._running, self._journaled = self._asked, True, False
+            closed = dict(self._closed)
         try:
             mark = self._catalog.journal_mark()  # before the packs' sync: its records name written slots
             self._packs.sync()
@@ -107,6 +121,9 @@ class SlotSync:
         finally:
             with self._lock:
                 self._running = False
+        for name, left in closed.items():  # their writes are durable now: nothing to keep
+            if self._closed.get(name) is left:
+                self._closed.pop(name, None)
         return covered
 
 
@@ -158,6 +175,16 @@ class SlotHome:
         loaded = LogLoader(self.ctx, self.name, self.directory).load_slot(file)
         return Opened(self.name, StreamConfig(), loaded, None, False)
 
+    def take_back(self, stream: Stream) -> None:
+        """After `load`: resume what its last close left to the round, if the round has not synced
+        it yet (storage/handoff.py's rules): its node keeps the header its last sync made durable,
+        not the one it has now, and a sync is due, which makes that one durable."""
+        durable_seq = self.slots.sync.take_back(self.name)
+        if durable_seq is not None and stream.active is not None:
+            stream.active.set_durable(durable_seq)
+            stream.dirty.add(stream.active.ref.segment.file)
+            stream.write_seq += 1
+
     def _remove_leftover(self) -> None:
         """Remove, durably, the directory a promotion a crash cut short left (its `m` was not
         durable, so the slot is the stream's): a later promotion makes it anew, and a start-up
@@ -170,6 +197,7 @@ class SlotHome:
         """A deleted stream's slot: its header zeroed, durably (as a directory's removal is: a
         scan must not bring the stream back), reused after that sync."""
         self.slots.packs.free_slot(self.place)
+        self.slots.sync.take_back(self.name)  # (a stream made again under its name starts afresh)
         self.slots.sync.wait()
 
     # ------------------------------------------------------------------ as DirectoryHome
@@ -189,10 +217,16 @@ class SlotHome:
         at each open (storage/loader.py's `load_slot`), so their snapshot is not kept."""
 
     def close(self, stream: Stream, hand_off: bool) -> UnsyncedClose | None:
-        """A close writes nothing: its writes are the next round's (`SlotSync`), or synced now when
+        """A close writes nothing: its writes are the next round's (`SlotSync`), which also keeps
+        the durable header of its growing node till then (`closed_unsynced`), or synced now when
         the policy does not promise them to it."""
         if not hand_off:
             stream.sync()
+            return None
+        with stream.lock:
+            node = stream.active
+            if stream.dirty and node is not None and node.ref.header.seq != node.durable_seq:
+                self.slots.sync.closed_unsynced(self.name, node.durable_seq)
         return None
 
     # ------------------------------------------------------------------ promotion

@@ -180,7 +180,9 @@ class Stream(StreamParts):
             stream.has_epochs = True
         if opened.truncating:
             stream.truncation.finish_pending()
-        if handed is not None and type(home) is DirectoryHome:
+        if isinstance(home, SlotHome):
+            home.take_back(stream)
+        elif handed is not None:
             home.take_back(stream, handed)
         return stream
 

@@ -305,3 +305,14 @@ def test_after_a_power_loss_a_slot_whose_segment_never_reached_the_disk_is_no_st
     lost = restart(fs.crashed_copy(mode="lost"))  # no journal to trust: the scan
     assert lost.list_streams() == ["whole"] and lost.unreadable == []
     assert contents(lost, "whole") == [ENTRY]
+
+
+def test_a_stream_reopened_before_the_round_keeps_the_header_its_last_sync_made_durable():
+    fs, engine = new_engine()
+    engine.append("a", AppendBatch([b"synced"]))
+    engine.maintain()  # the node's header durable
+    engine.append("a", AppendBatch([b"unsynced"]))  # the same node: its other header slot
+    engine.append("b", AppendBatch([ENTRY]))  # closes "a", nothing synced
+    engine.append("a", AppendBatch([b"after"]))  # reopened: must not write over the durable header
+    state = fs.crashed_copy(random.Random(1), "power", fate=lambda write: "garble")
+    assert contents(restart(state), "a")[:1] == [b"synced"]
