@@ -34,7 +34,7 @@ small compacted segments are merged, and checks that some of them fall
 between a merge and the removal of its source segments (the case recovery
 finishes).
 
-CI runs 1,280 crash points over nine variants (about 40 s on two cores);
+CI runs 1,440 crash points over twelve variants (about 50 s on two cores);
 `STREAMLOG_CRASH_POINTS=N` spreads about N over them for a long run, and
 `python -m bench.crashsweep` runs the pre-merge one (9,000, three variants). A failure
 names the variant, seed and crash point; rerun one seed with
