@@ -26,7 +26,7 @@ from typing import Any
 
 from cluster.addresses import check_name, parse_endpoints, parse_host_port, parse_peer_addresses
 from storage import EngineConfig, FsyncPolicy, InvalidArgumentError
-from storage.config import min_segment_bytes
+from storage.config import SMALL_STREAMS, min_segment_bytes
 
 ENV_PREFIX = "STREAMLOG_"
 ENV_CONFIG_FILE = "STREAMLOG_CONFIG"
@@ -62,6 +62,9 @@ class Settings:
     compression_level: int = 3
     cache_nodes: int = 256
     max_open_streams: int = 1024
+    # "slots": new small streams live in 4 KiB slots of shared pack files, no directory each
+    # (a preview, docs/design/small-streams.md); "off": a directory per stream.
+    small_streams: str = "off"
 
     # Limits on what one request may carry. Appends past them are refused whole.
     max_message_bytes: int = 16 << 20
@@ -264,6 +267,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "log_level": LOG_LEVELS,
     "log_format": LOG_FORMATS,
     "default_acks": ACK_LEVELS,
+    "small_streams": SMALL_STREAMS,
 }
 # Settings naming a file the server reads at start-up (and again when it changes).
 FILE_SETTINGS = (
@@ -611,6 +615,7 @@ def engine_config(settings: Settings, *, background: bool = True) -> EngineConfi
         compression_level=settings.compression_level,
         cache_nodes=settings.cache_nodes,
         max_open_streams=settings.max_open_streams,
+        small_streams=settings.small_streams,
         background=background,
         groups_passive=bool(settings.cluster),
         retention_passive=bool(settings.cluster),

@@ -314,6 +314,16 @@ class Catalog:
             row = self._row(name)
             return NO_PLACE if row is None else self._places[row]
 
+    def placed(self) -> dict[str, int]:
+        """The streams in slots, and their places (start-up: every other slot of the packs is free)."""
+        with self.lock:
+            places, gone = self._places, self._gone
+            found = {
+                n: places[i] for i, n in enumerate(self._base) if places[i] != NO_PLACE and n not in gone
+            }
+            found.update((name, places[row]) for name, row in self._rows.items() if places[row] != NO_PLACE)
+            return found
+
     def due(self, now_ms: int, limit: int) -> list[str]:
         """Up to `limit` closed streams whose upkeep is due, soonest first (maintenance's batch)."""
         found: list[str] = []

@@ -25,10 +25,20 @@ from storage.catalogjournal import Journal, Replay, journal_generations, journal
 from storage.creation import Adopted, commit_adopted, recover_creation
 from storage.epochs import EpochHistory
 from storage.errors import CorruptionError
+from storage.format import SEGMENT_HEADER_SIZE, SegmentHeader
 from storage.fs import FileSystem
 from storage.handoff import UnsyncedCloses
-from storage.layout import DELETED_SUFFIX, EPOCHS_FILE, META_FILE, decode_meta, stream_directory, streams_root
+from storage.layout import (
+    DELETED_SUFFIX,
+    EPOCHS_FILE,
+    META_FILE,
+    SEGMENT_SUFFIX,
+    decode_meta,
+    stream_directory,
+    streams_root,
+)
 from storage.openstreams import OpenStreams
+from storage.slothome import Slots
 from storage.streaminfo import stream_summary
 
 log = logging.getLogger("streamlog.storage")
@@ -45,6 +55,8 @@ class CatalogFiles:
     _adopted: dict[Path, Adopted]
     _open: OpenStreams
     _unsynced: UnsyncedCloses
+    _slots: Slots
+    _clean_start: bool  # set by _load: the last shutdown was clean
     unreadable: list[str]
 
     def _load(self) -> None:
@@ -56,6 +68,7 @@ class CatalogFiles:
         root = streams_root(self.data_dir)
         listed = read_catalog(self._fs, self.data_dir)
         clean = self._fs.exists(self.data_dir / CATALOG_CLEAN)
+        self._clean_start = clean
         if clean:
             # Durably gone before any stream is created: from here on the file may go stale.
             self._fs.remove(self.data_dir / CATALOG_CLEAN)
@@ -96,9 +109,69 @@ class CatalogFiles:
             name = self._read_stream_dir(root / dirname)
             if name is not None:
                 self._catalog.add_closed(name, UNKNOWN)
+        self._scan_slots()
         self._commit_adopted()  # before the new catalog file names them
         # The journals could not be trusted (or there was no file): a new file, a new generation.
         self._save_catalog(1 + max(generations[-1] if generations else 0, listed.journal if listed else 0))
+
+    def _scan_slots(self) -> None:
+        """With no journal to trust (a power loss, a damaged or missing one): the streams in slots
+        are those the packs' slot headers name (every header read, design §5's fallback, and the
+        segment header after it), each at the place its header gives. A row whose slot names it
+        no more is its directory's if the listing found one (promoted since the file), else
+        dropped (a creation a power loss took back, or a slot freed). Of two slots naming one
+        stream (one deleted, its zeroing lost, then created again) the later creation wins. A
+        stream also found in a directory keeps the slot if the directory is its promotion cut
+        short (its first segment created when the slot was: storage/slothome.py), else the
+        directory (created later)."""
+        found: dict[str, tuple[int, int]] = {}  # name -> (created ms, place)
+        if self._fs.exists(self._slots.packs.directory):
+            damaged: list[tuple[int, str]] = []
+            for place, header in self._slots.packs.scan(damaged):
+                if (header.created_ms, place) > found.get(header.name, (-1, NO_PLACE)):
+                    found[header.name] = (header.created_ms, place)
+            for name, (_, place) in list(found.items()):
+                if not self._segment_whole(name, place):  # its creation's write torn: never synced
+                    del found[name]
+            for place, why in damaged:
+                log.error("slot at place %d is damaged and skipped: %s", place, why)
+        for name in self._catalog.placed().keys() - found.keys():
+            if self._fs.exists(stream_directory(self.data_dir, name)):  # promoted since the file
+                self._catalog.set_place(name, NO_PLACE)
+            else:
+                self._catalog.remove(name)
+        for name, (created_ms, place) in found.items():
+            if name not in self._catalog:
+                self._catalog.add_closed(name, UNKNOWN, place)
+            elif self._catalog.place(name) != NO_PLACE:
+                self._catalog.set_place(name, place)
+            elif self._created_ms(name) <= created_ms:  # a promotion cut short: the slot holds it all
+                log.warning("stream %r: removing the directory a promotion cut short left", name)
+                self._fs.remove_tree(stream_directory(self.data_dir, name))
+                self._adopted.pop(stream_directory(self.data_dir, name), None)
+                self._catalog.set_place(name, place)
+
+    def _segment_whole(self, name: str, place: int) -> bool:
+        """Whether the slot's segment header reads. A slot and its segment are written by one
+        pwrite; a power loss may keep the header's sector and not the segment's: a creation no
+        sync covered, whose stream was never durable."""
+        try:
+            file = self._slots.packs.open_slot(place, name, writable=False)
+            SegmentHeader.decode(file.read(0, SEGMENT_HEADER_SIZE))
+            return True
+        except CorruptionError:
+            return False
+
+    def _created_ms(self, name: str) -> int:
+        """When the first segment of a directory stream was created (-1: it has none that reads)."""
+        directory = stream_directory(self.data_dir, name)
+        segments = sorted(n for n in self._fs.listdir(directory) if n.endswith(SEGMENT_SUFFIX))
+        try:
+            return SegmentHeader.decode(
+                self._fs.read_head(directory / segments[0], SEGMENT_HEADER_SIZE)
+            ).created_ms
+        except (IndexError, CorruptionError):
+            return -1
 
     def _apply_journal(self, changes: Replay) -> None:
         """Start-up after a process crash: the streams the journals say were created since the

@@ -26,6 +26,9 @@ def min_segment_bytes(node_entries: int, max_batch_entries: int, max_batch_bytes
     return SLOTTED_HEADER_SIZE + NODE_PREFIX_SIZE + 4 * max(node_entries, max_batch_entries) + max_batch_bytes
 
 
+SMALL_STREAMS = ("off", "slots")
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     segment_bytes: int = 64 << 20
@@ -53,9 +56,17 @@ class EngineConfig:
     # Streams start with retention and compaction passive (a cluster node's: a follower's copy
     # changes only as its leader's log does, storage/replicaapi.py); False: maintenance runs them.
     retention_passive: bool = False
+    # "slots": a new small stream lives in a 4 KiB slot of a shared pack file, not a directory of
+    # its own (storage/slothome.py); "off": every stream is a directory. A preview (see
+    # docs/design/small-streams.md, step 7 makes it the default).
+    small_streams: str = "off"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fsync", _fsync_policy(self.fsync))
+        if self.small_streams not in SMALL_STREAMS:
+            raise InvalidArgumentError(
+                f"small_streams must be one of {', '.join(SMALL_STREAMS)}, not {self.small_streams!r}"
+            )
         for name in (
             "node_entries",
             "max_entry_bytes",

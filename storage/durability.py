@@ -103,9 +103,7 @@ def sync_now(stream: Stream) -> int:
             node.in_sync = True
     synced = False
     try:
-        for file in files:
-            file.sync()
-        stream.commit_creation(synced=True)
+        stream.home.make_durable(files)
         synced = True
     finally:
         with stream.lock:

@@ -44,11 +44,13 @@ from storage.fs import FileSystem
 from storage.groupmanager import GroupManager
 from storage.groupsapi import GroupCalls
 from storage.handoff import UnsyncedCloses
-from storage.layout import DELETED_SUFFIX, LOCK_FILE, streams_root
+from storage.layout import LOCK_FILE, streams_root
 from storage.maintenance import Maintenance
 from storage.names import dirname_for, validate_name
 from storage.openstreams import OpenStreams, Pinned
+from storage.packs import NO_PLACE
 from storage.replicaapi import ReplicaCalls
+from storage.slothome import Slots
 from storage.stream import Stream
 from storage.streaminfo import stream_info
 from storage.streamsapi import StreamCalls
@@ -106,7 +108,15 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
         self._open = OpenStreams(self.config.max_open_streams, self._open_stream, self._close_by_cache)
         self.unreadable: list[str] = []  # stream directories whose metadata failed its checks
         self._adopted: dict[Path, Adopted] = {}  # crashed creations start-up keeps, synced together
+        # Streams in slots of pack files (storage/slothome.py): created only under small_streams
+        # "slots", opened whatever the setting (a data directory keeps those it has).
+        self._slots = Slots(self._ctx, self.data_dir, self._catalog)
+        self._small = self.config.small_streams == "slots"
         self._load()
+        if self._fs.exists(self._slots.packs.directory):
+            self._slots.packs.adopt(self._catalog.placed().values())
+            if not self._clean_start and self._slots.packs.clear_unnamed():
+                self._slots.sync.wait()  # before a stream is created: a scan never brings them back
         # Consumer groups (storage/groupmanager.py): their state lives beside each stream's segments.
         self._groups = GroupManager(
             self,
@@ -145,8 +155,14 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
             raise StreamNotFoundError(f"stream {name!r} does not exist")
         directory = self._streams_root / dirname_for(name)
         dirname = directory.name
+        place = self._catalog.place(name)
         try:
-            stream = Stream.open(self._ctx, directory, self._unsynced.take(name), self._catalog.entries(name))
+            if place == NO_PLACE:
+                stream = Stream.open(
+                    self._ctx, directory, self._unsynced.take(name), self._catalog.entries(name)
+                )
+            else:
+                stream = Stream.open_in_slot(self._ctx, self._slots, name, directory, place)
         except (CorruptionError, ValueError, KeyError, FileNotFoundError) as exc:
             log.error("stream directory %s is unreadable: %s", dirname, exc)
             with self._lock:
@@ -193,6 +209,10 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
         self._closer.stop()
         self._unsynced.finish_all()
         try:
+            self._slots.sync.wait()  # before the catalog file names their slots
+        except StorageError as exc:
+            log.error("the packs of slot streams could not be synced: %s", exc)
+        try:
             complete = self._save_catalog()
             if complete and not self.unreadable and not self._leftovers:
                 # After the file is durable; not synced itself: lost, the next start-up lists.
@@ -200,6 +220,7 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
         except StorageError as exc:  # start-up rebuilds it from the directories
             log.error("the catalog could not be saved: %s", exc)
         self._catalog.close_journal()
+        self._slots.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -224,14 +245,16 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
             validate_name(name)
         return Pinned(self._open, name)
 
-    def _use_or_create(self, name: str, incarnation: int = 0) -> Pinned:
-        """As `_use`, creating the stream if it does not exist."""
+    def _use_or_create(self, name: str, incarnation: int = 0, small: bool = False) -> Pinned:
+        """As `_use`, creating the stream if it does not exist (`small`: see `_create`)."""
         if name not in self._catalog:
             validate_name(name)
-        return Pinned(self._open, name, lambda: self._create(name, incarnation))
+        return Pinned(self._open, name, lambda: self._create(name, incarnation, small))
 
-    def _create(self, name: str, incarnation: int) -> Stream:
-        """Open the stream, or create it if it is not in the catalog (called by OpenStreams.create)."""
+    def _create(self, name: str, incarnation: int, small: bool = False) -> Stream:
+        """Open the stream, or create it if it is not in the catalog (called by OpenStreams.create):
+        in a slot of a pack file under small_streams "slots" when it is `small` (its first write
+        fits one, with the default config) and not replicated, else in a directory of its own."""
         if name in self._catalog:
             stream = self._open_stream(name)
         else:
@@ -239,8 +262,10 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
             if dirname in self.unreadable:
                 # Its metadata is damaged: keep the evidence, refuse to write over it.
                 raise PreconditionError(f"stream {name!r} is damaged on disk; see the server log")
-            self._catalog.creating(name)  # journaled before its directory is made
             directory = self._streams_root / dirname
+            if small and self._small and not incarnation:
+                return Stream.create_in_slot(self._ctx, self._slots, name, directory)  # placed in the catalog
+            self._catalog.creating(name)  # journaled before its directory is made
             stream = Stream.create(self._ctx, name, directory, DEFAULT_STREAM_CONFIG, incarnation)
             self._catalog.add(name)
         return stream
@@ -274,7 +299,8 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
         storage/epochs.py); PreconditionError if it exists with another."""
         if not isinstance(incarnation, int) or incarnation < 0:
             raise InvalidArgumentError("an incarnation must be a non-negative integer")
-        with self._use_or_create(name, incarnation) as stream:
+        small = config is None or config == DEFAULT_STREAM_CONFIG
+        with self._use_or_create(name, incarnation, small) as stream:
             if incarnation and stream.epochs.incarnation != incarnation:
                 raise PreconditionError(
                     f"stream {name!r} exists with incarnation {stream.epochs.incarnation}, not {incarnation}"
@@ -292,12 +318,16 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
             self._open.discard(name)
         stream.close(clean=False)
         self._drop_catalog_file()
-        # Rename first so a crash mid-delete leaves a directory that start-up finishes removing.
-        doomed = stream.directory.with_name(stream.directory.name + DELETED_SUFFIX)
-        self._leftovers = True  # until the directory is gone: start-up would finish the removal
-        self._fs.rename(stream.directory, doomed)
-        self._fs.remove_tree(doomed)
+        self._leftovers = True  # until its files are gone: start-up would finish the removal
+        stream.home.remove()
         self._leftovers = False
+
+    def _in_directory(self, name: str) -> None:
+        """Promote the stream to a directory of its own if it is in a slot (before what needs
+        one: its first consumer group, storage/groupsapi.py)."""
+        if self._catalog.place(name) != NO_PLACE:
+            with self._use(name) as stream:
+                stream.directory_home()
 
     def add_append_listener(self, listener: AppendListener) -> None:
         """`listener(stream, end_offset)` runs after every append, on the appending thread."""
@@ -316,8 +346,9 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
         self._open_listeners.append(listener)
 
     def sync(self) -> None:
-        """Sync every stream: the open ones, and those the cache closed unsynced."""
+        """Sync every stream: the open ones, and those the cache closed unsynced or in slots."""
         self._unsynced.finish_all()
+        self._slots.sync.wait()
         for stream in self._open.values():
             if self._open.hold(stream):
                 try:

@@ -5,7 +5,7 @@ takes them from `GroupCalls`, so the engine's own file stays about streams.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from storage.errors import InvalidArgumentError
 from storage.groupmanager import GroupListener, GroupManager
@@ -24,6 +24,7 @@ from storage.grouptypes import (
 
 class GroupCalls:
     _groups: GroupManager  # set by the engine
+    _in_directory: Callable[[str], None]
 
     def create_group(
         self,
@@ -34,6 +35,7 @@ class GroupCalls:
         entries_read: int | None = None,
         config: GroupConfig | None = None,
     ) -> GroupInfo:
+        self._in_directory(stream)  # group files live beside its segments: not in a slot
         return self._groups.create_group(stream, group, start=start, entries_read=entries_read, config=config)
 
     def delete_group(self, stream: str, group: str) -> None:

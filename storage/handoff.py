@@ -67,7 +67,7 @@ class UnsyncedClose:
     creation: PendingCreation | None  # a new stream's creation, not yet durable
     durable_seq: int  # the seq of the last durable header of its growing node (0: none)
     synced: SyncedEnd | None  # the SYNCED marker to write once the files are synced
-    marker_file: bool  # its directory may hold a SYNCED file (Stream.marker_file)
+    marker_file: bool  # its directory may hold a SYNCED file (DirectoryHome.marker_file)
     state: _State = _State.PENDING
     error: DurabilityError | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)

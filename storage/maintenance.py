@@ -18,6 +18,7 @@ from storage.errors import StorageError
 from storage.groupmanager import GroupManager
 from storage.handoff import UnsyncedCloses
 from storage.openstreams import OpenStreams
+from storage.slothome import Slots
 from storage.stream import Stream
 from storage.types import FsyncPolicy
 
@@ -38,6 +39,7 @@ class Maintenance:
     _catalog_saved: float
     _open: OpenStreams
     _unsynced: UnsyncedCloses
+    _slots: Slots
     _groups: GroupManager
     _stop: threading.Event
     _wake: threading.Event
@@ -51,6 +53,7 @@ class Maintenance:
         rewritten if it is due."""
         now = self._clock()
         self._unsynced.finish_all()  # the streams the cache closed since the last round
+        self._sync_slots()  # every slot stream's writes, open or closed: one sync for all
         for stream in self._open.values():
             if _idle(stream):
                 continue  # nothing to sync, commit or keep up: no pin, no call (1,024 streams a second)
@@ -83,9 +86,19 @@ class Maintenance:
             changes and (changes >= CATALOG_SAVE_CHANGES or since >= CATALOG_SAVE_S)
         ):
             try:
+                self._slots.sync.wait()  # the file must name no slot a power loss could take back
                 self._save_catalog()
             except StorageError as exc:
                 log.error("the catalog could not be saved: %s", exc)
+
+    def _sync_slots(self) -> None:
+        """The round's sync of slot streams (storage/slothome.py's SlotSync): the packs written,
+        the catalog journal, then its `r` record. A failure is logged; every slot stream's next
+        "always" append and sync then fails with it."""
+        try:
+            self._slots.sync.wait()
+        except StorageError as exc:
+            log.error("the packs of slot streams did not sync: %s", exc)
 
     def _upkeep(self, stream: Stream, now: int) -> None:
         """A stream's packing, retention, producer snapshot and due compaction (maintenance)."""

@@ -103,7 +103,7 @@ def write_records(
 ) -> None:
     """Write stored records as they are at end_offset (replication, storage/replica.py; call with
     `lock` held). `positions`: their count+1 boundaries from 0; they fit one batch's limits."""
-    stream.unmark_clean()
+    stream.home.unmark_clean()
     n = len(positions) - 1
     node = stream.active
     if (
@@ -126,6 +126,7 @@ def write_packed(stream: Stream, bodies: Sequence[tuple[NodeBody, int, int, int]
     this returns: `bodies` are its nodes (body, min and max timestamp, carried flags), sparse
     where offsets are missing. The growing tail is sealed first (synced, queued for packing),
     so that the next append starts a new segment after this one."""
+    stream.directory_home()  # (a stream in a slot moves to a directory first: a second segment)
     tail = stream.segments[-1] if stream.segments else None
     if tail is not None and not tail.packed:
         tail.file.sync()  # complete on disk before the next segment exists, as _roll does
@@ -161,6 +162,9 @@ def _start_node(stream: Stream, entries: int, nbytes: int, ts: int) -> GrowingNo
     slots = _node_slots(stream, entries)
     tail = stream.segments[-1] if stream.segments else None
     need = NODE_PREFIX_SIZE + 4 * slots + nbytes
+    if tail is not None and tail.end_pos + need > tail.capacity and stream.in_slot:
+        stream.directory_home()  # outgrew its slot: promoted, its segment's capacity the engine's
+        tail = stream.segments[-1]
     if (
         tail is None
         or tail.packed

@@ -124,6 +124,7 @@ class Packs:
         self._free: dict[tuple[int, int], int] = {}
         self._freeing: dict[tuple[int, int], int] = {}
         self._dirty: set[int] = set()
+        self._left_out: set[int] = set()  # packs whose header failed its checks (adopt), kept
 
     @property
     def written(self) -> bool:
@@ -140,6 +141,7 @@ class Packs:
                 used.setdefault(pack, set()).add(slot)
         with self._lock:
             ids = self._pack_ids()
+            self._leave_out_damaged(ids, used)
             self._free.clear()
             self._next = 1
             for pack in ids:
@@ -150,6 +152,32 @@ class Packs:
                     slots = min(slots, self._next)
                 self._free.update(((pack, slot), 0) for slot in range(1, slots) if slot not in taken)
             self._adopted = True
+
+    def clear_unnamed(self) -> int:
+        """After `adopt` at a start-up that followed a crash: zero the header of every slot it
+        found free that still names a stream (a creation whose record the crash lost, a freeing
+        it cut short), and of those past the last taken one in the last pack, so that a later
+        scan (a start-up with no trusted index) cannot bring them back. Returns how many;
+        the zeroing is durable with the next sync."""
+        cleared = 0
+        with self._lock:
+            ids = self._pack_ids()
+            if not ids:
+                return 0
+            last = self._open(ids[-1])
+            tail = last.read(self._next * SLOT_BYTES, max(0, last.size - self._next * SLOT_BYTES))
+            past = [
+                (ids[-1], self._next + i // SLOT_BYTES)
+                for i in range(0, len(tail) - SLOT_BYTES + 1, SLOT_BYTES)
+                if tail[i : i + SLOT_HEADER_BYTES] != _FREE_HEADER
+            ]
+            for pack, slot in [*self._free, *past]:
+                file = self._open(pack)
+                if file.read(slot * SLOT_BYTES, SLOT_HEADER_BYTES) != _FREE_HEADER:
+                    file.write(slot * SLOT_BYTES, _FREE_HEADER)
+                    self._dirty.add(pack)
+                    cleared += 1
+        return cleared
 
     def create_slot(self, name: str, created_ms: int, segment: bytes) -> int:
         """Write a new stream's slot (header, `segment` and zeros to the slot's end: one pwrite)
@@ -236,7 +264,12 @@ class Packs:
             ids = list(self._pack_ids())
         for pack in ids:
             with self._lock:
-                file = self._open(pack)
+                try:
+                    file = self._open(pack)
+                except CorruptionError as exc:  # its slots cannot be found: none is taken as a stream's
+                    if damaged is not None:
+                        damaged.append((make_place(pack, 0, 0), str(exc)))
+                    continue
             pos = SLOT_BYTES
             while pos < file.size:
                 chunk = file.read(pos, min(SCAN_BYTES, file.size - pos))
@@ -269,6 +302,23 @@ class Packs:
             self._ids = sorted(i for i in map(pack_id_of, self._fs.listdir(self.directory)) if i is not None)
         return self._ids
 
+    def _leave_out_damaged(self, ids: list[int], used: dict[int, set[int]]) -> None:
+        """Take out of `ids` the packs whose header fails its checks (adopt). The last one, if no
+        place names a slot of it, is a creation a crash cut short (a pack is durable, header and
+        all, before a slot of it is written): removed. Any other stays for the operator; the
+        streams it held are unreadable (their opens find no pack)."""
+        for pack in list(ids):
+            try:
+                self._open(pack)
+            except CorruptionError as exc:
+                ids.remove(pack)
+                if pack > max([*ids, *self._left_out], default=-1) and pack not in used:
+                    log.warning("pack %s: %s; a creation cut short, removed", pack_name(pack), exc)
+                    self._fs.remove(self.directory / pack_name(pack))
+                else:
+                    log.error("pack %s: %s; its slots are left alone", pack_name(pack), exc)
+                    self._left_out.add(pack)  # its name is not reused
+
     def _open(self, pack: int) -> PackFile:
         file = self._files.get(pack)
         if file is None:
@@ -300,7 +350,7 @@ class Packs:
                 generation = header.generation if header is not None else 0
             return pack, slot, (generation + 1) & _GENERATION_MASK or 1
         if not ids or self._next == SLOTS_PER_PACK:
-            self._new_pack(ids[-1] + 1 if ids else 0)
+            self._new_pack(max([*ids, *self._left_out], default=-1) + 1)
         pack, slot = ids[-1], self._next
         file = self._open(pack)
         end = (slot + 1) * SLOT_BYTES

@@ -20,7 +20,7 @@ from pathlib import Path
 from storage.config import EngineConfig
 from storage.errors import InvalidArgumentError, PreconditionError
 from storage.fs import FileSystem
-from storage.layout import stream_directory, write_meta
+from storage.layout import stream_directory
 from storage.names import validate_name
 from storage.replica import ReplicaChunk, append_chunk, read_chunk
 from storage.stream import Stream
@@ -64,7 +64,7 @@ class ReplicaCalls:
                 raise PreconditionError(f"stream {name!r} holds records: only an empty copy is reset")
             if not isinstance(first_offset, int) or first_offset < stream.end_offset:
                 raise InvalidArgumentError(f"a reset offset must be an integer >= {stream.end_offset}")
-            write_meta(stream.ctx.fs, stream.directory, name, first_offset, stream.config)
+            stream.write_meta(first_offset, stream.config)
             stream.first_offset = stream.end_offset = first_offset
             stream.publish(first_offset)
 

@@ -4,7 +4,8 @@ read entry points, open, close and configuration.
 Its halves live beside it, each taking the stream: the writes into nodes and
 segments in storage/nodewriter.py, the reads in storage/reader.py, a sync in
 storage/durability.py (`sync_now`), its figures and catalog summary in
-storage/streaminfo.py; recovery at start-up in storage/loader.py, retention in
+storage/streaminfo.py; where its bytes live (its directory: creation, open,
+markers, the hand-off of a close) in storage/home.py; recovery in storage/loader.py, retention in
 storage/retention.py, and the rewrites of sealed segments (packing, compaction,
 merging) in storage/cleaner.py; those it makes on first use in storage/streamparts.py.
 
@@ -23,10 +24,9 @@ from functools import partial
 from pathlib import Path
 
 from storage.catalog import StreamSummary
-from storage.cleanmark import SYNCED_MARKER, SyncedEnd, erase_slot, read_synced_end, write_synced_end
-from storage.config import StreamConfig
+from storage.config import DEFAULT_STREAM_CONFIG, StreamConfig
 from storage.context import EngineContext
-from storage.creation import PendingCreation, start_creation
+from storage.creation import PendingCreation
 from storage.durability import SyncGate, sync_now
 from storage.epochs import EpochHistory
 from storage.errors import (
@@ -40,20 +40,14 @@ from storage.errors import (
 from storage.fs import SegmentFile
 from storage.growing import GrowingNode
 from storage.handoff import UnsyncedClose
+from storage.home import DirectoryHome
 from storage.index import NodeIndex
-from storage.layout import (
-    CLEAN_MARKER,
-    EPOCHS_FILE,
-    TRUNCATE_MARKER,
-    read_meta,
-    write_meta,
-)
-from storage.loader import LogLoader
 from storage.nodewriter import append_one, append_together
 from storage.packed import decompressor
 from storage.reader import count_entries, read_backward, read_forward, seek_time
 from storage.results import AppendResult, EntriesMeta, Gap, ReadResult
 from storage.segment import NodeRef, NodeView, Segment
+from storage.slothome import SlotHome, Slots
 from storage.streaminfo import stream_summary
 from storage.streamparts import StreamParts
 from storage.types import AppendBatch, FsyncPolicy, StreamBounds
@@ -62,10 +56,12 @@ log = logging.getLogger("streamlog.storage")
 
 
 class Stream(StreamParts):
-    def __init__(self, ctx: EngineContext, name: str, directory: Path, config: StreamConfig) -> None:
+    def __init__(
+        self, ctx: EngineContext, name: str, home: DirectoryHome | SlotHome, config: StreamConfig
+    ) -> None:
         self.ctx = ctx
         self.name = name
-        self.directory = directory
+        self.home = home  # where its bytes live (storage/home.py)
         self.config = config
         self.fsync: FsyncPolicy = config.fsync or ctx.config.fsync  # kept by set_config; no property
         self.lock = threading.RLock()
@@ -88,13 +84,6 @@ class Stream(StreamParts):
         self.write_seq = 0
         self.cuts = 0  # truncations so far: a sync that began before one does not publish its end
         self.dirty: set[SegmentFile] = set()
-        self.creation: PendingCreation | None = None  # a new stream not yet durable
-        # A version-2 CLEAN marker is still on disk (opened after a clean close by an earlier
-        # version, nothing written since): removed, durably, before the first write
-        # (`_check_writable`). The SYNCED marker that replaced it stays (storage/cleanmark.py).
-        self.clean_marker = False
-        self.synced_mark: SyncedEnd | None = None  # the SYNCED marker as the open found it
-        self.marker_file = False  # a SYNCED file in its directory as the open found it (to remove)
         self.pack_queue: list[Segment] = []  # full segments waiting to be packed
         self.damaged: list[Gap] = []
         self.closed = False
@@ -113,18 +102,54 @@ class Stream(StreamParts):
 
     # ------------------------------------------------------------------ open / create
 
+    @property
+    def directory(self) -> Path:
+        return self.home.directory
+
+    @property
+    def creation(self) -> PendingCreation | None:
+        """Its creation, while it is not durable yet (storage/creation.py)."""
+        return self.home.creation
+
+    @property
+    def in_slot(self) -> bool:
+        """Whether it lives in a slot of a pack file (storage/slothome.py), not a directory."""
+        return type(self.home) is SlotHome
+
+    def directory_home(self) -> DirectoryHome:
+        """Its directory, promoted to one first if it is in a slot (with `lock` held, as for the
+        changes that need it: a meta file, epochs, groups, a truncation, a second segment)."""
+        home = self.home
+        if isinstance(home, DirectoryHome):
+            return home
+        with self.lock:
+            home = self.home
+            return home if isinstance(home, DirectoryHome) else home.promote(self)
+
+    @classmethod
+    def create_in_slot(cls, ctx: EngineContext, slots: Slots, name: str, directory: Path) -> Stream:
+        """A new stream in a slot (storage/slothome.py): the default config, no epochs."""
+        home, segment = SlotHome.create(ctx, slots, name, directory)
+        stream = cls(ctx, name, home, DEFAULT_STREAM_CONFIG)
+        stream.segments.append(segment)
+        stream.write_seq = 1  # a sync is due, written or not: its slot and `p` record
+        return stream
+
+    @classmethod
+    def open_in_slot(cls, ctx: EngineContext, slots: Slots, name: str, directory: Path, place: int) -> Stream:
+        """Open a stream in the slot at `place`."""
+        return cls._opened(ctx, SlotHome(ctx, slots, name, directory, place), None, 0)
+
     @classmethod
     def create(
         cls, ctx: EngineContext, name: str, directory: Path, config: StreamConfig, incarnation: int = 0
     ) -> Stream:
-        stream = cls(ctx, name, directory, config)
-        if incarnation:  # a replicated stream: durable at once, epochs first
-            ctx.fs.makedirs(directory)
-            # Before the meta file: a crash in between leaves a directory start-up removes.
-            stream.save_epochs(EpochHistory(incarnation))
-            write_meta(ctx.fs, directory, name, 0, config)
-        else:  # no sync now: the stream's first sync makes it durable (storage/creation.py)
-            stream.creation = start_creation(ctx.fs, ctx.streams_dir, name, directory, config)
+        """A new stream; with an `incarnation` (a replicated stream) durable at once."""
+        epochs = EpochHistory(incarnation) if incarnation else None
+        stream = cls(ctx, name, DirectoryHome.create(ctx, name, directory, config, epochs), config)
+        if epochs is not None:
+            stream.epochs = epochs
+            stream.has_epochs = True
         return stream
 
     @classmethod
@@ -132,17 +157,17 @@ class Stream(StreamParts):
         cls, ctx: EngineContext, directory: Path, handed: UnsyncedClose | None = None, held: int = 0
     ) -> Stream:
         """Open a stream's directory; `handed`: its last close, which left its files unsynced and
-        which it takes back (storage/handoff.py: no crash came between, so its bodies are trusted);
-        `held`: the entries the catalog counted in it (CorruptionError if its files hold none)."""
-        fs = ctx.fs
-        files = fs.listdir(directory)  # one listing answers every "is it there?" below
-        present = set(files)
-        name, first_offset, config = read_meta(fs, directory, present)
-        stream = cls(ctx, name, directory, config)
-        old_clean = CLEAN_MARKER in present
-        clean = handed is not None or old_clean
-        synced = read_synced_end(fs, directory) if not clean and SYNCED_MARKER in present else None
-        loaded = LogLoader(ctx, name, directory).load(first_offset, clean, synced, files, held)
+        which it takes back (storage/handoff.py); `held`: the entries the catalog counted in it
+        (storage/home.py's `load`)."""
+        return cls._opened(ctx, DirectoryHome(ctx, directory), handed, held)
+
+    @classmethod
+    def _opened(
+        cls, ctx: EngineContext, home: DirectoryHome | SlotHome, handed: UnsyncedClose | None, held: int
+    ) -> Stream:
+        opened = home.load(handed, held)
+        loaded = opened.loaded
+        stream = cls(ctx, opened.name, home, opened.config)
         stream.segments, stream.index, stream.active = loaded.segments, loaded.index, loaded.active
         stream.first_offset = loaded.first_offset
         stream.end_offset = stream.local_end = stream.visible_end = loaded.end_offset
@@ -150,32 +175,16 @@ class Stream(StreamParts):
         stream.last_ts = stream.index.max_ts[-1] if len(stream.index) else 0
         if ctx.config.compression:
             stream.pack_queue = [s for s in stream.segments[:-1] if not s.packed]
-        if EPOCHS_FILE in present:
-            stream.epochs = EpochHistory.decode(fs.read_file(directory / EPOCHS_FILE))
+        if opened.epochs is not None:
+            stream.epochs = opened.epochs
             stream.has_epochs = True
-        stream.clean_marker = old_clean
-        stream.synced_mark = loaded.synced
-        stream.marker_file = SYNCED_MARKER in present
-        if not clean and stream.active is not None and not _vouched_for(loaded.synced, stream.active):
-            # After a crash the recovered tail may be in the page cache only (a kill -9): sync it, so
-            # the header appends keep (storage/growing.py) is one a power loss keeps too. A tail the
-            # SYNCED marker names as it stands was synced at the close.
-            stream.active.ref.segment.file.sync()
-        if TRUNCATE_MARKER in present:
+        if opened.truncating:
             stream.truncation.finish_pending()
-        if handed is not None:
-            stream._take_back(handed)
+        if isinstance(home, SlotHome):
+            home.take_back(stream)
+        elif handed is not None:
+            home.take_back(stream, handed)
         return stream
-
-    def _take_back(self, handed: UnsyncedClose) -> None:
-        """Resume the unsynced state a close handed off (its files to sync, its creation)."""
-        self.dirty = {s.file for s in self.segments if s.file.path in handed.files}
-        if self.active is not None:  # its header may not be durable: keep the one that was
-            self.active.set_durable(handed.durable_seq)
-        self.creation = handed.creation
-        self.write_seq += 1  # a sync is due (the gate counts writes since the open)
-        if handed.error is not None:  # its sync failed after the close: refuse appends, as `gate` does
-            self.gate.error = handed.error
 
     # ------------------------------------------------------------------ append
 
@@ -185,7 +194,7 @@ class Stream(StreamParts):
         """Append a batch; `producer` (id, sequence) makes it idempotent, `expected_end` conditional."""
         with self.lock:
             always = self.fsync is FsyncPolicy.ALWAYS  # read under the lock: set_config may change it
-            if always or self.closed or self.gate.error is not None or self.clean_marker:
+            if always or self.closed or self.gate.error is not None or self.home.clean_marker:
                 self._check_writable(always)  # only then has it anything to do (a call less per append)
             if expected_end is not None and expected_end != self.end_offset:
                 raise OffsetMismatchError(expected_end, self.end_offset)
@@ -253,55 +262,14 @@ class Stream(StreamParts):
             raise InvalidArgumentError(f"stream {self.name!r} was deleted")
         if self.gate.error is not None:
             raise DurabilityError(f"appends are refused after a failed sync: {self.gate.error}")
-        if self.clean_marker:  # tested here: this runs on every append, the removal once
-            self.unmark_clean()
-
-    def unmark_clean(self) -> None:
-        """Before the first write into the segments since the open (call with `lock` held): remove
-        a version-2 CLEAN marker, durably, if it is still there: it vouches for every node, so
-        from here on a crash must trigger the tail scan. Only a data directory written by an
-        earlier version pays for it, once per stream."""
-        if self.clean_marker:
-            self.ctx.fs.remove(self.directory / CLEAN_MARKER)
-            self.clean_marker = False
-
-    def drop_markers(self) -> None:
-        """Before bytes below the synced end are rewritten (a truncation; call with `lock` held):
-        remove every marker, durably, as none would name a prefix that is still there: the
-        SYNCED file, CLEAN, and the SYNCED slot of every segment that may end the stream once
-        the later ones are gone."""
-        self.unmark_clean()
-        self.ctx.fs.remove(self.directory / SYNCED_MARKER)
-        self.marker_file = False
-        for segment in self.segments:
-            if segment.header.has_slot and erase_slot(segment.file):
-                segment.file.sync()
-        self.synced_mark = None  # so the next close writes one
-
-    def synced_end(self) -> SyncedEnd | None:
-        """What the SYNCED marker says once every write so far is synced (call with `lock` held):
-        the last segment, and its last node as it stands; None without a segment."""
-        if not self.segments:
-            return None
-        tail = self.segments[-1]
-        node = tail.nodes[-1] if tail.nodes and not tail.packed else None
-        return SyncedEnd(
-            tail.base_offset,
-            tail.header.created_ms,
-            node.pos if node is not None else 0,
-            node.header if node is not None else None,
-            in_slot=tail.header.has_slot,
-        )
+        if self.home.clean_marker:  # tested here: this runs on every append, the removal once
+            self.home.unmark_clean()
 
     # ------------------------------------------------------------------ durability
 
-    def commit_creation(self, synced: bool = False) -> None:
-        """Make a new stream's creation durable, if it is not yet (storage/creation.py); `synced`:
-        every segment file was just synced (the sync path), so the commit syncs none again."""
-        creation = self.creation
-        if creation is not None:
-            creation.commit(self.ctx.fs, self.directory, (lambda: []) if synced else self._segment_files)
-            self.creation = None
+    def commit_creation(self) -> None:
+        """Make a new stream's creation durable, if it is not yet (storage/creation.py)."""
+        self.home.commit_creation(self._segment_files)
 
     def _segment_files(self) -> list[SegmentFile]:
         with self.lock:
@@ -309,8 +277,7 @@ class Stream(StreamParts):
 
     def write_meta(self, first_offset: int, config: StreamConfig) -> None:
         """Replace the meta file, atomically and durably (a new stream's creation first)."""
-        self.commit_creation()
-        write_meta(self.ctx.fs, self.directory, self.name, first_offset, config)
+        self.directory_home().write_meta(self.name, first_offset, config, self._segment_files)
 
     def sync(self) -> None:
         with self.lock:
@@ -338,7 +305,7 @@ class Stream(StreamParts):
 
     def save_epochs(self, epochs: EpochHistory) -> None:
         """Replace the epoch history, durably and atomically (storage/epochs.py)."""
-        self.ctx.fs.write_file_atomic(self.directory / EPOCHS_FILE, epochs.encode())
+        self.directory_home().save_epochs(epochs)
         self.epochs = epochs
         self.has_epochs = True
 
@@ -422,18 +389,7 @@ class Stream(StreamParts):
             if self.closed:
                 return None
             if clean and self.gate.error is None:
-                if hand_off:
-                    handed = self._hand_off()
-                if handed is None:
-                    self.sync()
-                    self.save_producers(self.ctx.clock())
-                    # The sync above is done before the marker is written, so the marker needs no
-                    # sync of its own: a power loss may take it back or tear it (the next open then
-                    # checks the whole last segment), never make it vouch for unsynced bytes.
-                    with self.lock:
-                        synced = self.synced_end()
-                    if synced is not None and synced != self.synced_mark:  # a read-only visit: as it was
-                        write_synced_end(self.ctx.fs, self.directory, synced, file_may_exist=self.marker_file)
+                handed = self.home.close(self, hand_off)
             with self.lock:
                 self.closed_summary = stream_summary(self)
                 self.closed = True
@@ -445,32 +401,6 @@ class Stream(StreamParts):
         if closer is not None and files:
             closer(files)
         return handed
-
-    def _hand_off(self) -> UnsyncedClose | None:
-        """What a close under `hand_off` leaves to the round: the files to sync, the creation to
-        commit, and the marker to write (even for a synced stream: a marker is a file the disk
-        creates, about a millisecond under load, on the caller's path otherwise). None if the
-        close has none of these to leave (a read-only visit)."""
-        with self.lock:
-            files = [file.path for file in self.dirty]
-            synced = self.synced_end()
-            if not files and self.creation is None and synced == self.synced_mark:
-                return None
-            self.dirty.clear()
-            durable_seq = self.active.durable_seq if self.active is not None else 0
-        handed = UnsyncedClose(self.directory, files, self.creation, durable_seq, synced, self.marker_file)
-        self.creation = None
-        return handed
-
-
-def _vouched_for(synced: SyncedEnd | None, node: GrowingNode) -> bool:
-    """Whether the SYNCED marker names `node` with the header it has now (synced at the close)."""
-    return (
-        synced is not None
-        and synced.base_offset == node.ref.segment.base_offset
-        and synced.node_pos == node.ref.pos
-        and synced.node_header == node.ref.header
-    )
 
 
 def _runs(

@@ -15,7 +15,6 @@ from __future__ import annotations
 import threading
 import weakref
 from functools import cached_property
-from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from storage.cleaner import Cleaner
@@ -28,12 +27,14 @@ from storage.retention import Retention
 from storage.truncation import Truncation
 
 if TYPE_CHECKING:
+    from storage.home import DirectoryHome
+    from storage.slothome import SlotHome
     from storage.stream import Stream
 
 
 class StreamParts:
     ctx: EngineContext  # these set by Stream
-    directory: Path
+    home: DirectoryHome | SlotHome
     lock: threading.RLock
     end_offset: int
 
@@ -52,7 +53,7 @@ class StreamParts:
                 return
             raw = self.producers.snapshot(now_ms, self.end_offset)
         if raw is not None:
-            self.ctx.fs.write_file_atomic(self.directory / PRODUCERS_FILE, raw)
+            self.home.save_file(PRODUCERS_FILE, raw)
 
     @cached_property
     def epochs(self) -> EpochHistory:

@@ -17,6 +17,7 @@ from storage.errors import OffsetMismatchError, StorageError
 from storage.names import validate_name
 from storage.openstreams import OpenStreams, Pinned
 from storage.results import AppendResult, EntriesMeta, ReadResult, StreamInfo
+from storage.slothome import fits_slot
 from storage.stream import Stream
 from storage.streaminfo import stream_info
 from storage.types import AppendBatch, FsyncPolicy, StreamBounds
@@ -30,8 +31,8 @@ class StreamCalls:
     _log_listeners: list[Callable[[str, int], None]]
     _clock: Callable[[], int]
     _use: Callable[[str], Pinned]
-    _use_or_create: Callable[[str], Pinned]
-    _create: Callable[[str, int], Stream]
+    _use_or_create: Callable[[str, int, bool], Pinned]
+    _create: Callable[[str, int, bool], Stream]
 
     def append(
         self,
@@ -62,7 +63,7 @@ class StreamCalls:
                 validate_name(name)
                 if expected_end:
                     raise OffsetMismatchError(expected_end, 0)  # nothing created
-            stream = self._open.create(name, lambda: self._create(name, 0))
+            stream = self._open.create(name, lambda: self._create(name, 0, fits_slot((batch,))))
         try:
             result = stream.append(batch, producer, expected_end)
         finally:
@@ -99,7 +100,8 @@ class StreamCalls:
                 refused[i] = exc
         written: list[AppendResult | StorageError] = []
         if checked:
-            with self._use_or_create(name) as stream:
+            small = name not in self._catalog and fits_slot(batch for batch, _ in checked)
+            with self._use_or_create(name, 0, small) as stream:
                 written = stream.append_many(checked)
             # Offsets grow in order: the last batch written ends what is new.
             new = (r for r in reversed(written) if isinstance(r, AppendResult) and not r.duplicate)

@@ -83,7 +83,7 @@ class Truncation:
                 if epochs is not None:
                     s.save_epochs(epochs)
                 return
-            s.drop_markers()
+            s.directory_home().drop_markers(s.segments)
             # What stays must be durable before the intent is: recovery redoes the cut from there.
             for file in list(s.dirty):
                 file.sync()
@@ -103,7 +103,7 @@ class Truncation:
         end_offset = decode_marker(fs.read_file(path))
         with s.maintenance_lock, s.lock:
             # Even when the log is cut already: the epochs and producers may not be yet.
-            s.drop_markers()
+            s.directory_home().drop_markers(s.segments)
             if s.first_offset <= end_offset <= s.end_offset:
                 self._cut(end_offset)
         fs.remove(path)

@@ -146,6 +146,13 @@ def test_every_setting_has_an_environment_variable_and_reaches_the_engine() -> N
     assert (config.fsync, config.max_entry_bytes, config.node_entries) == ("always", 1234, 77)
 
 
+def test_small_streams_is_off_by_default_and_slots_reaches_the_engine() -> None:
+    assert engine_config(load_settings()).small_streams == "off"
+    assert engine_config(load_settings(overrides={"small_streams": "slots"})).small_streams == "slots"
+    with pytest.raises(ConfigError, match="small_streams"):
+        load_settings(overrides={"small_streams": "packs"})
+
+
 CLUSTER = {"cluster": "127.0.0.1:2379,etcd-1:2379", "node_id": "n1", "advertise": "10.0.0.5:7070"}
 
 

@@ -408,9 +408,12 @@ def test_a_stream_in_a_slot_survives_start_up_without_a_directory(tmp_path, cloc
     data = tmp_path / "data"
     with Engine(data, config, clock=clock) as engine:
         written = fill(engine, 3)
-    engine = Engine(data, config, clock=clock, fs=CountingFS())  # its own fs: no lock, a kill -9 frees it
-    # As the engine will make one (docs/design/small-streams.md, step 3): its slot written, then added.
-    engine._catalog.add("slotted", PLACE)
+    slots = EngineConfig(**SMALL, max_open_streams=4, small_streams="slots")
+    engine = Engine(data, slots, clock=clock, fs=CountingFS())  # its own fs: no lock, a kill -9 frees it
+    engine.append("slotted", AppendBatch([b"in a slot"]))  # its slot written, then its row added
+    place = engine._catalog.place("slotted")
+    engine.maintain()  # its slot synced
+    engine._open.discard("slotted")  # left closed, its figures the catalog's (journaled)
     engine._catalog.closed("slotted", StreamSummary(1, 4096, 1, 1))
     if start_up != "kill -9":
         engine.close()
@@ -422,7 +425,9 @@ def test_a_stream_in_a_slot_survives_start_up_without_a_directory(tmp_path, cloc
     engine = Engine(data, config, clock=clock, fs=fs)
     assert fs.stream_listings == (start_up == "listing")
     assert engine.list_streams() == sorted([*written, "slotted"])
-    assert engine._catalog.place("slotted") == PLACE and engine._catalog.place("room-001") == NO_PLACE
+    assert place != NO_PLACE and engine._catalog.place("slotted") == place
+    assert engine._catalog.place("room-001") == NO_PLACE
+    assert contents(engine, "slotted") == [b"in a slot"]
     assert engine.stats()["entries"] == 9 + 1
     assert all(contents(engine, name) == items for name, items in written.items())
     engine.close()

@@ -34,7 +34,7 @@ small compacted segments are merged, and checks that some of them fall
 between a merge and the removal of its source segments (the case recovery
 finishes).
 
-CI runs 1,280 crash points over nine variants (about 40 s on two cores);
+CI runs 1,440 crash points over twelve variants (about 50 s on two cores);
 `STREAMLOG_CRASH_POINTS=N` spreads about N over them for a long run, and
 `python -m bench.crashsweep` runs the pre-merge one (9,000, three variants). A failure
 names the variant, seed and crash point; rerun one seed with
@@ -89,8 +89,8 @@ class Clock:
         return self.now_ms
 
 
-def open_engine(fs: FaultFS, fsync: str, clock: Clock) -> Engine:
-    return Engine(ROOT, EngineConfig(**SMALL, fsync=fsync), clock=clock, fs=fs)
+def open_engine(fs: FaultFS, fsync: str, clock: Clock, small_streams: str = "off") -> Engine:
+    return Engine(ROOT, EngineConfig(**SMALL, fsync=fsync, small_streams=small_streams), clock=clock, fs=fs)
 
 
 # ---------------------------------------------------------------------- variants
@@ -109,6 +109,7 @@ class Variant:
     steps: int = 110  # operations per workload run
     merges: bool = False  # some crash points must leave a merge's source segments behind
     focus: frozenset[str] = frozenset()  # take crash points only while these ops run (empty: any)
+    small_streams: str = "off"  # "slots": new small streams in slots of packs (storage/slothome.py)
 
 
 VARIANTS = [
@@ -151,6 +152,29 @@ VARIANTS = [
         steps=220,
         merges=True,
         focus=frozenset({"compact", "maintain"}),
+    ),
+    # Small streams in slots: main starts in one and is promoted to a directory as it grows, aux
+    # is created, deleted and created again in slots (a freed slot reused after a sync).
+    Variant(
+        "slots-always-power", "always", "power", 60, ops=frozenset({"aux", "reopen"}), small_streams="slots"
+    ),
+    Variant(
+        "slots-everysec-power",
+        "everysec",
+        "power",
+        40,
+        ops=frozenset({"aux", "reopen"}),
+        write_share=0.3,
+        small_streams="slots",
+    ),
+    Variant(
+        "slots-everysec-kill9",
+        "everysec",
+        "process",
+        60,
+        ops=frozenset({"aux", "reopen"}),
+        write_share=0.7,
+        small_streams="slots",
     ),
 ]
 
@@ -369,7 +393,7 @@ def run_workload(variant: Variant, seed: int, k: int) -> list[Case]:
     fs.on_sync = lambda _fs: offer("sync")
     fs.on_write = lambda _fs: offer("write")
 
-    engine = open_engine(fs, variant.fsync, clock)
+    engine = open_engine(fs, variant.fsync, clock, variant.small_streams)
     config = StreamConfig(
         max_entries=rng.choice([None, 150, 400]) if "retention" in variant.ops else None,
         max_bytes=rng.choice([None, 120_000]) if "retention" in variant.ops else None,
@@ -422,7 +446,7 @@ def run_workload(variant: Variant, seed: int, k: int) -> list[Case]:
             engine.compact(MAIN)
         elif op == "reopen":
             engine.close()
-            engine = open_engine(fs, variant.fsync, clock)
+            engine = open_engine(fs, variant.fsync, clock, variant.small_streams)
             info = engine.info(MAIN)
             assert info.end_offset == model.acked_next, f"seed {seed}: clean reopen lost entries"
         elif op == "aux":
@@ -675,7 +699,7 @@ def verify(case: Case) -> list[str]:
 
     try:
         found: list[str] = []
-        engine = open_engine(case.fs, variant.fsync, clock)
+        engine = open_engine(case.fs, variant.fsync, clock, variant.small_streams)
         if engine.unreadable:
             found.append(f"unreadable after a crash: {engine.unreadable}")
         check_main(case, engine, found)
@@ -686,7 +710,7 @@ def verify(case: Case) -> list[str]:
         phase, found = "clean close + power loss", []
         engine.close()
         state = case.fs.crashed_copy(mode="lost")
-        engine = open_engine(state, variant.fsync, clock)
+        engine = open_engine(state, variant.fsync, clock, variant.small_streams)
         if content(engine, found) != recovered:
             found.append("the content differs from what recovery gave")
         found.extend(offline_verify(state))
@@ -711,7 +735,7 @@ def verify(case: Case) -> list[str]:
         note(found)
         phase, found = "second crash", []
         state = state.crashed_copy(mode="lost" if variant.fsync == "always" else "process")
-        engine = open_engine(state, variant.fsync, clock)
+        engine = open_engine(state, variant.fsync, clock, variant.small_streams)
         if content(engine, found) != expected:
             found.append("the content differs from before the crash")
         engine.close()

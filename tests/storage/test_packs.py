@@ -296,8 +296,18 @@ def test_a_slot_is_refused_where_its_pack_or_slot_is_missing():
         packs.open_slot(make_place(0, 0, 1), "a", writable=False)  # the pack's header
     fs.poke(PACK, 0, b"junk")
     restarted = Packs(fs, ROOT)  # type: ignore[arg-type]
-    with pytest.raises(CorruptionError, match="bad magic"):
-        restarted.adopt([place])
+    restarted.adopt([place])  # a damaged pack is left out at start-up, which goes on
+    with pytest.raises(CorruptionError, match=r"no pack file 00000\.pack"):
+        restarted.open_slot(place, "a", writable=False)  # its streams unreadable
+    assert fs.exists(PACK)  # named by a place: kept for the operator
+    assert split_place(restarted.create_slot("b", MS, SLOT_SEGMENT))[0] == 1  # a new pack, not its name
+    unnamed = Packs(fs, ROOT)  # type: ignore[arg-type]
+    unnamed.adopt([])  # pack 0 is not the last now: kept, though no place names it
+    assert fs.exists(PACK)
+    fs.remove(ROOT / "packs" / "00001.pack")
+    unnamed = Packs(fs, ROOT)  # type: ignore[arg-type]
+    unnamed.adopt([])  # the last pack, no slot of it any stream's: a creation cut short
+    assert not fs.exists(PACK)
 
 
 def test_scan_lists_every_used_slot_and_the_damaged_ones(monkeypatch):
