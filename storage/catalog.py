@@ -39,6 +39,7 @@ from sortedcontainers import SortedList
 
 from storage.errors import CorruptionError
 from storage.names import dirname_for
+from storage.packs import NO_PLACE
 
 if TYPE_CHECKING:
     from storage.catalogjournal import Journal
@@ -53,9 +54,6 @@ CATALOG_VERSION = 2  # 2: the place column
 _MAGIC = b"SLCT"
 _HEAD = struct.Struct("<4sIHHII")  # magic, CRC32C of the rest, version, 0, streams, JSON bytes
 TOTALS = ("entries", "bytes_on_disk", "segments", "nodes")
-# A stream's place when it has a directory of its own; else its slot in a pack file (design
-# docs/design/small-streams.md: pack << 48 | slot << 24 | generation mod 2**24).
-NO_PLACE = -1
 # Records in one journal generation past which the file is due to be rewritten (the journal, and
 # a replay's work, stay bounded when the cache opens and closes streams at large).
 JOURNAL_RECORDS_MAX = 200_000

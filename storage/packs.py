@@ -36,7 +36,9 @@ SLOTS_PER_PACK = PACK_BYTES // SLOT_BYTES  # slot 0 is the pack's header
 GROWTH_BYTES = 16 << 20
 MAX_PACKS = 1 << 15  # a place is a non-negative int64: the pack id takes its top 15 bits
 SCAN_BYTES = 16 << 20  # what a scan reads at a time
-NO_PLACE = -1  # a directory stream's place
+# A stream with a directory of its own has no place (the catalog's place column: design
+# docs/design/small-streams.md, docs/FORMAT.md "Pack files").
+NO_PLACE = -1
 _GENERATION_MASK = (1 << 24) - 1
 _FREE_HEADER = bytes(SLOT_HEADER_BYTES)
 
