@@ -201,8 +201,8 @@ class ConsumeSession(ConsumeSessionBase):
         self._requests: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
         self._ack_call = ack_call
         self._close_timeout = close_timeout
-        # An exception (KeyboardInterrupt) raised in a wait for a batch: the user is leaving,
-        # so close() does not wait for the server to end the call.
+        # An exception raised by a signal handler (KeyboardInterrupt) reached the caller: the user
+        # is leaving, and it may have landed inside gRPC, see close().
         self._interrupted = False
         self._call = start(_outgoing(self._requests, self._delivered))
         self._replies = _Replies(self._call, window=None)
@@ -266,22 +266,27 @@ class ConsumeSession(ConsumeSessionBase):
             self._half_closed = True
             self._requests.put(None)
 
-    def close(self, timeout: float | None = None) -> AckResult:
+    def close(self, timeout: float | None = None, *, interrupted: bool = False) -> AckResult:
         """End the session: send the queued acknowledgements, half-close, read the server's last reply.
 
         Returns the session's acknowledgement totals; raises if the call failed (then
         some acknowledgements may not be applied: see pending_acks()). `timeout`: how
         long to wait for the server to end the call (default: the client's timeout).
-        Closing again returns the same result. After an exception interrupted a wait
-        for a batch (KeyboardInterrupt), close() does not wait: it cancels the call
-        and sends the acknowledgements it did not confirm in Ack calls.
+        Closing again returns the same result.
+
+        After an exception raised by a signal handler (KeyboardInterrupt) interrupted a
+        wait for a batch, or left the `with` block, or when `interrupted` says so, close()
+        waits for nothing: it cancels the call and sends the acknowledgements it did not
+        confirm in Ack calls. Such an exception can land inside gRPC just after it took a
+        lock (of the channel's), which then stays held by this thread: this thread's own
+        calls still go through, but gRPC's threads for the session (sending requests,
+        reading replies, a timer's cancel) wait for that lock for ever.
         """
         done = self._closing()
         if done is not None:
             return done
-        if self._interrupted:
-            self.stop()
-            self._replies.cancel()
+        if self._interrupted or interrupted:
+            self._abandon()
         else:
             self._send(credit=False)
             self.stop()
@@ -316,8 +321,14 @@ class ConsumeSession(ConsumeSessionBase):
     def cancel(self) -> None:
         """Abandon the session at once: queued acknowledgements are not sent (see pending_acks())."""
         self._cancelled = True
-        self.stop()
+        self._abandon()
+
+    def _abandon(self) -> None:
+        # Cancelled before the half-close: woken by the half-close, gRPC's request thread takes the
+        # call's lock, then waits for the channel's, which an interrupt may have left held by this
+        # thread; this thread's cancel() would then wait for the call's lock for ever.
         self._replies.cancel()
+        self.stop()
 
     def __enter__(self) -> ConsumeSession:
         return self
@@ -332,6 +343,8 @@ class ConsumeSession(ConsumeSessionBase):
             self.close()
             return
         # The block failed: still send the acknowledgements it made, but let its error through.
+        # Ctrl-C's KeyboardInterrupt (not an Exception) may have landed inside gRPC: see close().
+        self._interrupted = self._interrupted or not isinstance(exc, Exception)
         try:
             self.close()
         except StreamlogError:

@@ -381,6 +381,11 @@ class Consumer:
 
     def close(self) -> None:
         """Send outstanding acknowledgements and leave the group (held entries go back to it)."""
+        self._leave(interrupted=False)
+
+    def _leave(self, interrupted: bool) -> None:
+        """close(); `interrupted`: Ctrl-C's KeyboardInterrupt ended the loop, perhaps inside a gRPC
+        call (ConsumeSession.close says what that means), so nothing waits for gRPC's threads."""
         if self._closed:
             return
         self._closed = True
@@ -394,7 +399,7 @@ class Consumer:
             # The session's end carries them; if it fails, an Ack call resends what it did not confirm.
             session.ack(singles, ranges=ranges)
             try:
-                session.close()
+                session.close(interrupted=interrupted)
                 singles, ranges = [], []
             except StreamlogError as exc:
                 log.warning("consumer %s: session ended badly: %s", self.name, exc)
@@ -418,4 +423,4 @@ class Consumer:
                 log.warning(
                     "consumer %s: could not nack offset %d: %s", self.name, current.offset, nack_error
                 )
-        self.close()
+        self._leave(interrupted=exc is not None and not isinstance(exc, Exception))

@@ -29,6 +29,7 @@ from clients import (
     StreamlogError,
     _consume,
 )
+from tests.clients.conftest import SignalRaised
 from tests.service.helpers import ServerThread
 
 SESSION_S = 10.0  # every session's deadline: a hung test fails instead of hanging
@@ -300,6 +301,25 @@ def test_a_wait_for_a_batch_is_never_inside_grpc(client: Client) -> None:
         assert frames and not [name for name in frames if f"{os.sep}grpc{os.sep}" in name], frames
         client.append("s", [b"after the interrupt"])
         assert [e.payload for e in next(subscription).entries] == [b"after the interrupt"]
+
+
+@pytest.mark.timeout(60)  # before the fix, closing hung for ever
+def test_a_session_left_by_ctrl_c_inside_a_grpc_call_closes_at_once(
+    client: Client, interrupt_inside_grpc: Callable[[], None]
+) -> None:
+    """Ctrl-C landing in a gRPC call of the block, just after gRPC took the channel's lock (see
+    interrupt_inside_grpc): close() waits for none of gRPC's threads and sends the
+    acknowledgements in an Ack."""
+    _fill(client, "s", 2)
+    client.create_group("s", "g")
+    started = time.monotonic()
+    with pytest.raises(SignalRaised), client.consume("s", "g", "c1") as session:
+        session.ack(e.offset for e in next(session))
+        interrupt_inside_grpc()
+        client.info("s")
+    assert time.monotonic() - started < 10
+    assert session.result == AckResult(2, 0)
+    assert client.group_info("s", "g").pending == 0
 
 
 def test_errors_map_like_every_other_call(start_server: Callable[..., ServerThread]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from clients import (
     NotFoundError,
 )
 from clients.consumer import compress_offsets
+from tests.clients.conftest import SignalRaised
 
 
 def _fill(client: Client, stream: str, count: int) -> None:
@@ -166,6 +168,34 @@ def test_an_error_in_the_loop_body_nacks_with_delay(client: Client) -> None:
     # handed out: released for immediate redelivery.
     assert released[0].consumer == "" and released[0].due_ms is not None
     assert [e.offset for e in client.read_group("s", "g", "other", count=10)] == [1]
+
+
+@pytest.mark.timeout(60)  # before the fix, leaving hung for ever
+def test_ctrl_c_landing_inside_a_grpc_call_does_not_hang_leaving(
+    client: Client, interrupt_inside_grpc: Callable[[], None]
+) -> None:
+    """Ctrl-C lands where the loop's thread is: here in the Nack of a failed message, just after gRPC
+    took the channel's lock (docs/CLIENTS.md's Consumer outlived Ctrl-C so on a loaded machine).
+    Leaving then waits for none of gRPC's threads, which wait for that lock for ever, and still
+    acknowledges what was handled and gives the rest back."""
+    _fill(client, "s", 3)
+
+    def handle(message: Message) -> None:
+        if message.offset == 1:
+            interrupt_inside_grpc()
+            raise ValueError("refused: nacked")
+
+    started = time.monotonic()
+    with (
+        pytest.raises(SignalRaised),
+        Consumer(client, "s", "g", create=True, nack_delay_ms=60_000) as consumer,
+    ):
+        consumer.run(handle)
+    assert time.monotonic() - started < 10
+    info = client.group_info("s", "g")
+    assert info.counters.acked == 1 and info.consumers == []  # offset 0 handled; the consumer left
+    # 1 (its Nack interrupted before it went out) and 2 (never handed out): given back at once.
+    assert [e.offset for e in client.read_group("s", "g", "other", count=10)] == [1, 2]
 
 
 def test_stop_from_another_thread_ends_run(client: Client) -> None:
