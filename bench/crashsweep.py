@@ -4,10 +4,10 @@
 
 Runs the crash sweep of tests/storage/test_crash_sweep.py with about `--points` crash points
 spread over all its variants as `STREAMLOG_CRASH_POINTS` does (CI's run has 1,280), for the
-power-loss variants that append, sync and close streams: always-power, everysec-power-synced and
-no-power by default (about 3,000 of the 9,000 points; 5 minutes on two idle cores). CI's 1,280
-points missed a regression that lost acknowledged entries at 2 of 1,360 always-power points of
-this run.
+power-loss variants that append, sync and close streams: always-power, everysec-power-synced,
+no-power and the small-stream slots' slots-always-power and slots-everysec-power by default
+(about 3,400 of the 9,000 points; 5 minutes on two cores). CI's 1,280 points missed a regression
+that lost acknowledged entries at 2 of 1,360 always-power points of this run.
 
 One JSON object per variant (bench.common.emit): crash points checked, failed, and the seconds
 it took; the failures (variant, seed, crash point: rerun one with `STREAMLOG_CRASH_SEED`) on
@@ -25,7 +25,13 @@ import time
 from bench.common import emit
 from tests.storage.test_crash_sweep import VARIANTS, sweep
 
-DEFAULT_VARIANTS = ("always-power", "everysec-power-synced", "no-power")
+DEFAULT_VARIANTS = (
+    "always-power",
+    "everysec-power-synced",
+    "no-power",
+    "slots-always-power",
+    "slots-everysec-power",
+)
 
 
 def main() -> None:
