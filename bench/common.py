@@ -125,22 +125,27 @@ def free_port() -> int:
     binds of port 0), so a port picked there can be taken by some client's connection before
     the server binds it (seen under load: a node "in use by another process"). Below it, only
     a server binding that same port could collide, and the bind check here rules out those
-    already bound.
+    already bound. A port is handed out once per process: two picks for one server (its port and
+    its metrics port) came out equal before either was bound (a test's server refused to start).
     """
     low = _ephemeral_ports()[0]
     for _ in range(100):
         port = _PORTS.randrange(_LOWEST_PORT, low)
+        if port in _ISSUED:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _ISSUED.add(port)
             return port
     raise RuntimeError(f"no free port found between {_LOWEST_PORT} and {low}")
 
 
 _PORTS = random.SystemRandom()  # not the random module's: a test may seed that, in every process alike
 _LOWEST_PORT = 10_000
+_ISSUED: set[int] = set()  # the ports free_port gave in this process (a suite takes some thousands)
 
 
 def _ephemeral_ports() -> tuple[int, int]:

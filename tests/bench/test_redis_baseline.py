@@ -14,11 +14,12 @@ import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import redis
 
-from bench import debian
+from bench import common, debian
 from bench import redis_baseline as rb
 from bench.common import Timer, emit, free_port, percentile, percentiles
 
@@ -124,6 +125,14 @@ def test_timer_and_free_port() -> None:
     port = free_port()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))  # free right after: bindable
+
+
+def test_free_port_hands_a_port_out_once_though_it_is_still_unbound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server's port and metrics port, picked one after the other: never the same."""
+    picks = iter([23_456, 23_456, 23_457])
+    monkeypatch.setattr(common, "_PORTS", SimpleNamespace(randrange=lambda low, high: next(picks)))
+    monkeypatch.setattr(common, "_ISSUED", set())
+    assert (free_port(), free_port()) == (23_456, 23_457)
 
 
 # ---------------------------------------------------------------------------
