@@ -1,12 +1,13 @@
 """CPU per AppendMany call of new streams, in-process: the whole process's, the event loop
 thread's, and the loop's wake-ups from other threads.
 
-    python -m bench.appendmany_cpu [--calls 6] [--streams 1000]
+    python -m bench.appendmany_cpu [--calls 6] [--streams 1000] [--entries 1] [--set small_streams=slots]
 
 The servicer is called directly on one event loop (no gRPC), with a real engine under the
 server's default settings (fsync everysec, 1,024 open streams) and its append listeners (plain
 and group readers). Each call writes one entry of 100 bytes to `--streams` new streams, which
-AppendMany writes from a thread (service/appendmany.py). After a warm-up call, `--calls` calls;
+AppendMany writes from a thread (service/appendmany.py); `--entries` entries each, and `--set`
+gives the server a setting as `streamlog serve --set` does. After a warm-up call, `--calls` calls;
 the process's CPU is taken from 2.5 s after the warm-up to 2.5 s after the last call, so that
 the engine's threads' syncs and closes of the calls' streams count, and is given per call.
 `loop_hops` counts the loop's `call_soon_threadsafe` calls during a call: each wakes the loop.
@@ -30,7 +31,7 @@ from streamlog.v1 import streamlog_pb2 as pb
 
 from bench.common import emit
 from bench.service import PAYLOAD
-from service.config import Settings, engine_config
+from service.config import engine_config, load_settings
 from service.servicer import StreamLogServicer
 from service.waiters import Waiters
 from storage import Engine
@@ -39,9 +40,11 @@ from tests.service.helpers import FakeContext
 SETTLE_S = 2.5  # the engine's threads finish a call's syncs and closes (everysec rounds)
 
 
-async def measure(calls: int, streams: int) -> None:
+async def measure(calls: int, streams: int, entries: int, overrides: dict[str, str]) -> None:
     data = Path(tempfile.mkdtemp(prefix="streamlog-bench-"))
-    settings = Settings(data_dir=data, port=0, max_append_many_batches=max(streams, 1))
+    flags = {"data_dir": data, "port": 0}
+    batches = {"max_append_many_batches": str(max(streams, 1)), "max_streams": str(10**7)}
+    settings = load_settings(env={}, flags=flags, overrides={**batches, **overrides})
     engine = Engine(data, config=engine_config(settings))
     waiters = Waiters()
     engine.add_append_listener(waiters.on_append)
@@ -68,7 +71,8 @@ async def measure(calls: int, streams: int) -> None:
                 await asyncio.sleep(SETTLE_S)
                 started = time.process_time()
             batches = [
-                pb.AppendRequest(stream=f"c{call}-{i:06d}", payloads=[b"x" * PAYLOAD]) for i in range(streams)
+                pb.AppendRequest(stream=f"c{call}-{i:06d}", payloads=[b"x" * PAYLOAD] * entries)
+                for i in range(streams)
             ]
             hops = 0
             before = time.thread_time()
@@ -85,7 +89,7 @@ async def measure(calls: int, streams: int) -> None:
         executor.shutdown()
         engine.close()
         shutil.rmtree(data, ignore_errors=True)
-    extra = {"streams": streams, "calls": calls}
+    extra = {"streams": streams, "calls": calls, "entries": entries, **overrides}
     emit("append_many_process_cpu_per_call_ms", round(1000 * per_call, 1), "ms", **extra)
     emit("append_many_loop_cpu_per_call_ms", round(1000 * statistics.median(on_loop), 1), "ms", **extra)
     emit("append_many_loop_hops_per_call", max(hop_counts), "hops", **extra)
@@ -95,8 +99,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=6)
     parser.add_argument("--streams", type=int, default=1000, help="new streams per call")
+    parser.add_argument("--entries", type=int, default=1, help="entries of 100 B per stream")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a server setting")
     args = parser.parse_args()
-    asyncio.run(measure(args.calls, args.streams))
+    overrides = dict(item.split("=", 1) for item in args.set if "=" in item)
+    if len(overrides) != len(args.set):
+        parser.error("--set: KEY=VALUE")
+    asyncio.run(measure(args.calls, args.streams, args.entries, overrides))
 
 
 if __name__ == "__main__":
