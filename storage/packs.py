@@ -14,7 +14,13 @@ writes never need a block. Reuse: a freed slot is taken again only once a `sync`
 its zeroing has ended (so no crash can bring back a stream's header over another's data), and its
 generation goes up by one, so a stale place names no stream.
 
-Nothing in the engine uses packs yet (small_streams, step 3 of the design).
+Removal: a pack none of whose slots is used, their freeings durable, is removed (`remove_empty`,
+after a sync of the packs and of the catalog journal records that freed them: storage/slothome.py's
+SlotSync), but for the last one: a new pack takes the id after the highest on disk, so an id
+is never reused while a place may name it (only `python -m storage.inspect unpack`, which
+leaves no stream in a slot, removes the last pack too).
+
+The engine's slot streams (storage/slothome.py, `small_streams = "slots"`) live here.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from storage.errors import CorruptionError
+from storage.errors import CorruptionError, DurabilityError
 from storage.format import SLOT_BYTES, SLOT_HEADER_BYTES, SLOT_SEGMENT_BYTES, PackHeader, SlotHeader
 from storage.fs import FileSystem, PackFile, SegmentFile
 from storage.layout import PACKS_DIR, pack_id_of, pack_name
@@ -127,11 +133,16 @@ class Packs:
         self._freeing: dict[tuple[int, int], int] = {}
         self._dirty: set[int] = set()
         self._left_out: set[int] = set()  # packs whose header failed its checks (adopt), kept
+        # Per pack, its slots not in `_free` (taken, or freed since the last sync began): a pack
+        # at 0 is empty, its freeings durable.
+        self._held: dict[int, int] = {}
+        self._emptied = False  # a pack became empty (or was found so at adopt) since the last removal
 
     @property
     def written(self) -> bool:
-        """Whether a pack was written since the last sync began."""
-        return bool(self._dirty)
+        """Whether a sync has work: a pack written since the last sync began, or a pack found
+        empty and not removed yet (`remove_empty` follows a sync)."""
+        return bool(self._dirty) or self._emptied
 
     def adopt(self, places: Iterable[int]) -> None:
         """Take `places` as the slots in use (start-up, from the catalog): every other slot of the
@@ -153,6 +164,8 @@ class Packs:
                     self._next = max(taken, default=0) + 1
                     slots = min(slots, self._next)
                 self._free.update(((pack, slot), 0) for slot in range(1, slots) if slot not in taken)
+                self._held[pack] = len(taken)
+            self._emptied = any(not self._held[pack] for pack in ids[:-1])
             self._adopted = True
 
     def clear_unnamed(self) -> int:
@@ -231,6 +244,8 @@ class Packs:
         `sync` that begins after this."""
         pack, slot, generation = split_place(place)
         with self._lock:
+            if not self._adopted:
+                raise RuntimeError("Packs.adopt must name the slots in use before a slot is freed")
             if (pack, slot) in self._free or (pack, slot) in self._freeing:
                 raise ValueError(f"slot {slot} of pack {pack} is already free")
             if pack not in self._pack_ids() or not 0 < slot < SLOTS_PER_PACK:
@@ -257,6 +272,34 @@ class Packs:
             raise
         with self._lock:
             self._free.update(freed)
+            last = self._pack_ids()[-1] if freed else None
+            for pack, _ in freed:
+                self._held[pack] -= 1
+                self._emptied = self._emptied or (not self._held[pack] and pack != last)
+
+    def remove_empty(self, *, last: bool = False) -> list[int]:
+        """Remove the packs none of whose slots is used (none taken, every freeing synced), but
+        the last one unless `last` (unpack: no stream is left in a slot); returns their ids.
+        Call after a sync of the packs *and* of the catalog journal records that freed their
+        slots (SlotSync): then no place a start-up can trust names a slot of them. Each is
+        taken out and unlinked under the lock (no slot of it is taken again, no new pack takes
+        its name meanwhile), the packs directory synced; a crash before that sync leaves a pack of
+        free slots, removed again."""
+        with self._lock:
+            if not self._adopted:
+                return []  # (what is used is not known yet)
+            ids = self._pack_ids()
+            empty = [pack for pack in (ids if last else ids[:-1]) if not self._held.get(pack)]
+            for pack in empty:
+                self._take_out(pack)
+                try:
+                    self._fs.remove(self.directory / pack_name(pack))
+                except (OSError, DurabilityError) as exc:  # back after a crash, its slots free: removed again
+                    log.error("pack %s could not be removed: %s", pack_name(pack), exc)
+                    continue
+                log.info("pack %s removed: none of its slots is used", pack_name(pack))
+            self._emptied = False
+        return empty
 
     def scan(self, damaged: list[tuple[int, str]] | None = None) -> Iterator[tuple[int, SlotHeader]]:
         """(place, header) of every used slot, pack by pack, read SCAN_BYTES at a time (the
@@ -321,6 +364,19 @@ class Packs:
                     log.error("pack %s: %s; its slots are left alone", pack_name(pack), exc)
                     self._left_out.add(pack)  # its name is not reused
 
+    def _take_out(self, pack: int) -> None:
+        """Forget an empty pack: its free slots, its descriptor, its id (the last: `_next` too)."""
+        file = self._files.pop(pack)
+        for slot in range(1, file.size // SLOT_BYTES):
+            self._free.pop((pack, slot), None)
+        file.close()
+        ids = self._pack_ids()
+        if pack == ids[-1]:
+            self._next = SLOTS_PER_PACK  # the next creation starts a pack
+        ids.remove(pack)
+        self._held.pop(pack, None)
+        self._dirty.discard(pack)
+
     def _open(self, pack: int) -> PackFile:
         file = self._files.get(pack)
         if file is None:
@@ -343,6 +399,7 @@ class Packs:
         self._adopted = True
         if self._free:
             (pack, slot), generation = self._free.popitem()
+            self._held[pack] += 1
             file = self._open(pack)
             if not generation:  # freed before this process: its last header, if any, tells
                 try:
@@ -359,10 +416,12 @@ class Packs:
         if end > file.size:
             file.grow(min(PACK_BYTES, -(-end // GROWTH_BYTES) * GROWTH_BYTES))
         self._next += 1
+        self._held[pack] = self._held.get(pack, 0) + 1
         return pack, slot, 1
 
     def _give_back(self, pack: int, slot: int, generation: int) -> None:
         """A taken slot whose write failed: free again (its last generation kept)."""
+        self._held[pack] -= 1
         if (pack, slot) == (self._pack_ids()[-1], self._next - 1):
             self._next -= 1
         else:

@@ -118,6 +118,7 @@ class SlotSync:
                 journal, length = mark
                 journal.sync()
                 self._catalog.vouch(journal, length)
+            self._packs.remove_empty()  # after the journal's sync: no trusted record names their slots
         finally:
             with self._lock:
                 self._running = False

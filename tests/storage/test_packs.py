@@ -505,3 +505,114 @@ def test_a_real_pack_file_is_allocated_written_within_it_synced_and_reserved_aga
     assert sparse.stat().st_blocks * 512 >= 8 * SLOT_BYTES  # every slot's block allocated again
     assert copy.read(SLOT_BYTES, 8) == b"slot one"
     copy.close()
+
+
+def _tiny_packs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packs of 3 slots (and the header's), grown whole."""
+    monkeypatch.setattr("storage.packs.GROWTH_BYTES", 4 * SLOT_BYTES)
+    monkeypatch.setattr("storage.packs.SLOTS_PER_PACK", 4)
+    monkeypatch.setattr("storage.packs.PACK_BYTES", 4 * SLOT_BYTES)
+
+
+def test_an_empty_pack_is_removed_after_the_sync_of_its_freeings_and_its_id_is_never_reused(monkeypatch):
+    _tiny_packs(monkeypatch)
+    fs, packs = fault_packs()
+    places = [packs.create_slot(f"s{i}", MS, SLOT_SEGMENT) for i in range(5)]  # pack 0: s0-s2, pack 1: s3, s4
+    packs.sync()
+    for place in places[:3]:
+        packs.free_slot(place)
+    assert packs.remove_empty() == []  # the zeroings are not durable yet
+    packs.sync()
+    assert packs.remove_empty() == [0]
+    assert fs.listdir(ROOT / "packs") == ["00001.pack"]
+    assert not packs.written
+    packs.free_slot(places[3])
+    packs.free_slot(places[4])
+    packs.sync()
+    assert packs.remove_empty() == []  # the last pack stays: the next id is taken from it
+    made = [split_place(packs.create_slot(f"n{i}", MS, SLOT_SEGMENT)) for i in range(4)]
+    assert [pack for pack, _, _ in made] == [1, 1, 1, 2]  # pack 1's freed slots, then pack 2, not 0
+    with pytest.raises(ValueError, match="no slot of these packs"):
+        packs.free_slot(places[0])
+    with pytest.raises(CorruptionError, match="no pack file 00000"):
+        packs.open_slot(places[0], "s0", writable=False)
+    for pack, slot, generation in made:
+        packs.free_slot(make_place(pack, slot, generation))
+    packs.sync()
+    assert packs.remove_empty() == [1]
+    assert packs.remove_empty(last=True) == [2]  # unpack: no stream left in any slot
+    assert fs.listdir(ROOT / "packs") == []
+
+
+def test_a_slot_taken_from_an_emptied_pack_before_its_removal_keeps_it(monkeypatch):
+    _tiny_packs(monkeypatch)
+    fs, packs = fault_packs()
+    places = [packs.create_slot(f"s{i}", MS, SLOT_SEGMENT) for i in range(4)]
+    for place in places[:3]:
+        packs.free_slot(place)
+    packs.sync()
+    assert packs.written  # a pack to remove: the next sync's work
+    again = packs.create_slot("again", MS, SLOT_SEGMENT)
+    assert split_place(again)[0] == 0
+    assert packs.remove_empty() == []
+    assert fs.exists(PACK)
+    packs.open_slot(again, "again", writable=False)
+
+
+def test_start_up_finds_an_empty_pack_for_the_next_sync_to_remove(monkeypatch):
+    _tiny_packs(monkeypatch)
+    fs, packs = fault_packs()
+    places = [packs.create_slot(f"s{i}", MS, SLOT_SEGMENT) for i in range(4)]
+    packs.sync()
+    packs.close()
+    restarted = _restart(fs.crashed_copy(mode="process"), places[3:])  # s0-s2 deleted since the file
+    assert restarted.written
+    restarted.clear_unnamed()
+    restarted.sync()
+    assert restarted.remove_empty() == [0]
+    assert restarted.open_slot(places[3], "s3", writable=False)
+    assert split_place(restarted.create_slot("next", MS, SLOT_SEGMENT))[0] == 1
+
+
+@pytest.mark.parametrize("mode", ["process", "power", "lost"])
+def test_a_crash_at_every_step_of_a_packs_removal_keeps_every_stream_and_brings_no_deleted_one_back(
+    monkeypatch, mode
+):
+    _tiny_packs(monkeypatch)
+    fs = FaultFS()
+    fs.prepare_dir(ROOT)
+    config = EngineConfig(background=False, max_open_streams=1, small_streams="slots", fsync="always")
+    engine = Engine(ROOT, config, fs=fs)  # type: ignore[arg-type]
+    names = [f"s{i}" for i in range(5)]  # pack 0: s0-s2; pack 1: s3, s4
+    for name in names:
+        engine.append(name, AppendBatch([name.encode()] * 3))
+    engine.delete_stream("s0")
+    engine.delete_stream("s1")
+    states: list[FaultFS] = []
+    rng = random.Random(5)
+    fs.on_sync = fs.on_write = lambda state: states.append(state.crashed_copy(rng, mode))
+    engine.delete_stream("s2")  # pack 0 empty: removed once the freeing and its record are durable
+    fs.on_sync = fs.on_write = None
+    assert fs.listdir(ROOT / "packs") == ["00001.pack"]
+    assert len(states) >= 4  # the zeroing, the pack's sync, the journal's, the unlink's directory sync
+    packs_seen = set()
+    for k, state in enumerate([*states, fs.crashed_copy(rng, mode)]):
+        packs_seen.add(tuple(state.listdir(ROOT / "packs")))
+        crashed = Engine(ROOT, config, fs=state)  # type: ignore[arg-type]
+        for name in ("s3", "s4"):
+            assert [e.payload for e in crashed.read(name, 0, 10).entries()] == [name.encode()] * 3, k
+        assert not {"s0", "s1"} & set(crashed.list_streams()), k  # deleted durably before
+        expected: dict[str, list[bytes]] = {name: [] for name in ("s2", "n0", "n1", "n2", "n3")}
+        if crashed.exists("s2"):  # its deletion not done: whole
+            expected["s2"] = [e.payload for e in crashed.read("s2", 0, 10).entries()]
+            assert expected["s2"] == [b"s2"] * 3, k
+        for name, entries in expected.items():  # appended to, or made in the slots freed or a new pack
+            crashed.append(name, AppendBatch([b"new " + name.encode()]))
+            entries.append(b"new " + name.encode())
+        crashed.close()
+        again = Engine(ROOT, config, fs=state)  # type: ignore[arg-type]
+        for name, entries in expected.items():
+            assert [e.payload for e in again.read(name, 0, 10).entries()] == entries, k
+        again.close()
+    # Crash points fell before the removal and after it.
+    assert {("00000.pack", "00001.pack"), ("00001.pack",)} <= packs_seen

@@ -132,6 +132,9 @@ class _BlockingPacks:
         self.entered.set()
         self.release.wait(10)
 
+    def remove_empty(self) -> list[int]:
+        return []
+
 
 class _NoJournal:
     def journal_mark(self) -> None:
