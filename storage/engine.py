@@ -12,7 +12,8 @@ unclean shutdown recovered, before it is first served), creates and deletes
 streams, hands each call to its stream, and runs the maintenance thread; the
 consumer-group calls come from GroupCalls (storage/groupsapi.py), the
 replication primitives from ReplicaCalls (storage/replicaapi.py), the catalog's
-reading at start-up and its writing from CatalogFiles (storage/catalogfiles.py).
+reading at start-up and its writing from CatalogFiles (storage/catalogfiles.py),
+the offline unpack of slot streams from Unpacking (storage/unpack.py).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from storage.slothome import Slots
 from storage.stream import Stream
 from storage.streaminfo import stream_info
 from storage.streamsapi import StreamCalls
+from storage.unpack import Unpacking
 
 log = logging.getLogger("streamlog.storage")
 
@@ -65,7 +67,7 @@ def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
+class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls, Unpacking):
     def __init__(
         self,
         data_dir: str | os.PathLike,

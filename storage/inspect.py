@@ -3,10 +3,12 @@
     python -m storage.inspect PATH           list segments and nodes (PATH: data dir, stream dir or .seg file)
     python -m storage.inspect verify DATA    check every stream; exit status 1 if anything is damaged
     python -m storage.inspect packs DATA     list pack files: slots used, free, damaged; check each slot
+    python -m storage.inspect unpack DATA    move every stream out of pack files, then remove them
     add --json for one JSON object per line
 
-It only reads: safe to run beside a live server (the active node may then
-show as still being written).
+All but `unpack` only read: safe to run beside a live server (the active node may then
+show as still being written). `unpack` opens the directory as the engine does (storage/unpack.py)
+and is refused while a server holds it.
 """
 
 from __future__ import annotations
@@ -19,14 +21,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from storage import grouplog
+from storage.config import EngineConfig
 from storage.dedup import ProducerTable
-from storage.errors import CorruptionError
+from storage.engine import Engine
+from storage.errors import CorruptionError, PreconditionError
 from storage.format import NODE_SPARSE, NODE_ZSTD, SegmentHeader
 from storage.fs import FileSystem
 from storage.layout import (
     DAMAGED_SUFFIX,
     META_FILE,
     META_NEW,
+    PACKS_DIR,
     PRODUCERS_FILE,
     SEGMENT_SUFFIX,
     read_meta,
@@ -239,9 +244,38 @@ def _print_packs(data_dir: Path, as_json: bool) -> int:
     return 1 if problems else 0
 
 
+def _unpack(data_dir: Path, as_json: bool) -> int:
+    """Run storage/unpack.py's unpack on a stopped server's directory and say what it did: 0 when
+    no stream is left in a slot, 1 when some could not be moved, 2 when it could not run."""
+    if not streams_root(data_dir).is_dir():
+        print(f"{data_dir} is not a streamlog data directory (no streams/)", file=sys.stderr)
+        return 2
+    try:
+        engine = Engine(data_dir, EngineConfig(background=False))
+    except PreconditionError as exc:  # its LOCK is held
+        print(f"{exc}: stop the server first", file=sys.stderr)
+        return 2
+    try:
+        done = engine.unpack()
+    finally:
+        engine.close()
+    if as_json:
+        print(json.dumps({**asdict(done), "promoted": len(done.promoted)}))
+    else:
+        print(f"moved {len(done.promoted)} streams from slots of pack files to directories of their own")
+        print(f"removed {', '.join(done.removed) or 'no pack file'}")
+        for name in done.unreadable:
+            print(f"problem: stream {name!r} is unreadable in its slot (see the log): left there")
+        if done.kept:
+            print(f"problem: kept in {data_dir / PACKS_DIR}: {', '.join(done.kept)}")
+        else:
+            print(f"done: no stream is in a slot; a release before format 6 can open {data_dir}")
+    return 1 if done.unreadable or done.kept else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m storage.inspect", description=__doc__.split("\n\n")[0])
-    parser.add_argument("args", nargs="+", metavar="[verify] PATH")
+    parser.add_argument("args", nargs="+", metavar="[verify|packs|unpack] PATH")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     ns = parser.parse_args(argv)
     if ns.args[0] == "verify":
@@ -257,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         if len(ns.args) != 2:
             parser.error("packs takes one data directory")
         return _print_packs(Path(ns.args[1]), ns.json)
+    if ns.args[0] == "unpack":
+        if len(ns.args) != 2:
+            parser.error("unpack takes one data directory")
+        return _unpack(Path(ns.args[1]), ns.json)
     status = 0
     for arg in ns.args:
         path = Path(arg)
