@@ -233,9 +233,10 @@ def _print_packs(data_dir: Path, as_json: bool) -> int:
         if as_json:
             print(json.dumps({**asdict(r), "free": r.free}))
         else:
+            unnamed = f" ({r.unnamed} in no catalog row: freed at the next start-up)" if r.unnamed else ""
             print(
                 f"pack {r.pack_id:05d}  {r.file_bytes} bytes  {r.slots} slots: "
-                f"{r.used} used, {r.free} free, {r.damaged} damaged"
+                f"{r.used} used, {r.free} free, {r.damaged} damaged{unnamed}"
             )
     for problem in problems:
         print(json.dumps({"problem": problem}) if as_json else f"problem: {problem}")

@@ -616,3 +616,51 @@ def test_a_crash_at_every_step_of_a_packs_removal_keeps_every_stream_and_brings_
         again.close()
     # Crash points fell before the removal and after it.
     assert {("00000.pack", "00001.pack"), ("00001.pack",)} <= packs_seen
+
+
+def test_inspect_checks_each_slot_the_catalog_places_a_stream_in(tmp_path, capsys):
+    data = tmp_path / "data"
+    config = EngineConfig(background=False, small_streams="slots", max_open_streams=1)
+    engine = Engine(data, config)
+    for name in ("a", "b", "c"):
+        engine.append(name, AppendBatch([name.encode()] * 3))
+    places = {name: split_place(engine._catalog.place(name)) for name in ("a", "b", "c")}
+    # Open (a kill -9 now would leave this): the catalog file and its journal, replayed.
+    assert inspect_main(["packs", str(data)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "pack 00000  16777216 bytes  4095 slots: 3 used, 4092 free, 0 damaged"
+    ]
+    engine.close()
+    pack_file = data / "packs" / "00000.pack"
+    with pack_file.open("r+b") as f:
+        f.seek(places["a"][1] * SLOT_BYTES)  # a's slot now names another stream
+        f.write(SlotHeader("other", 1, MS).encode())
+        f.seek((places["c"][1] + 1) * SLOT_BYTES)  # a slot no catalog row names
+        f.write(SlotHeader("lost record", 1, MS).encode() + SLOT_SEGMENT)
+    mismatch = (
+        "problem: stream 'a': slot 1 of pack 0 holds 'other' at generation 1, not 'a' at 1 "
+        "(the catalog places it there: it is unreadable)"
+    )
+    assert inspect_main(["packs", str(data)]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        "pack 00000  16777216 bytes  4095 slots: 4 used, 4091 free, 0 damaged "
+        "(1 in no catalog row: freed at the next start-up)",
+        mismatch,
+    ]
+    size = places["b"][1] * SLOT_BYTES + 1000
+    os.truncate(pack_file, size)  # b's slot and c's cut off
+    problems = [
+        mismatch,
+        *(
+            f"problem: stream {name!r}: slot {places[name][1]} of pack 0 is past the pack's end "
+            f"({size} bytes) (the catalog places it there: it is unreadable)"
+            for name in ("b", "c")
+        ),
+    ]
+    assert inspect_main(["packs", str(data)]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        f"pack 00000  {size} bytes  1 slots: 1 used, 0 free, 0 damaged",
+        *problems,
+    ]
+    assert inspect_main(["verify", str(data)]) == 1
+    assert capsys.readouterr().out.splitlines() == problems
