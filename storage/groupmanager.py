@@ -77,6 +77,11 @@ class GroupManager:
         for store in self.stores.all():
             if store.closed or store.broken is not None:
                 continue
+            if store.log is None and not store.state.groups:
+                # Never a group (a lookup made it: a metrics scrape lists every open stream's):
+                # nothing to settle or sync, and its fsync policy would open its stream if closed,
+                # closing another (issue 17: a round over every stream a scrape saw, 1,024 and more).
+                continue
             name = store.name
             try:
                 if not store.passive:

@@ -71,7 +71,13 @@ class SlotFile(SegmentFile):
     of its state: every method is this class's own, so SegmentFile's constructor is not called."""
 
     def __init__(
-        self, pack: PackFile, start: int, content: bytearray, writable: bool, written: Callable[[], None]
+        self,
+        pack: PackFile,
+        start: int,
+        content: bytearray,
+        writable: bool,
+        written: Callable[[], int],
+        synced_by: int,
     ) -> None:
         self.path = pack.path
         self.size = self.reserved = SLOT_SEGMENT_BYTES  # allocated with the pack's growth step
@@ -81,6 +87,9 @@ class SlotFile(SegmentFile):
         self._start = start  # where the segment starts in the pack
         self._content = content
         self._written = written
+        # The number of the last sync of the packs begun before this slot's last write (or its
+        # open): a sync numbered past it covers every write of it (`Packs.begin_sync`).
+        self.synced_by = synced_by
 
     @property
     def mapped(self) -> bool:
@@ -95,7 +104,7 @@ class SlotFile(SegmentFile):
         if pos < 0 or pos + len(data) > SLOT_SEGMENT_BYTES:
             raise SlotFull(f"a write of {len(data)} bytes at {pos} does not fit the slot")
         self._pack.write(self._start + pos, data)
-        self._written()  # after the write: a sync that begins after it covers it
+        self.synced_by = self._written()  # after the write: a sync that begins after it covers it
         self._content[pos : pos + len(data)] = data
 
     def reserve(self, size: int) -> None:
@@ -132,6 +141,7 @@ class Packs:
         self._free: dict[tuple[int, int], int] = {}
         self._freeing: dict[tuple[int, int], int] = {}
         self._dirty: set[int] = set()
+        self._syncs_begun = 0  # `begin_sync` calls: the number of the last sync begun
         self._left_out: set[int] = set()  # packs whose header failed its checks (adopt), kept
         # Per pack, its slots not in `_free` (taken, or freed since the last sync began): a pack
         # at 0 is empty, its freeings durable.
@@ -143,6 +153,17 @@ class Packs:
         """Whether a sync has work: a pack written since the last sync began, or a pack found
         empty and not removed yet (`remove_empty` follows a sync)."""
         return bool(self._dirty) or self._emptied
+
+    @property
+    def syncs_begun(self) -> int:
+        return self._syncs_begun
+
+    def begin_sync(self) -> int:
+        """Number the sync about to begin (SlotSync's, before its journal mark and `sync`): it covers
+        every slot write whose `SlotFile.synced_by` is below its number."""
+        with self._lock:
+            self._syncs_begun += 1
+            return self._syncs_begun
 
     def adopt(self, places: Iterable[int]) -> None:
         """Take `places` as the slots in use (start-up, from the catalog): every other slot of the
@@ -235,9 +256,10 @@ class Packs:
                 f"not {name!r} at {generation}"
             )
         written = self._written_callback(pack)
-        return SlotFile(
-            file, slot * SLOT_BYTES + SLOT_HEADER_BYTES, bytearray(raw[SLOT_HEADER_BYTES:]), writable, written
-        )
+        start = slot * SLOT_BYTES + SLOT_HEADER_BYTES
+        # Covered by a sync begun after the open: what was written to the slot before it, by this
+        # stream's last open, may be unsynced still (a close hands its writes to the round).
+        return SlotFile(file, start, bytearray(raw[SLOT_HEADER_BYTES:]), writable, written, self._syncs_begun)
 
     def free_slot(self, place: int) -> None:
         """Zero the slot's header (one pwrite); the slot is taken again only after the next
@@ -438,9 +460,11 @@ class Packs:
         self._pack_ids().append(pack)
         self._next = 1
 
-    def _written_callback(self, pack: int) -> Callable[[], None]:
-        def written() -> None:
+    def _written_callback(self, pack: int) -> Callable[[], int]:
+        def written() -> int:
+            """Mark the pack written; the number of the last sync begun (one past it covers the write)."""
             with self._lock:
                 self._dirty.add(pack)
+                return self._syncs_begun
 
         return written

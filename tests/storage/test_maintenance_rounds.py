@@ -62,3 +62,25 @@ def test_time_driven_upkeep_of_an_idle_open_stream_still_happens(open_engine, cl
     assert engine.bounds("aged").first_offset > 0  # its old sealed nodes evicted
     # The producer was forgotten: the same sequence is a new batch, not a duplicate.
     assert not engine.append("produced", AppendBatch([b"p"]), producer=("writer", 1)).duplicate
+
+
+def test_a_round_opens_no_closed_stream_for_consumer_groups_it_never_had(open_engine):
+    """A metrics scrape lists the groups of every open stream; a stream it saw and the cache closed
+    since, with no group, costs the rounds nothing (they opened it for its fsync policy, closing
+    another: every stream a scrape ever saw, each round, 325 ms of a round holding the GIL and the
+    cache's lock against the calls, issue 17)."""
+    engine = open_engine(max_open_streams=4)
+    names = [f"seen-{i}" for i in range(12)]
+    for name in names:
+        engine.append(name, AppendBatch([name.encode()]))
+        assert engine.list_groups(name) == []  # as a scrape asks (service/metrics.py)
+    engine.append("grouped", AppendBatch([b"g"]))
+    engine.create_group("grouped", "readers", start=0)  # a stream with a group is still kept up
+    engine.maintain()
+    opened: list[str] = []
+    cache = engine._open
+    open_stream = cache._open_stream
+    cache._open_stream = lambda name: opened.append(name) or open_stream(name)
+    engine.maintain()
+    assert not set(opened) & set(names)
+    assert engine.list_groups("grouped")[0].name == "readers"

@@ -123,8 +123,13 @@ class _BlockingPacks:
     def __init__(self) -> None:
         self.written = True
         self.syncs = 0
+        self.syncs_begun = 0
         self.entered = threading.Event()
         self.release = threading.Event()
+
+    def begin_sync(self) -> int:
+        self.syncs_begun += 1
+        return self.syncs_begun
 
     def sync(self) -> None:
         self.syncs += 1
@@ -160,6 +165,36 @@ def test_callers_waiting_together_share_one_sync_begun_after_their_writes():
     assert packs.syncs == 2  # the first's, then one for the seven together
     sync.wait()  # nothing written since, no sync running: returns without one
     assert packs.syncs == 2
+
+
+def test_a_stream_written_before_a_sync_began_is_not_synced_again_for_writes_that_came_after():
+    """The round syncs the slots, then each open stream written since its last upkeep: those
+    written before its sync began need no other, whatever other streams wrote meanwhile (calls
+    landing during the round: each stream's sync was a sync of the packs and the journal)."""
+    fs, engine = new_engine(max_open_streams=8)
+    engine.append("before", AppendBatch([ENTRY]))
+    packs = engine._slots.packs
+    sync, syncs = packs.sync, []
+
+    def sync_with_a_call_landing() -> None:
+        syncs.append(1)
+        if len(syncs) == 1:
+            engine.append("during", AppendBatch([ENTRY]))  # a call while the round's sync runs
+        sync()
+
+    packs.sync = sync_with_a_call_landing
+    engine._slots.sync.wait()  # the round's sync of the slots
+    assert len(syncs) == 1
+    for name, more in (("before", 0), ("during", 1)):  # the round's syncs of the streams written
+        stream = engine._open.pin(name)
+        try:
+            stream.sync()
+        finally:
+            engine._open.unpin(stream)
+        assert len(syncs) == 1 + more, name  # "during" came after the sync began: it needs one
+    lost = restart(fs.crashed_copy(mode="lost"))  # what the syncs made durable, nothing else
+    assert contents(lost, "before") == [ENTRY] and contents(lost, "during") == [ENTRY]
+    lost.close()
 
 
 def fill_until_promoted(engine: Engine, name: str) -> list[bytes]:
