@@ -8,8 +8,8 @@ batches, two in flight), after a warm-up of `--warm-up` streams. The server's CP
 and closes of the load's streams count, as in bench.appendmany_cpu), and given in µs per stream:
 the process's, and each thread's, named by its kind (the event loop, the append threads, the
 engine's maintenance and closer threads, gRPC's own threads: named by `py-spy dump` when py-spy
-is installed beside this Python, else all "python" but gRPC's). Compare it
-with `python -m bench.appendmany_cpu --entries 10 --set small_streams=slots`, the servicer's
+is installed beside this Python, else all "python" but gRPC's); then the server's RSS. Compare
+it with `python -m bench.appendmany_cpu --entries 10 --set small_streams=slots`, the servicer's
 work alone. `--pause` waits (printing the server's pid) before the load, so a profiler can attach.
 
 One JSON object per line (bench.common.emit).
@@ -102,6 +102,7 @@ def main() -> None:
         elapsed = time.monotonic() - started
         time.sleep(args.settle)
         after, process = thread_cpu(pid), server.cpu_s() - process_before
+        rss = server.rss_mb()
         kinds = thread_kinds(pid)  # after the load: the executor starts its threads as calls need them
     finally:
         server.stop()
@@ -115,6 +116,7 @@ def main() -> None:
     per_kind["(ended threads)"] = process - sum(per_kind.values())
     emit("server_cpu_per_stream_us", round(1e6 * process / args.streams), "us", **shape)
     emit("load_time", round(elapsed, 2), "s", **shape)
+    emit("server_rss", round(rss, 1), "MB", **shape)
     for kind, cpu in sorted(per_kind.items(), key=lambda item: -item[1]):
         if cpu:
             emit(
