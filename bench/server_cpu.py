@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import emit
+from bench.common import add_setting_option, emit, settings_given
 from bench.streams import CALL_BATCHES, CALLS_IN_FLIGHT, Server, payloads
 from clients.aio import AsyncClient
 
@@ -80,11 +80,9 @@ def main() -> None:
     parser.add_argument("--warm-up", type=int, default=2_000, help="streams loaded before the measure")
     parser.add_argument("--settle", type=float, default=2.5, help="seconds counted after the load")
     parser.add_argument("--pause", type=float, default=0, help="seconds to wait before the load")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a server setting")
+    add_setting_option(parser)
     args = parser.parse_args()
-    settings = dict(item.split("=", 1) for item in args.set if "=" in item)
-    if len(settings) != len(args.set):
-        parser.error("--set: KEY=VALUE")
+    settings = settings_given(parser, args)
     root = Path(tempfile.mkdtemp(prefix="streamlog-servercpu-", dir=os.environ.get("BENCH_DIR")))
     server = Server(root / "data", 2 * (args.streams + args.warm_up), settings)
     try:
