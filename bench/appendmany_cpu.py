@@ -29,7 +29,7 @@ from typing import Any
 
 from streamlog.v1 import streamlog_pb2 as pb
 
-from bench.common import emit
+from bench.common import add_setting_option, emit, settings_given
 from bench.service import PAYLOAD
 from service.config import engine_config, load_settings
 from service.servicer import StreamLogServicer
@@ -100,11 +100,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=6)
     parser.add_argument("--streams", type=int, default=1000, help="new streams per call")
     parser.add_argument("--entries", type=int, default=1, help="entries of 100 B per stream")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a server setting")
+    add_setting_option(parser)
     args = parser.parse_args()
-    overrides = dict(item.split("=", 1) for item in args.set if "=" in item)
-    if len(overrides) != len(args.set):
-        parser.error("--set: KEY=VALUE")
+    overrides = settings_given(parser, args)
     asyncio.run(measure(args.calls, args.streams, args.entries, overrides))
 
 

@@ -7,6 +7,7 @@ without parsing prose.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import itertools
 import json
@@ -174,6 +175,19 @@ def cpu_steal_ticks() -> tuple[int, int] | None:
     # user nice system idle iowait irq softirq steal [guest guest_nice]:
     # guest time is already counted in user/nice, so only the first 8 add up.
     return ticks[7], sum(ticks[:8])
+
+
+def add_setting_option(parser: argparse.ArgumentParser) -> None:
+    """A repeatable `--set KEY=VALUE`: a server setting, as `streamlog serve --set` takes it."""
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a server setting")
+
+
+def settings_given(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
+    """The `--set` settings of `args` by name (a parser error for one without `=`)."""
+    settings = dict(item.split("=", 1) for item in args.set if "=" in item)
+    if len(settings) != len(args.set):
+        parser.error("--set: KEY=VALUE")
+    return settings
 
 
 def serve_command(data: Path, port: int, fsync: str = "everysec", **settings: Any) -> list[str]:

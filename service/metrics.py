@@ -194,10 +194,16 @@ class Metrics:
         self._per_stream_mode = (self.read_requests, self.subscriptions)
         # Per-stream children, looked up once per stream: `labels()` takes a lock and builds a
         # key on every call, several microseconds per call otherwise. Made only for streams
-        # that exist (see `MetricsInterceptor`), dropped when they are deleted.
+        # that exist (see `MetricsInterceptor`), dropped when they are deleted. The streams
+        # past `stream_series` share OTHER_STREAMS's, kept under that name's key: such a
+        # stream's key is only noted in a `_past` set (a tuple each was a tracked object for
+        # the collector to walk, and three `labels()` calls, for every stream a load made).
         self._append_children: dict[str, tuple[Any, Any, Any]] = {}
         self._read_children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._subscribe_children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
+        self._append_past: set[str] = set()
+        self._read_past: set[tuple[str, str]] = set()
+        self._subscribe_past: set[tuple[str, str]] = set()
 
     def refused(self, kind: str, reason: str) -> None:
         """The observer given to the auth and limits interceptors."""
@@ -215,23 +221,37 @@ class Metrics:
     def append_children(self, stream: str, exists: Exists) -> tuple[Any, Any, Any] | None:
         """The Append counters of `stream`; None while it does not exist."""
         children = self._append_children.get(stream)
-        if children is None and exists(stream):
-            label = self._label(stream)
-            children = self._append_children[stream] = (
-                self.append_requests.labels(label),
-                self.appended_entries.labels(label),
-                self.append_bytes.labels(label),
+        if children is None:
+            children = self._children(
+                self._append_children,
+                self._append_past,
+                stream,
+                stream,
+                OTHER_STREAMS,
+                exists,
+                self._append_series,
             )
         return children
+
+    def _append_series(self, label: str) -> tuple[Any, Any, Any]:
+        return (
+            self.append_requests.labels(label),
+            self.appended_entries.labels(label),
+            self.append_bytes.labels(label),
+        )
 
     def read_children(self, stream: str, mode: str, exists: Exists) -> tuple[Any, Any] | None:
         """The Read counters of `stream` in `mode`; None while it does not exist."""
         children = self._read_children.get((stream, mode))
-        if children is None and exists(stream):
-            label = self._label(stream)
-            children = self._read_children[(stream, mode)] = (
-                self.read_requests.labels(label, mode),
-                self.read_bytes.labels(label),
+        if children is None:
+            children = self._children(
+                self._read_children,
+                self._read_past,
+                stream,
+                (stream, mode),
+                (OTHER_STREAMS, mode),
+                exists,
+                lambda label: (self.read_requests.labels(label, mode), self.read_bytes.labels(label)),
             )
         return children
 
@@ -239,21 +259,57 @@ class Metrics:
         """The subscription counters of `stream` in `mode` (started, replies, bytes); None while it
         does not exist."""
         children = self._subscribe_children.get((stream, mode))
-        if children is None and exists(stream):
-            label = self._label(stream)
-            children = self._subscribe_children[(stream, mode)] = (
-                self.subscriptions.labels(label, mode),
-                self.subscribe_replies.labels(label),
-                self.subscribe_bytes.labels(label),
+        if children is None:
+            children = self._children(
+                self._subscribe_children,
+                self._subscribe_past,
+                stream,
+                (stream, mode),
+                (OTHER_STREAMS, mode),
+                exists,
+                lambda label: (
+                    self.subscriptions.labels(label, mode),
+                    self.subscribe_replies.labels(label),
+                    self.subscribe_bytes.labels(label),
+                ),
             )
+        return children
+
+    def _children(
+        self,
+        cache: dict[Any, Any],
+        past: set[Any],
+        stream: str,
+        key: Any,
+        other: Any,
+        exists: Exists,
+        make: Callable[[str], Any],
+    ) -> Any:
+        """The children of `stream` (`key` in `cache`, not there): OTHER_STREAMS's (`other` in
+        `cache`) if it began past the limit (its key in `past`), else its own, made now; None
+        while it does not exist."""
+        if key not in past:
+            if not exists(stream):
+                return None
+            label = self._label(stream)
+            if label != OTHER_STREAMS:
+                children = cache[key] = make(label)
+                return children
+            past.add(key)
+        children = cache.get(other)
+        if children is None:
+            children = cache[other] = make(OTHER_STREAMS)
         return children
 
     def forget_stream(self, stream: str) -> None:
         """Drop a deleted stream's series, so deleted names do not accumulate (and its place)."""
         self._append_children.pop(stream, None)
+        self._append_past.discard(stream)
         for mode in ("plain", "group"):
             self._read_children.pop((stream, mode), None)
             self._subscribe_children.pop((stream, mode), None)
+            self._read_past.discard((stream, mode))
+            self._subscribe_past.discard((stream, mode))
         if stream not in self._labelled:
             return  # counted under OTHER_STREAMS: that series stays, as the calls it counts happened
         self._labelled.discard(stream)
@@ -396,10 +452,28 @@ class MetricsInterceptor(WrappingInterceptor):
             self._m.durable_append_seconds.observe(elapsed)
 
     def _account_AppendMany(self, request: Any, reply: Any, elapsed: float) -> None:
-        # Each batch written counts as an Append of its stream.
+        # Each batch written counts as an Append of its stream. The batches of streams that share
+        # counters (all those past metrics_stream_series) are added up first: one increment of
+        # each counter per call, not one per batch (each takes the counter's lock).
+        sums: dict[tuple[Any, Any, Any], list[int]] = {}
+        append_children, exists = self._m.append_children, self._exists
         for batch, result in zip(request.batches, reply.results, strict=True):
-            if not result.HasField("error"):
-                self._count_append(batch, result)
+            if result.HasField("error"):
+                continue
+            counters = append_children(batch.stream, exists)
+            if counters is None:
+                continue  # deleted since
+            added = sums.get(counters)
+            if added is None:
+                added = sums[counters] = [0, 0, 0]
+            added[0] += 1
+            if not result.duplicate:
+                added[1] += result.last_offset - result.first_offset + 1
+            added[2] += batch.ByteSize()
+        for (requests, entries, size), (calls, written, sent) in sums.items():
+            requests.inc(calls)
+            entries.inc(written)
+            size.inc(sent)
 
     def _account_Read(self, request: Any, reply: Any, elapsed: float) -> None:
         counters = self._m.read_children(request.stream, _mode(request), self._exists)

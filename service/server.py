@@ -385,14 +385,27 @@ async def _stop_requested(stop: asyncio.Event, cluster: ClusterNode | None) -> N
         log.error("shutting down: this node can no longer act as a cluster member")
 
 
+# Tracked objects allocated (net of those freed) between two young collections; Python's is 700.
+GC_YOUNG_OBJECTS = 100_000
+
+
 def _tune_for_latency() -> None:
-    """Process settings that cut the latency tail of a long-running server.
+    """Process settings that cut the latency tail and the CPU of a long-running server.
 
     A thread waiting for the GIL (the event loop, behind a maintenance or
     append-executor thread) waits up to the switch interval: 0.5 ms instead of
     the default 5 ms. Objects alive after start-up (the engine's index, the
     generated code) are moved out of the garbage collector's reach so its full
     passes stay short.
+
+    A young collection every GC_YOUNG_OBJECTS tracked objects, not every 700: a call's
+    objects (an AppendMany's batches, the streams it opens) live for the call or the
+    open-stream cache's turn, so at 700 each was walked by a young, a middle and then
+    every full collection, a fifth of an AppendMany load's CPU (docs/PERFORMANCE.md, perf29);
+    at 100,000 most are freed by their last reference before any collection sees them.
+    The server makes little cyclic garbage (about 2,000 objects over that load), which
+    waits for a collection at most this many allocations longer.
     """
     sys.setswitchinterval(0.0005)
     gc.freeze()
+    gc.set_threshold(GC_YOUNG_OBJECTS, *gc.get_threshold()[1:])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 import time
@@ -9,15 +10,20 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import grpc
 import pytest
+from prometheus_client import Counter
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 from streamlog.v1 import streamlog_pb2 as pb
 from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
 from bench.common import free_port
 from service.config import Settings
+from service.metrics import Metrics, MetricsInterceptor
 from service.server import SERVICE
 from storage import AppendBatch
 from tests.service.helpers import ServerThread, append
@@ -209,6 +215,52 @@ def test_a_stream_named_like_a_label_keeps_its_series_apart_from_the_streams_pas
     # The deleted stream's series is gone; the calls counted past the limit stay.
     assert not [key for key in samples if ("stream", "(other)") in key[1]]
     assert value(samples, "streamlog_appended_entries_total", stream="") == 1
+
+
+def test_an_append_many_past_metrics_stream_series_counts_without_a_series_lookup_or_step_per_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    steps = {"labels": 0, "inc": 0}
+    for cls, name in ((MetricWrapperBase, "labels"), (Counter, "inc")):
+        original = getattr(cls, name)
+
+        def counted(self: Any, *args: Any, _original: Any = original, _name: str = name) -> Any:
+            steps[_name] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(cls, name, counted)
+    metrics = Metrics(stream_series=2)
+    engine = SimpleNamespace(exists=lambda name: name != "gone")  # deleted since it was written
+    written = [f"s{i}" for i in range(500)]
+    request = pb.AppendManyRequest(
+        batches=[pb.AppendRequest(stream=name, payloads=[b"xy"]) for name in [*written, "gone", "refused"]]
+    )
+    reply = pb.AppendManyResponse(
+        results=[pb.AppendManyResult(first_offset=0, last_offset=1) for _ in [*written, "gone"]]
+        + [pb.AppendManyResult(error=pb.PublishError(code=8, message="no"))]
+    )
+
+    async def served(request: Any, context: Any) -> Any:
+        return reply
+
+    measured = MetricsInterceptor(SERVICE.full_name, metrics, lambda: engine).wrap_unary("AppendMany", served)
+    seen = []
+    for _ in range(2):
+        steps.update(labels=0, inc=0)
+        asyncio.run(measured(request, SimpleNamespace(code=lambda: None)))
+        seen.append(dict(steps))
+    # Per call, s0, s1 and stream="" (s2 to s499) are counted once each: three counters, one step
+    # each. The first call looks their series up, once each.
+    assert seen == [{"labels": 9, "inc": 9}, {"labels": 0, "inc": 9}]
+    sample = metrics.registry.get_sample_value
+    assert sample("streamlog_append_requests_total", {"stream": ""}) == 2 * 498
+    assert sample("streamlog_appended_entries_total", {"stream": ""}) == 2 * 2 * 498
+    assert sample("streamlog_appended_entries_total", {"stream": "s0"}) == 2 * 2
+    assert (
+        sample("streamlog_append_request_bytes_total", {"stream": "s1"}) == 2 * request.batches[1].ByteSize()
+    )
+    assert sample("streamlog_append_requests_total", {"stream": "gone"}) is None
+    assert sample("streamlog_append_requests_total", {"stream": "refused"}) is None
 
 
 def names_in(samples: Samples) -> set[str]:
