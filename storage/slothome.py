@@ -160,10 +160,10 @@ class SlotHome:
         nothing of its last stream's nodes."""
         header = SegmentHeader(0, 0, SLOT_SEGMENT_BYTES, ctx.clock())
         raw = header.encode()
-        place = slots.packs.create_slot(name, header.created_ms, raw + bytes(SLOT_SEGMENT_BYTES - len(raw)))
+        place = slots.packs.create_slot(name, header.created_ms, raw)
         slots.catalog.add(name, place)  # the `p` record, after the slot's write
         slots.sync.journaled()
-        file = slots.packs.open_slot(place, name, writable=True)
+        file = slots.packs.created_slot(place, raw)  # from the bytes in hand: no read back
         return cls(ctx, slots, name, directory, place), Segment(file, header)
 
     def load(self, handed: UnsyncedClose | None, held: int) -> Opened:

@@ -13,10 +13,11 @@ import pytest
 
 from storage import AppendBatch, Engine, EngineConfig, InvalidArgumentError, StreamConfig
 from storage.layout import PACKS_DIR, stream_directory
+from storage.format import SLOT_SEGMENT_BYTES
 from storage.packs import NO_PLACE
 from storage.slothome import SlotSync
 from tests.storage.conftest import SMALL
-from tests.storage.faultfs import FaultFS
+from tests.storage.faultfs import FaultFS, FaultPackFile
 
 ROOT = Path("/faultfs/data")
 ENTRY = b"e" * 100
@@ -316,3 +317,19 @@ def test_a_stream_reopened_before_the_round_keeps_the_header_its_last_sync_made_
     engine.append("a", AppendBatch([b"after"]))  # reopened: must not write over the durable header
     state = fs.crashed_copy(random.Random(1), "power", fate=lambda write: "garble")
     assert contents(restart(state), "a")[:1] == [b"synced"]
+
+
+def test_a_creation_reads_nothing_back_from_the_pack_it_wrote(monkeypatch):
+    fs, engine = new_engine(max_open_streams=8)
+    engine.append("first", AppendBatch([ENTRY]))  # the pack made and opened
+    reads: list[int] = []
+    read = FaultPackFile.read
+    monkeypatch.setattr(FaultPackFile, "read", lambda self, pos, n: reads.append(pos) or read(self, pos, n))
+    for name in ("a", "b", "c"):
+        engine.append(name, AppendBatch([ENTRY] * 10))
+    assert reads == []  # (a read back cost a pread of 4 KiB per creation)
+    with engine._use("c") as stream:  # the copy reads come from is the slot's bytes on disk
+        file = stream.segments[0].file
+        assert file.read(0, SLOT_SEGMENT_BYTES) == read(file._pack, file._start, SLOT_SEGMENT_BYTES)
+    engine.close()
+    assert contents(restart(fs), "c") == [ENTRY] * 10
