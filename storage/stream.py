@@ -127,18 +127,19 @@ class Stream(StreamParts):
             return home if isinstance(home, DirectoryHome) else home.promote(self)
 
     @classmethod
-    def create_in_slot(cls, ctx: EngineContext, slots: Slots, name: str, directory: Path) -> Stream:
-        """A new stream in a slot (storage/slothome.py): the default config, no epochs."""
-        home, segment = SlotHome.create(ctx, slots, name, directory)
+    def create_in_slot(cls, ctx: EngineContext, slots: Slots, name: str, root: Path) -> Stream:
+        """A new stream in a slot (storage/slothome.py), `root` the streams directory: the default
+        config, no epochs."""
+        home, segment = SlotHome.create(ctx, slots, name, root)
         stream = cls(ctx, name, home, DEFAULT_STREAM_CONFIG)
         stream.segments.append(segment)
         stream.write_seq = 1  # a sync is due, written or not: its slot and `p` record
         return stream
 
     @classmethod
-    def open_in_slot(cls, ctx: EngineContext, slots: Slots, name: str, directory: Path, place: int) -> Stream:
-        """Open a stream in the slot at `place`."""
-        return cls._opened(ctx, SlotHome(ctx, slots, name, directory, place), None, 0)
+    def open_in_slot(cls, ctx: EngineContext, slots: Slots, name: str, root: Path, place: int) -> Stream:
+        """Open a stream in the slot at `place` (`root`: the streams directory)."""
+        return cls._opened(ctx, SlotHome(ctx, slots, name, root, place), None, 0)
 
     @classmethod
     def create(
