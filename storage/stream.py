@@ -65,10 +65,7 @@ class Stream(StreamParts):
         self.config = config
         self.fsync: FsyncPolicy = config.fsync or ctx.config.fsync  # kept by set_config; no property
         self.lock = threading.RLock()
-        # Under "always" an append waits for the sync in flight (`_check_writable`): notified when
-        # a sync ends, and when the appends that waited have written (the next sync waits for them).
-        self.sync_ended = threading.Condition(self.lock)
-        self.blocked_writers = 0
+        self.blocked_writers = 0  # appends waiting on `sync_ended` (StreamParts)
         self.maintenance_lock = threading.Lock()
         self.gate = SyncGate()
         self.segments: list[Segment] = []

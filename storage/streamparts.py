@@ -1,5 +1,6 @@
-"""The parts of a stream made on first use: its idempotent producers' table (and its saving),
-its epoch history, and its maintenance helpers (cleaner, retention, truncation).
+"""The parts of a stream made on first use: the condition its syncs and "always" appends wait
+on, its idempotent producers' table (and its saving), its epoch history, and its maintenance
+helpers (cleaner, retention, truncation).
 
 Most streams among a million never use them (no producer id, not replicated, never
 compacted, trimmed or truncated): a creation, an append and an eviction make none, which
@@ -41,6 +42,14 @@ class StreamParts:
     def made(self, part: str) -> bool:
         """Whether the part named `part` was made (or set) so far."""
         return part in self.__dict__
+
+    @cached_property
+    def sync_ended(self) -> threading.Condition:
+        """Under "always" an append waits for the sync in flight (`_check_writable`): notified when
+        a sync ends, and when the appends that waited have written (the next sync waits for them).
+        Made at the first sync or wait (both with `lock` held): a new stream that the cache closes
+        before either, as most of a load of new streams, never makes one."""
+        return threading.Condition(self.lock)
 
     @cached_property
     def producers(self) -> ProducerTable:
