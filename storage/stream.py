@@ -380,9 +380,11 @@ class Stream(StreamParts):
         a policy that promises writes to the next round) nothing is synced or written: what is
         unsynced, and the SYNCED marker, are returned for the round to finish (storage/handoff.py),
         None if there is nothing to finish. `closer` (the cache's close) takes the segment files to
-        unmap and close once the stream is closed (storage/closer.py); else they are closed here."""
+        unmap and close once the stream is closed (storage/closer.py); else they are closed here,
+        as a slot stream's always are (its file holds no descriptor or mapping: its close is a flag)."""
         handed = None
         files: list[SegmentFile] = []
+        in_place = closer is None or type(self.home) is SlotHome
         with self.maintenance_lock:
             if self.closed:
                 return None
@@ -392,11 +394,11 @@ class Stream(StreamParts):
                 self.closed_summary = stream_summary(self)
                 self.closed = True
                 for segment in self.segments:
-                    self.release(segment, close_file=closer is None)
+                    self.release(segment, close_file=in_place)
                     files.append(segment.file)
                 self.segments.clear()
                 self.index.clear()
-        if closer is not None and files:
+        if closer is not None and not in_place and files:
             closer(files)
         return handed
 

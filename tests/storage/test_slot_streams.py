@@ -333,3 +333,19 @@ def test_a_creation_reads_nothing_back_from_the_pack_it_wrote(monkeypatch):
         assert file.read(0, SLOT_SEGMENT_BYTES) == read(file._pack, file._start, SLOT_SEGMENT_BYTES)
     engine.close()
     assert contents(restart(fs), "c") == [ENTRY] * 10
+
+
+def test_a_new_slot_stream_makes_no_directory_path_or_sync_condition_and_closes_its_file_in_place():
+    fs, engine = new_engine(max_open_streams=1)
+    handed: list[object] = []
+    engine._closer.close = handed.append  # the closer's thread is for files with a mapping or descriptor
+    engine.append("a", AppendBatch([ENTRY] * 10))
+    with engine._use("a") as stream:
+        file = stream.segments[0].file
+        # Neither is made until used: a promotion or an open joins the path, a sync makes the condition.
+        assert "directory" not in stream.home.__dict__ and not stream.made("sync_ended")
+    engine.append("b", AppendBatch([ENTRY]))  # closes "a"
+    assert handed == [] and file.closed
+    assert contents(engine, "a") == [ENTRY] * 10  # reopened: its directory known, and none made
+    assert not fs.exists(stream_directory(ROOT, "a"))
+
