@@ -234,7 +234,9 @@ class Packs:
         content[: len(segment)] = segment
         with self._lock:
             file = self._files[pack]
-        return SlotFile(file, slot * SLOT_BYTES + SLOT_HEADER_BYTES, content, True, self._written_callback(pack))
+        return SlotFile(
+            file, slot * SLOT_BYTES + SLOT_HEADER_BYTES, content, True, self._written_callback(pack)
+        )
 
     def free_slot(self, place: int) -> None:
         """Zero the slot's header (one pwrite); the slot is taken again only after the next
