@@ -27,7 +27,7 @@ from storage.catalog import StreamSummary
 from storage.config import DEFAULT_STREAM_CONFIG, StreamConfig
 from storage.context import EngineContext
 from storage.creation import PendingCreation
-from storage.durability import SyncGate, sync_now
+from storage.durability import sync_now
 from storage.epochs import EpochHistory
 from storage.errors import (
     CorruptionError,
@@ -67,7 +67,6 @@ class Stream(StreamParts):
         self.lock = threading.RLock()
         self.blocked_writers = 0  # appends waiting on `sync_ended` (StreamParts)
         self.maintenance_lock = threading.Lock()
-        self.gate = SyncGate()
         self.segments: list[Segment] = []
         self.index = NodeIndex()
         self.active: GrowingNode | None = None
@@ -192,7 +191,7 @@ class Stream(StreamParts):
         """Append a batch; `producer` (id, sequence) makes it idempotent, `expected_end` conditional."""
         with self.lock:
             always = self.fsync is FsyncPolicy.ALWAYS  # read under the lock: set_config may change it
-            if always or self.closed or self.gate.error is not None or self.home.clean_marker:
+            if always or self.closed or self.sync_error is not None or self.home.clean_marker:
                 self._check_writable(always)  # only then has it anything to do (a call less per append)
             if expected_end is not None and expected_end != self.end_offset:
                 raise OffsetMismatchError(expected_end, self.end_offset)
@@ -258,8 +257,8 @@ class Stream(StreamParts):
                     self.sync_ended.notify_all()
         if self.closed:
             raise InvalidArgumentError(f"stream {self.name!r} was deleted")
-        if self.gate.error is not None:
-            raise DurabilityError(f"appends are refused after a failed sync: {self.gate.error}")
+        if (error := self.sync_error) is not None:
+            raise DurabilityError(f"appends are refused after a failed sync: {error}")
         if self.home.clean_marker:  # tested here: this runs on every append, the removal once
             self.home.unmark_clean()
 
@@ -388,7 +387,7 @@ class Stream(StreamParts):
         with self.maintenance_lock:
             if self.closed:
                 return None
-            if clean and self.gate.error is None:
+            if clean and self.sync_error is None:
                 handed = self.home.close(self, hand_off)
             with self.lock:
                 self.closed_summary = stream_summary(self)

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from storage import AppendBatch, Engine, EngineConfig, InvalidArgumentError, StreamConfig
-from storage.layout import PACKS_DIR, stream_directory
+from storage.durability import SyncGate
 from storage.format import SLOT_SEGMENT_BYTES
+from storage.layout import PACKS_DIR, stream_directory
 from storage.packs import NO_PLACE
 from storage.slothome import SlotSync
 from tests.storage.conftest import SMALL
@@ -335,17 +336,17 @@ def test_a_creation_reads_nothing_back_from_the_pack_it_wrote(monkeypatch):
     assert contents(restart(fs), "c") == [ENTRY] * 10
 
 
-def test_a_new_slot_stream_makes_no_directory_path_or_sync_condition_and_closes_its_file_in_place():
+def test_a_new_slot_stream_makes_no_directory_path_or_sync_gate_and_closes_its_file_in_place():
     fs, engine = new_engine(max_open_streams=1)
     handed: list[object] = []
     engine._closer.close = handed.append  # the closer's thread is for files with a mapping or descriptor
     engine.append("a", AppendBatch([ENTRY] * 10))
     with engine._use("a") as stream:
         file = stream.segments[0].file
-        # Neither is made until used: a promotion or an open joins the path, a sync makes the condition.
+        # None is made until used: a promotion or an open joins the path, a sync makes the others.
         assert "directory" not in stream.home.__dict__ and not stream.made("sync_ended")
+        assert not any(isinstance(part, SyncGate) for part in vars(stream).values())
     engine.append("b", AppendBatch([ENTRY]))  # closes "a"
     assert handed == [] and file.closed
     assert contents(engine, "a") == [ENTRY] * 10  # reopened: its directory known, and none made
     assert not fs.exists(stream_directory(ROOT, "a"))
-
