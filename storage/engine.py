@@ -260,14 +260,14 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
         if name in self._catalog:
             stream = self._open_stream(name)
         else:
-            dirname = dirname_for(name)
-            if dirname in self.unreadable:
+            # (A name was checked by the caller: its directory's name is worked out only if needed.)
+            if self.unreadable and dirname_for(name) in self.unreadable:
                 # Its metadata is damaged: keep the evidence, refuse to write over it.
                 raise PreconditionError(f"stream {name!r} is damaged on disk; see the server log")
             if small and self._small and not incarnation:  # placed in the catalog
                 return Stream.create_in_slot(self._ctx, self._slots, name, self._streams_root)
             self._catalog.creating(name)  # journaled before its directory is made
-            directory = self._streams_root / dirname
+            directory = self._streams_root / dirname_for(name)
             stream = Stream.create(self._ctx, name, directory, DEFAULT_STREAM_CONFIG, incarnation)
             self._catalog.add(name)
         return stream

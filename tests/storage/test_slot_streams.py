@@ -336,11 +336,14 @@ def test_a_creation_reads_nothing_back_from_the_pack_it_wrote(monkeypatch):
     assert contents(restart(fs), "c") == [ENTRY] * 10
 
 
-def test_a_new_slot_stream_makes_no_directory_path_or_sync_gate_and_closes_its_file_in_place():
+def test_a_new_slot_stream_makes_no_directory_path_or_sync_gate_and_closes_its_file_in_place(monkeypatch):
     fs, engine = new_engine(max_open_streams=1)
     handed: list[object] = []
     engine._closer.close = handed.append  # the closer's thread is for files with a mapping or descriptor
+    named: list[str] = []
+    monkeypatch.setattr("storage.engine.dirname_for", lambda name: named.append(name) or name)
     engine.append("a", AppendBatch([ENTRY] * 10))
+    assert named == []  # no directory's name worked out either (none is unreadable)
     with engine._use("a") as stream:
         file = stream.segments[0].file
         # None is made until used: a promotion or an open joins the path, a sync makes the others.
