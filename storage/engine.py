@@ -155,16 +155,18 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls, U
         """Open a stream of the catalog (OpenStreams calls this on a miss)."""
         if name not in self._catalog:
             raise StreamNotFoundError(f"stream {name!r} does not exist")
-        directory = self._streams_root / dirname_for(name)
-        dirname = directory.name
+        dirname = dirname_for(name)
         place = self._catalog.place(name)
         try:
             if place == NO_PLACE:
                 stream = Stream.open(
-                    self._ctx, directory, self._unsynced.take(name), self._catalog.entries(name)
+                    self._ctx,
+                    self._streams_root / dirname,
+                    self._unsynced.take(name),
+                    self._catalog.entries(name),
                 )
             else:
-                stream = Stream.open_in_slot(self._ctx, self._slots, name, directory, place)
+                stream = Stream.open_in_slot(self._ctx, self._slots, name, self._streams_root, place)
         except (CorruptionError, ValueError, KeyError, FileNotFoundError) as exc:
             log.error("stream directory %s is unreadable: %s", dirname, exc)
             with self._lock:
@@ -260,14 +262,14 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls, U
         if name in self._catalog:
             stream = self._open_stream(name)
         else:
-            dirname = dirname_for(name)
-            if dirname in self.unreadable:
+            # (A name was checked by the caller: its directory's name is worked out only if needed.)
+            if self.unreadable and dirname_for(name) in self.unreadable:
                 # Its metadata is damaged: keep the evidence, refuse to write over it.
                 raise PreconditionError(f"stream {name!r} is damaged on disk; see the server log")
-            directory = self._streams_root / dirname
-            if small and self._small and not incarnation:
-                return Stream.create_in_slot(self._ctx, self._slots, name, directory)  # placed in the catalog
+            if small and self._small and not incarnation:  # placed in the catalog
+                return Stream.create_in_slot(self._ctx, self._slots, name, self._streams_root)
             self._catalog.creating(name)  # journaled before its directory is made
+            directory = self._streams_root / dirname_for(name)
             stream = Stream.create(self._ctx, name, directory, DEFAULT_STREAM_CONFIG, incarnation)
             self._catalog.add(name)
         return stream

@@ -206,7 +206,7 @@ def _closable(stream: Stream, now: float) -> bool:
         and now - stream.touched >= HOLD_S
         and stream.commit is None
         and not (stream.has_epochs and stream.epochs.incarnation)  # (a stream without makes none)
-        and stream.gate.error is None
+        and stream.sync_error is None
     )
 
 

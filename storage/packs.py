@@ -261,6 +261,18 @@ class Packs:
         # stream's last open, may be unsynced still (a close hands its writes to the round).
         return SlotFile(file, start, bytearray(raw[SLOT_HEADER_BYTES:]), writable, written, self._syncs_begun)
 
+    def created_slot(self, place: int, segment: bytes) -> SlotFile:
+        """The slot `create_slot` just wrote with `segment`, open for writing, built from those
+        bytes (no pread: a creation needs nothing back from the pack it wrote)."""
+        pack, slot, _ = split_place(place)
+        content = bytearray(SLOT_SEGMENT_BYTES)
+        content[: len(segment)] = segment
+        with self._lock:
+            file = self._files[pack]
+        return SlotFile(
+            file, slot * SLOT_BYTES + SLOT_HEADER_BYTES, content, True, self._written_callback(pack)
+        )
+
     def free_slot(self, place: int) -> None:
         """Zero the slot's header (one pwrite); the slot is taken again only after the next
         `sync` that begins after this."""

@@ -32,6 +32,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterable
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,6 +54,7 @@ from storage.home import DirectoryHome, Opened
 from storage.index import NodeIndex
 from storage.layout import segment_name
 from storage.loader import LogLoader
+from storage.names import dirname_for
 from storage.nodewriter import FIRST_NODE_SLOTS
 from storage.packs import NO_PLACE, Packs, SlotFile
 from storage.segment import Segment
@@ -151,30 +153,37 @@ class Slots:
 
 
 class SlotHome:
-    """A stream in a slot: `DirectoryHome`'s interface, `directory` the one it would be promoted to."""
+    """A stream in a slot: `DirectoryHome`'s interface, `directory` the one it would be promoted to
+    (under `root`, the streams directory)."""
 
     clean_marker = False  # no marker of any kind: every open checks the slot's nodes
     creation = None  # its creation is durable with the slot's pack and its `p` record
 
-    def __init__(self, ctx: EngineContext, slots: Slots, name: str, directory: Path, place: int) -> None:
+    def __init__(self, ctx: EngineContext, slots: Slots, name: str, root: Path, place: int) -> None:
         self.ctx = ctx
         self.slots = slots
         self.name = name
-        self.directory = directory
+        self._root = root
         self.place = place
 
+    @cached_property
+    def directory(self) -> Path:
+        """Joined on first use (an open, a promotion): a creation's path join cost more than its
+        catalog lookup, and most slot streams are created and closed without one."""
+        return self._root / dirname_for(self.name)
+
     @classmethod
-    def create(cls, ctx: EngineContext, slots: Slots, name: str, directory: Path) -> tuple[SlotHome, Segment]:
+    def create(cls, ctx: EngineContext, slots: Slots, name: str, root: Path) -> tuple[SlotHome, Segment]:
         """A new stream in a slot, placed in the catalog (journaled), and its empty segment.
         The slot is written whole (zeros past the segment's header): a reused slot keeps
         nothing of its last stream's nodes."""
         header = SegmentHeader(0, 0, SLOT_SEGMENT_BYTES, ctx.clock())
         raw = header.encode()
-        place = slots.packs.create_slot(name, header.created_ms, raw + bytes(SLOT_SEGMENT_BYTES - len(raw)))
+        place = slots.packs.create_slot(name, header.created_ms, raw)
         slots.catalog.add(name, place)  # the `p` record, after the slot's write
         slots.sync.journaled()
-        file = slots.packs.open_slot(place, name, writable=True)
-        return cls(ctx, slots, name, directory, place), Segment(file, header)
+        file = slots.packs.created_slot(place, raw)  # from the bytes in hand: no read back
+        return cls(ctx, slots, name, root, place), Segment(file, header)
 
     def load(self, handed: UnsyncedClose | None, held: int) -> Opened:
         """Read the stream from its slot (one pread, every node checked). A slot stream's close

@@ -27,7 +27,7 @@ from storage.catalog import StreamSummary
 from storage.config import DEFAULT_STREAM_CONFIG, StreamConfig
 from storage.context import EngineContext
 from storage.creation import PendingCreation
-from storage.durability import SyncGate, sync_now
+from storage.durability import sync_now
 from storage.epochs import EpochHistory
 from storage.errors import (
     CorruptionError,
@@ -65,12 +65,8 @@ class Stream(StreamParts):
         self.config = config
         self.fsync: FsyncPolicy = config.fsync or ctx.config.fsync  # kept by set_config; no property
         self.lock = threading.RLock()
-        # Under "always" an append waits for the sync in flight (`_check_writable`): notified when
-        # a sync ends, and when the appends that waited have written (the next sync waits for them).
-        self.sync_ended = threading.Condition(self.lock)
-        self.blocked_writers = 0
+        self.blocked_writers = 0  # appends waiting on `sync_ended` (StreamParts)
         self.maintenance_lock = threading.Lock()
-        self.gate = SyncGate()
         self.segments: list[Segment] = []
         self.index = NodeIndex()
         self.active: GrowingNode | None = None
@@ -127,18 +123,19 @@ class Stream(StreamParts):
             return home if isinstance(home, DirectoryHome) else home.promote(self)
 
     @classmethod
-    def create_in_slot(cls, ctx: EngineContext, slots: Slots, name: str, directory: Path) -> Stream:
-        """A new stream in a slot (storage/slothome.py): the default config, no epochs."""
-        home, segment = SlotHome.create(ctx, slots, name, directory)
+    def create_in_slot(cls, ctx: EngineContext, slots: Slots, name: str, root: Path) -> Stream:
+        """A new stream in a slot (storage/slothome.py), `root` the streams directory: the default
+        config, no epochs."""
+        home, segment = SlotHome.create(ctx, slots, name, root)
         stream = cls(ctx, name, home, DEFAULT_STREAM_CONFIG)
         stream.segments.append(segment)
         stream.write_seq = 1  # a sync is due, written or not: its slot and `p` record
         return stream
 
     @classmethod
-    def open_in_slot(cls, ctx: EngineContext, slots: Slots, name: str, directory: Path, place: int) -> Stream:
-        """Open a stream in the slot at `place`."""
-        return cls._opened(ctx, SlotHome(ctx, slots, name, directory, place), None, 0)
+    def open_in_slot(cls, ctx: EngineContext, slots: Slots, name: str, root: Path, place: int) -> Stream:
+        """Open a stream in the slot at `place` (`root`: the streams directory)."""
+        return cls._opened(ctx, SlotHome(ctx, slots, name, root, place), None, 0)
 
     @classmethod
     def create(
@@ -194,7 +191,7 @@ class Stream(StreamParts):
         """Append a batch; `producer` (id, sequence) makes it idempotent, `expected_end` conditional."""
         with self.lock:
             always = self.fsync is FsyncPolicy.ALWAYS  # read under the lock: set_config may change it
-            if always or self.closed or self.gate.error is not None or self.home.clean_marker:
+            if always or self.closed or self.sync_error is not None or self.home.clean_marker:
                 self._check_writable(always)  # only then has it anything to do (a call less per append)
             if expected_end is not None and expected_end != self.end_offset:
                 raise OffsetMismatchError(expected_end, self.end_offset)
@@ -260,8 +257,8 @@ class Stream(StreamParts):
                     self.sync_ended.notify_all()
         if self.closed:
             raise InvalidArgumentError(f"stream {self.name!r} was deleted")
-        if self.gate.error is not None:
-            raise DurabilityError(f"appends are refused after a failed sync: {self.gate.error}")
+        if (error := self.sync_error) is not None:
+            raise DurabilityError(f"appends are refused after a failed sync: {error}")
         if self.home.clean_marker:  # tested here: this runs on every append, the removal once
             self.home.unmark_clean()
 
@@ -382,23 +379,25 @@ class Stream(StreamParts):
         a policy that promises writes to the next round) nothing is synced or written: what is
         unsynced, and the SYNCED marker, are returned for the round to finish (storage/handoff.py),
         None if there is nothing to finish. `closer` (the cache's close) takes the segment files to
-        unmap and close once the stream is closed (storage/closer.py); else they are closed here."""
+        unmap and close once the stream is closed (storage/closer.py); else they are closed here,
+        as a slot stream's always are (its file holds no descriptor or mapping: its close is a flag)."""
         handed = None
         files: list[SegmentFile] = []
+        in_place = closer is None or type(self.home) is SlotHome
         with self.maintenance_lock:
             if self.closed:
                 return None
-            if clean and self.gate.error is None:
+            if clean and self.sync_error is None:
                 handed = self.home.close(self, hand_off)
             with self.lock:
                 self.closed_summary = stream_summary(self)
                 self.closed = True
                 for segment in self.segments:
-                    self.release(segment, close_file=closer is None)
+                    self.release(segment, close_file=in_place)
                     files.append(segment.file)
                 self.segments.clear()
                 self.index.clear()
-        if closer is not None and files:
+        if closer is not None and not in_place and files:
             closer(files)
         return handed
 

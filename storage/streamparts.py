@@ -1,5 +1,6 @@
-"""The parts of a stream made on first use: its idempotent producers' table (and its saving),
-its epoch history, and its maintenance helpers (cleaner, retention, truncation).
+"""The parts of a stream made on first use: its syncs' gate and the condition its syncs and
+"always" appends wait on, its idempotent producers' table (and its saving), its epoch history,
+and its maintenance helpers (cleaner, retention, truncation).
 
 Most streams among a million never use them (no producer id, not replicated, never
 compacted, trimmed or truncated): a creation, an append and an eviction make none, which
@@ -20,7 +21,9 @@ from typing import TYPE_CHECKING, cast
 from storage.cleaner import Cleaner
 from storage.context import EngineContext
 from storage.dedup import ProducerTable
+from storage.durability import SyncGate
 from storage.epochs import EpochHistory
+from storage.errors import DurabilityError
 from storage.layout import PRODUCERS_FILE
 from storage.loader import new_producer_table
 from storage.retention import Retention
@@ -41,6 +44,28 @@ class StreamParts:
     def made(self, part: str) -> bool:
         """Whether the part named `part` was made (or set) so far."""
         return part in self.__dict__
+
+    @property
+    def gate(self) -> SyncGate:
+        """Its syncs' group commit (storage/durability.py), made at its first sync: one, whichever
+        threads ask at once (setdefault is atomic)."""
+        gate = self.__dict__.get("_gate")
+        return gate if gate is not None else self.__dict__.setdefault("_gate", SyncGate())
+
+    @property
+    def sync_error(self) -> DurabilityError | None:
+        """The failure its gate remembers (appends are refused after it), None with no gate yet."""
+        gate = self.__dict__.get("_gate")
+        return None if gate is None else gate.error
+
+    @cached_property
+    def sync_ended(self) -> threading.Condition:
+        """Under "always" an append waits for the sync in flight (`_check_writable`): notified when
+        a sync ends, and when the appends that waited have written (the next sync waits for them).
+        Made at the first sync or wait, both with `lock` held (so one, even where cached_property
+        takes no lock): a new stream that the cache closes before either, as most of a load of new
+        streams, never makes one."""
+        return threading.Condition(self.lock)
 
     @cached_property
     def producers(self) -> ProducerTable:

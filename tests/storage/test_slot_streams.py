@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 
 from storage import AppendBatch, Engine, EngineConfig, InvalidArgumentError, StreamConfig
+from storage.durability import SyncGate
+from storage.format import SLOT_SEGMENT_BYTES
 from storage.layout import PACKS_DIR, stream_directory
 from storage.packs import NO_PLACE
 from storage.slothome import SlotSync
 from tests.storage.conftest import SMALL
-from tests.storage.faultfs import FaultFS
+from tests.storage.faultfs import FaultFS, FaultPackFile
 
 ROOT = Path("/faultfs/data")
 ENTRY = b"e" * 100
@@ -354,3 +356,38 @@ def test_a_stream_reopened_before_the_round_keeps_the_header_its_last_sync_made_
     engine.append("a", AppendBatch([b"after"]))  # reopened: must not write over the durable header
     state = fs.crashed_copy(random.Random(1), "power", fate=lambda write: "garble")
     assert contents(restart(state), "a")[:1] == [b"synced"]
+
+
+def test_a_creation_reads_nothing_back_from_the_pack_it_wrote(monkeypatch):
+    fs, engine = new_engine(max_open_streams=8)
+    engine.append("first", AppendBatch([ENTRY]))  # the pack made and opened
+    reads: list[int] = []
+    read = FaultPackFile.read
+    monkeypatch.setattr(FaultPackFile, "read", lambda self, pos, n: reads.append(pos) or read(self, pos, n))
+    for name in ("a", "b", "c"):
+        engine.append(name, AppendBatch([ENTRY] * 10))
+    assert reads == []  # (a read back cost a pread of 4 KiB per creation)
+    with engine._use("c") as stream:  # the copy reads come from is the slot's bytes on disk
+        file = stream.segments[0].file
+        assert file.read(0, SLOT_SEGMENT_BYTES) == read(file._pack, file._start, SLOT_SEGMENT_BYTES)
+    engine.close()
+    assert contents(restart(fs), "c") == [ENTRY] * 10
+
+
+def test_a_new_slot_stream_makes_no_directory_path_or_sync_gate_and_closes_its_file_in_place(monkeypatch):
+    fs, engine = new_engine(max_open_streams=1)
+    handed: list[object] = []
+    engine._closer.close = handed.append  # the closer's thread is for files with a mapping or descriptor
+    named: list[str] = []
+    monkeypatch.setattr("storage.engine.dirname_for", lambda name: named.append(name) or name)
+    engine.append("a", AppendBatch([ENTRY] * 10))
+    assert named == []  # no directory's name worked out either (none is unreadable)
+    with engine._use("a") as stream:
+        file = stream.segments[0].file
+        # None is made until used: a promotion or an open joins the path, a sync makes the others.
+        assert "directory" not in stream.home.__dict__ and not stream.made("sync_ended")
+        assert not any(isinstance(part, SyncGate) for part in vars(stream).values())
+    engine.append("b", AppendBatch([ENTRY]))  # closes "a"
+    assert handed == [] and file.closed
+    assert contents(engine, "a") == [ENTRY] * 10  # reopened: its directory known, and none made
+    assert not fs.exists(stream_directory(ROOT, "a"))
