@@ -269,8 +269,14 @@ class Packs:
         content[: len(segment)] = segment
         with self._lock:
             file = self._files[pack]
+            synced_by = self._syncs_begun  # read after create_slot's pwrite: a later sync covers it
         return SlotFile(
-            file, slot * SLOT_BYTES + SLOT_HEADER_BYTES, content, True, self._written_callback(pack)
+            file,
+            slot * SLOT_BYTES + SLOT_HEADER_BYTES,
+            content,
+            True,
+            self._written_callback(pack),
+            synced_by,
         )
 
     def free_slot(self, place: int) -> None:
