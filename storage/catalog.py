@@ -238,13 +238,16 @@ class Catalog:
                     self._journal.opened(name)
 
     def closed(self, name: str, summary: StreamSummary) -> None:
-        """The stream closed with these figures (journaled: a start-up after a crash knows them)."""
+        """The stream closed with these figures, journaled for a directory's stream (a start-up
+        after a crash knows them). A slot stream's are not (design §7: half its records): after a
+        crash they are unknown, and its slot gives them again with one pread."""
         with self.lock:
-            if self._row(name) is not None:
+            row = self._row(name)
+            if row is not None:
                 self._forget(name)
                 self._keep(name, summary)
                 self._open.discard(name)
-                if self._journal is not None:
+                if self._journal is not None and self._places[row] == NO_PLACE:
                     self._journal.closed(name, summary)
 
     def _new_row(self, name: str, place: int) -> None:
