@@ -250,6 +250,17 @@ class Catalog:
                 if self._journal is not None and self._places[row] == NO_PLACE:
                     self._journal.closed(name, summary)
 
+    def recounted(self, name: str, summary: StreamSummary) -> bool:
+        """A closed slot stream's figures, read from its slot (after a crash they were unknown):
+        kept unless it was opened meanwhile (its figures are its own then). Not journaled."""
+        with self.lock:
+            row = self._row(name)
+            if row is None or name in self._open or self._places[row] == NO_PLACE:
+                return False
+            self._forget(name)
+            self._keep(name, summary)
+            return True
+
     def _new_row(self, name: str, place: int) -> None:
         if name in self._gone:  # back under its old row (zeroed when it went)
             self._gone.discard(name)
