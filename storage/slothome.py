@@ -203,7 +203,12 @@ class SlotHome:
 
     def remove(self) -> None:
         """A deleted stream's slot: its header zeroed, durably (as a directory's removal is: a
-        scan must not bring the stream back), reused after that sync."""
+        scan must not bring the stream back), reused after that sync. The journal's `-` record is
+        synced first: a zeroing the kernel writes back early never leaves a catalog file (kept:
+        no set-aside for a slot's deletion) naming a free slot with no record to say why."""
+        mark = self.slots.catalog.journal_mark()
+        if mark is not None:
+            mark[0].sync()
         self.slots.packs.free_slot(self.place)
         self.slots.sync.take_back(self.name)  # (a stream made again under its name starts afresh)
         self.slots.sync.wait()
