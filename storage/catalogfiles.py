@@ -1,7 +1,9 @@
 """The engine's catalog on disk (storage/catalog.py, docs/FORMAT.md): what start-up reads (the
 file, after a clean shutdown; the file and its journals, after a process crash; the file and
-the streams directory's listing, otherwise), when the file is rewritten, and the file set aside
-before a deletion. `Engine` takes it from `CatalogFiles`.
+the streams directory's listing, otherwise, with the slot streams placed by the journals'
+synced prefix after a power loss, or by a scan of the packs when no journal can be trusted),
+when the file is rewritten, and the file set aside before a deletion. `Engine` takes it from
+`CatalogFiles`.
 """
 
 from __future__ import annotations
@@ -146,12 +148,13 @@ class CatalogFiles:
         found: dict[str, tuple[int, int]] = {}  # name -> (created ms, place)
         if self._fs.exists(self._slots.packs.directory):
             damaged: list[tuple[int, str]] = []
-            for place, header in self._slots.packs.scan(damaged):
+            torn: set[int] = set()  # places whose creation's write was torn: never synced
+            for place, header, segment in self._slots.packs.scan(damaged):
                 if (header.created_ms, place) > found.get(header.name, (-1, NO_PLACE)):
                     found[header.name] = (header.created_ms, place)
-            for name, (_, place) in list(found.items()):
-                if self._slot_created_ms(name, place) is None:  # its creation's write torn: never synced
-                    del found[name]
+                if _torn(segment):
+                    torn.add(place)
+            found = {name: held for name, held in found.items() if held[1] not in torn}
             for place, why in damaged:
                 log.error("slot at place %d is damaged and skipped: %s", place, why)
         self._settle_places(found, self._catalog.placed().keys() | found.keys())
@@ -387,3 +390,13 @@ class CatalogFiles:
             if self._catalog_on_disk:
                 self._fs.rename(self.data_dir / CATALOG_FILE, self.data_dir / CATALOG_SET_ASIDE)
                 self._catalog_on_disk = False
+
+
+def _torn(segment_head: bytes) -> bool:
+    """Whether a slot's segment header fails its checks (`_slot_created_ms` says why that is a
+    creation no sync covered)."""
+    try:
+        SegmentHeader.decode(segment_head)
+        return False
+    except CorruptionError:
+        return True

@@ -46,7 +46,7 @@ def inspect_packs(data_dir: Path) -> tuple[list[PackReport], list[str]]:
     packs = Packs(FileSystem(), data_dir)
     damaged: list[tuple[int, str]] = []
     try:
-        for place, header in packs.scan(damaged):
+        for place, header, _ in packs.scan(damaged):
             pack, slot, _ = split_place(place)
             reports[pack].used += 1
             problems.extend(
