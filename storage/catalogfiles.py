@@ -191,7 +191,8 @@ class CatalogFiles:
         read |= {
             n for n in changed & in_slots.keys() if n in self._catalog and self._catalog.place(n) == NO_PLACE
         }
-        found = {name: (-1, place) for name, place in in_slots.items() if name not in read}
+        # The names to settle: a place the file gave and no record moved is right as it is.
+        found = {name: (-1, in_slots[name]) for name in changed - read if name in in_slots}
         for name in read:
             for place in [*later.get(name, []), in_slots.get(name, NO_PLACE)]:
                 created_ms = None if place == NO_PLACE else self._slot_created_ms(name, place)

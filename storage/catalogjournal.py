@@ -25,7 +25,10 @@ A stream in a slot of a pack file (docs/design/small-streams.md) has no director
 its `PLACED` record, written once its slot is, says where it is; a promotion to a directory is
 `PROMOTING` (begun) then `PROMOTED` (done). A round that synced the packs and then the journal
 writes `VOUCHED` with the journal's length before the syncs: every record before it names
-durable data.
+durable data. So after a power loss or an OS crash (another boot id) `replay_vouched` still
+trusts each generation up to its last VOUCHED length; the records after it are returned for
+start-up to check against their slots. A slot stream's close writes no CLOSED record (its slot
+gives its figures again).
 
     header: b"SLCJ", u16 version, u16 boot id bytes, the boot id (ASCII)
     record: u8 kind, u16 name bytes, the name (UTF-8), [payload], u32 CRC32C of the ones before
