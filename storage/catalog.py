@@ -30,7 +30,7 @@ import threading
 from array import array
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, overload
 
@@ -81,8 +81,9 @@ UNKNOWN = StreamSummary(upkeep_ms=1)  # found by its meta file alone: a visit le
 class CatalogFile:
     """What the file holds: the names (sorted), their figures (columns in TOTALS order), the
     directory names that are not the stream's own name, the replicated streams, the
-    pending upkeep of closed streams ((upkeep_ms, name)), and their places (NO_PLACE for
-    every stream of a version-1 file)."""
+    pending upkeep of closed streams ((upkeep_ms, name)), their places (NO_PLACE for
+    every stream of a version-1 file), and the slots of the streams found unreadable there
+    (name -> place: kept for the operator, never reused)."""
 
     names: list[str]
     columns: list[array]
@@ -91,6 +92,7 @@ class CatalogFile:
     due: list[tuple[int, str]]
     places: array
     journal: int = 0  # the generation of the journal that continues the file (storage/catalogjournal.py)
+    unreadable: dict[str, int] = field(default_factory=dict)
 
     def dirnames(self) -> set[str]:
         """The directories of its streams in streams/ (a stream in a slot has none)."""
@@ -117,6 +119,8 @@ class Catalog:
         self._totals = [0] * len(TOTALS)  # sums of the columns
         self._due: list[tuple[int, str]] = []  # heap of (upkeep_ms, name); stale items skipped
         self._replicated: set[str] = set()
+        # Streams found unreadable in their slot -> its place: out of the catalog, the slot kept.
+        self._unreadable: dict[str, int] = {}
         self._sorted: SortedList | None = None  # the names in order, built on the first listing
         self._open: set[str] = set()  # streams open now: their figures are not the catalog's
         self._journal: Journal | None = None  # the changes since the file (storage/catalogjournal.py)
@@ -158,6 +162,7 @@ class Catalog:
             self._due = list(listed.due)
             heapq.heapify(self._due)
             self._replicated = set(listed.replicated)
+            self._unreadable = dict(listed.unreadable)
             for name in gone:
                 if self._row(name) is not None:
                     self._drop(name)
@@ -219,10 +224,14 @@ class Catalog:
                 self._journal.promoting(name, self._places[row])
 
     def remove(self, name: str, *, unreadable: bool = False) -> None:
-        """The stream is deleted, or (`unreadable`) its directory failed its checks: then the next
-        start-up lists the streams directory, which reports it again."""
+        """The stream is deleted, or (`unreadable`) it failed its checks: then the next start-up
+        lists the streams directory, which reports it again, and a slot's stream keeps its slot
+        (`unreadable`: in the file, never reused) for the operator."""
         with self.lock:
-            if self._row(name) is not None:
+            row = self._row(name)
+            if row is not None:
+                if unreadable and self._places[row] != NO_PLACE:
+                    self._unreadable[name] = self._places[row]
                 self._drop(name)
                 self.changes += 1
                 if self._journal is not None:
@@ -238,14 +247,28 @@ class Catalog:
                     self._journal.opened(name)
 
     def closed(self, name: str, summary: StreamSummary) -> None:
-        """The stream closed with these figures (journaled: a start-up after a crash knows them)."""
+        """The stream closed with these figures, journaled for a directory's stream (a start-up
+        after a crash knows them). A slot stream's are not (design §7: half its records): after a
+        crash they are unknown, and its slot gives them again with one pread."""
         with self.lock:
-            if self._row(name) is not None:
+            row = self._row(name)
+            if row is not None:
                 self._forget(name)
                 self._keep(name, summary)
                 self._open.discard(name)
-                if self._journal is not None:
+                if self._journal is not None and self._places[row] == NO_PLACE:
                     self._journal.closed(name, summary)
+
+    def recounted(self, name: str, summary: StreamSummary) -> bool:
+        """A closed slot stream's figures, read from its slot (after a crash they were unknown):
+        kept unless it was opened meanwhile (its figures are its own then). Not journaled."""
+        with self.lock:
+            row = self._row(name)
+            if row is None or name in self._open or self._places[row] == NO_PLACE:
+                return False
+            self._forget(name)
+            self._keep(name, summary)
+            return True
 
     def _new_row(self, name: str, place: int) -> None:
         if name in self._gone:  # back under its old row (zeroed when it went)
@@ -312,6 +335,11 @@ class Catalog:
             row = self._row(name)
             return NO_PLACE if row is None else self._places[row]
 
+    def unreadable(self) -> dict[str, int]:
+        """The streams found unreadable in their slots, and their places (kept, never reused)."""
+        with self.lock:
+            return dict(self._unreadable)
+
     def placed(self) -> dict[str, int]:
         """The streams in slots, and their places (start-up: every other slot of the packs is free)."""
         with self.lock:
@@ -368,6 +396,7 @@ class Catalog:
             columns = [column[:] for column in (*self._columns, self._places)]  # the file's columns
             upkeep = self._upkeep[:]
             replicated = self._replicated - skip
+            unreadable = dict(sorted(self._unreadable.items()))
             unknown = self._open - skip
             self.changes = 0
             old, generation = self._journal, 0
@@ -415,6 +444,7 @@ class Catalog:
                 "replicated": sorted(replicated),
                 "due": sorted((w, n) for n, w in due.items()),
                 "journal": generation,
+                "unreadable": unreadable,
             },
             separators=(",", ":"),
         ).encode()
@@ -492,6 +522,7 @@ def decode_catalog(raw: bytes) -> CatalogFile:
             due,
             places,
             int(head.get("journal", 0)),
+            {str(name): int(place) for name, place in head.get("unreadable", {}).items()},
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptionError(f"catalog is malformed: {exc}") from exc

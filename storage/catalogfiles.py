@@ -1,7 +1,9 @@
 """The engine's catalog on disk (storage/catalog.py, docs/FORMAT.md): what start-up reads (the
 file, after a clean shutdown; the file and its journals, after a process crash; the file and
-the streams directory's listing, otherwise), when the file is rewritten, and the file set aside
-before a deletion. `Engine` takes it from `CatalogFiles`.
+the streams directory's listing, otherwise, with the slot streams placed by the journals'
+synced prefix after a power loss, or by a scan of the packs when no journal can be trusted),
+when the file is rewritten, and the file set aside before a deletion. `Engine` takes it from
+`CatalogFiles`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,20 @@ from storage.catalog import (
     StreamSummary,
     read_catalog,
 )
-from storage.catalogjournal import Journal, Replay, journal_generations, journal_name, replay
+from storage.catalogjournal import (
+    CREATED,
+    DELETED,
+    PLACED,
+    PROMOTED,
+    PROMOTING,
+    Journal,
+    Replay,
+    Vouched,
+    journal_generations,
+    journal_name,
+    replay,
+    replay_vouched,
+)
 from storage.creation import Adopted, commit_adopted, recover_creation
 from storage.epochs import EpochHistory
 from storage.errors import CorruptionError
@@ -91,7 +106,12 @@ class CatalogFiles:
                 self._catalog.start_journal(Journal(self._fs, self.data_dir, generation))
                 if self.unreadable:  # found among the streams created since: reported again next time
                     self._catalog.relist()
+                self._report_unreadable_slots()
                 return
+        # A power loss or an OS crash: the journals' synced prefix still places the slot streams.
+        vouched = (
+            None if listed is None else replay_vouched(self._fs, self.data_dir, listed.journal, generations)
+        )
         on_disk = self._fs.entries(root)
         for dirname in [d for d in on_disk if d.endswith(DELETED_SUFFIX)]:
             self._fs.remove_tree(root / dirname)  # a delete that crashed half-way
@@ -105,62 +125,135 @@ class CatalogFiles:
             self._catalog.load(listed, gone)
             self._catalog.changes += len(gone)
             self._check_replicated(listed.replicated, gone)
+        from_dirs: set[str] = set()
         for dirname in sorted(unlisted):
             name = self._read_stream_dir(root / dirname)
             if name is not None:
                 self._catalog.add_closed(name, UNKNOWN)
-        self._scan_slots()
+                from_dirs.add(name)
+        if vouched is None:
+            self._scan_slots()
+        else:
+            self._place_vouched(vouched, from_dirs)
         self._commit_adopted()  # before the new catalog file names them
+        self._report_unreadable_slots()
         # The journals could not be trusted (or there was no file): a new file, a new generation.
         self._save_catalog(1 + max(generations[-1] if generations else 0, listed.journal if listed else 0))
 
     def _scan_slots(self) -> None:
-        """With no journal to trust (a power loss, a damaged or missing one): the streams in slots
-        are those the packs' slot headers name (every header read, design §5's fallback, and the
-        segment header after it), each at the place its header gives. A row whose slot names it
-        no more is its directory's if the listing found one (promoted since the file), else
-        dropped (a creation a power loss took back, or a slot freed). Of two slots naming one
-        stream (one deleted, its zeroing lost, then created again) the later creation wins. A
-        stream also found in a directory keeps the slot if the directory is its promotion cut
-        short (its first segment created when the slot was: storage/slothome.py), else the
-        directory (created later)."""
+        """With no journal to trust (a damaged or missing one, or no catalog file): the streams in
+        slots are those the packs' slot headers name (every header read, design §5's fallback,
+        and the segment header after it), each at the place its header gives. Of two slots naming
+        one stream (one deleted, its zeroing lost, then created again) the later creation wins."""
         found: dict[str, tuple[int, int]] = {}  # name -> (created ms, place)
         if self._fs.exists(self._slots.packs.directory):
             damaged: list[tuple[int, str]] = []
-            for place, header in self._slots.packs.scan(damaged):
+            torn: set[int] = set()  # places whose creation's write was torn: never synced
+            for place, header, segment in self._slots.packs.scan(damaged):
                 if (header.created_ms, place) > found.get(header.name, (-1, NO_PLACE)):
                     found[header.name] = (header.created_ms, place)
-            for name, (_, place) in list(found.items()):
-                if not self._segment_whole(name, place):  # its creation's write torn: never synced
-                    del found[name]
+                if _torn(segment):
+                    torn.add(place)
+            found = {name: held for name, held in found.items() if held[1] not in torn}
             for place, why in damaged:
                 log.error("slot at place %d is damaged and skipped: %s", place, why)
-        for name in self._catalog.placed().keys() - found.keys():
-            if self._fs.exists(stream_directory(self.data_dir, name)):  # promoted since the file
-                self._catalog.set_place(name, NO_PLACE)
+        self._settle_places(found, self._catalog.placed().keys() | found.keys())
+
+    def _place_vouched(self, vouched: Vouched, from_dirs: set[str]) -> None:
+        """A power loss or an OS crash, with the journals' synced prefix whole (design §5): the
+        slot streams are those the catalog file and that prefix place (their slots durable: not
+        read), but that a slot is read for each stream a record past the prefix creates, deletes
+        or moves (the latest of its places whose slot names it, at its generation, with a whole
+        segment header, wins; none: the creation is dropped, never synced) and for each that
+        `from_dirs` (the listing) also found in a directory. Figures the prefix gives are the
+        stream's; those of a stream opened or closed past it are unknown."""
+        trusted, tail = vouched.trusted, vouched.tail
+        in_slots = self._catalog.placed()  # the file's, then the prefix's
+        for name, created in trusted.last.items():
+            place = trusted.places.get(name, NO_PLACE)
+            if created and place != NO_PLACE:
+                in_slots[name] = place
             else:
-                self._catalog.remove(name)
-        for name, (created_ms, place) in found.items():
-            if name not in self._catalog:
-                self._catalog.add_closed(name, UNKNOWN, place)
-            elif self._catalog.place(name) != NO_PLACE:
-                self._catalog.set_place(name, place)
-            elif self._created_ms(name) <= created_ms:  # a promotion cut short: the slot holds it all
+                in_slots.pop(name, None)
+        for name, place in trusted.places.items():
+            if place == NO_PLACE:  # promoted
+                in_slots.pop(name, None)
+        later: dict[str, list[int]] = {}  # a name the tail moves -> the places it gives, latest first
+        unknown: set[str] = set()
+        for kind, name, place in tail:
+            if kind in (CREATED, DELETED, PLACED, PROMOTING, PROMOTED):
+                later.setdefault(name, []).insert(0, place)
+            else:
+                unknown.add(name)
+        changed = trusted.last.keys() | trusted.places.keys()
+        read = later.keys() | (from_dirs & in_slots.keys())
+        # (a row of the directory's that the listing found, whose slot may be its promotion cut short)
+        read |= {
+            n for n in changed & in_slots.keys() if n in self._catalog and self._catalog.place(n) == NO_PLACE
+        }
+        # The names to settle: a place the file gave and no record moved is right as it is.
+        found = {name: (-1, in_slots[name]) for name in changed - read if name in in_slots}
+        for name in read:
+            for place in [*later.get(name, []), in_slots.get(name, NO_PLACE)]:
+                created_ms = None if place == NO_PLACE else self._slot_created_ms(name, place)
+                if created_ms is not None:
+                    found[name] = (created_ms, place)
+                    break
+        self._settle_places(found, changed | read)
+        for name in trusted.opened | trusted.closed.keys():
+            if name in self._catalog:
+                self._known(name, trusted.closed.get(name, UNKNOWN))
+        for name in unknown | later.keys():
+            if name in self._catalog:
+                self._known(name, UNKNOWN)
+
+    def _settle_places(self, found: dict[str, tuple[int, int]], names: set[str]) -> None:
+        """Put each of `names` where the slots say (`found`: name -> (created ms, place)). A row
+        whose slot names it no more is its directory's if the listing found one (promoted since
+        the file), else dropped (a creation a power loss took back, or a slot freed). A stream
+        also found in a directory keeps the slot if the directory is its promotion cut short (its
+        first segment created when the slot was: storage/slothome.py), else the directory
+        (created later)."""
+        kept = self._catalog.unreadable()
+        for name in names - kept.keys():  # (an unreadable one stays so: its slot for the operator)
+            held, place = found.get(name), self._catalog.place(name)
+            if held is None:
+                if place == NO_PLACE:
+                    continue  # a directory's stream, or none
+                if self._fs.exists(stream_directory(self.data_dir, name)):  # promoted since the file
+                    self._catalog.set_place(name, NO_PLACE)
+                else:
+                    self._catalog.remove(name)
+            elif name not in self._catalog:
+                self._catalog.add_closed(name, UNKNOWN, held[1])
+            elif place != NO_PLACE:
+                if place != held[1]:
+                    self._catalog.set_place(name, held[1])
+            elif self._created_ms(name) <= held[0]:  # a promotion cut short: the slot holds it all
                 log.warning("stream %r: removing the directory a promotion cut short left", name)
                 self._fs.remove_tree(stream_directory(self.data_dir, name))
                 self._adopted.pop(stream_directory(self.data_dir, name), None)
-                self._catalog.set_place(name, place)
+                self._catalog.set_place(name, held[1])
 
-    def _segment_whole(self, name: str, place: int) -> bool:
-        """Whether the slot's segment header reads. A slot and its segment are written by one
-        pwrite; a power loss may keep the header's sector and not the segment's: a creation no
-        sync covered, whose stream was never durable."""
+    def _report_unreadable_slots(self) -> None:
+        """List in `unreadable` the streams a slot holds that an earlier open found unreadable
+        (the catalog keeps their places: the slots are never reused)."""
+        for name, place in self._catalog.unreadable().items():
+            dirname = stream_directory(self.data_dir, name).name
+            if dirname not in self.unreadable:
+                log.error("stream %r is unreadable in its slot %d (kept for the operator)", name, place)
+                self.unreadable.append(dirname)
+
+    def _slot_created_ms(self, name: str, place: int) -> int | None:
+        """When the stream in the slot at `place` was created, from its segment header; None if
+        the slot does not name it at the place's generation, or its segment header does not read.
+        A slot and its segment are written by one pwrite; a power loss may keep the header's
+        sector and not the segment's: a creation no sync covered, whose stream was never durable."""
         try:
             file = self._slots.packs.open_slot(place, name, writable=False)
-            SegmentHeader.decode(file.read(0, SEGMENT_HEADER_SIZE))
-            return True
+            return SegmentHeader.decode(file.read(0, SEGMENT_HEADER_SIZE)).created_ms
         except CorruptionError:
-            return False
+            return None
 
     def _created_ms(self, name: str) -> int:
         """When the first segment of a directory stream was created (-1: it has none that reads)."""
@@ -298,3 +391,13 @@ class CatalogFiles:
             if self._catalog_on_disk:
                 self._fs.rename(self.data_dir / CATALOG_FILE, self.data_dir / CATALOG_SET_ASIDE)
                 self._catalog_on_disk = False
+
+
+def _torn(segment_head: bytes) -> bool:
+    """Whether a slot's segment header fails its checks (`_slot_created_ms` says why that is a
+    creation no sync covered)."""
+    try:
+        SegmentHeader.decode(segment_head)
+        return False
+    except CorruptionError:
+        return True

@@ -25,7 +25,10 @@ A stream in a slot of a pack file (docs/design/small-streams.md) has no director
 its `PLACED` record, written once its slot is, says where it is; a promotion to a directory is
 `PROMOTING` (begun) then `PROMOTED` (done). A round that synced the packs and then the journal
 writes `VOUCHED` with the journal's length before the syncs: every record before it names
-durable data.
+durable data. So after a power loss or an OS crash (another boot id) `replay_vouched` still
+trusts each generation up to its last VOUCHED length; the records after it are returned for
+start-up to check against their slots. A slot stream's close writes no CLOSED record (its slot
+gives its figures again).
 
     header: b"SLCJ", u16 version, u16 boot id bytes, the boot id (ASCII)
     record: u8 kind, u16 name bytes, the name (UTF-8), [payload], u32 CRC32C of the ones before
@@ -207,68 +210,147 @@ def replay(fs: FileSystem, data_dir: Path, first: int, generations: list[int]) -
     missing, from before the last boot, damaged, or holding a RELIST record). A torn record at
     the end of one is a write a kill -9 cut short: left out (a start-up after it replays it and
     goes on in the next generation, so the torn one need not be the last)."""
+    journals = _journals(fs, data_dir, first, generations, fs.boot_id().encode())
+    if journals is None:
+        return None
+    found = Replay()
+    for generation, raw, start in journals:
+        records, damaged = _read_records(raw, start)
+        if damaged is not None or any(kind == RELIST for _, kind, _, _ in records):
+            return None
+        for pos, kind, name, at in records:
+            if not _apply(found, generation, raw, pos, kind, name, at):
+                return None
+    return found
+
+
+@dataclass
+class Vouched:
+    """What the journals say after a power loss or an OS crash (design §5): `trusted`, the records
+    before each generation's last VOUCHED length (synced with the packs before them: their slots
+    are durable), and `tail`, (kind, name, place or NO_PLACE) of every record after it, in order
+    (each creation to be checked against its slot: never synced, it may be lost)."""
+
+    trusted: Replay
+    tail: list[tuple[int, str, int]]
+
+
+def replay_vouched(fs: FileSystem, data_dir: Path, first: int, generations: list[int]) -> Vouched | None:
+    """The journals from generation `first` on, written under any boot: None if one is missing,
+    its header is damaged, a VOUCHED record names bytes after its own, or a record before the
+    last VOUCHED length fails its checks (synced: damage). One past it that fails them ends its
+    generation: never synced, and nothing after it was either (a sync would have covered it
+    too). RELIST records count for nothing here: the start-up lists the streams directory anyway."""
+    journals = _journals(fs, data_dir, first, generations, None)
+    if journals is None:
+        return None
+    found, tail = Replay(), []
+    for generation, raw, start in journals:
+        records, damaged = _read_records(raw, start)
+        if damaged is not None and _vouched_past(raw, damaged):
+            return None
+        vouched = 0
+        for pos, kind, _, at in records:
+            if kind == VOUCHED:
+                vouched = _LENGTH.unpack_from(raw, at)[0]
+                if vouched > pos:
+                    return None
+        for pos, kind, name, at in records:
+            if pos >= vouched:
+                tail.append((kind, name, _PLACE.unpack_from(raw, at)[0] if kind == PLACED else NO_PLACE))
+            elif kind != RELIST and not _apply(found, generation, raw, pos, kind, name, at):
+                return None
+    return Vouched(found, tail)
+
+
+def _journals(
+    fs: FileSystem, data_dir: Path, first: int, generations: list[int], boot: bytes | None
+) -> list[tuple[int, bytes, int]] | None:
+    """(generation, its bytes, where its records start) of the journals from `first` on, written
+    under `boot` (None: any); None if one is missing, of another boot, or its header is damaged."""
     wanted = [g for g in generations if g >= first]
     if not wanted or wanted != list(range(first, first + len(wanted))):
         return None
-    boot = fs.boot_id().encode()
-    found = Replay()
+    found = []
     for generation in wanted:
         raw = fs.read_file(data_dir / journal_name(generation))
         if len(raw) < _HEAD.size:
             return None
         magic, version, boot_len = _HEAD.unpack_from(raw)
         start = _HEAD.size + boot_len
-        if magic != _MAGIC or version not in _PAYLOADS or raw[_HEAD.size : start] != boot:
+        if magic != _MAGIC or version not in _PAYLOADS or boot not in (None, raw[_HEAD.size : start]):
             return None
-        if not _replay_records(raw, start, _PAYLOADS[version], generation, found):
-            return None
+        found.append((generation, raw, start))
     return found
 
 
-def _replay_records(raw: bytes, pos: int, payloads: dict[int, int], generation: int, found: Replay) -> bool:
-    """Add one generation's records from `pos` on to `found`; False if they cannot be trusted."""
+def _read_records(raw: bytes, pos: int) -> tuple[list[tuple[int, int, str, int]], int | None]:
+    """(position, kind, name, payload position) of one generation's whole records from `pos` on,
+    up to a torn one at the end (a write cut short: left out), and where a record fails its
+    checks (None: none does)."""
+    payloads = _PAYLOADS[_HEAD.unpack_from(raw)[1]]
+    records: list[tuple[int, int, str, int]] = []
     while pos < len(raw):
         end = pos + _RECORD.size
         if end > len(raw):
-            return True  # torn: left out
+            return records, None  # torn: left out
         kind, length = _RECORD.unpack_from(raw, pos)
         size = payloads.get(kind)
-        if size is None or kind == RELIST:
-            return False
+        if size is None:
+            return records, pos
         body_end = end + length + size
         stop = body_end + _CRC.size
         if stop > len(raw):
-            return True  # torn: left out
+            return records, None  # torn: left out
         if _CRC.unpack_from(raw, body_end)[0] != crc32c(raw[pos:body_end]):
-            return False
+            return records, pos
         try:
             name = raw[end : end + length].decode()
         except UnicodeDecodeError:
-            return False
-        at = end + length  # the payload
-        if kind == CLOSED:
-            entries, on_disk, segments, nodes, upkeep, replicated = _FIGURES.unpack_from(raw, at)
-            found.closed[name] = StreamSummary(entries, on_disk, segments, nodes, upkeep, bool(replicated))
-        elif kind == OPENED:
-            found.closed.pop(name, None)
-            found.opened.add(name)
-        elif kind == PROMOTING:
-            found.promoting[name] = _PLACE.unpack_from(raw, at)[0]
-        elif kind == PROMOTED:
-            found.promoting.pop(name, None)
-            found.places[name] = NO_PLACE
-        elif kind == VOUCHED:
-            vouched = _LENGTH.unpack_from(raw, at)[0]
-            if vouched > pos:  # it cannot vouch for what came after it
-                return False
-            found.vouched[generation] = vouched
-        else:  # CREATED, PLACED, DELETED: the stream came or went
-            found.closed.pop(name, None)
-            found.promoting.pop(name, None)
-            found.last[name] = kind != DELETED
-            if kind == PLACED:
-                found.places[name] = _PLACE.unpack_from(raw, at)[0]
-            else:
-                found.places.pop(name, None)
+            return records, pos
+        records.append((pos, kind, name, end + length))
         pos = stop
+    return records, None
+
+
+def _vouched_past(raw: bytes, damaged: int) -> bool:
+    """Whether a whole VOUCHED record after the damaged record at `damaged` vouches for it (the
+    records after it cannot be told apart: every place where one could start is tried)."""
+    empty = _RECORD.pack(VOUCHED, 0)
+    size = _RECORD.size + _LENGTH.size
+    pos = raw.find(empty, damaged + 1)
+    while pos >= 0 and pos + size + _CRC.size <= len(raw):
+        whole = _CRC.unpack_from(raw, pos + size)[0] == crc32c(raw[pos : pos + size])
+        if whole and _LENGTH.unpack_from(raw, pos + _RECORD.size)[0] > damaged:
+            return True
+        pos = raw.find(empty, pos + 1)
+    return False
+
+
+def _apply(found: Replay, generation: int, raw: bytes, pos: int, kind: int, name: str, at: int) -> bool:
+    """Add one record (its payload at `at`) to `found`; False if it cannot be trusted."""
+    if kind == CLOSED:
+        entries, on_disk, segments, nodes, upkeep, replicated = _FIGURES.unpack_from(raw, at)
+        found.closed[name] = StreamSummary(entries, on_disk, segments, nodes, upkeep, bool(replicated))
+    elif kind == OPENED:
+        found.closed.pop(name, None)
+        found.opened.add(name)
+    elif kind == PROMOTING:
+        found.promoting[name] = _PLACE.unpack_from(raw, at)[0]
+    elif kind == PROMOTED:
+        found.promoting.pop(name, None)
+        found.places[name] = NO_PLACE
+    elif kind == VOUCHED:
+        vouched = _LENGTH.unpack_from(raw, at)[0]
+        if vouched > pos:  # it cannot vouch for what came after it
+            return False
+        found.vouched[generation] = vouched
+    else:  # CREATED, PLACED, DELETED: the stream came or went
+        found.closed.pop(name, None)
+        found.promoting.pop(name, None)
+        found.last[name] = kind != DELETED
+        if kind == PLACED:
+            found.places[name] = _PLACE.unpack_from(raw, at)[0]
+        else:
+            found.places.pop(name, None)
     return True

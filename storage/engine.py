@@ -51,7 +51,7 @@ from storage.names import dirname_for, validate_name
 from storage.openstreams import OpenStreams, Pinned
 from storage.packs import NO_PLACE
 from storage.replicaapi import ReplicaCalls
-from storage.slothome import Slots
+from storage.slothome import SlotHome, Slots
 from storage.stream import Stream
 from storage.streaminfo import stream_info
 from storage.streamsapi import StreamCalls
@@ -116,7 +116,8 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls, U
         self._small = self.config.small_streams == "slots"
         self._load()
         if self._fs.exists(self._slots.packs.directory):
-            self._slots.packs.adopt(self._catalog.placed().values())
+            kept = self._catalog.unreadable().values()  # (their slots the operator's: never reused)
+            self._slots.packs.adopt([*self._catalog.placed().values(), *kept])
             if not self._clean_start and self._slots.packs.clear_unnamed():
                 self._slots.sync.wait()  # before a stream is created: a scan never brings them back
         # Consumer groups (storage/groupmanager.py): their state lives beside each stream's segments.
@@ -321,7 +322,8 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls, U
             self._catalog.remove(name)
             self._open.discard(name)
         stream.close(clean=False)
-        self._drop_catalog_file()
+        if not isinstance(stream.home, SlotHome):  # a slot's `-` is durable before its zeroing can be
+            self._drop_catalog_file()
         self._leftovers = True  # until its files are gone: start-up would finish the removal
         stream.home.remove()
         self._leftovers = False

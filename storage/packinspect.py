@@ -83,7 +83,7 @@ def inspect_packs(data_dir: Path) -> tuple[list[PackReport], list[str]]:
     damaged: list[tuple[int, str]] = []
     named = {split_place(place)[:2]: name for name, place in (places or {}).items()}
     try:
-        for place, header in packs.scan(damaged):
+        for place, header, _ in packs.scan(damaged):
             pack, slot, _ = split_place(place)
             reports[pack].used += 1
             if places is None:

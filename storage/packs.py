@@ -31,7 +31,14 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from storage.errors import CorruptionError, DurabilityError
-from storage.format import SLOT_BYTES, SLOT_HEADER_BYTES, SLOT_SEGMENT_BYTES, PackHeader, SlotHeader
+from storage.format import (
+    SEGMENT_HEADER_SIZE,
+    SLOT_BYTES,
+    SLOT_HEADER_BYTES,
+    SLOT_SEGMENT_BYTES,
+    PackHeader,
+    SlotHeader,
+)
 from storage.fs import FileSystem, PackFile, SegmentFile
 from storage.layout import PACKS_DIR, pack_id_of, pack_name
 
@@ -341,10 +348,11 @@ class Packs:
             self._emptied = False
         return empty
 
-    def scan(self, damaged: list[tuple[int, str]] | None = None) -> Iterator[tuple[int, SlotHeader]]:
-        """(place, header) of every used slot, pack by pack, read SCAN_BYTES at a time (the
-        fallback with no trusted index, and inspect). A slot whose header fails its checks is
-        skipped, and put in `damaged` (its place at generation 0, and why) when given."""
+    def scan(self, damaged: list[tuple[int, str]] | None = None) -> Iterator[tuple[int, SlotHeader, bytes]]:
+        """(place, header, the segment's first SEGMENT_HEADER_SIZE bytes) of every used slot, pack
+        by pack, read SCAN_BYTES at a time (the fallback with no trusted index, and inspect): no
+        read of its own for a slot. A slot whose header fails its checks is skipped, and put in
+        `damaged` (its place at generation 0, and why) when given."""
         with self._lock:
             ids = list(self._pack_ids())
         for pack in ids:
@@ -367,7 +375,12 @@ class Packs:
                             damaged.append((make_place(pack, slot, 0), str(exc)))
                         continue
                     if header is not None:
-                        yield make_place(pack, slot, header.generation), header
+                        segment = at + SLOT_HEADER_BYTES
+                        yield (
+                            make_place(pack, slot, header.generation),
+                            header,
+                            chunk[segment : segment + SEGMENT_HEADER_SIZE],
+                        )
                 if len(chunk) < SLOT_BYTES:
                     break
                 pos += len(chunk) - len(chunk) % SLOT_BYTES

@@ -319,7 +319,10 @@ def test_scan_lists_every_used_slot_and_the_damaged_ones(monkeypatch):
     damaged: list[tuple[int, str]] = []
     found = list(packs.scan(damaged))
     kept = [0, 1, 3, 5, 6]
-    assert found == [(places[i], SlotHeader(f"s{i}", 1, MS + i)) for i in kept]
+    assert [(place, header) for place, header, _ in found] == [
+        (places[i], SlotHeader(f"s{i}", 1, MS + i)) for i in kept
+    ]
+    assert all(SegmentHeader.decode(head) == SegmentHeader.decode(SLOT_SEGMENT) for _, _, head in found)
     assert damaged == [(make_place(0, 5, 0), "slot header CRC mismatch")]
 
 
