@@ -32,8 +32,9 @@ if TYPE_CHECKING:
     from storage.stream import Stream
 
 # Streams promoted together: each batch costs one or two syncfs and one sync of the packs and the
-# journal, and holds its streams open (a segment's descriptor each) till its end.
-BATCH = 1000
+# journal, and holds its streams open till its end, a segment's descriptor each: 500 and the
+# engine's own fit the limit of 1,024 descriptors a shell gives by default.
+BATCH = 500
 
 
 @dataclass
