@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 from storage.catalog import Catalog, StreamSummary
 from storage.config import StreamConfig
 from storage.context import EngineContext
-from storage.creation import start_creation
+from storage.creation import PendingCreation, start_creation
 from storage.durability import SyncGate
 from storage.format import (
     NODE_PREFIX_SIZE,
@@ -160,6 +160,14 @@ class Slots:
         self.packs.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class Moving:
+    """A promotion's directory and segment, written, not synced yet (`SlotHome.write_directory`)."""
+
+    creation: PendingCreation
+    file: SegmentFile
+
+
 class SlotHome:
     """A stream in a slot: `DirectoryHome`'s interface, `directory` the one it would be promoted to
     (under `root`, the streams directory)."""
@@ -271,28 +279,48 @@ class SlotHome:
     def promote(self, stream: Stream) -> DirectoryHome:
         """Move the stream into a directory of its own (the module doc's steps; call with the
         stream's `lock` held, no append between). Returns its new home, already the stream's."""
-        ctx, fs, catalog = self.ctx, self.ctx.fs, self.slots.catalog
+        moving = self.write_directory(stream)
+        moving.creation.commit(self.ctx.fs, self.directory, lambda: [moving.file])  # file, meta, directories
+        self.leave_slot()
+        # The slot's zeroing, then `m`, durable before an append goes to the directory: a slot that
+        # still names the stream after a crash holds all of it (the directory at most a copy).
+        self.slots.sync.wait()
+        return self.moved(stream, moving.file)
+
+    # A promotion in three parts, so that storage/unpack.py can promote many streams with their
+    # syncs shared, in the same order: `write_directory`; the directory made durable (`promote`:
+    # its creation's commit); `leave_slot`; that made durable (`SlotSync`); `moved`.
+
+    def write_directory(self, stream: Stream) -> Moving:
+        """`M`, the directory, and the slot's segment as its first `.seg` file (its header
+        rewritten with the engine's segment capacity), nothing synced (with the stream's `lock`
+        held, till `moved`)."""
+        ctx, fs = self.ctx, self.ctx.fs
         old = stream.segments[0]
-        catalog.promoting(self.name)  # M
+        self.slots.catalog.promoting(self.name)  # M
         creation = start_creation(fs, ctx.streams_dir, self.name, self.directory, stream.config)
         header = dataclasses.replace(old.header, capacity=ctx.config.segment_bytes).encode()
         body = header + old.file.read(len(header), old.end_pos - len(header))
         file = fs.create_segment(self.directory / segment_name(0), SLOT_BYTES, body, durable=False)
         creation.has_segment = True
-        creation.commit(fs, self.directory, lambda: [file])  # the segment, meta, directories
-        catalog.set_place(self.name, NO_PLACE)  # m
+        return Moving(creation, file)
+
+    def leave_slot(self) -> None:
+        """Once the directory is durable: `m`, and the slot's header zeroed."""
+        self.slots.catalog.set_place(self.name, NO_PLACE)  # m
         self.slots.packs.free_slot(self.place)
-        # The slot's zeroing, then `m`, durable before an append goes to the directory: a slot that
-        # still names the stream after a crash holds all of it (the directory at most a copy).
-        self.slots.sync.wait()
+
+    def moved(self, stream: Stream, file: SegmentFile) -> DirectoryHome:
+        """Once `leave_slot` is durable: the stream in its directory, whose segment is `file` (its
+        new home, returned)."""
         segment, _ = Segment.over(file, verify=False)
-        stream.release(old)  # (its file closed: the pack's descriptor stays)
+        stream.release(stream.segments[0])  # (its file closed: the pack's descriptor stays)
         stream.segments = [segment]
         resumed = segment.nodes[-1] if segment.nodes else None
         stream.index = NodeIndex(segment.nodes)
         stream.active = GrowingNode.resume(resumed) if resumed is not None else None  # synced: durable
         stream.dirty.clear()
-        home = DirectoryHome(ctx, self.directory)
+        home = DirectoryHome(self.ctx, self.directory)
         stream.home = home
         return home
 
