@@ -110,7 +110,7 @@ class GroupDelivery:
             raise InvalidArgumentError("options must be a GroupReadOptions")
         # Bounds the journal record of one read.
         count = min(options.count, self._streams.config.max_batch_entries)
-        with self._stores.writing(stream) as store:
+        with self._stores.writing(stream, group=group) as store:
             found = store.state.group(group)
             return self._drive(stream, groups.read(found, options, count, self._now()))
 
@@ -126,7 +126,7 @@ class GroupDelivery:
             if end < start:
                 raise InvalidArgumentError(f"range [{start}, {end}) ends before it starts")
             spans.append((start, end))
-        with self._stores.writing(stream) as store:
+        with self._stores.writing(stream, group=group) as store:
             found = store.state.group(group)
             now = self._now()
             self.settle(stream, found, now)
@@ -135,7 +135,7 @@ class GroupDelivery:
     def nack(self, stream: str, group: str, offsets: Iterable[int], delay_ms: int = 0) -> NackResult:
         offsets = _check_offsets(offsets)
         check_duration("delay_ms", delay_ms, optional=False)
-        with self._stores.writing(stream) as store:
+        with self._stores.writing(stream, group=group) as store:
             found = store.state.group(group)
             now = self._now()
             self.settle(stream, found, now)
@@ -148,7 +148,7 @@ class GroupDelivery:
         validate_label("consumer", consumer)
         check_non_negative("min_idle_ms", min_idle_ms)
         offsets = _check_offsets(offsets)
-        with self._stores.writing(stream) as store:
+        with self._stores.writing(stream, group=group) as store:
             found = store.state.group(group)
             plan = groups.claim(found, consumer, self._now(), min_idle_ms, offsets)
             return self._drive(stream, plan)
@@ -165,7 +165,7 @@ class GroupDelivery:
         check_non_negative("cursor", cursor)
         check_non_negative("count", count)
         count = min(count, self._streams.config.max_batch_entries)
-        with self._stores.writing(stream) as store:
+        with self._stores.writing(stream, group=group) as store:
             found = store.state.group(group)
             plan = groups.autoclaim(found, consumer, self._now(), min_idle_ms, cursor, count)
             return self._drive(stream, plan)
@@ -187,7 +187,7 @@ class GroupDelivery:
         check_non_negative("count", count)
         if end is not None:
             check_non_negative("end", end)
-        with self._stores.writing(stream) as store:
+        with self._stores.writing(stream, group=group) as store:
             found = store.state.group(group)
             now = self._now()
             self.settle(stream, found, now)

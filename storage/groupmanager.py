@@ -161,10 +161,12 @@ class GroupManager:
             return self._info(stream, store, created)
 
     def delete_group(self, stream: str, group: str) -> None:
-        with self.stores.writing(stream) as store:
+        with self.stores.writing(stream, group=group) as store:
             store.state.drop(group)
 
     def list_groups(self, stream: str) -> list[GroupInfo]:
+        if self.stores.find(stream, serving=True) is None:
+            return []  # makes no store (GroupStores.find)
         with self.stores.writing(stream) as store:
             now = self._now()
             out = []
@@ -182,7 +184,7 @@ class GroupManager:
         ]
 
     def group_info(self, stream: str, group: str) -> GroupInfo:
-        with self.stores.writing(stream) as store:
+        with self.stores.writing(stream, group=group) as store:
             found = store.state.group(group)
             self.delivery.settle(stream, found, self._now())
             return self._info(stream, store, found)
@@ -193,7 +195,7 @@ class GroupManager:
         O(1), and changes nothing (no settling, no journal): for a limit checked before every call
         that may add a consumer, whose cost must not grow with the group.
         """
-        store = self.stores.get(stream)
+        store = self.stores.having(stream, group, serving=False)
         with store.lock:
             store.check_open()
             consumers = store.state.group(group).consumers
@@ -228,26 +230,28 @@ class GroupManager:
         self, stream: str, group: str, offset: str | int, entries_read: int | None = None
     ) -> GroupInfo:
         cursor, entries_read = self._position(stream, offset, entries_read)
-        with self.stores.writing(stream) as store:
+        with self.stores.writing(stream, group=group) as store:
             found = store.state.group(group)
             found.seek(cursor, entries_read)
             return self._info(stream, store, found)
 
     def set_group_config(self, stream: str, group: str, config: GroupConfig) -> GroupInfo:
         self._check_config(stream, config)
-        with self.stores.writing(stream) as store:
+        with self.stores.writing(stream, group=group) as store:
             found = store.state.group(group)
             found.set_config(config)
             return self._info(stream, store, found)
 
     def delete_consumer(self, stream: str, group: str, consumer: str) -> int:
         validate_label("consumer", consumer)
-        with self.stores.writing(stream) as store:
+        with self.stores.writing(stream, group=group) as store:
             return store.state.group(group).delete_consumer(consumer, self._now())
 
     def dump(self, stream: str) -> dict:
         """The stream's group state as plain data (tests compare it across restarts and replicas)."""
-        store = self.stores.get(stream)
+        store = self.stores.find(stream)
+        if store is None:
+            return {}
         with store.lock:
             store.check_open()
             return store.state.dump()

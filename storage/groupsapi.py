@@ -108,14 +108,18 @@ class GroupCalls:
 
     def group_seq(self, stream: str) -> int:
         """The op sequence number of the stream's groups: op batches made (or applied) so far."""
-        return self._groups.stores.get(stream).op_seq
+        store = self._groups.stores.find(stream)
+        return 0 if store is None else store.op_seq
 
     def group_ops_since(
         self, stream: str, op_seq: int, max_bytes: int = 1 << 20
     ) -> list[tuple[int, bytes]] | None:
         """The op batches after `op_seq` as (seq, encoded ops), oldest first, within about
         `max_bytes` (at least one); None when they are not retained: send a snapshot."""
-        return self._groups.stores.get(stream).batches_since(op_seq, max_bytes)
+        store = self._groups.stores.find(stream)
+        if store is None:  # none made yet: as batches_since of a store at seq 0 that retains none
+            return [] if op_seq == 0 else None
+        return store.batches_since(op_seq, max_bytes)
 
     def group_snapshot(self, stream: str) -> tuple[int, bytes]:
         """(op seq, encoded ops that rebuild the groups). Batches made from now on are retained

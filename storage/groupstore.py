@@ -49,6 +49,7 @@ from storage.durability import SyncGate
 from storage.errors import (
     CorruptionError,
     DurabilityError,
+    GroupNotFoundError,
     PreconditionError,
     StorageError,
     StreamNotFoundError,
@@ -85,6 +86,14 @@ RETAINED_BATCH_BYTES = 4 << 20
 _WAKING = frozenset({Remove, Release, Seek, SetConfig, DeleteConsumer})
 # Ops whose loss in a crash costs nothing but accuracy of a seen time: not worth a sync on their own.
 _SOFT = frozenset({Seen})
+
+
+def _served_by_leader(stream: str) -> PreconditionError:
+    """What a passive store answers a group call (GroupStore.check_active)."""
+    return PreconditionError(
+        f"the consumer groups of stream {stream!r} are served by its leader: this node's copy "
+        "follows the leader's"
+    )
 
 
 class GroupStore:
@@ -171,10 +180,7 @@ class GroupStore:
 
     def check_active(self) -> None:
         if self.passive:
-            raise PreconditionError(
-                f"the consumer groups of stream {self.name!r} are served by its leader: this node's copy "
-                "follows the leader's"
-            )
+            raise _served_by_leader(self.name)
 
     def check_writable(self) -> None:
         if self.closed:
@@ -434,14 +440,26 @@ class GroupStores:
         self._stores[name] = store
 
     def get(self, stream: str) -> GroupStore:
-        """The stream's store (an empty one if it has no groups yet); StreamNotFoundError if no stream."""
+        """The stream's store (an empty one if it has no groups yet); StreamNotFoundError if no stream.
+        Only a call that may write a group makes one: the others take `find`."""
+        store = self.find(stream)
+        if store is None:
+            with self._lock:
+                store = self._stores.setdefault(stream, self._new(stream))
+        return store
+
+    def find(self, stream: str, *, serving: bool = False) -> GroupStore | None:
+        """The stream's store, or None if it has none (no call that writes a group made one):
+        a call that only reads answers as an empty store would, and makes nothing (issue 17: a
+        metrics scrape lists the groups of every open stream, a million of them with no group).
+        Errors as `get`'s; `serving`: and, with no store, a passive one's (PreconditionError), as
+        `writing` checks."""
         validate_name(stream)
         if not self._streams.exists(stream):
             raise StreamNotFoundError(f"stream {stream!r} does not exist")
         store = self._stores.get(stream)
-        if store is None:
-            with self._lock:
-                store = self._stores.setdefault(stream, self._new(stream))
+        if store is None and serving and not self._modes.get(stream, not self._passive):
+            raise _served_by_leader(stream)
         return store
 
     def peek(self, stream: str) -> GroupStore | None:
@@ -468,11 +486,23 @@ class GroupStores:
         followers) made one, durable as the fsync policy says; the same rules as `add_listener`."""
         self._batch_listeners.append(listener)
 
+    def having(self, stream: str, group: str, *, serving: bool) -> GroupStore:
+        """The store of a call that needs `group`: `find`'s, and on a stream with no store,
+        GroupNotFoundError (as the store's state would say) instead of making one."""
+        store = self.find(stream, serving=serving)
+        if store is None:
+            raise GroupNotFoundError(f"consumer group {group!r} does not exist")
+        return store
+
     @contextmanager
-    def writing(self, stream: str, *, replica: bool = False) -> Iterator[GroupStore]:
+    def writing(
+        self, stream: str, *, replica: bool = False, group: str | None = None
+    ) -> Iterator[GroupStore]:
         """Run a group call under the stream's group lock; journal its ops and honour the fsync
-        policy. A passive store refuses calls (PreconditionError) but a `replica`'s apply."""
-        store = self.get(stream)
+        policy. A passive store refuses calls (PreconditionError) but a `replica`'s apply.
+        `group`: the call needs that group to exist; on a stream with no store, GroupNotFoundError
+        (as the store's state would say) without making one."""
+        store = self.get(stream) if group is None else self.having(stream, group, serving=not replica)
         seq: int | None = None
         changed: set[str] = set()
         with store.lock:
@@ -485,8 +515,8 @@ class GroupStores:
             except Exception:
                 # A call that failed half-way may have taken timers it never used; what it did change
                 # is journaled like any other change.
-                for group in store.state.groups.values():
-                    group.rebuild_timers()
+                for held in store.state.groups.values():
+                    held.rebuild_timers()
                 store.persist()
                 raise
             except BaseException:
