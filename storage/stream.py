@@ -56,6 +56,19 @@ log = logging.getLogger("streamlog.storage")
 
 
 class Stream(StreamParts):
+    # Fields most streams never change, read from the class until one is set: CPython (3.11)
+    # keeps an instance's fields inline, with no dict of their own, only up to 29 of them, and
+    # __init__ set 30, so every stream built a dict of 30 (an object the collector walks while
+    # the stream is open; issue 17).
+    blocked_writers = 0  # appends waiting on `sync_ended` (StreamParts), under "always"
+    commit: int | None = None  # a cap replication sets (set_commit); None: no cap
+    cuts = 0  # truncations so far: a sync that began before one does not publish its end
+    # What maintenance last did here (write_seq then, wall-clock ms): when to visit it again.
+    upkept_seq = 0
+    upkept_ms = 0
+    closed_summary: StreamSummary | None = None  # set by close
+    has_epochs = False  # its epochs file exists (a replicated stream's): the catalog lists it
+
     def __init__(
         self, ctx: EngineContext, name: str, home: DirectoryHome | SlotHome, config: StreamConfig
     ) -> None:
@@ -65,7 +78,6 @@ class Stream(StreamParts):
         self.config = config
         self.fsync: FsyncPolicy = config.fsync or ctx.config.fsync  # kept by set_config; no property
         self.lock = threading.RLock()
-        self.blocked_writers = 0  # appends waiting on `sync_ended` (StreamParts)
         self.maintenance_lock = threading.Lock()
         self.segments: list[Segment] = []
         self.index = NodeIndex()
@@ -74,11 +86,9 @@ class Stream(StreamParts):
         self.end_offset = 0
         # The end this replica vouches for: in "always" mode only synced entries count, else all.
         self.local_end = 0
-        self.commit: int | None = None  # a cap replication sets (set_commit); None: no cap
         self.visible_end = 0  # reads stop here: local_end, capped at commit
         self.last_ts = 0
         self.write_seq = 0
-        self.cuts = 0  # truncations so far: a sync that began before one does not publish its end
         self.dirty: set[SegmentFile] = set()
         self.pack_queue: list[Segment] = []  # full segments waiting to be packed
         self.damaged: list[Gap] = []
@@ -89,11 +99,6 @@ class Stream(StreamParts):
         self.pins: list[None] = []
         self.evicted = False
         self.touched = 0.0
-        # What maintenance last did here (write_seq then, wall-clock ms): when to visit it again.
-        self.upkept_seq = 0
-        self.upkept_ms = 0
-        self.closed_summary: StreamSummary | None = None  # set by close
-        self.has_epochs = False  # its epochs file exists (a replicated stream's): the catalog lists it
         # Its producers, epochs, cleaner, retention and truncation are made on first use (StreamParts).
 
     # ------------------------------------------------------------------ open / create

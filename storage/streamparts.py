@@ -40,6 +40,9 @@ class StreamParts:
     home: DirectoryHome | SlotHome
     lock: threading.RLock
     end_offset: int
+    # Its gate once made (`gate`): the class's None till then, read as a plain attribute so that
+    # a stream's instance dict is never built for it (most streams never sync on their own).
+    _gate: SyncGate | None = None
 
     def made(self, part: str) -> bool:
         """Whether the part named `part` was made (or set) so far."""
@@ -49,13 +52,15 @@ class StreamParts:
     def gate(self) -> SyncGate:
         """Its syncs' group commit (storage/durability.py), made at its first sync: one, whichever
         threads ask at once (setdefault is atomic)."""
-        gate = self.__dict__.get("_gate")
+        gate = self._gate
         return gate if gate is not None else self.__dict__.setdefault("_gate", SyncGate())
 
     @property
     def sync_error(self) -> DurabilityError | None:
-        """The failure its gate remembers (appends are refused after it), None with no gate yet."""
-        gate = self.__dict__.get("_gate")
+        """The failure its gate remembers (appends are refused after it), None with no gate yet.
+        Every append and close asks: `self.__dict__` here built each stream's instance dict (an
+        object the collector walks while the stream is open, and slower attribute reads)."""
+        gate = self._gate
         return None if gate is None else gate.error
 
     @cached_property
