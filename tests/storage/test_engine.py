@@ -474,15 +474,18 @@ def test_always_mode_shares_syncs_between_concurrent_appenders(open_engine, monk
     assert len(calls) < appends / 2  # group commit: many appends per sync
 
 
-def test_always_mode_fsync_failure_stops_appends(open_engine, monkeypatch):
-    engine = open_engine(fsync="always")
+@pytest.mark.parametrize("small_streams", ["off", "slots"])
+def test_always_mode_fsync_failure_stops_appends(open_engine, monkeypatch, small_streams):
+    engine = open_engine(fsync="always", small_streams=small_streams)
     engine.append("s", AppendBatch([b"kept"]))
     from storage import fs as fs_module
 
     def failing_sync(self):
         raise DurabilityError("injected EIO")
 
-    monkeypatch.setattr(fs_module.SegmentFile, "sync", failing_sync)
+    # The file whose fdatasync fails: the stream's segment, or the pack holding its slot.
+    synced = fs_module.SegmentFile if small_streams == "off" else fs_module.PackFile
+    monkeypatch.setattr(synced, "sync", failing_sync)
     with pytest.raises(DurabilityError):
         engine.append("s", AppendBatch([b"lost"]))
     monkeypatch.undo()
@@ -668,14 +671,18 @@ def test_append_many_writes_plain_batches_on_their_own_past_the_batch_limits(ope
     assert engine.read("s", 0, 100).entries()[-1].offset == 13
 
 
-def test_append_many_under_always_makes_every_batch_durable_with_one_sync(open_engine, monkeypatch):
-    engine = open_engine(fsync="always")
+@pytest.mark.parametrize("small_streams", ["off", "slots"])
+def test_append_many_under_always_makes_every_batch_durable_with_one_sync(
+    open_engine, monkeypatch, small_streams
+):
+    engine = open_engine(fsync="always", small_streams=small_streams)
     engine.append("s", AppendBatch([b"warm-up"]))
     from storage import fs as fs_module
 
     syncs = []
-    real_sync = fs_module.SegmentFile.sync
-    monkeypatch.setattr(fs_module.SegmentFile, "sync", lambda file: (syncs.append(1), real_sync(file)))
+    synced = fs_module.SegmentFile if small_streams == "off" else fs_module.PackFile  # see above
+    real_sync = synced.sync
+    monkeypatch.setattr(synced, "sync", lambda file: (syncs.append(1), real_sync(file)))
     results = engine.append_many("s", [(AppendBatch([b"m%d" % i]), None) for i in range(50)])
     assert [r.first_offset for r in results] == list(range(1, 51))
     assert len(syncs) == 1
