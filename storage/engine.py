@@ -263,7 +263,8 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls):
                 # Its metadata is damaged: keep the evidence, refuse to write over it.
                 raise PreconditionError(f"stream {name!r} is damaged on disk; see the server log")
             directory = self._streams_root / dirname
-            if small and self._small and not incarnation:
+            # Not after a failed sync of the packs, which refuses their streams' appends till restart.
+            if small and self._small and not incarnation and self._slots.sync.error is None:
                 return Stream.create_in_slot(self._ctx, self._slots, name, directory)  # placed in the catalog
             self._catalog.creating(name)  # journaled before its directory is made
             stream = Stream.create(self._ctx, name, directory, DEFAULT_STREAM_CONFIG, incarnation)

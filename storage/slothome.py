@@ -40,6 +40,7 @@ from storage.config import StreamConfig
 from storage.context import EngineContext
 from storage.creation import start_creation
 from storage.durability import SyncGate
+from storage.errors import DurabilityError
 from storage.format import (
     NODE_PREFIX_SIZE,
     SLOT_BYTES,
@@ -84,6 +85,11 @@ class SlotSync:
         # `durable_seq`: reopened before a sync, a stream keeps that header's slot, not the newer
         # header its close left, which a power loss may take.
         self._closed: dict[str, tuple[int]] = {}
+
+    @property
+    def error(self) -> DurabilityError | None:
+        """The failure of a sync of the packs or the journal, if one failed (then every wait raises it)."""
+        return self._gate.error
 
     def journaled(self) -> None:
         """A record naming a slot (a creation) was just journaled: the next wait syncs."""
@@ -201,6 +207,11 @@ class SlotHome:
         self.slots.sync.wait()
 
     # ------------------------------------------------------------------ as DirectoryHome
+
+    @property
+    def sync_error(self) -> DurabilityError | None:
+        """A failed sync of the packs: every slot stream's (their writes share its pages)."""
+        return self.slots.sync.error
 
     def make_durable(self, files: list[SegmentFile]) -> None:
         """Sync the stream's writes: the packs and the journal, shared with every slot stream."""
