@@ -1,5 +1,5 @@
 """A small stream's home in a slot of a shared pack file (docs/design/small-streams.md §4-§5,
-behind `EngineConfig.small_streams = "slots"`).
+under `EngineConfig.small_streams = "slots"`, the default).
 
 A stream created by an append with the default config and no incarnation gets a slot
 (storage/packs.py): its slot header and an empty growing segment of SLOT_SEGMENT_BYTES written
