@@ -24,7 +24,8 @@ Issue 17's targets, measured with one Python client each:
   restart (time until the server answers SERVING) with every acknowledged entry read
   back (each stream reopened), then a clean stop and restart. With `--direct` the directory is built
   in this process instead, for a size a load through one client would take hours
-  for: one stream is written by the engine and closed cleanly, and its files are
+  for: one stream is written by the engine in a directory of its own (small_streams
+  off: a slot stream has no files to copy) and closed cleanly, and its files are
   copied under each name by `BUILDERS` processes (its segment as it is: the
   entry's bytes are the template's; no meta file, as the engine writes none for
   these names), with the SYNCED marker a clean close leaves in its slot, and the catalog
@@ -404,7 +405,8 @@ def million(data: Path, streams: int, via: str, settings: dict[str, str]) -> Non
 def build_directly(data: Path, streams: int) -> None:
     """`streams` one-entry streams: the first written by the engine and closed cleanly, its files
     copied under every other name, and the catalog (see the module doc); then one `sync`."""
-    with Engine(data, EngineConfig(background=False)) as engine:
+    # In a directory of its own, whose files are copied: a stream in a slot has none.
+    with Engine(data, EngineConfig(background=False, small_streams="off")) as engine:
         engine.append(stream_name(0), AppendBatch(payloads(0, 1)))
         summary = engine.stats()["per_stream"][stream_name(0)]
     with multiprocessing.Pool(BUILDERS) as pool:

@@ -62,9 +62,9 @@ class Settings:
     compression_level: int = 3
     cache_nodes: int = 256
     max_open_streams: int = 1024
-    # "slots": new small streams live in 4 KiB slots of shared pack files, no directory each
-    # (a preview, docs/design/small-streams.md); "off": a directory per stream.
-    small_streams: str = "off"
+    # "slots" (the default): new small streams live in 4 KiB slots of shared pack files, no
+    # directory each (docs/design/small-streams.md); "off": a directory per new stream.
+    small_streams: str = "slots"
 
     # Limits on what one request may carry. Appends past them are refused whole.
     max_message_bytes: int = 16 << 20

@@ -56,10 +56,10 @@ class EngineConfig:
     # Streams start with retention and compaction passive (a cluster node's: a follower's copy
     # changes only as its leader's log does, storage/replicaapi.py); False: maintenance runs them.
     retention_passive: bool = False
-    # "slots": a new small stream lives in a 4 KiB slot of a shared pack file, not a directory of
-    # its own (storage/slothome.py); "off": every stream is a directory. A preview (see
-    # docs/design/small-streams.md, step 7 makes it the default).
-    small_streams: str = "off"
+    # "slots" (the default): a new small stream lives in a 4 KiB slot of a shared pack file, not a
+    # directory of its own (storage/slothome.py); "off": every new stream is a directory, as
+    # before docs/design/small-streams.md (streams already in slots stay readable).
+    small_streams: str = "slots"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fsync", _fsync_policy(self.fsync))

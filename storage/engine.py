@@ -267,7 +267,8 @@ class Engine(StreamCalls, Maintenance, CatalogFiles, GroupCalls, ReplicaCalls, U
             if self.unreadable and dirname_for(name) in self.unreadable:
                 # Its metadata is damaged: keep the evidence, refuse to write over it.
                 raise PreconditionError(f"stream {name!r} is damaged on disk; see the server log")
-            if small and self._small and not incarnation:  # placed in the catalog
+            # Placed in the catalog; not after a failed sync of the packs (appends refused till restart).
+            if small and self._small and not incarnation and self._slots.sync.error is None:
                 return Stream.create_in_slot(self._ctx, self._slots, name, self._streams_root)
             self._catalog.creating(name)  # journaled before its directory is made
             directory = self._streams_root / dirname_for(name)

@@ -232,7 +232,7 @@ def check_positions(body: NodeBody) -> None:
         raise CorruptionError("node offset table does not span its blob")
 
 
-# Small-stream slots (format 6, behind `small_streams`: docs/FORMAT.md, "Pack files"). A pack file is
+# Small-stream slots (format 6, written by default: docs/FORMAT.md, "Pack files"). A pack file is
 # made of SLOT_BYTES slots; slot 0 holds the pack header, every other slot a slot header and then
 # the first SLOT_SEGMENT_BYTES of a growing segment, byte for byte what its `.seg` file would hold.
 SLOT_BYTES = 4096

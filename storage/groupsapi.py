@@ -136,13 +136,16 @@ class GroupCalls:
         ops = decode_ops(body)
         if not ops:
             raise InvalidArgumentError("a group op batch holds at least one op")
+        self._in_directory(stream)  # as create_group: the ops may make its first group
         self._groups.stores.apply_batch(stream, op_seq, ops)
 
     def install_group_snapshot(self, stream: str, op_seq: int, body: bytes) -> None:
         """A follower replaces the stream's groups with its leader's snapshot at `op_seq`, durably."""
         if not isinstance(op_seq, int) or op_seq < 0:
             raise InvalidArgumentError("a group op seq must be a non-negative integer")
-        self._groups.stores.install(stream, op_seq, decode_ops(body))
+        ops = decode_ops(body)
+        self._in_directory(stream)  # as create_group: its group files go beside its segments
+        self._groups.stores.install(stream, op_seq, ops)
 
     def set_groups_active(self, stream: str, active: bool) -> None:
         """Active: the stream's groups serve calls (this node leads it, or there is no cluster).

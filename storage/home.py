@@ -20,6 +20,7 @@ from storage.config import StreamConfig
 from storage.context import EngineContext
 from storage.creation import PendingCreation, start_creation
 from storage.epochs import EpochHistory
+from storage.errors import DurabilityError
 from storage.fs import SegmentFile
 from storage.growing import GrowingNode
 from storage.handoff import UnsyncedClose
@@ -43,6 +44,9 @@ class Opened:
 
 
 class DirectoryHome:
+    # A failed sync shared with other streams (SlotHome's pack); a directory's own is its stream's gate's.
+    sync_error: DurabilityError | None = None
+
     def __init__(self, ctx: EngineContext, directory: Path) -> None:
         self.ctx = ctx
         self.directory = directory

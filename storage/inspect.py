@@ -1,6 +1,7 @@
 """Offline inspector for segment files and data directories.
 
-    python -m storage.inspect PATH           list segments and nodes (PATH: data dir, stream dir or .seg file)
+    python -m storage.inspect PATH           list segments and nodes (PATH: data dir, stream dir or .seg file;
+                                             a data dir's streams in slots of pack files too)
     python -m storage.inspect verify DATA    check every stream; exit status 1 if anything is damaged
     python -m storage.inspect packs DATA     list pack files: slots used, free, damaged; check each slot
     python -m storage.inspect unpack DATA    move every stream out of pack files, then remove them
@@ -24,8 +25,8 @@ from storage import grouplog
 from storage.config import EngineConfig
 from storage.dedup import ProducerTable
 from storage.engine import Engine
-from storage.errors import CorruptionError, PreconditionError
-from storage.format import NODE_SPARSE, NODE_ZSTD, SegmentHeader
+from storage.errors import CorruptionError, DurabilityError, PreconditionError
+from storage.format import NODE_SPARSE, NODE_ZSTD, SLOT_SEGMENT_BYTES, SegmentHeader
 from storage.fs import FileSystem
 from storage.layout import (
     DAMAGED_SUFFIX,
@@ -34,10 +35,12 @@ from storage.layout import (
     PACKS_DIR,
     PRODUCERS_FILE,
     SEGMENT_SUFFIX,
+    pack_name,
     read_meta,
     streams_root,
 )
 from storage.packinspect import inspect_packs
+from storage.packs import Packs, split_place
 from storage.segment import Segment
 
 
@@ -73,7 +76,12 @@ def inspect_segment(path: Path) -> SegmentReport:
         segment, cut = Segment.open(FileSystem(), path, writable=False, verify=False)
     except (CorruptionError, OSError, ValueError) as exc:
         return SegmentReport(str(path), -1, False, path.stat().st_size, problems=[f"unreadable: {exc}"])
-    report = SegmentReport(str(path), segment.base_offset, segment.packed, segment.file.size)
+    return _report(segment, cut, str(path))
+
+
+def _report(segment: Segment, cut: str | None, where: str) -> SegmentReport:
+    """The report of an open segment (closed here), `cut` the reason its chain stopped short, if it did."""
+    report = SegmentReport(where, segment.base_offset, segment.packed, segment.file.size)
     if cut:
         report.problems.append(cut)
     try:
@@ -109,6 +117,35 @@ def inspect_segment(path: Path) -> SegmentReport:
     finally:
         segment.close()
     return report
+
+
+def _slot_reports(data_dir: Path) -> Iterator[SegmentReport]:
+    """A report per stream in a slot of a pack file, as its header names it (damaged slot headers
+    are `packs`' and `verify`'s to report)."""
+    packs = Packs(FileSystem(), data_dir)
+    try:
+        for place, header, _ in packs.scan():
+            pack, slot, _ = split_place(place)
+            where = f"{data_dir / PACKS_DIR / pack_name(pack)} slot {slot} (stream {header.name!r})"
+            try:
+                segment, cut = Segment.over(packs.open_slot(place, header.name, writable=False), verify=False)
+            except CorruptionError as exc:
+                yield SegmentReport(where, -1, False, SLOT_SEGMENT_BYTES, problems=[f"unreadable: {exc}"])
+                continue
+            yield _report(segment, cut, where)
+    except (CorruptionError, DurabilityError) as exc:
+        problem = f"pack files unreadable: {exc}"
+        yield SegmentReport(str(data_dir / PACKS_DIR), -1, False, 0, problems=[problem])
+    finally:
+        packs.close()
+
+
+def _reports_under(path: Path) -> Iterator[SegmentReport]:
+    """The segments under PATH (a .seg file, a stream's directory or a data directory), reported."""
+    for segment_path in _segments_under(path):
+        yield inspect_segment(segment_path)
+    if (path / PACKS_DIR).is_dir():
+        yield from _slot_reports(path)
 
 
 def _segments_under(path: Path) -> Iterator[Path]:
@@ -303,8 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"no such file or directory: {path}", file=sys.stderr)
             status = 2
             continue
-        for segment_path in _segments_under(path):
-            report = inspect_segment(segment_path)
+        for report in _reports_under(path):
             _print_report(report, ns.json)
             if report.problems:
                 status = 1

@@ -17,8 +17,8 @@
         *.seg.damaged                        a segment with nothing readable, kept for the operator
     DATA/streams/<encoded name>.deleted/     a stream whose deletion a crash interrupted
     DATA/groups/<encoded name>               the stream has consumer groups (storage/groupregistry.py)
-    DATA/packs/<5-digit pack id>.pack        small streams' slots (format 6, behind small_streams:
-                                             storage/packs.py)
+    DATA/packs/<5-digit pack id>.pack        small streams' slots (format 6, small_streams
+                                             "slots", the default: storage/packs.py)
 
 The consumer groups' files beside the segments are named in storage/grouplog.py.
 docs/FORMAT.md has the byte layout of each file.

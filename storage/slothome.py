@@ -1,5 +1,5 @@
 """A small stream's home in a slot of a shared pack file (docs/design/small-streams.md §4-§5,
-behind `EngineConfig.small_streams = "slots"`).
+under `EngineConfig.small_streams = "slots"`, the default).
 
 A stream created by an append with the default config and no incarnation gets a slot
 (storage/packs.py): its slot header and an empty growing segment of SLOT_SEGMENT_BYTES written
@@ -41,6 +41,7 @@ from storage.config import StreamConfig
 from storage.context import EngineContext
 from storage.creation import PendingCreation, start_creation
 from storage.durability import SyncGate
+from storage.errors import DurabilityError
 from storage.format import (
     NODE_PREFIX_SIZE,
     SLOT_BYTES,
@@ -85,6 +86,11 @@ class SlotSync:
         # `durable_seq`: reopened before a sync, a stream keeps that header's slot, not the newer
         # header its close left, which a power loss may take.
         self._closed: dict[str, tuple[int]] = {}
+
+    @property
+    def error(self) -> DurabilityError | None:
+        """The failure of a sync of the packs or the journal, if one failed (then every wait raises it)."""
+        return self._gate.error
 
     def journaled(self) -> None:
         """A record naming a slot (a creation) was just journaled: the next wait syncs."""
@@ -241,6 +247,11 @@ class SlotHome:
         self.slots.sync.wait()
 
     # ------------------------------------------------------------------ as DirectoryHome
+
+    @property
+    def sync_error(self) -> DurabilityError | None:
+        """A failed sync of the packs: every slot stream's (their writes share its pages)."""
+        return self.slots.sync.error
 
     def make_durable(self, files: list[SegmentFile]) -> None:
         """Sync the stream's writes (its slot's, `files`): the packs and the journal, shared with

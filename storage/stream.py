@@ -196,7 +196,13 @@ class Stream(StreamParts):
         """Append a batch; `producer` (id, sequence) makes it idempotent, `expected_end` conditional."""
         with self.lock:
             always = self.fsync is FsyncPolicy.ALWAYS  # read under the lock: set_config may change it
-            if always or self.closed or self.sync_error is not None or self.home.clean_marker:
+            if (
+                always
+                or self.closed
+                or self.sync_error is not None
+                or self.home.sync_error is not None
+                or self.home.clean_marker
+            ):
                 self._check_writable(always)  # only then has it anything to do (a call less per append)
             if expected_end is not None and expected_end != self.end_offset:
                 raise OffsetMismatchError(expected_end, self.end_offset)
@@ -262,8 +268,8 @@ class Stream(StreamParts):
                     self.sync_ended.notify_all()
         if self.closed:
             raise InvalidArgumentError(f"stream {self.name!r} was deleted")
-        if (error := self.sync_error) is not None:
-            raise DurabilityError(f"appends are refused after a failed sync: {error}")
+        if (failed := self.sync_error or self.home.sync_error) is not None:
+            raise DurabilityError(f"appends are refused after a failed sync: {failed}")
         if self.home.clean_marker:  # tested here: this runs on every append, the removal once
             self.home.unmark_clean()
 

@@ -108,8 +108,9 @@ def info(server: ServerThread, *argv: str) -> str:
 
 
 def test_info_shows_sizes_in_human_units_and_what_the_entries_hold(server: ServerThread) -> None:
-    """A segment grows in steps as it fills (the test server's reach 1 MiB): 10 entries of 100 bytes
-    use about 1.4 KiB of a first step of 4 KiB."""
+    """A new small stream's segment is the 3.5 KiB of its slot in a pack file (small_streams slots,
+    the default): 10 entries of 100 bytes use about 1.4 KiB of it. A bigger one grows in steps as it
+    fills (the test server's reach 1 MiB)."""
     with Client(server.target) as client:
         client.append("fresh", [b"x" * 100] * 10)
         ride = b'{"ride": %05d, "city": "Lisbon", "note": "' + b"on time " * 70 + b'"}'
@@ -119,10 +120,10 @@ def test_info_shows_sizes_in_human_units_and_what_the_entries_hold(server: Serve
         while client.info("full").packed_segments == 0 and time.monotonic() < deadline:
             time.sleep(0.1)  # the server's maintenance packs full segments about every second
         used = client.info("fresh").used_bytes
-    assert 10 * 100 < used < 4096
+    assert 10 * 100 < used < 3584
     used_shown = f"{used / 1024:.1f} KiB"
     shown = info(server, "fresh")
-    on_disk = f"4.0 KiB in 1 segment \\(1 node\\); the entries use {used_shown} of it"
+    on_disk = f"3.5 KiB in 1 segment \\(1 node\\); the entries use {used_shown} of it"
     assert re.search(f"\non disk +{on_disk}\n", shown), shown
     assert re.search("\ncompression +none yet: a segment's nodes are compressed once it is full\n", shown)
     shown = info(server, "full")
@@ -130,4 +131,4 @@ def test_info_shows_sizes_in_human_units_and_what_the_entries_hold(server: Serve
     assert re.search(r"\non disk +\d\.\d MiB in 2 segments \(\d+ nodes\); the entries use \d", shown), shown
     rows = [line.split() for line in info(server).splitlines()]
     assert rows[0] == ["STREAM", "ENTRIES", "FIRST", "NEXT", "USED", "DISK", "LAST", "APPEND"]
-    assert rows[1][:8] == ["fresh", "10", "0", "10", *used_shown.split(), "4.0", "KiB"], rows
+    assert rows[1][:8] == ["fresh", "10", "0", "10", *used_shown.split(), "3.5", "KiB"], rows

@@ -178,22 +178,23 @@ def test_appends_wake_blocked_readers_of_every_stream(start_server):
 
 
 def test_a_call_creating_many_streams_leaves_the_loop_to_other_calls(start_server, monkeypatch):
-    """While a large AppendMany of new streams is being written (held here in its first mkdir,
-    as a busy disk would), the server answers Health and an Append to an open stream."""
+    """While a large AppendMany of new streams is being written (held here in its first creation,
+    in a slot or a directory, as a busy disk would), the server answers Health and an Append to an
+    open stream."""
     server = start_server()
-    fs = server.server.engine._fs
+    engine = server.server.engine
     creating, release = threading.Event(), threading.Event()
-    makedirs = fs.makedirs
+    create = engine._create
 
-    def slow_makedirs(path: Path, **kwargs: Any) -> None:
+    def slow_create(*args: Any) -> Any:
         creating.set()
         release.wait(TIMEOUT)
-        makedirs(path, **kwargs)
+        return create(*args)
 
     with grpc.insecure_channel(server.target) as channel:
         stub = pb_grpc.StreamLogServiceStub(channel)
         stub.Append(batch("open", b"first"), timeout=TIMEOUT)
-        monkeypatch.setattr(fs, "makedirs", slow_makedirs)
+        monkeypatch.setattr(engine, "_create", slow_create)
         large = stub.AppendMany.future(
             pb.AppendManyRequest(batches=[batch(f"new-{i}", b"x") for i in range(20)]), timeout=TIMEOUT * 2
         )

@@ -9,6 +9,7 @@ import pytest
 from service.cli import EXIT_USAGE, build_parser, serve_settings
 from service.cli import main as cli_main
 from service.config import ConfigError, Settings, engine_config, env_name, load_settings, setting_names
+from storage import EngineConfig
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -146,9 +147,10 @@ def test_every_setting_has_an_environment_variable_and_reaches_the_engine() -> N
     assert (config.fsync, config.max_entry_bytes, config.node_entries) == ("always", 1234, 77)
 
 
-def test_small_streams_is_off_by_default_and_slots_reaches_the_engine() -> None:
-    assert engine_config(load_settings()).small_streams == "off"
-    assert engine_config(load_settings(overrides={"small_streams": "slots"})).small_streams == "slots"
+def test_small_streams_is_slots_by_default_and_off_reaches_the_engine() -> None:
+    assert engine_config(load_settings()).small_streams == "slots"
+    assert EngineConfig().small_streams == "slots"  # a script's engine as a server's
+    assert engine_config(load_settings(overrides={"small_streams": "off"})).small_streams == "off"
     with pytest.raises(ConfigError, match="small_streams"):
         load_settings(overrides={"small_streams": "packs"})
 

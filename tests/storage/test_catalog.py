@@ -18,6 +18,9 @@ from tests.storage.conftest import SMALL
 from tests.storage.faultfs import FaultFS
 
 ROOT = Path("/faultfs/data")
+# Streams in directories of their own (small_streams off, not the default slots): for the tests
+# about what start-up finds in stream directories (meta files, names, deletions' leftovers).
+DIRECTORIES = {**SMALL, "small_streams": "off"}
 
 
 class CountingFS(FileSystem):
@@ -140,7 +143,7 @@ def test_streams_created_or_deleted_after_the_catalog_was_written_survive_a_cras
 
 
 def test_names_that_are_not_their_directory_names_and_replicated_streams(tmp_path, clock):
-    config = EngineConfig(**SMALL, max_open_streams=2)
+    config = EngineConfig(**DIRECTORIES, max_open_streams=2)
     engine = Engine(tmp_path / "data", config, clock=clock)
     odd = ["a/b", "été", "x" * 240, "../up"]
     for name in odd:
@@ -264,7 +267,7 @@ def test_start_up_lists_no_stream_after_a_clean_shutdown_nor_after_a_kill_9(tmp_
 
 def test_an_unreadable_stream_is_reported_by_every_start_up(tmp_path, clock):
     data = tmp_path / "data"
-    config = EngineConfig(**SMALL)
+    config = EngineConfig(**DIRECTORIES)
     engine = Engine(data, config, clock=clock)
     fill(engine, 3)
     engine.close()
@@ -278,7 +281,7 @@ def test_an_unreadable_stream_is_reported_by_every_start_up(tmp_path, clock):
 
 def test_a_deletion_that_left_its_directory_makes_the_next_start_up_list(tmp_path, clock):
     data = tmp_path / "data"
-    config = EngineConfig(**SMALL)
+    config = EngineConfig(**DIRECTORIES)
 
     class FailingRemoval(CountingFS):
         def remove_tree(self, path: Path) -> None:
@@ -381,7 +384,7 @@ def test_places_round_trip_through_the_file():
 
 
 def test_a_version_1_file_is_read_with_no_place_and_written_as_version_2(tmp_path, clock):
-    config = EngineConfig(**SMALL, max_open_streams=4)
+    config = EngineConfig(**DIRECTORIES, max_open_streams=4)  # before places: no slot
     data = tmp_path / "data"
     with Engine(data, config, clock=clock) as engine:
         written = fill(engine, 6)
@@ -404,7 +407,7 @@ def test_a_version_1_file_is_read_with_no_place_and_written_as_version_2(tmp_pat
 def test_a_stream_in_a_slot_survives_start_up_without_a_directory(tmp_path, clock, start_up):
     """A slot stream has no directory in streams/: start-up must not forget it, whether it reads
     the file alone, the file and its journal, or the file and the listing of streams/."""
-    config = EngineConfig(**SMALL, max_open_streams=4)
+    config = EngineConfig(**DIRECTORIES, max_open_streams=4)
     data = tmp_path / "data"
     with Engine(data, config, clock=clock) as engine:
         written = fill(engine, 3)

@@ -25,14 +25,16 @@ from tests.storage.test_catalog import CountingFS, contents, fill
 
 ROOT = Path("/faultfs/data")
 CONFIG = EngineConfig(**SMALL, max_open_streams=4)
+# Streams in directories of their own (not the default slots): for the tests that damage a meta file.
+DIRECTORIES = EngineConfig(**SMALL, max_open_streams=4, small_streams="off")
 
 
-def killed_after_changes(data: Path, clock, fs) -> dict[str, list[bytes]]:
+def killed_after_changes(data: Path, clock, fs, config: EngineConfig = CONFIG) -> dict[str, list[bytes]]:
     """A clean shutdown, then streams created, deleted, appended to and read, and a kill -9 (the
     engine dropped unclosed: with its own fs it holds no lock)."""
-    with Engine(data, CONFIG, clock=clock, fs=fs) as engine:
+    with Engine(data, config, clock=clock, fs=fs) as engine:
         written = fill(engine, 10)
-    engine = Engine(data, CONFIG, clock=clock, fs=fs)
+    engine = Engine(data, config, clock=clock, fs=fs)
     for name in ["new-1", "new-2", "room-003"]:
         items = [name.encode()] * 2
         engine.append(name, AppendBatch(items))
@@ -88,7 +90,8 @@ def test_only_a_process_crash_trusts_the_journal(mode):
 @pytest.mark.parametrize("damage", ["damaged record", "missing generation", "relist"])
 def test_a_journal_that_cannot_be_trusted_makes_start_up_list(tmp_path, clock, damage):
     data = tmp_path / "data"
-    written = killed_after_changes(data, clock, CountingFS())
+    config = DIRECTORIES if damage == "relist" else CONFIG  # relist damages a meta file
+    written = killed_after_changes(data, clock, CountingFS(), config)
     generations = journal_generations(p.name for p in data.iterdir())
     last = data / journal_name(generations[-1])
     if damage == "damaged record":  # whole, but failing its CRC
@@ -98,7 +101,7 @@ def test_a_journal_that_cannot_be_trusted_makes_start_up_list(tmp_path, clock, d
     elif damage == "missing generation":
         (data / journal_name(generations[0])).unlink()
     else:  # a stream found unreadable asks for a listing, which finds it unreadable again
-        engine = Engine(data, CONFIG, clock=clock, fs=CountingFS())
+        engine = Engine(data, config, clock=clock, fs=CountingFS())
         # A meta file that fails its checks (a segment cut below its header would be taken for a
         # creation a crash cut short, and dropped: docs/FORMAT.md, "Recovery rules").
         (stream_directory(data, "room-004") / META_FILE).write_bytes(b"damaged")
@@ -107,7 +110,7 @@ def test_a_journal_that_cannot_be_trusted_makes_start_up_list(tmp_path, clock, d
         assert "room-004" not in engine.list_streams()
         del written["room-004"]
     fs = CountingFS()
-    engine = Engine(data, CONFIG, clock=clock, fs=fs)
+    engine = Engine(data, config, clock=clock, fs=fs)
     assert fs.stream_listings == 1
     assert engine.list_streams() == sorted(written)
     if damage == "relist":
@@ -180,11 +183,11 @@ def test_many_streams_created_make_the_file_due_before_its_minute(tmp_path, cloc
 
 def test_a_stream_created_since_the_file_and_found_unreadable_is_reported_by_every_start_up(tmp_path, clock):
     data = tmp_path / "data"
-    killed_after_changes(data, clock, CountingFS())
+    killed_after_changes(data, clock, CountingFS(), DIRECTORIES)
     (stream_directory(data, "new-1") / META_FILE).write_bytes(b"damaged")  # the journal names it
     for listings in (0, 1):  # found by the journal's check, then by the listing it asked for
         fs = CountingFS()
-        engine = Engine(data, CONFIG, clock=clock, fs=fs)  # dropped unclosed: a kill -9 each time
+        engine = Engine(data, DIRECTORIES, clock=clock, fs=fs)  # dropped unclosed: a kill -9 each time
         assert fs.stream_listings == listings and engine.unreadable == ["new-1"]
         assert "new-1" not in engine.list_streams()
 

@@ -15,9 +15,14 @@ from storage import AppendBatch, Engine, EngineConfig, StreamConfig
 from storage.catalog import CATALOG_FILE
 from storage.format import SEGMENT_HEADER_SIZE, SLOTTED_HEADER_SIZE, SYNCED_SLOT_SIZE
 from storage.layout import META_FILE, META_NEW, encode_meta, segment_name, stream_directory
-from tests.storage.conftest import SMALL, erase_slot, synced_marker
+from tests.storage import conftest
+from tests.storage.conftest import erase_slot, synced_marker
 from tests.storage.faultfs import Crash, FaultFS
 from tests.storage.test_handoff import counting_syncfs
+
+# Streams created in directories of their own (small_streams off): a new small stream takes a slot
+# by default, whose creation tests/storage/test_slot_streams.py covers.
+SMALL = {**conftest.SMALL, "small_streams": "off"}
 
 ROOT = Path("/faultfs/data")
 

@@ -135,7 +135,8 @@ def test_real_full_disk_fails_cleanly_at_segment_creation_and_recovers(tmpfs, fs
 
 def test_real_full_disk_at_a_growth_step_fails_cleanly_and_recovers(tmpfs):
     data = tmpfs / "data"
-    engine = Engine(data, EngineConfig(**SMALL, fsync="always"), clock=Clock())
+    # A segment file's growth step (small_streams off: a pack's first 16 MiB do not fit this disk).
+    engine = Engine(data, EngineConfig(**SMALL, fsync="always", small_streams="off"), clock=Clock())
     acked = [(0, b"first")]
     engine.append("main", AppendBatch([b"first"]))
     segment = data / "streams" / "main" / f"{0:020d}.seg"

@@ -21,6 +21,7 @@ from storage import (
     StreamConfig,
     StreamNotFoundError,
 )
+from storage.catalog import NO_PLACE
 from storage.growing import GrowingNode
 from storage.segment import Segment
 
@@ -474,21 +475,57 @@ def test_always_mode_shares_syncs_between_concurrent_appenders(open_engine, monk
     assert len(calls) < appends / 2  # group commit: many appends per sync
 
 
-def test_always_mode_fsync_failure_stops_appends(open_engine, monkeypatch):
-    engine = open_engine(fsync="always")
+@pytest.mark.parametrize("small_streams", ["off", "slots"])
+def test_always_mode_fsync_failure_stops_appends(open_engine, monkeypatch, small_streams):
+    engine = open_engine(fsync="always", small_streams=small_streams)
     engine.append("s", AppendBatch([b"kept"]))
     from storage import fs as fs_module
 
     def failing_sync(self):
         raise DurabilityError("injected EIO")
 
-    monkeypatch.setattr(fs_module.SegmentFile, "sync", failing_sync)
+    # The file whose fdatasync fails: the stream's segment, or the pack holding its slot.
+    synced = fs_module.SegmentFile if small_streams == "off" else fs_module.PackFile
+    monkeypatch.setattr(synced, "sync", failing_sync)
     with pytest.raises(DurabilityError):
         engine.append("s", AppendBatch([b"lost"]))
     monkeypatch.undo()
     with pytest.raises(DurabilityError):
         engine.append("s", AppendBatch([b"refused"]))
     assert [e.payload for e in engine.read("s", 0, 10).entries()] == [b"kept"]
+
+
+@pytest.mark.parametrize("small_streams", ["off", "slots"])
+def test_everysec_fsync_failure_refuses_later_appends_to_the_stream_opened_again_or_not(
+    open_engine, monkeypatch, small_streams
+):
+    """docs/DURABILITY.md, "fsync error": under everysec the round's failed sync refuses every later
+    append to the stream until restart. A pack's failure is every slot stream's, closed and reopened
+    or not; a new small stream then takes a directory of its own."""
+    engine = open_engine(fsync="everysec", max_open_streams=1, small_streams=small_streams)
+    engine.append("s", AppendBatch([b"kept"]))
+    engine.sync()
+    engine.append("s", AppendBatch([b"unsynced"]))
+    from storage import fs as fs_module
+
+    def failing_sync(self):
+        raise DurabilityError("injected EIO")
+
+    synced = fs_module.SegmentFile if small_streams == "off" else fs_module.PackFile
+    monkeypatch.setattr(synced, "sync", failing_sync)
+    with pytest.raises(DurabilityError):
+        engine.sync()  # the round's
+    monkeypatch.undo()
+    with pytest.raises(DurabilityError, match="refused"):
+        engine.append("s", AppendBatch([b"refused"]))
+    engine.append("other", AppendBatch([b"new"]))
+    if small_streams == "slots":  # (a directory stream whose sync failed stays open: test_open_streams.py)
+        engine._open.discard("s")  # closed and reopened: its pack's failure still refuses it
+    with pytest.raises(DurabilityError, match="refused"):
+        engine.append("s", AppendBatch([b"refused"]))
+    assert [e.payload for e in engine.read("s", 0, 10).entries()] == [b"kept", b"unsynced"]
+    assert engine._catalog.place("other") == NO_PLACE  # in a directory: the pack is refused
+    assert [e.payload for e in engine.read("other", 0, 10).entries()] == [b"new"]
 
 
 def test_always_mode_hides_unsynced_entries_from_readers(open_engine):
@@ -668,14 +705,18 @@ def test_append_many_writes_plain_batches_on_their_own_past_the_batch_limits(ope
     assert engine.read("s", 0, 100).entries()[-1].offset == 13
 
 
-def test_append_many_under_always_makes_every_batch_durable_with_one_sync(open_engine, monkeypatch):
-    engine = open_engine(fsync="always")
+@pytest.mark.parametrize("small_streams", ["off", "slots"])
+def test_append_many_under_always_makes_every_batch_durable_with_one_sync(
+    open_engine, monkeypatch, small_streams
+):
+    engine = open_engine(fsync="always", small_streams=small_streams)
     engine.append("s", AppendBatch([b"warm-up"]))
     from storage import fs as fs_module
 
     syncs = []
-    real_sync = fs_module.SegmentFile.sync
-    monkeypatch.setattr(fs_module.SegmentFile, "sync", lambda file: (syncs.append(1), real_sync(file)))
+    synced = fs_module.SegmentFile if small_streams == "off" else fs_module.PackFile  # see above
+    real_sync = synced.sync
+    monkeypatch.setattr(synced, "sync", lambda file: (syncs.append(1), real_sync(file)))
     results = engine.append_many("s", [(AppendBatch([b"m%d" % i]), None) for i in range(50)])
     assert [r.first_offset for r in results] == list(range(1, 51))
     assert len(syncs) == 1

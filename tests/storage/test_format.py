@@ -15,6 +15,8 @@ from storage.errors import CorruptionError
 from storage.format import (
     NODE_SPARSE,
     NODE_ZSTD,
+    SLOT_BYTES,
+    SLOT_HEADER_BYTES,
     NodeBody,
     NodeHeader,
     PackHeader,
@@ -289,6 +291,28 @@ def test_inspector_lists_and_verifies(tmp_path, capsys):
         assert inspect_main(["verify", str(tmp_path / "d")]) == 1
         assert what in capsys.readouterr().out
     assert inspect_main([str(tmp_path / "missing")]) == 2
+
+
+def test_inspector_lists_the_streams_in_slots_of_pack_files_beside_directories(tmp_path, capsys):
+    from storage import Engine, EngineConfig
+
+    from .conftest import SMALL
+
+    data = tmp_path / "d"
+    with Engine(data, EngineConfig(**SMALL, small_streams="slots")) as engine:
+        engine.append("small", AppendBatch([b"x" * 10] * 3))
+        engine.append("small", AppendBatch([b"y"] * 2))
+        engine.append("big", AppendBatch([b"z" * 3000] * 2))  # too big for a slot: a directory
+    assert inspect_main([str(data)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{data}/streams/big/00000000000000000000.seg  base=0  growing")
+    assert out[3] == f"{data}/packs/00000.pack slot 1 (stream 'small')  base=0  growing  3584 bytes  1 nodes"
+    assert out[5].split()[:3] == ["0", "5", "5"] and out[5].endswith(" ok")
+    with (data / "packs" / "00000.pack").open("r+b") as f:
+        f.seek(SLOT_BYTES + SLOT_HEADER_BYTES + 400)  # inside its node's blob (from 384)
+        f.write(b"\xff")
+    assert inspect_main([str(data)]) == 1
+    assert "problem: node 0..5: node CRC mismatch" in capsys.readouterr().out
 
 
 def test_verify_checks_group_and_producer_files(tmp_path, capsys):

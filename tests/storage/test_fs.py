@@ -56,7 +56,8 @@ def test_a_reopened_stream_reads_its_directory_and_files_without_updating_their_
     probe.read_bytes()
     if probe.stat().st_atime_ns == before:
         pytest.skip("this file system does not update access times (mounted noatime): nothing to see")
-    config = EngineConfig(**SMALL, max_open_streams=1)  # (SMALL: no background thread)
+    # (SMALL: no background thread; off: a directory and its files, not a slot)
+    config = EngineConfig(**SMALL, max_open_streams=1, small_streams="off")
     with Engine(tmp_path / "data", config) as engine:
         engine.append("h" * 250, AppendBatch([b"1", b"2"]))  # a hashed name: its meta file is read too
         engine.append("b", AppendBatch([b"3"]))  # closes the first

@@ -19,6 +19,8 @@ from tests.storage.faultfs import FaultFS
 
 ROOT = Path("/faultfs/data")
 CONFIG = EngineConfig(**SMALL, max_open_streams=4)
+# Every stream in a directory of its own, as a version before the registry (and before slots) left it.
+DIRECTORIES = EngineConfig(**SMALL, max_open_streams=4, small_streams="off")
 
 
 class WatchingFS(FileSystem):
@@ -46,9 +48,9 @@ class WatchingFS(FileSystem):
         return super().read_file(path)
 
 
-def grouped_engine(data: Path) -> Engine:
+def grouped_engine(data: Path, config: EngineConfig = CONFIG) -> Engine:
     """40 streams, consumer groups on two of them (one delivered an entry)."""
-    engine = Engine(data, CONFIG)
+    engine = Engine(data, config)
     for i in range(40):
         engine.append(f"room-{i:02d}", AppendBatch([b"a", b"b"]))
     engine.create_group("room-07", "g")
@@ -72,7 +74,7 @@ def test_start_up_looks_into_the_directories_of_the_streams_with_groups_only(tmp
 
 
 def test_a_data_directory_without_a_registry_is_probed_once_and_gets_one(tmp_path):
-    grouped_engine(tmp_path / "data").close()
+    grouped_engine(tmp_path / "data", DIRECTORIES).close()
     registry = tmp_path / "data" / GROUPS_DIR
     for entry in registry.iterdir():  # as an earlier version left it: no registry at all
         entry.unlink()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from storage import AppendBatch, Engine, EngineConfig, GroupConfig, GroupReadOptions, groupstore
+from storage.catalog import NO_PLACE
 from storage.errors import CorruptionError, InvalidArgumentError, PreconditionError
 from storage.groupops import encode_ops
 
@@ -101,6 +102,29 @@ def test_a_follower_follows_snapshot_then_batches_and_restarts_at_the_same_seq(l
     follower = _engine(tmp_path / "follower", clock, groups_passive=True)
     assert follower.group_seq("s") == 7
     assert follower._groups.dump("s") == expected
+    follower.close()
+
+
+@pytest.mark.parametrize("first", ["snapshot", "ops"])
+def test_a_followers_stream_in_a_slot_moves_to_a_directory_before_its_groups_land(
+    leader, tmp_path, clock, first
+):
+    """Group files live in a stream's directory: a stream in a slot (a new small stream's place by
+    default) is promoted first, whether a snapshot or an op batch brings its first group."""
+    follower = _engine(tmp_path / "follower", clock, groups_passive=True)
+    follower.append("s", AppendBatch([b"x"] * 20))
+    assert follower._catalog.place("s") != NO_PLACE
+    if first == "snapshot":
+        follower.install_group_snapshot("s", *leader.group_snapshot("s"))
+    else:
+        follower.apply_group_ops("s", 1, encode_ops(leader._groups.stores.snapshot_ops("s")))
+    assert follower._catalog.place("s") == NO_PLACE and follower.group_seq("s") == 1
+    expected = leader._groups.dump("s")
+    assert follower._groups.dump("s") == expected
+    follower.close()
+    follower = _engine(tmp_path / "follower", clock, groups_passive=True)
+    assert follower._groups.dump("s") == expected
+    assert [e.payload for e in follower.read("s", 0, 30).entries()] == [b"x"] * 20
     follower.close()
 
 

@@ -28,8 +28,12 @@ from storage.format import (
     NodeHeader,
     SegmentHeader,
 )
-from tests.storage.conftest import SMALL
+from tests.storage import conftest
 from tests.storage.faultfs import FaultFS
+
+# Streams in directories of their own (small_streams off, not the default slots): a segment file's
+# growth steps are a directory stream's (a slot stream's segment is its slot's 3.5 KiB).
+SMALL = {**conftest.SMALL, "small_streams": "off"}
 
 FIXTURE = Path(__file__).parent / "fixtures" / "format-v1.tar.gz"
 ROOT = Path("/faultfs/data")
@@ -48,7 +52,11 @@ def payloads(engine: Engine, name: str) -> list[bytes]:
 
 def test_a_new_stream_takes_a_page_and_its_segment_grows_in_steps_up_to_segment_bytes(tmp_path):
     config = EngineConfig(
-        segment_bytes=1 << 20, max_batch_bytes=512 << 10, max_entry_bytes=64 << 10, background=False
+        segment_bytes=1 << 20,
+        max_batch_bytes=512 << 10,
+        max_entry_bytes=64 << 10,
+        background=False,
+        small_streams="off",
     )
     directory = tmp_path / "data" / "streams" / "s"
     with Engine(tmp_path / "data", config) as engine:

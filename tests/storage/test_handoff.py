@@ -14,8 +14,13 @@ import pytest
 from storage import AppendBatch, DurabilityError, Engine, EngineConfig
 from storage.handoff import BACKLOG_BOUND, SYNCFS_BATCH
 from storage.layout import stream_directory
-from tests.storage.conftest import SMALL, synced_marker
+from tests.storage import conftest
+from tests.storage.conftest import synced_marker
 from tests.storage.faultfs import Crash, FaultFS
+
+# Streams in directories of their own (small_streams off, not the default slots): a close handed to
+# the round and its SYNCED marker are a directory stream's (a slot stream's close hands it nothing).
+SMALL = {**conftest.SMALL, "small_streams": "off"}
 
 ROOT = Path("/faultfs/data")
 

@@ -384,7 +384,8 @@ def test_an_empty_copy_reset_to_the_leaders_first_offset_takes_its_records(open_
 
 
 def test_a_reset_never_moves_a_copy_back(open_engine):
-    engine = open_engine()
+    # A directory stream's copy, as a follower's is (a replicated stream never takes a slot).
+    engine = open_engine(small_streams="off")
     engine.create_stream("s")
     engine.reset("s", 9)
     for bad in (8, -1, "10"):
@@ -441,7 +442,7 @@ def test_a_sync_under_way_when_a_truncation_cuts_does_not_vouch_for_the_cut_entr
 
     from storage.fs import SegmentFile
 
-    engine = open_engine(fsync="everysec")
+    engine = open_engine(fsync="everysec", small_streams="off")  # its segment file's sync is held
     engine.append("s", AppendBatch([b"a"] * 15))
     syncing, release = threading.Event(), threading.Event()
     plain_sync = SegmentFile.sync

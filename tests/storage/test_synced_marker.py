@@ -19,8 +19,13 @@ from storage.format import SEGMENT_HEADER_SIZE, SLOTTED_HEADER_SIZE, SYNCED_SLOT
 from storage.fs import FileSystem
 from storage.layout import CLEAN_MARKER, stream_directory
 from storage.segment import Segment
-from tests.storage.conftest import SMALL, last_segment, synced_marker
+from tests.storage import conftest
+from tests.storage.conftest import last_segment, synced_marker
 from tests.storage.faultfs import FaultFS
+
+# Streams in directories of their own (small_streams off, not the default slots): the SYNCED marker
+# is a directory stream's (a slot stream's close writes none; its open checks its slot whole).
+SMALL = {**conftest.SMALL, "small_streams": "off"}
 
 ROOT = Path("/faultfs/data")
 
