@@ -194,8 +194,9 @@ def test_a_stream_created_since_the_file_and_found_unreadable_is_reported_by_eve
 
 def test_deletions_on_two_threads_set_the_catalog_file_aside_once(tmp_path, clock):
     """A cluster node drops copies on several threads: the second deletion must not try to
-    move the file the first is moving (FileNotFoundError left its copy half deleted)."""
-    engine = Engine(tmp_path / "data", CONFIG, clock=clock)
+    move the file the first is moving (FileNotFoundError left its copy half deleted). Directory
+    streams: a slot stream's deletion sets no file aside (it syncs its record instead)."""
+    engine = Engine(tmp_path / "data", DIRECTORIES, clock=clock)
     for name in ("a", "b"):
         engine.append(name, AppendBatch([name.encode()]))
     real_rename = engine._fs.rename
@@ -229,10 +230,11 @@ def test_after_kill_9_the_totals_hold_the_figures_streams_closed_with_and_open_o
 ):
     """Streams created since the catalog file, closed by the cache: their CLOSED records give
     their figures to a start-up after a kill -9; the streams open at the crash (one of them
-    reopened and appended to since it closed: its CLOSED record is stale) count once recovered."""
+    reopened and appended to since it closed: its CLOSED record is stale) count once recovered.
+    Directory streams: a slot stream's close journals no CLOSED record (test_slot_recovery.py)."""
     data = tmp_path / "data"
     # No catalog file yet: every stream is in the journal. Its own fs: it takes no lock (a kill -9 frees it).
-    engine = Engine(data, CONFIG, clock=clock, fs=CountingFS())
+    engine = Engine(data, DIRECTORIES, clock=clock, fs=CountingFS())
     counts = {f"room-{i:03d}": i + 1 for i in range(12)}
     for name, count in counts.items():
         engine.append(name, AppendBatch([name.encode()] * count))
@@ -240,15 +242,15 @@ def test_after_kill_9_the_totals_hold_the_figures_streams_closed_with_and_open_o
     counts["room-000"] += 5
     open_at_crash = {"room-000", "room-009", "room-010", "room-011"}  # the cache's 4 (max_open_streams)
     assert engine.stats()["entries"] == sum(counts.values())
-    engine = Engine(data, CONFIG, clock=clock, fs=CountingFS())  # the first dropped unclosed: a kill -9
+    engine = Engine(data, DIRECTORIES, clock=clock, fs=CountingFS())  # the first dropped unclosed: a kill -9
     closed = sum(n for name, n in counts.items() if name not in open_at_crash)
     assert engine.stats()["entries"] == closed
     assert contents(engine, "room-000") == [b"room-000"] + [b"more"] * 5  # recovered: counted
     assert engine.stats()["entries"] == closed + counts["room-000"]
     engine.maintain()  # visits the other streams of unknown figures
     assert engine.stats()["entries"] == sum(counts.values())
-    engine.close()
-    with Engine(data, CONFIG, clock=clock, fs=CountingFS()) as engine:  # a clean restart: the file's figures
+    engine.close()  # then a clean restart: the file's figures
+    with Engine(data, DIRECTORIES, clock=clock, fs=CountingFS()) as engine:
         assert engine.stats()["entries"] == sum(counts.values())
 
 

@@ -240,7 +240,8 @@ def test_streams_whose_files_wait_for_the_closer_reopen_whole_and_fds_stay_bound
 def test_a_small_streams_file_is_closed_by_the_cache_at_once_not_by_the_closer_thread(tmp_path, monkeypatch):
     """A stream whose segment is a first page written through (not mapped) has nothing to unmap:
     its close(2) costs the caller less than waking the closer thread (the GIL's hand-over each
-    time), so the cache closes it at once; a mapped one still goes to the thread."""
+    time), so the cache closes it at once; a mapped one still goes to the thread. Directory
+    streams: a slot stream's close hands nothing to either (test_slot_streams.py)."""
     closing_threads: list[str] = []
     close_all = closer._close_all
 
@@ -250,7 +251,7 @@ def test_a_small_streams_file_is_closed_by_the_cache_at_once_not_by_the_closer_t
 
     monkeypatch.setattr(closer, "_close_all", recorded)
     config = {**SMALL, "background": True, "max_open_streams": 2, "maintenance_interval_ms": 3_600_000}
-    with Engine(tmp_path / "data", EngineConfig(**config)) as engine:
+    with Engine(tmp_path / "data", EngineConfig(**config, small_streams="off")) as engine:
         for name in NAMES:
             engine.append(name, AppendBatch([name.encode()]))
         assert closing_threads == ["MainThread"] * (len(NAMES) - 2)
