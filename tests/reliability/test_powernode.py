@@ -10,7 +10,8 @@ history against the log the node's data directory holds at the end, read offline
   acknowledged append and every acknowledged group ack survives, and recovery
   leaves a directory `storage.inspect verify` finds clean.
 - fsync=no: acknowledged entries that were never synced vanish, and the checker
-  says so (rule `lost`), while what survives is still a clean prefix.
+  says so (rule `lost`, or `changed` where later appends took the same offsets),
+  while what survives is still a clean prefix.
 - A full disk: appends are refused with RESOURCE_EXHAUSTED (definite failures,
   and none of them is written), reads go on, and appends succeed again once
   there is space, without a restart.
@@ -114,7 +115,9 @@ def test_unsynced_appends_vanish_in_a_power_loss_under_fsync_no_and_the_checker_
         node.abandon()
     report = final_check(node, history, creation_synced=False)
     rules = report.by_rule()
-    assert rules.get("lost", 0) > 0, report.text(history)
+    # A vanished entry is `lost` when its offset stayed empty, `changed` when the load's later
+    # appends took the offset again (CI saw the stream s0 vanish whole and refill from 0).
+    assert rules.get("lost", 0) + rules.get("changed", 0) > 0, report.text(history)
     # What vanished is only what was acknowledged unsynced (and reads and acks of it): the
     # survivors are a clean prefix, no torn batch, no garbage, no duplicate.
     assert set(rules) <= {"lost", "uncommitted", "read-vanished", "read-changed", "changed", "ack-undone"}
