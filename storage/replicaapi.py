@@ -20,6 +20,7 @@ from pathlib import Path
 from storage.config import EngineConfig
 from storage.errors import InvalidArgumentError, PreconditionError
 from storage.fs import FileSystem
+from storage.index import NodeIndex
 from storage.layout import stream_directory
 from storage.names import validate_name
 from storage.replica import ReplicaChunk, append_chunk, read_chunk
@@ -57,14 +58,20 @@ class ReplicaCalls:
     def reset(self, name: str, first_offset: int) -> None:
         """Make an empty copy (one that never held a record) start at `first_offset`: a follower
         rebuilding from a leader whose retention moved past its end. Durable (the meta file);
-        PreconditionError if the copy holds records, InvalidArgumentError below its end."""
+        PreconditionError if the copy holds records, InvalidArgumentError below its end. An empty
+        slot stream moves to a directory first (a slot keeps no first offset)."""
         stream = self._stream(name)
         with stream.maintenance_lock, stream.lock:
-            if stream.segments:
+            # A slot stream's one segment is there from its creation, records or not (and a trim
+            # or a truncation would have moved it to a directory).
+            if stream.end_offset if stream.in_slot else stream.segments:
                 raise PreconditionError(f"stream {name!r} holds records: only an empty copy is reset")
             if not isinstance(first_offset, int) or first_offset < stream.end_offset:
                 raise InvalidArgumentError(f"a reset offset must be an integer >= {stream.end_offset}")
-            stream.write_meta(first_offset, stream.config)
+            promoted = stream.in_slot
+            stream.write_meta(first_offset, stream.config)  # (a slot stream moves to a directory first)
+            if promoted:
+                _drop_empty_segment(stream)
             stream.first_offset = stream.end_offset = first_offset
             stream.publish(first_offset)
 
@@ -134,3 +141,18 @@ class ReplicaCalls:
     def incarnation(self, name: str) -> int:
         """The incarnation the stream was created with (0: none, a stream not created replicated)."""
         return self._stream(name).epochs.incarnation
+
+
+def _drop_empty_segment(stream: Stream) -> None:
+    """Remove, durably, the empty segment a promoted slot stream brought to its directory: named
+    after offset 0, it would stay beside the reset copy's first segment, named after its first
+    offset. After the meta file: the directory of a name with a default meta has none, and one
+    with neither meta nor segment is a creation a crash cut short (start-up removes it). A crash
+    before the removal leaves the segment, which the stream's open removes (a trailing segment
+    with no node, storage/loader.py)."""
+    (segment,) = stream.segments
+    stream.segments = []
+    stream.release(segment)
+    stream.ctx.fs.remove(segment.path)
+    stream.index = NodeIndex(())
+    stream.active = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 import tempfile
 from array import array
 from pathlib import Path
@@ -20,8 +21,10 @@ from storage import (
     PreconditionError,
     StreamConfig,
 )
-from storage.layout import EPOCHS_FILE, stream_directory
+from storage.layout import EPOCHS_FILE, segment_name, stream_directory
+from storage.packs import NO_PLACE
 from tests.storage.conftest import SMALL, FakeClock
+from tests.storage.faultfs import FaultFS
 
 
 def replicate(leader: Engine, follower: Engine, name: str, sizes) -> None:
@@ -394,6 +397,51 @@ def test_a_reset_never_moves_a_copy_back(open_engine):
     engine.reset("s", 12)
     engine.append("s", AppendBatch([b"a"]))
     assert engine.read("s", 0, 10).entries()[0].offset == 12
+
+
+def test_an_empty_slot_stream_is_reset_as_a_directory_streams_copy_is(open_engine, tmp_path):
+    engine = open_engine()  # small_streams "slots", the default: a stream made without an incarnation
+    engine.create_stream("s")
+    assert engine._catalog.place("s") != NO_PLACE
+    for bad in (-1, "10"):
+        with pytest.raises(InvalidArgumentError):
+            engine.reset("s", bad)
+    assert engine._catalog.place("s") != NO_PLACE  # refused: still in its slot
+    engine.reset("s", 9)  # a slot keeps no first offset: the stream moves to a directory first
+    assert engine._catalog.place("s") == NO_PLACE
+    assert (engine.info("s").first_offset, engine.log_end("s")) == (9, 9)
+    engine.append("s", AppendBatch([b"a", b"b"]))
+    engine.close()
+    again = open_engine()
+    assert [e.offset for e in again.read("s", 0, 10).entries()] == [9, 10]
+    # Its first segment is named after its first offset, as a directory stream's reset copy's is.
+    assert sorted(p.name for p in stream_directory(tmp_path / "data", "s").glob("*.seg")) == [segment_name(9)]
+    again.append("full", AppendBatch([b"x"]))
+    with pytest.raises(PreconditionError, match="holds records"):
+        again.reset("full", 5)
+    assert again._catalog.place("full") != NO_PLACE  # refused: left in its slot
+
+
+@pytest.mark.parametrize("mode", ["process", "power"])
+def test_a_crash_at_every_step_of_a_slot_streams_reset_leaves_an_empty_copy_a_reset_again_finishes(mode):
+    root = Path("/faultfs/data")
+    fs = FaultFS()
+    fs.prepare_dir(root)
+    engine = Engine(root, EngineConfig(**SMALL, fsync="always"), fs=fs)
+    engine.create_stream("s")
+    states: list[FaultFS] = []
+    rng = random.Random(3)
+    fs.on_sync = fs.on_write = lambda state: states.append(state.crashed_copy(rng, mode))
+    engine.reset("s", 9)
+    fs.on_sync = fs.on_write = None
+    assert len(states) >= 5  # the promotion's steps, the segment's removal, the meta file
+    for k, state in enumerate(states):
+        crashed = Engine(root, EngineConfig(**SMALL, fsync="always"), fs=state)
+        assert (crashed.info("s").first_offset, crashed.log_end("s")) in ((0, 0), (9, 9)), k
+        crashed.reset("s", 9)
+        crashed.append("s", AppendBatch([b"a"]))
+        assert [e.offset for e in crashed.read("s", 0, 10).entries()] == [9], k
+        crashed.close()
 
 
 def test_a_replica_read_stops_short_of_the_bound_asked(open_engine):
