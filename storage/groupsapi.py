@@ -123,11 +123,9 @@ class GroupCalls:
 
     def group_snapshot(self, stream: str) -> tuple[int, bytes]:
         """(op seq, encoded ops that rebuild the groups). Batches made from now on are retained
-        for `group_ops_since` (a node that never ships a snapshot keeps none)."""
-        store = self._groups.stores.get(stream)
-        with store.lock:
-            store.check_open()
-            return store.snapshot()
+        for `group_ops_since` (a node that never ships a snapshot keeps none). A stream with no
+        group store gets an empty store's snapshot without one being made."""
+        return self._groups.stores.snapshot(stream)
 
     def apply_group_ops(self, stream: str, op_seq: int, body: bytes) -> None:
         """A follower applies its leader's op batch `op_seq` (the one after `group_seq`), durably.
@@ -144,6 +142,8 @@ class GroupCalls:
         if not isinstance(op_seq, int) or op_seq < 0:
             raise InvalidArgumentError("a group op seq must be a non-negative integer")
         ops = decode_ops(body)
+        if not ops and op_seq == 0 and self._groups.stores.find(stream) is None:
+            return  # an empty store's snapshot, on a stream with no store: no store made, no promotion
         self._in_directory(stream)  # as create_group: its group files go beside its segments
         self._groups.stores.install(stream, op_seq, ops)
 

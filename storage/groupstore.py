@@ -24,7 +24,9 @@ journal record) by the store's op sequence number, `op_seq`, durable with the
 journal (storage.grouplog). A leader's store keeps its recent batches
 (`retain`, bounded by bytes; started by the first snapshot a follower takes,
 so a node with no followers keeps none) to ship "the batches after N", or
-says they are gone (send a snapshot). A follower's store is *passive*: it
+says they are gone (send a snapshot). A stream with no store (no group yet)
+gets an empty store's snapshot and no store is made for it: a leader
+snapshots every stream it replicates, most with no group. A follower's store is *passive*: it
 applies the leader's batches (`apply_batch`, each at the next seq) and
 snapshots (`install`), journaled like its own ops, and serves no group call:
 no deliveries, no redelivery, no expiry, no dead letters, until the node
@@ -84,6 +86,8 @@ RETAINED_BATCH_BYTES = 4 << 20
 
 # Ops after which a reader waiting on the group may find something new (room, a release, a new cursor).
 _WAKING = frozenset({Remove, Release, Seek, SetConfig, DeleteConsumer})
+# What `GroupStores.snapshot` answers for a stream with no store: an empty store's ops.
+_NO_GROUPS = encode_ops(())
 # Ops whose loss in a crash costs nothing but accuracy of a seen time: not worth a sync on their own.
 _SOFT = frozenset({Seen})
 
@@ -392,6 +396,9 @@ class GroupStores:
         self._journal_bytes = journal_bytes
         self._passive = passive
         self._modes: dict[str, bool] = {}  # stream -> active, as `set_active` last said
+        # Streams a follower's snapshot found with no store (`snapshot`): the store their first
+        # group makes retains its batches from its start.
+        self._retaining: set[str] = set()
         self._stores: dict[str, GroupStore] = {}
         self._lock = threading.Lock()
         self._listeners: list[GroupListener] = []
@@ -445,7 +452,12 @@ class GroupStores:
         store = self.find(stream)
         if store is None:
             with self._lock:
-                store = self._stores.setdefault(stream, self._new(stream))
+                store = self._stores.get(stream)
+                if store is None:
+                    store = self._stores[stream] = self._new(stream)
+                    if stream in self._retaining:
+                        self._retaining.discard(stream)
+                        store.retained = deque()
         return store
 
     def find(self, stream: str, *, serving: bool = False) -> GroupStore | None:
@@ -570,11 +582,29 @@ class GroupStores:
         with self._lock:
             self._modes[stream] = active
             store = self._stores.get(stream)
+            if not active:
+                self._retaining.discard(stream)
         if store is not None:
             with store.lock:
                 store.passive = not active
                 if store.passive:
                     store.retained, store.retained_bytes = None, 0
+
+    def snapshot(self, stream: str) -> tuple[int, bytes]:
+        """(op seq, encoded ops that rebuild the groups) for a follower; from here on, batches are
+        retained. A stream with no store gets an empty one's snapshot and none is made (a cluster
+        leader snapshots every stream it replicates, most of them with no group, issue 17): its
+        first group's store retains from its start."""
+        store = self.find(stream)
+        if store is None:
+            with self._lock:
+                store = self._stores.get(stream)
+                if store is None:
+                    self._retaining.add(stream)
+                    return 0, _NO_GROUPS
+        with store.lock:
+            store.check_open()
+            return store.snapshot()
 
     def snapshot_ops(self, stream: str) -> list[GroupOp]:
         """Ops that rebuild the stream's groups from nothing (what a new replica starts from)."""
@@ -587,6 +617,7 @@ class GroupStores:
         with self._lock:
             store = self._stores.pop(stream, None)
             self._modes.pop(stream, None)
+            self._retaining.discard(stream)
         self._registry.forget(stream)
         if store is not None:
             store.close(sync=False)

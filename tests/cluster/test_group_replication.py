@@ -63,6 +63,27 @@ def test_group_calls_answer_once_every_in_sync_follower_applied_them(
     run(scenario())
 
 
+def test_streams_replicated_with_no_group_leave_no_group_store_on_any_node(
+    etcd: EtcdCluster, tmp_path: Path
+) -> None:
+    """Each leader ships every stream's group snapshot and each follower installs it: for streams
+    with no group, no node makes a store; the first group made later still reaches the followers."""
+
+    async def scenario() -> None:
+        async with cluster(etcd, tmp_path, "a", "b", "c") as nodes:
+            names = [f"s{i}" for i in range(6)] + ["s"]
+            for name in names:
+                _, leader, _ = await created(nodes, name)
+                await append(leader, [b"x"], name)  # answered once each follower fetched it
+            for node in nodes.nodes.values():
+                assert node.engine._groups.stores.all() == [], node.node_id
+            _, leader, _ = await created(nodes, "s")
+            await group_call(leader, leader.engine.create_group, "s", "g")
+            assert in_sync_state(nodes, leader) == [leader.engine._groups.dump("s")] * 2
+
+    run(scenario())
+
+
 def test_a_new_leader_carries_on_from_the_groups_it_holds(etcd: EtcdCluster, tmp_path: Path) -> None:
     """Pending entries stay pending, acknowledged ones are never delivered again, and the group drains."""
 

@@ -83,6 +83,58 @@ def test_no_batch_is_retained_until_a_follower_takes_a_snapshot(leader):
     assert leader.group_ops_since("s", leader.group_seq("s")) == []
 
 
+def test_snapshots_of_streams_with_no_group_make_no_store_on_either_side(tmp_path, clock):
+    """A cluster leader snapshots every stream it replicates and its followers install each
+    snapshot: for the many with no group, no store (memory, files) on either side, and the
+    streams stay in their slots."""
+    leader = _engine(tmp_path / "leader", clock)
+    follower = _engine(tmp_path / "follower", clock, groups_passive=True)
+    names = [f"s{i}" for i in range(50)]
+    for name in names:
+        leader.append(name, AppendBatch([b"x"]))
+        follower.append(name, AppendBatch([b"x"]))
+        seq, body = leader.group_snapshot(name)
+        assert (seq, body) == (0, encode_ops([]))
+        follower.install_group_snapshot(name, seq, body)
+        assert leader.group_seq(name) == follower.group_seq(name) == 0
+        assert leader.group_ops_since(name, 0) == []
+    assert leader._groups.stores.all() == follower._groups.stores.all() == []
+    assert all(engine._catalog.place(name) != NO_PLACE for engine in (leader, follower) for name in names)
+    assert follower._groups.dump("s0") == {}
+    leader.close()
+    follower.close()
+
+
+def test_a_group_made_after_a_snapshot_of_none_ships_as_a_batch(tmp_path, clock):
+    """The snapshot of a stream with no store still starts the retention of its batches: the
+    store its first group makes keeps them, and tells the batch listeners (a waiting fetch)."""
+    leader = _engine(tmp_path / "leader", clock)
+    leader.append("s", AppendBatch([b"x"] * 5))
+    made: list[tuple[str, int]] = []
+    leader.add_group_batch_listener(lambda stream, seq: made.append((stream, seq)))
+    seq, _ = leader.group_snapshot("s")
+    leader.create_group("s", "g")
+    leader.read_group("s", "g", GroupReadOptions("a", 2))
+    assert made == [("s", 1), ("s", 2)]
+    batches = leader.group_ops_since("s", seq)
+    assert [n for n, _ in batches] == [1, 2]
+    follower = _engine(tmp_path / "follower", clock, groups_passive=True)
+    follower.append("s", AppendBatch([b"x"] * 5))
+    follower.install_group_snapshot("s", seq, encode_ops([]))  # the one taken before the group
+    for n, ops in batches:
+        follower.apply_group_ops("s", n, ops)
+    assert follower._groups.dump("s") == leader._groups.dump("s")
+    leader.append("u", AppendBatch([b"x"]))
+    leader.group_snapshot("u")
+    leader.set_groups_active("u", False)  # a leader no more: it keeps no batches for that snapshot
+    leader.set_groups_active("u", True)
+    leader.create_group("u", "g")
+    assert leader.group_ops_since("u", 0) is None  # a snapshot is needed
+    assert made == [("s", 1), ("s", 2)]
+    leader.close()
+    follower.close()
+
+
 def test_a_follower_follows_snapshot_then_batches_and_restarts_at_the_same_seq(leader, tmp_path, clock):
     follower = _engine(tmp_path / "follower", clock, groups_passive=True)
     follower.append("s", AppendBatch([b"x"] * 20))
