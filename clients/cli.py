@@ -1022,6 +1022,8 @@ def _cmd_inspect(args: argparse.Namespace, out: IO[str]) -> int:
         raise UsageError("inspect --verify takes one data directory")
     if args.json:
         argv.append("--json")
+    if args.segment_bytes is not None:
+        argv += ["--segment-bytes", args.segment_bytes]
     return inspect_main(argv)
 
 
@@ -1354,6 +1356,11 @@ def build_parser() -> argparse.ArgumentParser:
         "paths", nargs="+", type=Path, metavar="PATH", help="data directory, stream directory or .seg"
     )
     p.add_argument("--verify", action="store_true", help="check a data directory; exit 1 if damaged")
+    p.add_argument(
+        "--segment-bytes",
+        metavar="SIZE",
+        help="inspect unpack DATA: the server's segment_bytes, which the moved streams' segments grow to",
+    )
 
     p = command("bench", "measure append and read throughput against a server", _cmd_bench)
     p.add_argument("stream", nargs="?", help="(default: a new bench-* stream, deleted afterwards)")

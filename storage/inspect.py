@@ -4,7 +4,9 @@
                                              a data dir's streams in slots of pack files too)
     python -m storage.inspect verify DATA    check every stream; exit status 1 if anything is damaged
     python -m storage.inspect packs DATA     list pack files: slots used, free, damaged; check each slot
-    python -m storage.inspect unpack DATA    move every stream out of pack files, then remove them
+    python -m storage.inspect unpack DATA [--segment-bytes SIZE]
+                                             move every stream out of pack files, then remove them;
+                                             SIZE: the server's segment_bytes (default 64MiB)
     add --json for one JSON object per line
 
 All but `unpack` only read: safe to run beside a live server (the active node may then
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -282,14 +285,49 @@ def _print_packs(data_dir: Path, as_json: bool) -> int:
     return 1 if problems else 0
 
 
-def _unpack(data_dir: Path, as_json: bool) -> int:
+# The range of segment_bytes `streamlog serve` takes (service/config.py), and the units of a size.
+_SEGMENT_BYTES_RANGE = (1 << 20, 1 << 40)
+_SIZE = re.compile(r"^\s*(\d+)\s*(|B|KiB|MiB|GiB)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def segment_bytes(text: str) -> int:
+    """--segment-bytes: bytes, with an optional unit KiB, MiB or GiB, in the range the server
+    takes (argparse reports an ArgumentTypeError as a usage error, exit 2)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"expected bytes with an optional unit KiB, MiB or GiB, got {text!r}"
+        )
+    size = int(match.group(1)) * _UNITS[match.group(2).lower()]
+    low, high = _SEGMENT_BYTES_RANGE
+    if not low <= size <= high:
+        raise argparse.ArgumentTypeError(f"segment_bytes is 1 MiB to 1 TiB ({low} to {high}), got {text!r}")
+    return size
+
+
+def unpack_config(segment_bytes: int) -> EngineConfig:
+    """The engine of an unpack: the promoted streams' segments get `segment_bytes` as their
+    capacity, the size they grow to (their header's: a server's own setting does not change it).
+    It appends nothing, so its batch limits are the smallest: any segment size the server takes
+    passes the check that a full batch fits one (the server's own limits passed it)."""
+    return EngineConfig(
+        background=False,
+        segment_bytes=segment_bytes,
+        max_batch_entries=1,
+        max_batch_bytes=1,
+        max_entry_bytes=1,
+    )
+
+
+def _unpack(data_dir: Path, as_json: bool, segment_bytes: int) -> int:
     """Run storage/unpack.py's unpack on a stopped server's directory and say what it did: 0 when
     no stream is left in a slot, 1 when some could not be moved, 2 when it could not run."""
     if not streams_root(data_dir).is_dir():
         print(f"{data_dir} is not a streamlog data directory (no streams/)", file=sys.stderr)
         return 2
     try:
-        engine = Engine(data_dir, EngineConfig(background=False))
+        engine = Engine(data_dir, unpack_config(segment_bytes))
     except PreconditionError as exc:  # its LOCK is held
         print(f"{exc}: stop the server first", file=sys.stderr)
         return 2
@@ -298,9 +336,11 @@ def _unpack(data_dir: Path, as_json: bool) -> int:
     finally:
         engine.close()
     if as_json:
-        print(json.dumps({**asdict(done), "promoted": len(done.promoted)}))
+        print(json.dumps({**asdict(done), "promoted": len(done.promoted), "segment_bytes": segment_bytes}))
     else:
         print(f"moved {len(done.promoted)} streams from slots of pack files to directories of their own")
+        size = f"{segment_bytes >> 20} MiB" if segment_bytes % (1 << 20) == 0 else f"{segment_bytes} bytes"
+        print(f"their segments grow to {size} (segment_bytes: --segment-bytes)")
         print(f"removed {', '.join(done.removed) or 'no pack file'}")
         for name in done.unreadable:
             print(f"problem: stream {name!r} is unreadable in its slot (see the log): left there")
@@ -315,7 +355,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m storage.inspect", description=__doc__.split("\n\n")[0])
     parser.add_argument("args", nargs="+", metavar="[verify|packs|unpack] PATH")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    parser.add_argument(
+        "--segment-bytes",
+        type=segment_bytes,
+        metavar="SIZE",
+        help="unpack: the server's segment_bytes, the size a moved stream's segment grows to "
+        f"(default {EngineConfig().segment_bytes >> 20}MiB, the server's default)",
+    )
     ns = parser.parse_args(argv)
+    if ns.segment_bytes is not None and ns.args[0] != "unpack":
+        parser.error("--segment-bytes is for unpack")
     if ns.args[0] == "verify":
         if len(ns.args) != 2:
             parser.error("verify takes one data directory")
@@ -332,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.args[0] == "unpack":
         if len(ns.args) != 2:
             parser.error("unpack takes one data directory")
-        return _unpack(Path(ns.args[1]), ns.json)
+        return _unpack(Path(ns.args[1]), ns.json, ns.segment_bytes or EngineConfig().segment_bytes)
     status = 0
     for arg in ns.args:
         path = Path(arg)

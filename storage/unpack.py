@@ -1,7 +1,8 @@
 """Unpack: every stream in a slot of a pack file moved to a directory of its own, then the pack
 files removed, so that a release before format 6 (which knows no packs) finds every stream
 (docs/FORMAT.md, "Going back to format 5"). Offline: `python -m storage.inspect unpack DATA`
-opens an `Engine` on the directory (refused while a server holds its lock) and calls `unpack`.
+opens an `Engine` on the directory (refused while a server holds its lock) and calls `unpack`;
+its `--segment-bytes` is the server's `segment_bytes`, the capacity the moved segments get.
 
 Streams move by the engine's promotion (storage/slothome.py), `BATCH` at a time with their syncs
 shared, in the order one promotion keeps: each stream's `M`, directory and segment written; one

@@ -229,6 +229,26 @@ def test_inspect_a_data_directory(server: ServerThread, capsys: pytest.CaptureFi
     assert main(["inspect", "--verify", data, data]) == EXIT_USAGE
 
 
+def test_inspect_unpack_passes_the_servers_segment_bytes(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from storage import AppendBatch, Engine, EngineConfig
+    from storage.format import SEGMENT_HEADER_SIZE, SegmentHeader
+    from storage.layout import stream_directory
+
+    data = tmp_path / "data"
+    with Engine(data, EngineConfig(background=False)) as engine:
+        engine.append("s", AppendBatch([b"x"]))  # in a slot of a pack file
+    with pytest.raises(SystemExit) as exited:  # the inspector's usage error, as the command line's
+        main(["inspect", "unpack", str(data), "--segment-bytes", "1000"])
+    assert exited.value.code == EXIT_USAGE
+    assert "segment_bytes is 1 MiB to 1 TiB" in capsys.readouterr().err
+    assert main(["inspect", "unpack", str(data), "--segment-bytes", "2MiB"]) == 0
+    assert "their segments grow to 2 MiB" in capsys.readouterr().out
+    (segment,) = stream_directory(data, "s").glob("*.seg")
+    assert SegmentHeader.decode(segment.read_bytes()[:SEGMENT_HEADER_SIZE]).capacity == 2 << 20
+
+
 def test_bench_measures_and_cleans_up(server: ServerThread) -> None:
     code, out = run(server, "bench", "--entries", "1000", "--batch", "100", "--size", "50", "--json")
     assert code == 0

@@ -6,16 +6,17 @@ nothing; a stream whose slot is damaged stays, with its pack, and is reported.""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
 import pytest
 
 from storage import AppendBatch, Engine, EngineConfig
-from storage.format import SLOT_BYTES
+from storage.format import SEGMENT_HEADER_SIZE, SLOT_BYTES, SegmentHeader
 from storage.fs import FileSystem
 from storage.inspect import main as inspect_main
-from storage.layout import PACKS_DIR
+from storage.layout import PACKS_DIR, stream_directory
 from storage.packs import NO_PLACE, split_place
 from storage.unpack import BATCH
 from tests.storage.faultfs import FaultFS
@@ -77,6 +78,7 @@ def test_unpack_moves_every_slot_stream_to_a_directory_and_removes_the_packs(tmp
     assert inspect_main(["unpack", str(data)]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "moved 9 streams from slots of pack files to directories of their own",
+        "their segments grow to 64 MiB (segment_bytes: --segment-bytes)",
         "removed 00000.pack, 00001.pack, 00002.pack, 00003.pack",
         f"done: no stream is in a slot; a release before format 6 can open {data}",
     ]
@@ -86,8 +88,54 @@ def test_unpack_moves_every_slot_stream_to_a_directory_and_removes_the_packs(tmp
     with as_an_older_release(data) as older:
         assert contents(older) == held
     assert inspect_main(["unpack", str(data), "--json"]) == 0  # again: nothing to do
-    assert capsys.readouterr().out.strip() == ('{"promoted": 0, "unreadable": [], "removed": [], "kept": []}')
+    assert json.loads(capsys.readouterr().out) == {
+        "promoted": 0,
+        "unreadable": [],
+        "removed": [],
+        "kept": [],
+        "segment_bytes": 64 << 20,
+    }
     assert inspect_main(["verify", str(data)]) == 0
+
+
+def capacity(segment: Path) -> int:
+    """The size a growing segment may grow to, from its header."""
+    return SegmentHeader.decode(segment.read_bytes()[:SEGMENT_HEADER_SIZE]).capacity
+
+
+def test_unpack_gives_the_moved_streams_the_servers_segment_bytes(tmp_path, capsys):
+    """Their segments grow to the operator's `segment_bytes`, as a stream the server promoted
+    would, not to the default; a value the server would refuse moves nothing."""
+    data = tmp_path / "data"
+    with Engine(data, SLOTS) as engine:
+        engine.append("s", AppendBatch([b"x"]))
+    for bad in ("1000", "2TiB", "1 MB", "-1"):
+        with pytest.raises(SystemExit) as exited:
+            inspect_main(["unpack", str(data), "--segment-bytes", bad])
+        assert exited.value.code == 2
+        assert "argument --segment-bytes" in capsys.readouterr().err
+    assert (data / PACKS_DIR).exists()
+    assert inspect_main(["unpack", str(data), "--segment-bytes", "2MiB"]) == 0
+    assert "their segments grow to 2 MiB" in capsys.readouterr().out
+    (segment,) = stream_directory(data, "s").glob("*.seg")
+    assert capacity(segment) == 2 << 20
+    # The server, with that setting (and batch limits that fit it), appends past it: a new segment.
+    config = EngineConfig(
+        background=False, segment_bytes=2 << 20, max_batch_bytes=1 << 20, small_streams="off"
+    )
+    with Engine(data, config) as engine:
+        for _ in range(3):
+            engine.append("s", AppendBatch([b"y" * 1000] * 1000))
+        assert len(list(stream_directory(data, "s").glob("*.seg"))) > 1
+        assert [e.payload for e in engine.read("s", 0, 1).entries()] == [b"x"]
+    with Engine(tmp_path / "other", SLOTS) as engine:
+        engine.append("t", AppendBatch([b"x"]))
+    assert inspect_main(["unpack", str(tmp_path / "other"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["segment_bytes"] == 64 << 20
+    (segment,) = stream_directory(tmp_path / "other", "t").glob("*.seg")
+    assert capacity(segment) == 64 << 20  # the server's default, with no flag
+    with pytest.raises(SystemExit):
+        inspect_main(["verify", str(data), "--segment-bytes", "2MiB"])  # only unpack takes it
 
 
 def test_unpack_is_refused_while_a_server_holds_the_directory(tmp_path, capsys):
@@ -114,7 +162,7 @@ def test_a_stream_whose_slot_is_damaged_stays_with_its_pack_and_is_reported(tmp_
     assert inspect_main(["unpack", str(data)]) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "moved 8 streams from slots of pack files to directories of their own"
-    assert out[2:] == [
+    assert out[3:] == [
         "problem: stream 'small 4/x' is unreadable in its slot (see the log): left there",
         f"problem: kept in {data / PACKS_DIR}: {pack:05d}.pack",
     ]
