@@ -20,6 +20,7 @@ from storage.catalog import (
     NO_PLACE,
     UNKNOWN,
     Catalog,
+    CatalogFile,
     StreamSummary,
     read_catalog,
 )
@@ -88,26 +89,23 @@ class CatalogFiles:
             # Durably gone before any stream is created: from here on the file may go stale.
             self._fs.remove(self.data_dir / CATALOG_CLEAN)
         generations = journal_generations(self._fs.listdir(self.data_dir))
-        # A file a deletion set aside holds every name but those its journals add or remove.
-        journaled = listed or (None if clean else read_catalog(self._fs, self.data_dir, CATALOG_SET_ASIDE))
+        journaled = read_journaled(self._fs, self.data_dir, listed, clean, generations)
         if journaled is not None:
-            changes = None if clean else replay(self._fs, self.data_dir, journaled.journal, generations)
-            if clean or changes is not None:
-                listed = journaled
-                self._catalog.load(listed, set())
-                if changes is None:  # complete: the journal that continues it starts empty
-                    generation = listed.journal
-                else:  # the file and the journals so far stay until the catalog is next saved
-                    self._apply_journal(changes)
-                    generation = generations[-1] + 1
-                gone = {name for name in listed.replicated if name not in self._catalog}
-                self._check_replicated(listed.replicated, gone)
-                self._commit_adopted()
-                self._catalog.start_journal(Journal(self._fs, self.data_dir, generation))
-                if self.unreadable:  # found among the streams created since: reported again next time
-                    self._catalog.relist()
-                self._report_unreadable_slots()
-                return
+            listed, changes = journaled
+            self._catalog.load(listed, set())
+            if changes is None:  # complete: the journal that continues it starts empty
+                generation = listed.journal
+            else:  # the file and the journals so far stay until the catalog is next saved
+                self._apply_journal(changes)
+                generation = generations[-1] + 1
+            gone = {name for name in listed.replicated if name not in self._catalog}
+            self._check_replicated(listed.replicated, gone)
+            self._commit_adopted()
+            self._catalog.start_journal(Journal(self._fs, self.data_dir, generation))
+            if self.unreadable:  # found among the streams created since: reported again next time
+                self._catalog.relist()
+            self._report_unreadable_slots()
+            return
         # A power loss or an OS crash: the journals' synced prefix still places the slot streams.
         vouched = (
             None if listed is None else replay_vouched(self._fs, self.data_dir, listed.journal, generations)
@@ -169,15 +167,7 @@ class CatalogFiles:
         stream's; those of a stream opened or closed past it are unknown."""
         trusted, tail = vouched.trusted, vouched.tail
         in_slots = self._catalog.placed()  # the file's, then the prefix's
-        for name, created in trusted.last.items():
-            place = trusted.places.get(name, NO_PLACE)
-            if created and place != NO_PLACE:
-                in_slots[name] = place
-            else:
-                in_slots.pop(name, None)
-        for name, place in trusted.places.items():
-            if place == NO_PLACE:  # promoted
-                in_slots.pop(name, None)
+        replay_places(in_slots, trusted)
         later: dict[str, list[int]] = {}  # a name the tail moves -> the places it gives, latest first
         unknown: set[str] = set()
         for kind, name, place in tail:
@@ -391,6 +381,38 @@ class CatalogFiles:
             if self._catalog_on_disk:
                 self._fs.rename(self.data_dir / CATALOG_FILE, self.data_dir / CATALOG_SET_ASIDE)
                 self._catalog_on_disk = False
+
+
+def read_journaled(
+    fs: FileSystem, data_dir: Path, listed: CatalogFile | None, clean: bool, generations: list[int]
+) -> tuple[CatalogFile, Replay | None] | None:
+    """What a start-up takes without listing the streams directory: after a clean shutdown the
+    catalog file `listed` (read by the caller), complete (no replay: None); else that file, or
+    the one a deletion set aside (it holds every name but those its journals add or remove),
+    and its journals' replay. None when there is no such file or the journals cannot be trusted
+    (a power loss, an OS crash: `_load` then lists the streams directory)."""
+    journaled = listed or (None if clean else read_catalog(fs, data_dir, CATALOG_SET_ASIDE))
+    if journaled is None:
+        return None
+    if clean:
+        return journaled, None
+    changes = replay(fs, data_dir, journaled.journal, generations)
+    return None if changes is None else (journaled, changes)
+
+
+def replay_places(in_slots: dict[str, int], changes: Replay) -> None:
+    """Move `in_slots` (name -> place of the streams in slots, as the catalog file gives them) as
+    the journals' records `changes` say: a stream created in a slot is there, one created in a
+    directory, deleted or promoted since is in no slot."""
+    for name, created in changes.last.items():
+        place = changes.places.get(name, NO_PLACE)
+        if created and place != NO_PLACE:
+            in_slots[name] = place
+        else:
+            in_slots.pop(name, None)
+    for name, place in changes.places.items():
+        if place == NO_PLACE:  # promoted
+            in_slots.pop(name, None)
 
 
 def _torn(segment_head: bytes) -> bool:

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from storage.catalog import CATALOG_CLEAN, CATALOG_SET_ASIDE, read_catalog
-from storage.catalogjournal import journal_generations, replay
+from storage.catalog import CATALOG_CLEAN, read_catalog
+from storage.catalogfiles import read_journaled, replay_places
+from storage.catalogjournal import journal_generations
 from storage.errors import CorruptionError, DurabilityError
 from storage.format import SLOT_BYTES
 from storage.fs import FileSystem
@@ -39,26 +40,20 @@ class PackReport:
 def catalog_places(fs: FileSystem, data_dir: Path) -> dict[str, int] | None:
     """The streams in slots and their places as a start-up would take them without a scan: the
     catalog file after a clean shutdown, else the file (or the one a deletion set aside) and its
-    journals, replayed (storage/catalogfiles.py); None when those cannot be trusted."""
+    journals, replayed (storage/catalogfiles.py: read by `read_journaled`, as `_load` reads them,
+    and the places moved by `replay_places`, as its `_place_vouched` moves them); None when those
+    cannot be trusted."""
     clean = fs.exists(data_dir / CATALOG_CLEAN)
-    listed = read_catalog(fs, data_dir) or (None if clean else read_catalog(fs, data_dir, CATALOG_SET_ASIDE))
-    if listed is None:
+    generations = journal_generations(fs.listdir(data_dir))
+    journaled = read_journaled(fs, data_dir, read_catalog(fs, data_dir), clean, generations)
+    if journaled is None:
         return None
+    listed, changes = journaled
     places = {
         name: place for name, place in zip(listed.names, listed.places, strict=True) if place != NO_PLACE
     }
-    if clean:
-        return places
-    changes = replay(fs, data_dir, listed.journal, journal_generations(fs.listdir(data_dir)))
-    if changes is None:
-        return None
-    for name in changes.last:  # created (in a directory, or in the slot `places` gives) or deleted since
-        places.pop(name, None)
-    for name, place in changes.places.items():
-        if place != NO_PLACE:
-            places[name] = place
-        else:
-            places.pop(name, None)  # promoted since
+    if changes is not None:
+        replay_places(places, changes)
     return places
 
 
