@@ -26,7 +26,8 @@ journal (storage.grouplog). A leader's store keeps its recent batches
 so a node with no followers keeps none) to ship "the batches after N", or
 says they are gone (send a snapshot). A stream with no store (no group yet)
 gets an empty store's snapshot and no store is made for it: a leader
-snapshots every stream it replicates, most with no group. A follower's store is *passive*: it
+snapshots every stream it replicates, most with no group (the store its
+first group makes retains from its start). A follower's store is *passive*: it
 applies the leader's batches (`apply_batch`, each at the next seq) and
 snapshots (`install`), journaled like its own ops, and serves no group call:
 no deliveries, no redelivery, no expiry, no dead letters, until the node
