@@ -9,8 +9,9 @@ A stream in a slot is found by its *place* (the catalog's column): pack, slot an
 one int64. `SlotFile` is the window over one slot that `Segment` and `GrowingNode` write through.
 
 Space: a pack grows by `posix_fallocate` in GROWTH_BYTES steps before any slot of a step is
-written, so a full disk is DiskFullError at a creation, with nothing changed, and a slot's
-writes never need a block. Reuse: a freed slot is taken again only once a `sync` that began after
+written (a smaller step, down to the slot's own, on a disk without room for a whole one), so a
+full disk is DiskFullError at a creation, with nothing changed, and a slot's writes never need
+a block. Reuse: a freed slot is taken again only once a `sync` that began after
 its zeroing has ended (so no crash can bring back a stream's header over another's data), and its
 generation goes up by one, so a stale place names no stream.
 
@@ -29,8 +30,9 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
-from storage.errors import CorruptionError, DurabilityError
+from storage.errors import CorruptionError, DiskFullError, DurabilityError
 from storage.format import (
     SEGMENT_HEADER_SIZE,
     SLOT_BYTES,
@@ -54,6 +56,7 @@ SCAN_BYTES = 16 << 20  # what a scan reads at a time
 NO_PLACE = -1
 _GENERATION_MASK = (1 << 24) - 1
 _FREE_HEADER = bytes(SLOT_HEADER_BYTES)
+T = TypeVar("T")
 
 
 def make_place(pack: int, slot: int, generation: int) -> int:
@@ -63,6 +66,32 @@ def make_place(pack: int, slot: int, generation: int) -> int:
 def split_place(place: int) -> tuple[int, int, int]:
     """(pack, slot, generation mod 2**24) of a place."""
     return place >> 48, (place >> 24) & 0xFFFFFF, place & _GENERATION_MASK
+
+
+def _growth_sizes(end: int) -> list[int]:
+    """The sizes a pack that must reach `end` bytes tries, in order: GROWTH_BYTES steps, then
+    halves of them down to one slot's, the last `end` itself: a disk with less than a step free
+    still takes slots until it is really full."""
+    sizes: list[int] = []
+    step = GROWTH_BYTES
+    while step >= SLOT_BYTES:
+        size = min(PACK_BYTES, -(-end // step) * step)
+        if not sizes or size < sizes[-1]:
+            sizes.append(size)
+        step //= 2
+    return sizes
+
+
+def _allocate(reserve: Callable[[int], T], end: int) -> T:
+    """`reserve(size)` with the first of `_growth_sizes(end)` the disk has room for (DiskFullError,
+    from the last, when none fits: each failed try changed nothing)."""
+    *larger, least = _growth_sizes(end)
+    for size in larger:
+        try:
+            return reserve(size)
+        except DiskFullError:
+            continue
+    return reserve(least)
 
 
 class SlotFull(Exception):
@@ -467,7 +496,7 @@ class Packs:
         file = self._open(pack)
         end = (slot + 1) * SLOT_BYTES
         if end > file.size:
-            file.grow(min(PACK_BYTES, -(-end // GROWTH_BYTES) * GROWTH_BYTES))
+            _allocate(file.grow, end)
         self._next += 1
         self._held[pack] = self._held.get(pack, 0) + 1
         return pack, slot, 1
@@ -485,9 +514,8 @@ class Packs:
             raise RuntimeError(f"{MAX_PACKS} packs of slots are in use: no place can name another")
         if pack == 0:
             self._fs.makedirs(self.directory)
-        self._files[pack] = self._fs.create_pack(
-            self.directory / pack_name(pack), GROWTH_BYTES, PackHeader(pack).encode()
-        )
+        path, header = self.directory / pack_name(pack), PackHeader(pack).encode()
+        self._files[pack] = _allocate(lambda size: self._fs.create_pack(path, size, header), 2 * SLOT_BYTES)
         self._pack_ids().append(pack)
         self._next = 1
 

@@ -222,6 +222,28 @@ def test_a_full_disk_at_a_growth_step_changes_nothing(monkeypatch):
     assert len(fs.file_bytes(PACK)) == 8 * SLOT_BYTES
 
 
+def test_a_disk_with_less_than_a_growth_step_free_takes_slots_until_it_is_full():
+    """With less than GROWTH_BYTES free, a pack is made and grows in smaller steps, down to the
+    slot's own: every slot the disk has room for is taken, then DiskFullError with nothing changed."""
+    fs, packs = fault_packs()
+    fs.capacity_bytes = 100 * SLOT_BYTES  # 400 KiB: no room for a 16 MiB step
+    places = []
+    with pytest.raises(DiskFullError):
+        for i in range(200):  # a bound far above what fits
+            places.append(packs.create_slot(f"s{i}", MS, SLOT_SEGMENT))
+    assert len(places) == 99  # slot 0 is the pack's header
+    assert len(fs.file_bytes(PACK)) == 100 * SLOT_BYTES and fs.listdir(ROOT / "packs") == ["00000.pack"]
+    before, writes = fs.file_bytes(PACK), fs.writes
+    with pytest.raises(DiskFullError):
+        packs.create_slot("no room", MS, SLOT_SEGMENT)
+    assert (fs.file_bytes(PACK), fs.writes) == (before, writes)
+    for i, place in enumerate(places):
+        assert packs.open_slot(place, f"s{i}", writable=False).read(0, len(SLOT_SEGMENT)) == SLOT_SEGMENT
+    fs.capacity_bytes = None  # room again: the next growth is a whole step's
+    assert split_place(packs.create_slot("grown", MS, SLOT_SEGMENT)) == (0, 100, 1)
+    assert len(fs.file_bytes(PACK)) == GROWTH_BYTES
+
+
 def _restart(fs: FaultFS, places: list[int]) -> Packs:
     packs = Packs(fs, ROOT)  # type: ignore[arg-type]
     packs.adopt(places)
