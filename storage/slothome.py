@@ -200,12 +200,10 @@ class SlotHome:
         The slot is written whole (zeros past the segment's header): a reused slot keeps
         nothing of its last stream's nodes."""
         header = SegmentHeader(0, 0, SLOT_SEGMENT_BYTES, ctx.clock())
-        raw = header.encode()
-        place = slots.packs.create_slot(name, header.created_ms, raw)
-        slots.catalog.add(name, place)  # the `p` record, after the slot's write
+        file = slots.packs.create_slot(name, header.created_ms, header.encode())
+        slots.catalog.add(name, file.place)  # the `p` record, after the slot's write
         slots.sync.journaled()
-        file = slots.packs.created_slot(place, raw)  # from the bytes in hand: no read back
-        return cls(ctx, slots, name, root, place), Segment(file, header)
+        return cls(ctx, slots, name, root, file.place), Segment(file, header)
 
     def load(self, handed: UnsyncedClose | None, held: int) -> Opened:
         """Read the stream from its slot (one pread, every node checked). A slot stream's close
