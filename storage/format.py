@@ -269,7 +269,7 @@ class SlotHeader(NamedTuple):
         head = _SLOT_HEADER.pack(
             SLOT_MAGIC, SLOT_VERSION, self.flags, self.generation, self.created_ms, len(raw)
         )
-        body = head + raw + bytes(_SLOT_CRC_AT - len(head) - len(raw))  # zeros up to the CRC
+        body = (head + raw).ljust(_SLOT_CRC_AT, b"\0")  # zeros up to the CRC
         return body + _CRC.pack(crc32c(body))
 
     @classmethod

@@ -657,6 +657,8 @@ def _libc() -> ctypes.CDLL:
 
 
 def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+    written = os.write(fd, data)  # (all of it, but for a signal or a full disk's last blocks)
+    if written < len(data):
+        view = memoryview(data)[written:]
+        while view:
+            view = view[os.write(fd, view) :]

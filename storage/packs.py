@@ -9,8 +9,9 @@ A stream in a slot is found by its *place* (the catalog's column): pack, slot an
 one int64. `SlotFile` is the window over one slot that `Segment` and `GrowingNode` write through.
 
 Space: a pack grows by `posix_fallocate` in GROWTH_BYTES steps before any slot of a step is
-written, so a full disk is DiskFullError at a creation, with nothing changed, and a slot's
-writes never need a block. Reuse: a freed slot is taken again only once a `sync` that began after
+written (a smaller step, down to the slot's own, on a disk without room for a whole one), so a
+full disk is DiskFullError at a creation, with nothing changed, and a slot's writes never need
+a block. Reuse: a freed slot is taken again only once a `sync` that began after
 its zeroing has ended (so no crash can bring back a stream's header over another's data), and its
 generation goes up by one, so a stale place names no stream.
 
@@ -29,8 +30,9 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
-from storage.errors import CorruptionError, DurabilityError
+from storage.errors import CorruptionError, DiskFullError, DurabilityError
 from storage.format import (
     SEGMENT_HEADER_SIZE,
     SLOT_BYTES,
@@ -54,6 +56,8 @@ SCAN_BYTES = 16 << 20  # what a scan reads at a time
 NO_PLACE = -1
 _GENERATION_MASK = (1 << 24) - 1
 _FREE_HEADER = bytes(SLOT_HEADER_BYTES)
+_ZEROS = memoryview(bytes(SLOT_SEGMENT_BYTES))  # a creation's zeros past its segment (sliced: no copy)
+T = TypeVar("T")
 
 
 def make_place(pack: int, slot: int, generation: int) -> int:
@@ -63,6 +67,32 @@ def make_place(pack: int, slot: int, generation: int) -> int:
 def split_place(place: int) -> tuple[int, int, int]:
     """(pack, slot, generation mod 2**24) of a place."""
     return place >> 48, (place >> 24) & 0xFFFFFF, place & _GENERATION_MASK
+
+
+def _growth_sizes(end: int) -> list[int]:
+    """The sizes a pack that must reach `end` bytes tries, in order: GROWTH_BYTES steps, then
+    halves of them down to one slot's, the last `end` itself: a disk with less than a step free
+    still takes slots until it is really full."""
+    sizes: list[int] = []
+    step = GROWTH_BYTES
+    while step >= SLOT_BYTES:
+        size = min(PACK_BYTES, -(-end // step) * step)
+        if not sizes or size < sizes[-1]:
+            sizes.append(size)
+        step //= 2
+    return sizes
+
+
+def _allocate(reserve: Callable[[int], T], end: int) -> T:
+    """`reserve(size)` with the first of `_growth_sizes(end)` the disk has room for (DiskFullError,
+    from the last, when none fits: each failed try changed nothing)."""
+    *larger, least = _growth_sizes(end)
+    for size in larger:
+        try:
+            return reserve(size)
+        except DiskFullError:
+            continue
+    return reserve(least)
 
 
 class SlotFull(Exception):
@@ -78,22 +108,20 @@ class SlotFile(SegmentFile):
     of its state: every method is this class's own, so SegmentFile's constructor is not called."""
 
     def __init__(
-        self,
-        pack: PackFile,
-        start: int,
-        content: bytearray,
-        writable: bool,
-        written: Callable[[], int],
-        synced_by: int,
+        self, packs: Packs, pack: PackFile, place: int, content: bytearray, writable: bool, synced_by: int
     ) -> None:
         self.path = pack.path
         self.size = self.reserved = SLOT_SEGMENT_BYTES  # allocated with the pack's growth step
         self.writable = writable
         self.closed = False
+        self.place = place
+        self._packs = packs
         self._pack = pack
-        self._start = start  # where the segment starts in the pack
+        self._pack_id = place >> 48
+        self._start = (
+            (place >> 24) & 0xFFFFFF
+        ) * SLOT_BYTES + SLOT_HEADER_BYTES  # the segment's, in the pack
         self._content = content
-        self._written = written
         # The number of the last sync of the packs begun before this slot's last write (or its
         # open): a sync numbered past it covers every write of it (`Packs.begin_sync`).
         self.synced_by = synced_by
@@ -111,7 +139,7 @@ class SlotFile(SegmentFile):
         if pos < 0 or pos + len(data) > SLOT_SEGMENT_BYTES:
             raise SlotFull(f"a write of {len(data)} bytes at {pos} does not fit the slot")
         self._pack.write(self._start + pos, data)
-        self.synced_by = self._written()  # after the write: a sync that begins after it covers it
+        self.synced_by = self._packs.written_to(self._pack_id)  # after the write: a later sync covers it
         self._content[pos : pos + len(data)] = data
 
     def reserve(self, size: int) -> None:
@@ -222,9 +250,10 @@ class Packs:
                     cleared += 1
         return cleared
 
-    def create_slot(self, name: str, created_ms: int, segment: bytes) -> int:
+    def create_slot(self, name: str, created_ms: int, segment: bytes) -> SlotFile:
         """Write a new stream's slot (header, `segment` and zeros to the slot's end: one pwrite)
-        and return its place."""
+        and return it open for writing (its `place` says where), built from the bytes in hand:
+        no read back."""
         if len(segment) > SLOT_SEGMENT_BYTES:
             raise SlotFull(f"a segment of {len(segment)} bytes does not fit a slot")
         with self._lock:
@@ -234,12 +263,16 @@ class Packs:
                 # The whole slot: a reused one's old nodes past the new segment's end must read as
                 # nothing, or a scan could take one for the new stream's next node.
                 header = SlotHeader(name, generation, created_ms).encode()
-                file.write(slot * SLOT_BYTES, header + segment + bytes(SLOT_SEGMENT_BYTES - len(segment)))
+                zeros = _ZEROS[: SLOT_SEGMENT_BYTES - len(segment)]
+                file.write(slot * SLOT_BYTES, b"".join((header, segment, zeros)))
             except BaseException:
                 self._give_back(pack, slot, generation)
                 raise
             self._dirty.add(pack)
-            return make_place(pack, slot, generation)
+            content = bytearray(segment)
+            content += zeros
+            # synced_by read after the pwrite: a sync numbered past it covers the slot's write.
+            return SlotFile(self, file, make_place(pack, slot, generation), content, True, self._syncs_begun)
 
     def open_slot(self, place: int, name: str, writable: bool) -> SlotFile:
         """The slot at `place` (one pread), which must hold `name` at the place's generation."""
@@ -262,29 +295,16 @@ class Packs:
                 f"{where} holds {header.name!r} at generation {header.generation}, "
                 f"not {name!r} at {generation}"
             )
-        written = self._written_callback(pack)
-        start = slot * SLOT_BYTES + SLOT_HEADER_BYTES
         # Covered by a sync begun after the open: what was written to the slot before it, by this
         # stream's last open, may be unsynced still (a close hands its writes to the round).
-        return SlotFile(file, start, bytearray(raw[SLOT_HEADER_BYTES:]), writable, written, self._syncs_begun)
+        return SlotFile(self, file, place, bytearray(raw[SLOT_HEADER_BYTES:]), writable, self._syncs_begun)
 
-    def created_slot(self, place: int, segment: bytes) -> SlotFile:
-        """The slot `create_slot` just wrote with `segment`, open for writing, built from those
-        bytes (no pread: a creation needs nothing back from the pack it wrote)."""
-        pack, slot, _ = split_place(place)
-        content = bytearray(SLOT_SEGMENT_BYTES)
-        content[: len(segment)] = segment
+    def written_to(self, pack: int) -> int:
+        """A slot of `pack` was just written (SlotFile.write): mark the pack for the next sync; the
+        number of the last sync begun (one past it covers the write)."""
         with self._lock:
-            file = self._files[pack]
-            synced_by = self._syncs_begun  # read after create_slot's pwrite: a later sync covers it
-        return SlotFile(
-            file,
-            slot * SLOT_BYTES + SLOT_HEADER_BYTES,
-            content,
-            True,
-            self._written_callback(pack),
-            synced_by,
-        )
+            self._dirty.add(pack)
+            return self._syncs_begun
 
     def free_slot(self, place: int) -> None:
         """Zero the slot's header (one pwrite); the slot is taken again only after the next
@@ -467,7 +487,7 @@ class Packs:
         file = self._open(pack)
         end = (slot + 1) * SLOT_BYTES
         if end > file.size:
-            file.grow(min(PACK_BYTES, -(-end // GROWTH_BYTES) * GROWTH_BYTES))
+            _allocate(file.grow, end)
         self._next += 1
         self._held[pack] = self._held.get(pack, 0) + 1
         return pack, slot, 1
@@ -485,17 +505,7 @@ class Packs:
             raise RuntimeError(f"{MAX_PACKS} packs of slots are in use: no place can name another")
         if pack == 0:
             self._fs.makedirs(self.directory)
-        self._files[pack] = self._fs.create_pack(
-            self.directory / pack_name(pack), GROWTH_BYTES, PackHeader(pack).encode()
-        )
+        path, header = self.directory / pack_name(pack), PackHeader(pack).encode()
+        self._files[pack] = _allocate(lambda size: self._fs.create_pack(path, size, header), 2 * SLOT_BYTES)
         self._pack_ids().append(pack)
         self._next = 1
-
-    def _written_callback(self, pack: int) -> Callable[[], int]:
-        def written() -> int:
-            """Mark the pack written; the number of the last sync begun (one past it covers the write)."""
-            with self._lock:
-                self._dirty.add(pack)
-                return self._syncs_begun
-
-        return written

@@ -20,6 +20,7 @@ from array import array
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import accumulate
+from operator import add
 
 from storage.errors import CorruptionError
 from storage.types import AppendBatch
@@ -109,19 +110,31 @@ def encode_batch(
         record = b"\x0a" + table[len(head) + size] + head + payload
         return record, array("I", (start, start + len(record)))
     offsets = _consecutive_varints(first_offset, len(payloads))
-    if plain and min(map(len, payloads)) > 0 and max(map(len, payloads)) < _SMALL_LIMIT - 32:
-        # The common case (offset, timestamp, small payload): one comprehension builds every record
-        # head from table lookups; C-level joins and accumulate do the rest.
+    sizes = list(map(len, payloads)) if plain else []
+    if plain and (lo := min(sizes)) > 0 and (hi := max(sizes)) < _SMALL_LIMIT - 32:
+        # The common case (offset, timestamp, small payload): no per-entry Python but table lookups.
         table = _SMALL_VARINTS
         key = b"\x10" + encode_varint(timestamp_ms) + b"\x22"
+        n = len(payloads)
+        if lo == hi and len(offsets[0]) == len(offsets[-1]):
+            # Records of one size (a load's) differ only in their offset and payload: one join of
+            # [opener, offset, tail, payload] * n builds them. (A batch whose offsets' varints
+            # differ in length, across 128, 16384, ..., is rare enough for the loop below.)
+            tail = key + table[lo]
+            opener = b"\x0a" + table[1 + len(offsets[0]) + len(tail) + lo] + b"\x08"
+            pieces = [opener, b"", tail, b""] * n
+            pieces[1::4] = offsets
+            pieces[3::4] = payloads
+            size = len(opener) + len(offsets[0]) + len(tail) + lo
+            return b"".join(pieces), array("I", range(start, start + size * n + 1, size))
         heads = [
-            b"\x0a" + table[len(h := b"\x08" + ov + key + table[len(p)]) + len(p)] + h
-            for ov, p in zip(offsets, payloads, strict=True)
+            b"\x0a" + table[len(h := b"\x08" + ov + key + table[s]) + s] + h
+            for ov, s in zip(offsets, sizes, strict=True)
         ]
-        interleaved = [b""] * (2 * len(heads))
+        interleaved = [b""] * (2 * n)
         interleaved[0::2] = heads
         interleaved[1::2] = payloads
-        return b"".join(interleaved), array("I", accumulate(map(len, interleaved), initial=start))[::2]
+        return b"".join(interleaved), array("I", accumulate(map(add, map(len, heads), sizes), initial=start))
     # Everything else: an empty payload is left out, as protobuf leaves out default values.
     ts_field = b"\x10" + encode_varint(timestamp_ms)
     parts: list[bytes] = []

@@ -163,6 +163,29 @@ def test_real_full_disk_at_a_growth_step_fails_cleanly_and_recovers(tmpfs):
         assert read_all(engine, "main") == acked
 
 
+def test_real_small_disk_takes_slot_streams_until_it_is_full(tmpfs):
+    """A disk with less than a pack's 16 MiB growth step free (1 MiB) still takes slot streams,
+    its pack grown in smaller steps, until it is really full: then DiskFullError (the service's
+    RESOURCE_EXHAUSTED), no SIGBUS, every stream acknowledged readable, before and after a restart."""
+    data = tmpfs / "data"
+    (tmpfs / "spare").write_bytes(bytes(64 << 10))  # removed before the restart: its journal needs room
+    payloads = [b"p" * 100] * 10
+    created: list[str] = []
+    with Engine(data, EngineConfig(fsync="always", background=False), clock=Clock()) as engine:
+        with pytest.raises(DiskFullError):
+            for i in range(1000):  # a bound far above what fits
+                engine.append_many(f"s{i}", [(AppendBatch(payloads), None)])
+                created.append(f"s{i}")
+        assert len(created) > 20  # the pack's first slots fit in what the disk had left
+        assert (data / "packs").is_dir() and not any((data / "streams").iterdir())
+        for name in created[:: len(created) // 10]:
+            assert [p for _, p in read_all(engine, name)] == payloads
+    (tmpfs / "spare").unlink()
+    with Engine(data, EngineConfig(background=False), clock=Clock()) as engine:
+        assert sorted(engine.list_streams()) == sorted(created)
+        assert [p for _, p in read_all(engine, created[-1])] == payloads
+
+
 # ---------------------------------------------------------------------- the same through FaultFS
 
 

@@ -238,6 +238,19 @@ def test_one_entry_batch_encodes_as_the_general_path(offset, size):
     assert (entry.offset, entry.payload) == (offset, payload)
 
 
+@pytest.mark.parametrize("first", [0, 100, 2**14 - 5, 2**40])
+@pytest.mark.parametrize("sizes", [[100] * 10, [1] * 300, [2**14 - 33] * 3, [100, 101, 100], [5, 2**14 - 33]])
+def test_plain_batches_encode_as_the_general_path(first, sizes):
+    """The payload-only fast paths (one payload size, or several) write the bytes and positions
+    the per-entry loop does, also for a batch whose offsets' varints change length in it."""
+    payloads = [bytes([i % 251]) * size for i, size in enumerate(sizes)]
+    fast = encode_batch(first, 1_700_000_000_000, AppendBatch(payloads), start=300)
+    general = encode_batch(first, 1_700_000_000_000, AppendBatch(payloads, tags=[""] * len(sizes)), start=300)
+    assert fast[0] == general[0] and fast[1] == general[1]
+    entries = decode_records(fast[0])
+    assert [(e.offset, e.payload) for e in entries] == [(first + i, p) for i, p in enumerate(payloads)]
+
+
 def test_dirnames_are_safe_and_distinct():
     names = ["../x", "a/b", "..", ".", "%2E", "A", "a", "x" * 255, "x" * 254 + "y"]
     dirs = [dirname_for(n) for n in names]

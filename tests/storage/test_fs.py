@@ -86,3 +86,24 @@ def test_an_append_file_has_its_blocks_allocated_ahead_of_its_size_and_holds_exa
         file.close()
     assert min(ahead) >= 0 and max(ahead) >= AppendFile.APPEND_STEP  # a step ahead, not a block
     assert path.read_bytes() == b"head" + b"".join(records)  # the size is the data's
+
+
+def test_an_append_file_writes_the_rest_of_a_short_write(tmp_path, monkeypatch):
+    """write(2) may write less than asked (a signal, a full disk's last blocks): an append goes on
+    with the rest, so a record is whole or not written."""
+    path = tmp_path / "journal"
+    file = FileSystem().create_append(path, b"head")
+    real_write = os.write
+    calls = []
+
+    def short_write(fd: int, data: bytes) -> int:
+        calls.append(len(data))
+        return real_write(fd, bytes(data)[:7])  # at most 7 bytes a call
+
+    monkeypatch.setattr("storage.fs.os.write", short_write)
+    try:
+        file.append(b"a record of thirty bytes .....")
+    finally:
+        file.close()
+    assert path.read_bytes() == b"head" + b"a record of thirty bytes ....."
+    assert calls == [30, 23, 16, 9, 2]

@@ -68,9 +68,10 @@ def test_a_place_is_pack_slot_and_generation_in_one_int64():
 
 def test_a_creation_is_one_write_and_its_slot_reads_back():
     fs, packs = fault_packs()
-    first = packs.create_slot("a", MS, SLOT_SEGMENT)  # makes the pack (its header, synced)
+    first = packs.create_slot("a", MS, SLOT_SEGMENT).place  # makes the pack (its header, synced)
     writes = fs.writes
-    place = packs.create_slot("b", MS + 1, SLOT_SEGMENT + b"xyz")
+    created = packs.create_slot("b", MS + 1, SLOT_SEGMENT + b"xyz")
+    place = created.place
     assert fs.writes == writes + 1 and fs.written[-1] == PACK
     assert split_place(first) == (0, 1, 1) and split_place(place) == (0, 2, 1)
     raw = fs.file_bytes(PACK)[2 * SLOT_BYTES : 3 * SLOT_BYTES]
@@ -78,6 +79,8 @@ def test_a_creation_is_one_write_and_its_slot_reads_back():
     assert raw[SLOT_HEADER_BYTES:] == SLOT_SEGMENT + b"xyz" + bytes(
         SLOT_SEGMENT_BYTES - len(SLOT_SEGMENT) - 3
     )
+    # The slot the creation returns, built from the bytes in hand, holds what the pack does.
+    assert created.read(0, SLOT_SEGMENT_BYTES) == raw[SLOT_HEADER_BYTES:] and created.writable
     file = packs.open_slot(place, "b", writable=False)
     assert file.read(0, len(SLOT_SEGMENT) + 3) == SLOT_SEGMENT + b"xyz"
     assert (file.size, file.reserved, file.mapped) == (SLOT_SEGMENT_BYTES, SLOT_SEGMENT_BYTES, False)
@@ -91,7 +94,7 @@ def test_a_segment_in_a_slot_is_what_its_seg_file_holds_and_todays_engine_reads_
     fs = FileSystem()
     packs = Packs(fs, tmp_path / "data")
     payloads = [bytes([i]) * 100 for i in range(10)]
-    place = packs.create_slot("small", MS, SLOT_SEGMENT)
+    place = packs.create_slot("small", MS, SLOT_SEGMENT).place
     append(packs.open_slot(place, "small", writable=True), payloads)
     # The same stream as a `.seg` file of the same capacity, written by the same code.
     (tmp_path / "seg").mkdir()
@@ -123,7 +126,7 @@ def test_a_segment_in_a_slot_is_what_its_seg_file_holds_and_todays_engine_reads_
 
 def test_a_segment_cannot_grow_past_its_slot():
     _, packs = fault_packs()
-    file = packs.open_slot(packs.create_slot("s", MS, SLOT_SEGMENT), "s", writable=True)
+    file = packs.open_slot(packs.create_slot("s", MS, SLOT_SEGMENT).place, "s", writable=True)
     segment = append(file, [b"x" * 100] * 4)
     node = GrowingNode.resume(segment.nodes[-1])
     assert not node.make_room(1, SLOT_SEGMENT_BYTES)  # the caller promotes the stream
@@ -136,17 +139,17 @@ def test_a_segment_cannot_grow_past_its_slot():
 
 def test_a_freed_slot_is_reused_after_a_sync_with_its_generation_up():
     fs, packs = fault_packs()
-    a = packs.create_slot("a", MS, SLOT_SEGMENT)
+    a = packs.create_slot("a", MS, SLOT_SEGMENT).place
     packs.create_slot("b", MS, SLOT_SEGMENT)
     packs.sync()
     packs.free_slot(a)
     assert fs.file_bytes(PACK)[SLOT_BYTES : SLOT_BYTES + SLOT_HEADER_BYTES] == bytes(SLOT_HEADER_BYTES)
     assert packs.written
-    c = packs.create_slot("c", MS, SLOT_SEGMENT)
+    c = packs.create_slot("c", MS, SLOT_SEGMENT).place
     assert split_place(c) == (0, 3, 1)  # not a's slot: its zeroing is not durable yet
     packs.sync()
     assert not packs.written
-    d = packs.create_slot("a", MS, SLOT_SEGMENT)  # a stream of the same name, recreated
+    d = packs.create_slot("a", MS, SLOT_SEGMENT).place  # a stream of the same name, recreated
     assert split_place(d) == (0, 1, 2)
     with pytest.raises(CorruptionError, match="generation 2, not 'a' at 1"):
         packs.open_slot(a, "a", writable=False)  # a stale place: the old generation
@@ -160,14 +163,14 @@ def test_a_freed_slot_is_reused_after_a_sync_with_its_generation_up():
 
 def test_a_slot_freed_while_a_sync_runs_waits_for_the_next():
     fs, packs = fault_packs()
-    a = packs.create_slot("a", MS, SLOT_SEGMENT)
+    a = packs.create_slot("a", MS, SLOT_SEGMENT).place
     packs.create_slot("b", MS, SLOT_SEGMENT)
     fs.on_sync = lambda _: packs.free_slot(a) if fs.on_sync else None
     packs.sync()  # a's zeroing came after this sync began (at its fdatasync)
     fs.on_sync = None
-    assert split_place(packs.create_slot("c", MS, SLOT_SEGMENT)) == (0, 3, 1)
+    assert split_place(packs.create_slot("c", MS, SLOT_SEGMENT).place) == (0, 3, 1)
     packs.sync()
-    assert split_place(packs.create_slot("d", MS, SLOT_SEGMENT)) == (0, 1, 2)
+    assert split_place(packs.create_slot("d", MS, SLOT_SEGMENT).place) == (0, 1, 2)
 
 
 def test_a_pack_grows_in_steps_before_a_step_is_written_and_a_full_pack_starts_the_next(monkeypatch):
@@ -179,7 +182,7 @@ def test_a_pack_grows_in_steps_before_a_step_is_written_and_a_full_pack_starts_t
         packs.create_slot(f"s{i}", MS, SLOT_SEGMENT)
     assert len(fs.file_bytes(PACK)) == GROWTH_BYTES and fs.pending_growths() == 0
     writes = fs.writes
-    place = packs.create_slot("next", MS, SLOT_SEGMENT)
+    place = packs.create_slot("next", MS, SLOT_SEGMENT).place
     assert split_place(place) == (0, step, 1)
     assert len(fs.file_bytes(PACK)) == 2 * GROWTH_BYTES and fs.pending_growths() == 1
     assert fs.writes == writes + 1  # the growth (fallocate) is no write; then the slot's one
@@ -195,7 +198,7 @@ def test_a_pack_grows_in_steps_before_a_step_is_written_and_a_full_pack_starts_t
         packs.create_slot(f"s{i}", MS, SLOT_SEGMENT)
         sizes.append(len(fs.file_bytes(PACK)) // SLOT_BYTES)
     assert sizes == [4, 4, 4, 8, 8, 8, 8, 10, 10]
-    assert split_place(packs.create_slot("new pack", MS, SLOT_SEGMENT)) == (1, 1, 1)
+    assert split_place(packs.create_slot("new pack", MS, SLOT_SEGMENT).place) == (1, 1, 1)
     assert fs.listdir(ROOT / "packs") == ["00000.pack", "00001.pack"]
 
 
@@ -207,7 +210,7 @@ def test_a_full_disk_at_a_growth_step_changes_nothing(monkeypatch):
     assert fs.listdir(ROOT / "packs") == []
     fs.disk_full = False
     monkeypatch.setattr("storage.packs.GROWTH_BYTES", 4 * SLOT_BYTES)
-    places = [packs.create_slot(f"s{i}", MS, SLOT_SEGMENT) for i in range(3)]  # slots 1-3 of 4
+    places = [packs.create_slot(f"s{i}", MS, SLOT_SEGMENT).place for i in range(3)]  # slots 1-3 of 4
     assert len(fs.file_bytes(PACK)) == 4 * SLOT_BYTES
     before, writes = fs.file_bytes(PACK), fs.writes
     fs.disk_full = True
@@ -216,10 +219,32 @@ def test_a_full_disk_at_a_growth_step_changes_nothing(monkeypatch):
     assert (fs.file_bytes(PACK), fs.writes, packs.written) == (before, writes, True)
     packs.free_slot(places[0])
     packs.sync()
-    assert split_place(packs.create_slot("reused", MS, SLOT_SEGMENT)) == (0, 1, 2)  # no growth needed
+    assert split_place(packs.create_slot("reused", MS, SLOT_SEGMENT).place) == (0, 1, 2)  # no growth needed
     fs.disk_full = False
-    assert split_place(packs.create_slot("grown", MS, SLOT_SEGMENT)) == (0, 4, 1)  # no slot skipped
+    assert split_place(packs.create_slot("grown", MS, SLOT_SEGMENT).place) == (0, 4, 1)  # no slot skipped
     assert len(fs.file_bytes(PACK)) == 8 * SLOT_BYTES
+
+
+def test_a_disk_with_less_than_a_growth_step_free_takes_slots_until_it_is_full():
+    """With less than GROWTH_BYTES free, a pack is made and grows in smaller steps, down to the
+    slot's own: every slot the disk has room for is taken, then DiskFullError with nothing changed."""
+    fs, packs = fault_packs()
+    fs.capacity_bytes = 100 * SLOT_BYTES  # 400 KiB: no room for a 16 MiB step
+    places = []
+    with pytest.raises(DiskFullError):
+        for i in range(200):  # a bound far above what fits
+            places.append(packs.create_slot(f"s{i}", MS, SLOT_SEGMENT).place)
+    assert len(places) == 99  # slot 0 is the pack's header
+    assert len(fs.file_bytes(PACK)) == 100 * SLOT_BYTES and fs.listdir(ROOT / "packs") == ["00000.pack"]
+    before, writes = fs.file_bytes(PACK), fs.writes
+    with pytest.raises(DiskFullError):
+        packs.create_slot("no room", MS, SLOT_SEGMENT)
+    assert (fs.file_bytes(PACK), fs.writes) == (before, writes)
+    for i, place in enumerate(places):
+        assert packs.open_slot(place, f"s{i}", writable=False).read(0, len(SLOT_SEGMENT)) == SLOT_SEGMENT
+    fs.capacity_bytes = None  # room again: the next growth is a whole step's
+    assert split_place(packs.create_slot("grown", MS, SLOT_SEGMENT).place) == (0, 100, 1)
+    assert len(fs.file_bytes(PACK)) == GROWTH_BYTES
 
 
 def _restart(fs: FaultFS, places: list[int]) -> Packs:
@@ -230,10 +255,10 @@ def _restart(fs: FaultFS, places: list[int]) -> Packs:
 
 def test_kill_keeps_the_page_cache_and_power_loss_keeps_what_a_sync_made_durable_by_byte_range():
     fs, packs = fault_packs()
-    a = packs.create_slot("a", MS, SLOT_SEGMENT)
-    b = packs.create_slot("b", MS, SLOT_SEGMENT)
+    a = packs.create_slot("a", MS, SLOT_SEGMENT).place
+    b = packs.create_slot("b", MS, SLOT_SEGMENT).place
     packs.sync()
-    c = packs.create_slot("c", MS, SLOT_SEGMENT)
+    c = packs.create_slot("c", MS, SLOT_SEGMENT).place
     append(packs.open_slot(a, "a", writable=True), [b"after the sync"] * 2)
     a_bytes = packs.open_slot(a, "a", writable=False).read(0, SLOT_SEGMENT_BYTES)
 
@@ -260,34 +285,34 @@ def test_kill_keeps_the_page_cache_and_power_loss_keeps_what_a_sync_made_durable
 
 def test_a_crash_at_the_sync_point_of_a_growth_step_loses_only_its_slots():
     fs, packs = fault_packs()
-    places = [packs.create_slot(f"s{i}", MS, SLOT_SEGMENT) for i in range(GROWTH_BYTES // SLOT_BYTES)]
+    places = [packs.create_slot(f"s{i}", MS, SLOT_SEGMENT).place for i in range(GROWTH_BYTES // SLOT_BYTES)]
     fs.crash_at_sync = fs.syncs + 1
     with pytest.raises(Crash):
         packs.sync()  # the growth and the last slot's write still pending
     restarted = _restart(fs.crashed_copy(mode="lost"), places[:-1])
     with pytest.raises(CorruptionError, match="past the pack's end"):
         restarted.open_slot(places[-1], f"s{len(places) - 1}", writable=False)
-    assert split_place(restarted.create_slot("again", MS, SLOT_SEGMENT)) == split_place(places[-1])
+    assert split_place(restarted.create_slot("again", MS, SLOT_SEGMENT).place) == split_place(places[-1])
 
 
 def test_start_up_takes_the_slots_in_use_from_the_catalog():
     fs, packs = fault_packs()
-    a, b, c = (packs.create_slot(n, MS, SLOT_SEGMENT) for n in "abc")
+    a, b, c = (packs.create_slot(n, MS, SLOT_SEGMENT).place for n in "abc")
     packs.sync()
     packs.close()
     restarted = Packs(fs, ROOT)  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="adopt"):
         restarted.create_slot("d", MS, SLOT_SEGMENT)
     restarted.adopt([a, c, NO_PLACE])  # b's record was lost: its slot is free, its header still there
-    assert split_place(restarted.create_slot("d", MS, SLOT_SEGMENT)) == (0, 2, 2)
-    assert split_place(restarted.create_slot("e", MS, SLOT_SEGMENT)) == (0, 4, 1)
+    assert split_place(restarted.create_slot("d", MS, SLOT_SEGMENT).place) == (0, 2, 2)
+    assert split_place(restarted.create_slot("e", MS, SLOT_SEGMENT).place) == (0, 4, 1)
     with pytest.raises(CorruptionError, match="holds 'd'"):
         restarted.open_slot(b, "b", writable=False)
 
 
 def test_a_slot_is_refused_where_its_pack_or_slot_is_missing():
     fs, packs = fault_packs()
-    place = packs.create_slot("a", MS, SLOT_SEGMENT)
+    place = packs.create_slot("a", MS, SLOT_SEGMENT).place
     with pytest.raises(CorruptionError, match=r"no pack file 00003\.pack"):
         packs.open_slot(make_place(3, 1, 1), "a", writable=False)
     with pytest.raises(CorruptionError, match="past the pack's end"):
@@ -300,7 +325,7 @@ def test_a_slot_is_refused_where_its_pack_or_slot_is_missing():
     with pytest.raises(CorruptionError, match=r"no pack file 00000\.pack"):
         restarted.open_slot(place, "a", writable=False)  # its streams unreadable
     assert fs.exists(PACK)  # named by a place: kept for the operator
-    assert split_place(restarted.create_slot("b", MS, SLOT_SEGMENT))[0] == 1  # a new pack, not its name
+    assert split_place(restarted.create_slot("b", MS, SLOT_SEGMENT).place)[0] == 1  # a new pack, not its name
     unnamed = Packs(fs, ROOT)  # type: ignore[arg-type]
     unnamed.adopt([])  # pack 0 is not the last now: kept, though no place names it
     assert fs.exists(PACK)
@@ -313,7 +338,7 @@ def test_a_slot_is_refused_where_its_pack_or_slot_is_missing():
 def test_scan_lists_every_used_slot_and_the_damaged_ones(monkeypatch):
     monkeypatch.setattr("storage.packs.SCAN_BYTES", 3 * SLOT_BYTES)  # slots across reads
     fs, packs = fault_packs()
-    places = [packs.create_slot(f"s{i}", MS + i, SLOT_SEGMENT) for i in range(7)]
+    places = [packs.create_slot(f"s{i}", MS + i, SLOT_SEGMENT).place for i in range(7)]
     packs.free_slot(places[2])
     fs.poke(PACK, 5 * SLOT_BYTES + 30, b"\xff")  # slot 5's header (s4) damaged
     damaged: list[tuple[int, str]] = []
@@ -345,7 +370,7 @@ class _HeldSync:
 @pytest.mark.parametrize("which", ["packs", "slot file"])
 def test_a_sync_lets_other_threads_create_and_write_slots_while_it_waits(tmp_path, monkeypatch, which):
     packs = Packs(FileSystem(), tmp_path)
-    place = packs.create_slot("a", MS, SLOT_SEGMENT)
+    place = packs.create_slot("a", MS, SLOT_SEGMENT).place
     file = packs.open_slot(place, "a", writable=True)
     held = _HeldSync()
     monkeypatch.setattr(os, "fdatasync", held)
@@ -353,7 +378,7 @@ def test_a_sync_lets_other_threads_create_and_write_slots_while_it_waits(tmp_pat
     syncer.start()
     try:
         assert held.entered.wait(10)
-        other = packs.create_slot("b", MS, SLOT_SEGMENT)  # neither the lock nor the GIL is held
+        other = packs.create_slot("b", MS, SLOT_SEGMENT).place  # neither the lock nor the GIL is held
         packs.open_slot(other, "b", writable=True).write(100, b"meanwhile")
         file.write(200, b"and here")
         assert packs.written
@@ -370,7 +395,8 @@ def test_inspect_lists_packs_and_checks_each_slots_segment(tmp_path, capsys):
     (data / STREAMS_DIR).mkdir(parents=True)
     packs = Packs(FileSystem(), data)
     places = {
-        name: packs.create_slot(name, MS, SLOT_SEGMENT) for name in ("ok", "freed", "torn", "bad header")
+        name: packs.create_slot(name, MS, SLOT_SEGMENT).place
+        for name in ("ok", "freed", "torn", "bad header")
     }
     for name in ("ok", "torn"):
         append(packs.open_slot(places[name], name, writable=True), [b"entry %d" % i for i in range(6)])
@@ -416,7 +442,10 @@ def test_crashes_between_any_two_operations_keep_what_syncs_made_durable_slot_by
         if op < 0.35 or not live:
             name, created = f"s{created}", created + 1
             segment = SLOT_SEGMENT + rng.randbytes(rng.randrange(200))
-            live[name] = (packs.create_slot(name, MS, segment), segment.ljust(SLOT_SEGMENT_BYTES, b"\0"))
+            live[name] = (
+                packs.create_slot(name, MS, segment).place,
+                segment.ljust(SLOT_SEGMENT_BYTES, b"\0"),
+            )
             touched.add(name)
         elif op < 0.6:
             name = rng.choice(sorted(live))
@@ -466,7 +495,7 @@ def _check_after_crashes(
 def test_a_reused_slot_keeps_nothing_of_its_last_stream():
     _, packs = fault_packs()
     payloads = [b"p" * 50] * 16  # a full first node: the next one starts at offset 16
-    old = packs.create_slot("old", MS, SLOT_SEGMENT)
+    old = packs.create_slot("old", MS, SLOT_SEGMENT).place
     segment = append(packs.open_slot(old, "old", writable=True), payloads)
     node = GrowingNode.start(segment, 16, 16)
     blob, positions = encode_batch(16, MS, AppendBatch([b"second node"]))
@@ -474,7 +503,7 @@ def test_a_reused_slot_keeps_nothing_of_its_last_stream():
     node.append(blob, positions, MS, MS, 0)
     packs.free_slot(old)
     packs.sync()
-    new = packs.create_slot("new", MS, SLOT_SEGMENT)
+    new = packs.create_slot("new", MS, SLOT_SEGMENT).place
     assert split_place(new)[1] == split_place(old)[1]
     append(packs.open_slot(new, "new", writable=True), payloads)  # its first node as long as old's
     reopened, cut = Segment.over(packs.open_slot(new, "new", writable=False), verify=True)
@@ -520,7 +549,9 @@ def _tiny_packs(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_an_empty_pack_is_removed_after_the_sync_of_its_freeings_and_its_id_is_never_reused(monkeypatch):
     _tiny_packs(monkeypatch)
     fs, packs = fault_packs()
-    places = [packs.create_slot(f"s{i}", MS, SLOT_SEGMENT) for i in range(5)]  # pack 0: s0-s2, pack 1: s3, s4
+    places = [
+        packs.create_slot(f"s{i}", MS, SLOT_SEGMENT).place for i in range(5)
+    ]  # pack 0: s0-s2, pack 1: s3, s4
     packs.sync()
     for place in places[:3]:
         packs.free_slot(place)
@@ -533,7 +564,7 @@ def test_an_empty_pack_is_removed_after_the_sync_of_its_freeings_and_its_id_is_n
     packs.free_slot(places[4])
     packs.sync()
     assert packs.remove_empty() == []  # the last pack stays: the next id is taken from it
-    made = [split_place(packs.create_slot(f"n{i}", MS, SLOT_SEGMENT)) for i in range(4)]
+    made = [split_place(packs.create_slot(f"n{i}", MS, SLOT_SEGMENT).place) for i in range(4)]
     assert [pack for pack, _, _ in made] == [1, 1, 1, 2]  # pack 1's freed slots, then pack 2, not 0
     with pytest.raises(ValueError, match="no slot of these packs"):
         packs.free_slot(places[0])
@@ -550,12 +581,12 @@ def test_an_empty_pack_is_removed_after_the_sync_of_its_freeings_and_its_id_is_n
 def test_a_slot_taken_from_an_emptied_pack_before_its_removal_keeps_it(monkeypatch):
     _tiny_packs(monkeypatch)
     fs, packs = fault_packs()
-    places = [packs.create_slot(f"s{i}", MS, SLOT_SEGMENT) for i in range(4)]
+    places = [packs.create_slot(f"s{i}", MS, SLOT_SEGMENT).place for i in range(4)]
     for place in places[:3]:
         packs.free_slot(place)
     packs.sync()
     assert packs.written  # a pack to remove: the next sync's work
-    again = packs.create_slot("again", MS, SLOT_SEGMENT)
+    again = packs.create_slot("again", MS, SLOT_SEGMENT).place
     assert split_place(again)[0] == 0
     assert packs.remove_empty() == []
     assert fs.exists(PACK)
@@ -565,7 +596,7 @@ def test_a_slot_taken_from_an_emptied_pack_before_its_removal_keeps_it(monkeypat
 def test_start_up_finds_an_empty_pack_for_the_next_sync_to_remove(monkeypatch):
     _tiny_packs(monkeypatch)
     fs, packs = fault_packs()
-    places = [packs.create_slot(f"s{i}", MS, SLOT_SEGMENT) for i in range(4)]
+    places = [packs.create_slot(f"s{i}", MS, SLOT_SEGMENT).place for i in range(4)]
     packs.sync()
     packs.close()
     restarted = _restart(fs.crashed_copy(mode="process"), places[3:])  # s0-s2 deleted since the file
@@ -574,7 +605,7 @@ def test_start_up_finds_an_empty_pack_for_the_next_sync_to_remove(monkeypatch):
     restarted.sync()
     assert restarted.remove_empty() == [0]
     assert restarted.open_slot(places[3], "s3", writable=False)
-    assert split_place(restarted.create_slot("next", MS, SLOT_SEGMENT))[0] == 1
+    assert split_place(restarted.create_slot("next", MS, SLOT_SEGMENT).place)[0] == 1
 
 
 @pytest.mark.parametrize("mode", ["process", "power", "lost"])
