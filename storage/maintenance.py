@@ -31,10 +31,11 @@ UPKEEP_BATCH = 16  # closed streams a maintenance round visits at most
 # open: their close journals none, so after a crash they are unknown until then).
 RECOUNT_BATCH = 1024
 # Between rounds the thread goes on recounting them in slices of this much of its own CPU
-# (about 26 us a stream: some 75 of them), each followed by a pause as long: 100,000 streams are
-# recounted in seconds, not 100 rounds, and calls keep the GIL half the time (docs/PERFORMANCE.md).
-RECOUNT_SLICE_S = 0.002
-RECOUNT_PAUSE_S = 0.002
+# (about 26 us a stream: some 40 of them), each followed by a pause three times as long: 100,000
+# streams in 16 s instead of 110, the closed-stream call p99 during it 1.5 ms (bench.recount,
+# docs/PERFORMANCE.md). Slices of 2 ms and pauses of 2 ms took 9 to 11 s, the p99 2.2 to 4.9 ms.
+RECOUNT_SLICE_S = 0.001
+RECOUNT_PAUSE_S = 0.003
 CATALOG_SAVE_S = 60  # the catalog file is rewritten at most this often when streams came or went
 # ... or sooner, once this many came or went: a start-up after a kill -9 checks the directory of
 # each stream created since the file (~0.1 ms apiece), so a load's 60 s of creations took seconds.
