@@ -31,9 +31,9 @@ UPKEEP_BATCH = 16  # closed streams a maintenance round visits at most
 # open: their close journals none, so after a crash they are unknown until then).
 RECOUNT_BATCH = 1024
 # Between rounds the thread goes on recounting them in slices of this much of its own CPU
-# (about 26 us a stream: some 40 of them), each followed by a pause three times as long: 100,000
-# streams in 16 s instead of 110, the closed-stream call p99 during it 1.5 ms (bench.recount,
-# docs/PERFORMANCE.md). Slices of 2 ms and pauses of 2 ms took 9 to 11 s, the p99 2.2 to 4.9 ms.
+# (about 26 us a stream: some 40 of them), each followed by a pause three times as long:
+# 100,000 streams in 15 to 16 s instead of 110, the closed-stream call p99 during it 1.5 to
+# 3.8 ms (bench.recount, docs/PERFORMANCE.md); slices and pauses of 2 ms: 9 to 13 s, 2.2 to 4.9 ms.
 RECOUNT_SLICE_S = 0.001
 RECOUNT_PAUSE_S = 0.003
 CATALOG_SAVE_S = 60  # the catalog file is rewritten at most this often when streams came or went
