@@ -532,6 +532,11 @@ class EngineCollector(Collector):
         for key, help_text in totals.items():
             yield GaugeMetricFamily(f"streamlog_{key}", help_text, stats[key])
         yield GaugeMetricFamily(
+            "streamlog_streams_uncounted",
+            "Slot streams whose figures the totals miss until maintenance reads them (after a crash).",
+            engine.uncounted_streams(),
+        )
+        yield GaugeMetricFamily(
             "streamlog_closes_waiting",
             "Streams the cache closed whose writes wait for the maintenance round's sync.",
             stats["closes_waiting"],
