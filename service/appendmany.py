@@ -12,11 +12,21 @@ and the server's two append listeners): an open stream's batch costs about 45 µ
 streams whose fsync policy does not block are written on the loop, ON_LOOP_SLICE at a time with
 a turn of the loop between slices (1,000 of them held it 45 ms in one go). A stream to create
 costs 300 to 900 µs of CPU and a mkdir's wait, one to reopen a file open and a mapping: those,
-and the streams whose sync blocks, are written after them in one thread hop, one after another,
-so that a disk's slowness never holds the loop (10,000 new streams held it for tens of seconds,
-and every other call of the server waited). The thread writes them in one batch of the
-listeners' hops (service/loophops.py): the readers to wake hear of all its streams in one
+and the streams whose sync blocks, are written after them in a thread, one after another, so
+that a disk's slowness never holds the loop (10,000 new streams held it for tens of seconds,
+and every other call of the server waited). Each thread hop writes its streams in one batch of
+the listeners' hops (service/loophops.py): the readers to wake hear of all its streams in one
 wake-up of the loop, not one per stream.
+
+The thread's work splits in two hops, run at once. Streams to create or reopen under a policy
+that does not block are CPU-bound (a creation is mostly Python): two calls writing them in two
+threads at once only fought over the GIL and the engine's creation lock, so they pass through
+the servicer's lane, one call at a time (two calls in flight of 2,000 new streams each: see
+docs/PERFORMANCE.md, "Two AppendMany calls at once"). Streams whose sync blocks mostly wait for
+the disk: they are written outside the lane, and concurrent calls' syncs still overlap and
+merge (group commit). A stream the cache closed is taken to have the server's fsync policy
+(its own is known once it is open again): one with a policy of its own that blocks, under a
+server's that does not, holds the lane for its sync.
 
 The request as a whole is checked first (`check_request`): at least one batch, at most
 max_append_many_batches of them and max_append_many_bytes. In a cluster the routing layer
@@ -106,6 +116,25 @@ class AppendManyCalls:
 
     def __init__(self, serving: Serving) -> None:
         self._serving = serving
+        # Held by the call whose streams to create or reopen are being written (event loop only).
+        self._lane = asyncio.Lock()
+
+    async def _write_in_lane(
+        self, engine: Engine, streams: list[tuple[str, _Writes]], outcomes: list[Any]
+    ) -> None:
+        """Write streams in a thread once no other call's lane part is being written."""
+        lane = self._lane
+        await lane.acquire()
+        try:
+            written = asyncio.ensure_future(
+                self._serving.in_thread(_write_all, engine, streams, outcomes, self._serving.waiters.hops)
+            )
+        except BaseException:
+            lane.release()
+            raise
+        # Held until the thread is done, even if this call is cancelled meanwhile.
+        written.add_done_callback(lambda _: lane.release())
+        await asyncio.shield(written)
 
     @translate_errors
     async def AppendMany(self, request: pb.AppendManyRequest, context: CallContext) -> pb.AppendManyResponse:
@@ -129,16 +158,26 @@ class AppendManyCalls:
                 outcomes[i] = exc
                 continue
             by_stream.setdefault(stream, []).append((i, batch, producer, expected))
-        hop: list[tuple[str, _Writes]] = []  # to create or reopen, or whose sync blocks
+        lane: list[tuple[str, _Writes]] = []  # to create or reopen, under a policy that does not block
+        blocking: list[tuple[str, _Writes]] = []  # whose sync blocks
+        default_blocks = engine.config.fsync.blocks  # a stream not open: see the module docstring
         on_loop = 0
         for stream, writes in by_stream.items():
-            if not engine.is_open(stream) or engine.fsync_policy(stream).blocks:
-                hop.append((stream, writes))
+            if not engine.is_open(stream):
+                (blocking if default_blocks else lane).append((stream, writes))
+                continue
+            if engine.fsync_policy(stream).blocks:
+                blocking.append((stream, writes))
                 continue
             _write(engine, stream, writes, outcomes)
             on_loop += 1
             if on_loop % ON_LOOP_SLICE == 0:
                 await asyncio.sleep(0)  # the other calls' turn
-        if hop:
-            await serving.in_thread(_write_all, engine, hop, outcomes, serving.waiters.hops)
+        hops = []
+        if lane:
+            hops.append(self._write_in_lane(engine, lane, outcomes))
+        if blocking:
+            hops.append(serving.in_thread(_write_all, engine, blocking, outcomes, serving.waiters.hops))
+        if hops:
+            await asyncio.gather(*hops)
         return pb.AppendManyResponse(results=list(map(_result, outcomes)))

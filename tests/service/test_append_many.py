@@ -236,3 +236,53 @@ def test_a_call_to_many_open_streams_is_written_on_the_loop_in_slices_with_turns
     assert offsets(results) == [(1, 1)] * count
     assert set(written) == {server._thread.ident}  # all on the loop: none hopped to a thread
     assert turns == [ON_LOOP_SLICE]  # the loop ran other callbacks after the first slice
+
+
+def _most_writes_at_once(server: ServerThread, monkeypatch: Any, fsync: str) -> int:
+    """Two AppendMany calls of new streams in flight: the most engine writes seen at once. The
+    first write waits (up to a second) for another to start beside it, as a slow one would."""
+    engine = server.server.engine
+    real = engine.append_many
+    lock, running, most, writes = threading.Lock(), [0], [0], [0]
+    second = threading.Event()
+
+    def append_many_watched(stream: str, appends: Any) -> Any:
+        with lock:
+            running[0] += 1
+            writes[0] += 1
+            most[0] = max(most[0], running[0])
+            first = writes[0] == 1
+            if running[0] > 1:
+                second.set()
+        try:
+            if first:
+                second.wait(1.0)
+            return real(stream, appends)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(engine, "append_many", append_many_watched)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        calls = [
+            stub.AppendMany.future(
+                pb.AppendManyRequest(batches=[batch(f"{fsync}-{c}-{i}", b"x") for i in range(20)]),
+                timeout=TIMEOUT,
+            )
+            for c in range(2)
+        ]
+        for call in calls:
+            assert offsets(list(call.result().results)) == [(0, 0)] * 20
+    return most[0]
+
+
+def test_two_calls_creating_streams_under_everysec_write_one_at_a_time(start_server, monkeypatch):
+    """New streams cost CPU, not waits: two calls' creations in two threads only fight over the GIL."""
+    assert _most_writes_at_once(start_server(fsync="everysec"), monkeypatch, "everysec") == 1
+
+
+def test_two_calls_creating_streams_under_always_write_at_once(start_server, monkeypatch):
+    """Writes that wait for their sync keep overlapping across calls: a sync in progress does not
+    hold another call's writes back (their syncs can merge)."""
+    assert _most_writes_at_once(start_server(fsync="always"), monkeypatch, "always") == 2
