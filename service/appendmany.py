@@ -18,15 +18,17 @@ and every other call of the server waited). Each thread hop writes its streams i
 the listeners' hops (service/loophops.py): the readers to wake hear of all its streams in one
 wake-up of the loop, not one per stream.
 
-The thread's work splits in two hops, run at once. Streams to create or reopen under a policy
+The thread work is of two kinds, run at once. Streams to create or reopen under a policy
 that does not block are CPU-bound (a creation is mostly Python): two calls writing them in two
 threads at once only fought over the GIL and the engine's creation lock, so they pass through
 the servicer's lane, one call at a time (two calls in flight of 2,000 new streams each: see
 docs/PERFORMANCE.md, "Two AppendMany calls at once"). Streams whose sync blocks mostly wait for
-the disk: they are written outside the lane, and concurrent calls' syncs still overlap and
-merge (group commit). A stream the cache closed is taken to have the server's fsync policy
-(its own is known once it is open again): one with a policy of its own that blocks, under a
-server's that does not, holds the lane for its sync.
+the disk: they are written outside the lane, spread over all the thread pool's threads but one,
+so that their syncs overlap and merge (group commit), within a call and across calls (written
+in one thread, 1,000 new streams under "always" waited for 1,000 syncs in turn). A stream the
+cache closed is taken to have the server's fsync policy (its own is known once it is open
+again): one with a policy of its own that blocks, under a server's that does not, holds the
+lane for its sync.
 
 The request as a whole is checked first (`check_request`): at least one batch, at most
 max_append_many_batches of them and max_append_many_bytes. In a cluster the routing layer
@@ -176,8 +178,13 @@ class AppendManyCalls:
         hops = []
         if lane:
             hops.append(self._write_in_lane(engine, lane, outcomes))
-        if blocking:
-            hops.append(serving.in_thread(_write_all, engine, blocking, outcomes, serving.waiters.hops))
+        # Blocking streams are spread over the pool's threads but one (left to the other calls):
+        # their syncs overlap and merge, where one thread waited for each stream's in turn.
+        spread = min(len(blocking), max(1, settings.append_threads - 1))
+        for part in range(spread):
+            hops.append(
+                serving.in_thread(_write_all, engine, blocking[part::spread], outcomes, serving.waiters.hops)
+            )
         if hops:
             await asyncio.gather(*hops)
         return pb.AppendManyResponse(results=list(map(_result, outcomes)))

@@ -238,25 +238,24 @@ def test_a_call_to_many_open_streams_is_written_on_the_loop_in_slices_with_turns
     assert turns == [ON_LOOP_SLICE]  # the loop ran other callbacks after the first slice
 
 
-def _most_writes_at_once(server: ServerThread, monkeypatch: Any, fsync: str) -> int:
-    """Two AppendMany calls of new streams in flight: the most engine writes seen at once. The
-    first write waits (up to a second) for another to start beside it, as a slow one would."""
+def _most_writes_at_once(server: ServerThread, monkeypatch: Any, fsync: str, calls: int, target: int) -> int:
+    """`calls` AppendMany calls of 20 new streams each in flight: the most engine writes seen at
+    once. Writes wait (a second at most, in all) until `target` of them run at once, as slow ones
+    would: where the server lets that many run together, they do."""
     engine = server.server.engine
     real = engine.append_many
-    lock, running, most, writes = threading.Lock(), [0], [0], [0]
-    second = threading.Event()
+    lock, running, most = threading.Lock(), [0], [0]
+    reached = threading.Event()
 
     def append_many_watched(stream: str, appends: Any) -> Any:
         with lock:
             running[0] += 1
-            writes[0] += 1
             most[0] = max(most[0], running[0])
-            first = writes[0] == 1
-            if running[0] > 1:
-                second.set()
+            if running[0] >= target:
+                reached.set()
         try:
-            if first:
-                second.wait(1.0)
+            if not reached.wait(1.0):
+                reached.set()  # not reached: the others go on at once
             return real(stream, appends)
         finally:
             with lock:
@@ -265,24 +264,33 @@ def _most_writes_at_once(server: ServerThread, monkeypatch: Any, fsync: str) -> 
     monkeypatch.setattr(engine, "append_many", append_many_watched)
     with grpc.insecure_channel(server.target) as channel:
         stub = pb_grpc.StreamLogServiceStub(channel)
-        calls = [
+        futures = [
             stub.AppendMany.future(
                 pb.AppendManyRequest(batches=[batch(f"{fsync}-{c}-{i}", b"x") for i in range(20)]),
                 timeout=TIMEOUT,
             )
-            for c in range(2)
+            for c in range(calls)
         ]
-        for call in calls:
-            assert offsets(list(call.result().results)) == [(0, 0)] * 20
+        for future in futures:
+            assert offsets(list(future.result().results)) == [(0, 0)] * 20
     return most[0]
 
 
 def test_two_calls_creating_streams_under_everysec_write_one_at_a_time(start_server, monkeypatch):
     """New streams cost CPU, not waits: two calls' creations in two threads only fight over the GIL."""
-    assert _most_writes_at_once(start_server(fsync="everysec"), monkeypatch, "everysec") == 1
+    server = start_server(fsync="everysec")
+    assert _most_writes_at_once(server, monkeypatch, "everysec", calls=2, target=2) == 1
 
 
 def test_two_calls_creating_streams_under_always_write_at_once(start_server, monkeypatch):
     """Writes that wait for their sync keep overlapping across calls: a sync in progress does not
-    hold another call's writes back (their syncs can merge)."""
-    assert _most_writes_at_once(start_server(fsync="always"), monkeypatch, "always") == 2
+    hold another call's writes back (their syncs can merge). Two threads: one call's writes take one."""
+    server = start_server(fsync="always", append_threads=2)
+    assert _most_writes_at_once(server, monkeypatch, "always", calls=2, target=2) == 2
+
+
+def test_one_call_creating_streams_under_always_writes_them_in_threads_at_once(start_server, monkeypatch):
+    """Written one after another in one thread, each stream waited for its own sync in turn
+    (1,000 syncs for 1,000 new streams); in the pool's threads but one, their syncs merge."""
+    server = start_server(fsync="always", append_threads=4)
+    assert _most_writes_at_once(server, monkeypatch, "always", calls=1, target=3) == 3
