@@ -19,7 +19,9 @@ from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
 from bench.common import free_port
 from service import auth
-from service.appendmany import ON_LOOP_SLICE
+from service.appendmany import ON_LOOP_SLICE, check_request
+from service.config import Settings
+from service.errors import ServiceError
 from tests.cluster.nodes import eventually
 from tests.service.helpers import ServerThread
 from tests.service.test_auth import ACL_TOML, TOKENS_TOML, bearer, write
@@ -294,3 +296,30 @@ def test_one_call_creating_streams_under_always_writes_them_in_threads_at_once(s
     (1,000 syncs for 1,000 new streams); in the pool's threads but one, their syncs merge."""
     server = start_server(fsync="always", append_threads=4)
     assert _most_writes_at_once(server, monkeypatch, "always", calls=1, target=3) == 3
+
+
+class _Sized:
+    """An AppendManyRequest's stand-in that counts the times its size is asked (each encodes it)."""
+
+    def __init__(self, size: int) -> None:
+        self.batches = [batch("s", b"x")]
+        self.size = size
+        self.measured = 0
+
+    def ByteSize(self) -> int:
+        self.measured += 1
+        return self.size
+
+
+def test_a_request_is_measured_only_under_a_bound_below_the_receive_limit():
+    """At the default bounds (max_append_many_bytes = max_message_bytes) the transport refused
+    every larger request already: its size is not asked. Under a lower bound it is, and checked."""
+    settings = Settings()
+    assert settings.max_append_many_bytes == settings.max_message_bytes
+    request = _Sized(settings.max_message_bytes)
+    check_request(request, settings)  # type: ignore[arg-type]
+    assert request.measured == 0
+    lower = Settings(max_append_many_bytes=1000)
+    check_request(_Sized(1000), lower)  # type: ignore[arg-type]
+    with pytest.raises(ServiceError, match="max_append_many_bytes=1000"):
+        check_request(_Sized(1001), lower)  # type: ignore[arg-type]
