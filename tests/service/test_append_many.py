@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -317,9 +318,44 @@ def test_a_request_is_measured_only_under_a_bound_below_the_receive_limit():
     settings = Settings()
     assert settings.max_append_many_bytes == settings.max_message_bytes
     request = _Sized(settings.max_message_bytes)
-    check_request(request, settings)  # type: ignore[arg-type]
+    check_request(request, settings)
     assert request.measured == 0
     lower = Settings(max_append_many_bytes=1000)
-    check_request(_Sized(1000), lower)  # type: ignore[arg-type]
+    check_request(_Sized(1000), lower)
     with pytest.raises(ServiceError, match="max_append_many_bytes=1000"):
-        check_request(_Sized(1001), lower)  # type: ignore[arg-type]
+        check_request(_Sized(1001), lower)
+
+
+def test_a_cancelled_call_holds_the_lane_until_its_thread_is_done(start_server, monkeypatch):
+    """A call cancelled while its new streams are being written leaves its thread writing them:
+    the next call's creations wait for that thread, not for the cancellation."""
+    server = start_server(fsync="everysec")
+    engine = server.server.engine
+    real = engine.append_many
+    first_held, release = threading.Event(), threading.Event()
+    written: list[str] = []
+
+    def append_many_held(stream: str, appends: Any) -> Any:
+        if stream == "first-0":
+            first_held.set()
+            release.wait(TIMEOUT)
+        written.append(stream)
+        return real(stream, appends)
+
+    monkeypatch.setattr(engine, "append_many", append_many_held)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        first = stub.AppendMany.future(
+            pb.AppendManyRequest(batches=[batch(f"first-{i}", b"x") for i in range(3)]), timeout=TIMEOUT
+        )
+        assert first_held.wait(TIMEOUT)
+        first.cancel()
+        assert first.cancelled()
+        second = stub.AppendMany.future(
+            pb.AppendManyRequest(batches=[batch("second", b"y")]), timeout=TIMEOUT
+        )
+        time.sleep(0.3)  # the second call's time to start writing, were the lane let go
+        assert written == []
+        release.set()
+        assert offsets(list(second.result().results)) == [(0, 0)]
+    assert written.index("second") > written.index("first-2")  # after the first thread's last
