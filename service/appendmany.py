@@ -12,11 +12,23 @@ and the server's two append listeners): an open stream's batch costs about 45 µ
 streams whose fsync policy does not block are written on the loop, ON_LOOP_SLICE at a time with
 a turn of the loop between slices (1,000 of them held it 45 ms in one go). A stream to create
 costs 300 to 900 µs of CPU and a mkdir's wait, one to reopen a file open and a mapping: those,
-and the streams whose sync blocks, are written after them in one thread hop, one after another,
-so that a disk's slowness never holds the loop (10,000 new streams held it for tens of seconds,
-and every other call of the server waited). The thread writes them in one batch of the
-listeners' hops (service/loophops.py): the readers to wake hear of all its streams in one
+and the streams whose sync blocks, are written after them in a thread, one after another, so
+that a disk's slowness never holds the loop (10,000 new streams held it for tens of seconds,
+and every other call of the server waited). Each thread hop writes its streams in one batch of
+the listeners' hops (service/loophops.py): the readers to wake hear of all its streams in one
 wake-up of the loop, not one per stream.
+
+The thread work is of two kinds, run at once. Streams to create or reopen under a policy
+that does not block are CPU-bound (a creation is mostly Python): two calls writing them in two
+threads at once only fought over the GIL and the engine's creation lock, so they pass through
+the servicer's lane, one call at a time (two calls in flight of 2,000 new streams each: see
+docs/PERFORMANCE.md, "Two AppendMany calls at once"). Streams whose sync blocks mostly wait for
+the disk: they are written outside the lane, spread over all the thread pool's threads but one,
+so that their syncs overlap and merge (group commit), within a call and across calls (written
+in one thread, 1,000 new streams under "always" waited for 1,000 syncs in turn). A stream the
+cache closed is taken to have the server's fsync policy (its own is known once it is open
+again): one with a policy of its own that blocks, under a server's that does not, holds the
+lane for its sync.
 
 The request as a whole is checked first (`check_request`): at least one batch, at most
 max_append_many_batches of them and max_append_many_bytes. In a cluster the routing layer
@@ -50,7 +62,12 @@ ON_LOOP_SLICE = 64
 
 
 def check_request(request: pb.AppendManyRequest, settings: Settings) -> None:
-    """Refuse a request that is wrong as a whole: no batches, or past a bound on the whole."""
+    """Refuse a request that is wrong as a whole: no batches, or past a bound on the whole.
+
+    Its size is measured only under a max_append_many_bytes below max_message_bytes: the gRPC
+    server's and the HTTP API's receive limit, which every request has passed before it gets here
+    (a part that routing serves or forwards is a part of one), and a request's ByteSize encodes
+    it whole (a quarter of the loop's CPU in an AppendMany load of new streams, measured twice)."""
     count = len(request.batches)
     if not count:
         raise invalid_argument("batches: at least one batch is required")
@@ -58,6 +75,8 @@ def check_request(request: pb.AppendManyRequest, settings: Settings) -> None:
     if count > limit:
         raise limit_exceeded("max_append_many_batches", limit, f"batches: the request has {count} batches")
     limit = settings.max_append_many_bytes
+    if limit >= settings.max_message_bytes:
+        return
     size = request.ByteSize()
     if size > limit:
         raise limit_exceeded("max_append_many_bytes", limit, f"batches: the request has {size} bytes")
@@ -68,10 +87,18 @@ def error_result(code: grpc.StatusCode, message: str) -> pb.AppendManyResult:
     return pb.AppendManyResult(error=pb.PublishError(code=code.value[0], message=message))
 
 
-def _result(outcome: Outcome) -> pb.AppendManyResult:
-    if isinstance(outcome, AppendResult):
-        return pb.AppendManyResult(**streamwire.appended(outcome))
-    return error_result(*status_for(outcome))
+def _response(outcomes: list[Outcome]) -> pb.AppendManyResponse:
+    """The reply: one result per outcome, in order. Each is added in place: a result made apart
+    and copied into the list cost three times as much."""
+    response = pb.AppendManyResponse()
+    results = response.results
+    add = results.add
+    for outcome in outcomes:
+        if isinstance(outcome, AppendResult):
+            add(**streamwire.appended(outcome))
+        else:
+            results.append(error_result(*status_for(outcome)))
+    return response
 
 
 def _write(engine: Engine, stream: str, writes: _Writes, outcomes: list[Any]) -> None:
@@ -106,6 +133,25 @@ class AppendManyCalls:
 
     def __init__(self, serving: Serving) -> None:
         self._serving = serving
+        # Held by the call whose streams to create or reopen are being written (event loop only).
+        self._lane = asyncio.Lock()
+
+    async def _write_in_lane(
+        self, engine: Engine, streams: list[tuple[str, _Writes]], outcomes: list[Any]
+    ) -> None:
+        """Write streams in a thread once no other call's lane part is being written."""
+        lane = self._lane
+        await lane.acquire()
+        try:
+            written = asyncio.ensure_future(
+                self._serving.in_thread(_write_all, engine, streams, outcomes, self._serving.waiters.hops)
+            )
+        except BaseException:
+            lane.release()
+            raise
+        # Held until the thread is done, even if this call is cancelled meanwhile.
+        written.add_done_callback(lambda _: lane.release())
+        await asyncio.shield(written)
 
     @translate_errors
     async def AppendMany(self, request: pb.AppendManyRequest, context: CallContext) -> pb.AppendManyResponse:
@@ -129,16 +175,31 @@ class AppendManyCalls:
                 outcomes[i] = exc
                 continue
             by_stream.setdefault(stream, []).append((i, batch, producer, expected))
-        hop: list[tuple[str, _Writes]] = []  # to create or reopen, or whose sync blocks
+        lane: list[tuple[str, _Writes]] = []  # to create or reopen, under a policy that does not block
+        blocking: list[tuple[str, _Writes]] = []  # whose sync blocks
+        default_blocks = engine.config.fsync.blocks  # a stream not open: see the module docstring
         on_loop = 0
         for stream, writes in by_stream.items():
-            if not engine.is_open(stream) or engine.fsync_policy(stream).blocks:
-                hop.append((stream, writes))
+            if not engine.is_open(stream):
+                (blocking if default_blocks else lane).append((stream, writes))
+                continue
+            if engine.fsync_policy(stream).blocks:
+                blocking.append((stream, writes))
                 continue
             _write(engine, stream, writes, outcomes)
             on_loop += 1
             if on_loop % ON_LOOP_SLICE == 0:
                 await asyncio.sleep(0)  # the other calls' turn
-        if hop:
-            await serving.in_thread(_write_all, engine, hop, outcomes, serving.waiters.hops)
-        return pb.AppendManyResponse(results=list(map(_result, outcomes)))
+        hops = []
+        if lane:
+            hops.append(self._write_in_lane(engine, lane, outcomes))
+        # Blocking streams are spread over the pool's threads but one (left to the other calls):
+        # their syncs overlap and merge, where one thread waited for each stream's in turn.
+        spread = min(len(blocking), max(1, settings.append_threads - 1))
+        for part in range(spread):
+            hops.append(
+                serving.in_thread(_write_all, engine, blocking[part::spread], outcomes, serving.waiters.hops)
+            )
+        if hops:
+            await asyncio.gather(*hops)
+        return _response(outcomes)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,9 @@ from streamlog.v1 import streamlog_pb2_grpc as pb_grpc
 
 from bench.common import free_port
 from service import auth
-from service.appendmany import ON_LOOP_SLICE
+from service.appendmany import ON_LOOP_SLICE, check_request
+from service.config import Settings
+from service.errors import ServiceError
 from tests.cluster.nodes import eventually
 from tests.service.helpers import ServerThread
 from tests.service.test_auth import ACL_TOML, TOKENS_TOML, bearer, write
@@ -236,3 +239,123 @@ def test_a_call_to_many_open_streams_is_written_on_the_loop_in_slices_with_turns
     assert offsets(results) == [(1, 1)] * count
     assert set(written) == {server._thread.ident}  # all on the loop: none hopped to a thread
     assert turns == [ON_LOOP_SLICE]  # the loop ran other callbacks after the first slice
+
+
+def _most_writes_at_once(server: ServerThread, monkeypatch: Any, fsync: str, calls: int, target: int) -> int:
+    """`calls` AppendMany calls of 20 new streams each in flight: the most engine writes seen at
+    once. Writes wait (a second at most, in all) until `target` of them run at once, as slow ones
+    would: where the server lets that many run together, they do."""
+    engine = server.server.engine
+    real = engine.append_many
+    lock, running, most = threading.Lock(), [0], [0]
+    reached = threading.Event()
+
+    def append_many_watched(stream: str, appends: Any) -> Any:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            if running[0] >= target:
+                reached.set()
+        try:
+            if not reached.wait(1.0):
+                reached.set()  # not reached: the others go on at once
+            return real(stream, appends)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(engine, "append_many", append_many_watched)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        futures = [
+            stub.AppendMany.future(
+                pb.AppendManyRequest(batches=[batch(f"{fsync}-{c}-{i}", b"x") for i in range(20)]),
+                timeout=TIMEOUT,
+            )
+            for c in range(calls)
+        ]
+        for future in futures:
+            assert offsets(list(future.result().results)) == [(0, 0)] * 20
+    return most[0]
+
+
+def test_two_calls_creating_streams_under_everysec_write_one_at_a_time(start_server, monkeypatch):
+    """New streams cost CPU, not waits: two calls' creations in two threads only fight over the GIL."""
+    server = start_server(fsync="everysec")
+    assert _most_writes_at_once(server, monkeypatch, "everysec", calls=2, target=2) == 1
+
+
+def test_two_calls_creating_streams_under_always_write_at_once(start_server, monkeypatch):
+    """Writes that wait for their sync keep overlapping across calls: a sync in progress does not
+    hold another call's writes back (their syncs can merge). Two threads: one call's writes take one."""
+    server = start_server(fsync="always", append_threads=2)
+    assert _most_writes_at_once(server, monkeypatch, "always", calls=2, target=2) == 2
+
+
+def test_one_call_creating_streams_under_always_writes_them_in_threads_at_once(start_server, monkeypatch):
+    """Written one after another in one thread, each stream waited for its own sync in turn
+    (1,000 syncs for 1,000 new streams); in the pool's threads but one, their syncs merge."""
+    server = start_server(fsync="always", append_threads=4)
+    assert _most_writes_at_once(server, monkeypatch, "always", calls=1, target=3) == 3
+
+
+class _Sized:
+    """An AppendManyRequest's stand-in that counts the times its size is asked (each encodes it)."""
+
+    def __init__(self, size: int) -> None:
+        self.batches = [batch("s", b"x")]
+        self.size = size
+        self.measured = 0
+
+    def ByteSize(self) -> int:
+        self.measured += 1
+        return self.size
+
+
+def test_a_request_is_measured_only_under_a_bound_below_the_receive_limit():
+    """At the default bounds (max_append_many_bytes = max_message_bytes) the transport refused
+    every larger request already: its size is not asked. Under a lower bound it is, and checked."""
+    settings = Settings()
+    assert settings.max_append_many_bytes == settings.max_message_bytes
+    request = _Sized(settings.max_message_bytes)
+    check_request(request, settings)
+    assert request.measured == 0
+    lower = Settings(max_append_many_bytes=1000)
+    check_request(_Sized(1000), lower)
+    with pytest.raises(ServiceError, match="max_append_many_bytes=1000"):
+        check_request(_Sized(1001), lower)
+
+
+def test_a_cancelled_call_holds_the_lane_until_its_thread_is_done(start_server, monkeypatch):
+    """A call cancelled while its new streams are being written leaves its thread writing them:
+    the next call's creations wait for that thread, not for the cancellation."""
+    server = start_server(fsync="everysec")
+    engine = server.server.engine
+    real = engine.append_many
+    first_held, release = threading.Event(), threading.Event()
+    written: list[str] = []
+
+    def append_many_held(stream: str, appends: Any) -> Any:
+        if stream == "first-0":
+            first_held.set()
+            release.wait(TIMEOUT)
+        written.append(stream)
+        return real(stream, appends)
+
+    monkeypatch.setattr(engine, "append_many", append_many_held)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        first = stub.AppendMany.future(
+            pb.AppendManyRequest(batches=[batch(f"first-{i}", b"x") for i in range(3)]), timeout=TIMEOUT
+        )
+        assert first_held.wait(TIMEOUT)
+        first.cancel()
+        assert first.cancelled()
+        second = stub.AppendMany.future(
+            pb.AppendManyRequest(batches=[batch("second", b"y")]), timeout=TIMEOUT
+        )
+        time.sleep(0.3)  # the second call's time to start writing, were the lane let go
+        assert written == []
+        release.set()
+        assert offsets(list(second.result().results)) == [(0, 0)]
+    assert written.index("second") > written.index("first-2")  # after the first thread's last
