@@ -75,6 +75,7 @@ class StreamSummary(NamedTuple):
 
 
 UNKNOWN = StreamSummary(upkeep_ms=1)  # found by its meta file alone: a visit learns its figures
+NO_FIGURES = StreamSummary()  # an open or deleted stream's row
 
 
 @dataclass
@@ -127,19 +128,25 @@ class Catalog:
         self.changes = 0  # streams added or removed since the file was last written
 
     def __contains__(self, name: object) -> bool:
-        # A name in `_rows` without `_row`'s call (the service asks on every Append).
-        return isinstance(name, str) and (name in self._rows or self._row(name) is not None)
+        # A name in `_rows` without a call (the service asks on every Append), one not there
+        # without a second probe of `_rows` (a new stream's creation asks twice).
+        return isinstance(name, str) and (name in self._rows or self._base_row(name) is not None)
 
     def __len__(self) -> int:
         return len(self._base) - len(self._gone) + len(self._rows)
 
     def _row(self, name: str) -> int | None:
         row = self._rows.get(name)
-        if row is None:
-            i = bisect_left(self._base, name)
-            if i < len(self._base) and self._base[i] == name and name not in self._gone:
+        return row if row is not None else self._base_row(name)
+
+    def _base_row(self, name: str) -> int | None:
+        """The row of a name of the file's, found by bisection (None if it is not one, or gone)."""
+        base = self._base
+        if base:  # (a new data directory's file has no name)
+            i = bisect_left(base, name)
+            if i < len(base) and base[i] == name and name not in self._gone:
                 return i
-        return row
+        return None
 
     def _all(self) -> Iterator[str]:
         """Every name, the file's in order first."""
@@ -164,16 +171,15 @@ class Catalog:
             self._replicated = set(listed.replicated)
             self._unreadable = dict(listed.unreadable)
             for name in gone:
-                if self._row(name) is not None:
-                    self._drop(name)
+                if (row := self._row(name)) is not None:
+                    self._drop(row, name)
             self._totals = [sum(column) for column in self._columns]
 
     def add_closed(self, name: str, summary: StreamSummary, place: int = NO_PLACE) -> None:
         """Start-up: a stream found by its directory, or by a journal's record of its slot (closed)."""
         with self.lock:
-            if self._row(name) is None:
-                self._new_row(name, place)
-            self._keep(name, summary)
+            row = self._row(name)
+            self._keep(self._new_row(name, place) if row is None else row, name, summary)
             self.changes += 1
 
     # ------------------------------------------------------------------ changes
@@ -192,7 +198,7 @@ class Catalog:
         with self.lock:
             row = self._row(name)
             if row is not None:
-                self._forget(name)
+                self._forget(row)
                 self._places[row] = place
             else:
                 self._new_row(name, place)
@@ -232,7 +238,7 @@ class Catalog:
             if row is not None:
                 if unreadable and self._places[row] != NO_PLACE:
                     self._unreadable[name] = self._places[row]
-                self._drop(name)
+                self._drop(row, name)
                 self.changes += 1
                 if self._journal is not None:
                     (self._journal.relist if unreadable else self._journal.deleted)(name)
@@ -240,8 +246,8 @@ class Catalog:
     def opened(self, name: str) -> None:
         """The stream is open: its figures come from it now."""
         with self.lock:
-            if self._row(name) is not None:
-                self._forget(name)
+            if (row := self._row(name)) is not None:
+                self._forget(row)
                 self._open.add(name)
                 if self._journal is not None:
                     self._journal.opened(name)
@@ -253,8 +259,7 @@ class Catalog:
         with self.lock:
             row = self._row(name)
             if row is not None:
-                self._forget(name)
-                self._keep(name, summary)
+                self._keep(row, name, summary)
                 self._open.discard(name)
                 if self._journal is not None and self._places[row] == NO_PLACE:
                     self._journal.closed(name, summary)
@@ -266,30 +271,28 @@ class Catalog:
             row = self._row(name)
             if row is None or name in self._open or self._places[row] == NO_PLACE:
                 return False
-            self._forget(name)
-            self._keep(name, summary)
+            self._keep(row, name, summary)
             return True
 
-    def _new_row(self, name: str, place: int) -> None:
+    def _new_row(self, name: str, place: int) -> int:
+        """The row of a name not in the catalog, at `place`, its figures zero."""
         if name in self._gone:  # back under its old row (zeroed when it went)
             self._gone.discard(name)
-            self._places[self._row_of(name)] = place
+            row = self._base_row(name)
+            assert row is not None
+            self._places[row] = place
         else:
-            self._rows[name] = len(self._upkeep)
+            row = self._rows[name] = len(self._upkeep)
             for column in self._columns:
                 column.append(0)
             self._upkeep.append(0)
             self._places.append(place)
         if self._sorted is not None:
             self._sorted.add(name)
-
-    def _row_of(self, name: str) -> int:
-        row = self._row(name)
-        assert row is not None
         return row
 
-    def _drop(self, name: str) -> None:
-        self._forget(name)
+    def _drop(self, row: int, name: str) -> None:
+        self._forget(row)
         self._open.discard(name)
         if self._rows.pop(name, None) is None:
             self._gone.add(name)  # its row stays, zeroed, until the file is next written
@@ -297,24 +300,27 @@ class Catalog:
         if self._sorted is not None:
             self._sorted.remove(name)
 
-    def _keep(self, name: str, summary: StreamSummary) -> None:
-        row = self._row_of(name)
-        for i, column in enumerate(self._columns):
-            column[row] = summary[i]
-            self._totals[i] += summary[i]
+    def _keep(self, row: int, name: str, summary: StreamSummary) -> None:
+        """The row's figures are `summary`'s now (the stream `name` is closed)."""
+        self._figures(row, summary)
         self._upkeep[row] = summary.upkeep_ms
         if summary.upkeep_ms:
             heapq.heappush(self._due, (summary.upkeep_ms, name))
         if summary.replicated:
             self._replicated.add(name)
 
-    def _forget(self, name: str) -> None:
+    def _forget(self, row: int) -> None:
         # Its heap item, if any, goes stale: `due` skips it.
-        row = self._row_of(name)
-        for i, column in enumerate(self._columns):
-            self._totals[i] -= column[row]
-            column[row] = 0
+        self._figures(row, NO_FIGURES)
         self._upkeep[row] = 0
+
+    def _figures(self, row: int, figures: StreamSummary) -> None:
+        """Set the row's TOTALS to `figures`', the totals following (one pass for both)."""
+        totals = self._totals
+        for i, column in enumerate(self._columns):
+            value = figures[i]
+            totals[i] += value - column[row]
+            column[row] = value
 
     # ------------------------------------------------------------------ queries
 

@@ -319,6 +319,27 @@ def test_the_files_names_are_found_by_bisection_with_deletions_and_creations_sin
     assert again.names == ["a", "c"] and list(again.columns[0]) == [5, 1]
 
 
+def test_a_change_finds_its_row_once_and_the_totals_follow(monkeypatch):
+    """A close (once per eviction, issue 17) and a creation look the stream's row up once each:
+    a close found it three times (`closed`, then `_forget` and `_keep`), and a name not in the
+    catalog was probed in its dict twice. Its figures replace the row's, the totals following."""
+    first = Catalog()
+    first.add_closed("a", StreamSummary(1, 10, 1, 1))
+    catalog = Catalog()
+    catalog.load(decode_catalog(first.encode(set(), {})), gone=set())
+    lookups: list[str] = []
+    real = Catalog._row
+    monkeypatch.setattr(Catalog, "_row", lambda c, name: (lookups.append(name), real(c, name))[1])
+    catalog.add("b")
+    catalog.closed("b", StreamSummary(3, 30, 1, 1))
+    catalog.opened("a")
+    catalog.closed("a", StreamSummary(2, 20, 1, 1))
+    catalog.closed("b", StreamSummary(4, 40, 1, 2))  # (a closed stream's figures replaced whole)
+    assert lookups == ["b", "b", "a", "a", "b"]
+    assert catalog.totals() == {"entries": 6, "bytes_on_disk": 60, "segments": 2, "nodes": 3}
+    assert "a" in catalog and "c" not in catalog and len(lookups) == 5  # (membership: no `_row`)
+
+
 def test_a_catalog_whose_names_are_out_of_order_counts_as_damaged():
     catalog = Catalog()
     for name in ["a", "b"]:
