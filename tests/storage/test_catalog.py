@@ -455,3 +455,28 @@ def test_a_stream_in_a_slot_survives_start_up_without_a_directory(tmp_path, cloc
     assert engine.stats()["entries"] == 9 + 1
     assert all(contents(engine, name) == items for name, items in written.items())
     engine.close()
+
+
+@pytest.mark.parametrize(
+    "rule",
+    ["none", "packing", "max_entries", "max_bytes", "max_age_ms", "compaction"],
+)
+def test_a_closed_stream_is_due_for_a_visit_only_under_a_rule_or_with_segments_to_pack(tmp_path, clock, rule):
+    """A close works out when maintenance is to visit the stream only if something may be due
+    (most streams: the default config, nothing to pack, never visited while closed)."""
+    config = {
+        "max_entries": StreamConfig(max_entries=1000),
+        "max_bytes": StreamConfig(max_bytes=1 << 30),
+        "max_age_ms": StreamConfig(max_age_ms=60_000),
+        "compaction": StreamConfig(compaction=True),
+    }.get(rule)
+    engine = Engine(tmp_path / "data", EngineConfig(**DIRECTORIES, max_open_streams=1), clock=clock)
+    if config is not None:
+        engine.create_stream("s", config)
+    payload = b"x" * (3 * 1024 if rule in ("packing", "compaction") else 10)  # past one segment
+    for _ in range(30 if rule in ("packing", "compaction") else 1):
+        engine.append("s", AppendBatch([payload] * 2, tags=["t", "t"] if rule == "compaction" else None))
+    engine.append("other", AppendBatch([b"x"]))  # closes "s"
+    due = engine._catalog.due(clock() + 10**9, 10)
+    assert due == ([] if rule == "none" else ["s"])
+    engine.close()
