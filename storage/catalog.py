@@ -368,9 +368,11 @@ class Catalog:
         return found
 
     def names(self) -> list[str]:
-        """Every name, sorted (a copy)."""
+        """Every name, sorted (a copy). A one-off listing (the consumer groups' probe at a new
+        data directory's start-up) builds no sorted list: kept, it costs every creation an
+        insertion (issue 17); a paged listing (`name_at`) builds it."""
         with self.lock:
-            return list(self._names())
+            return list(self._sorted) if self._sorted is not None else sorted(self._all())
 
     def name_at(self, index: int | slice) -> str | list[str]:
         """The name(s) at `index` of the sorted names."""

@@ -241,6 +241,20 @@ def test_list_streams_pages_from_the_sorted_names_in_place(tmp_path, clock):
     engine.close()
 
 
+def test_a_one_off_listing_leaves_no_sorted_list_for_creations_to_keep(tmp_path, clock):
+    """A new data directory's start-up lists the streams once (the consumer groups' probe,
+    storage/groupstore.py): the sorted list each creation then inserted into (issue 17) is built
+    by the first paged listing only, and kept up to date from then on."""
+    engine = Engine(tmp_path / "data", EngineConfig(**SMALL), clock=clock)
+    fill(engine, 3, entries=1)
+    assert engine.list_streams() == ["room-000", "room-001", "room-002"]
+    assert engine._catalog._sorted is None
+    assert engine.stream_names()[1] == "room-001" and engine._catalog._sorted is not None
+    engine.append("a", AppendBatch([b"x"]))
+    assert engine.stream_names()[0] == "a" and engine.list_streams()[:2] == ["a", "room-000"]
+    engine.close()
+
+
 def test_start_up_lists_no_stream_after_a_clean_shutdown_nor_after_a_kill_9(tmp_path, clock):
     data = tmp_path / "data"
     config = EngineConfig(**SMALL, max_open_streams=4)
