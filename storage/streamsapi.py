@@ -54,7 +54,7 @@ class StreamCalls:
             producer = check_producer(producer)
         if expected_end is not None:
             check_expected_end(expected_end)
-        stream = self._pinned_or_created(name, (batch,), expected_end)
+        stream = self._pinned_or_created(name, ((batch, producer),), expected_end)
         try:
             result = stream.append(batch, producer, expected_end)
         finally:
@@ -64,7 +64,10 @@ class StreamCalls:
         return result
 
     def _pinned_or_created(
-        self, name: str, first: Sequence[AppendBatch], expected_end: int | None = None
+        self,
+        name: str,
+        first: Sequence[tuple[AppendBatch, tuple[str, int] | None]],
+        expected_end: int | None = None,
     ) -> Stream:
         """The stream, pinned (the caller unpins it), created if it does not exist: in a slot if
         its `first` batches fit one. `_use_or_create` without its context object, for the calls
@@ -77,7 +80,7 @@ class StreamCalls:
                 validate_name(name)
                 if expected_end:
                     raise OffsetMismatchError(expected_end, 0)  # nothing created
-            stream = self._open.create(name, lambda: self._create(name, 0, fits_slot(first)))
+            stream = self._open.create(name, lambda: self._create(name, 0, fits_slot(b for b, _ in first)))
         return stream
 
     def _appended(self, name: str, stream: Stream, end_offset: int) -> None:
@@ -108,7 +111,7 @@ class StreamCalls:
                 refused[i] = exc
         written: list[AppendResult | StorageError] = []
         if checked:
-            stream = self._pinned_or_created(name, [batch for batch, _ in checked])
+            stream = self._pinned_or_created(name, checked)
             try:
                 written = stream.append_many(checked)
             finally:
