@@ -75,6 +75,7 @@ class StreamSummary(NamedTuple):
 
 
 UNKNOWN = StreamSummary(upkeep_ms=1)  # found by its meta file alone: a visit learns its figures
+NO_FIGURES = StreamSummary()  # an open or deleted stream's row
 
 
 @dataclass
@@ -127,19 +128,25 @@ class Catalog:
         self.changes = 0  # streams added or removed since the file was last written
 
     def __contains__(self, name: object) -> bool:
-        # A name in `_rows` without `_row`'s call (the service asks on every Append).
-        return isinstance(name, str) and (name in self._rows or self._row(name) is not None)
+        # A name in `_rows` without a call (the service asks on every Append), one not there
+        # without a second probe of `_rows` (a new stream's creation asks twice).
+        return isinstance(name, str) and (name in self._rows or self._base_row(name) is not None)
 
     def __len__(self) -> int:
         return len(self._base) - len(self._gone) + len(self._rows)
 
     def _row(self, name: str) -> int | None:
         row = self._rows.get(name)
-        if row is None:
-            i = bisect_left(self._base, name)
-            if i < len(self._base) and self._base[i] == name and name not in self._gone:
+        return row if row is not None else self._base_row(name)
+
+    def _base_row(self, name: str) -> int | None:
+        """The row of a name of the file's, found by bisection (None if it is not one, or gone)."""
+        base = self._base
+        if base:  # (a new data directory's file has no name)
+            i = bisect_left(base, name)
+            if i < len(base) and base[i] == name and name not in self._gone:
                 return i
-        return row
+        return None
 
     def _all(self) -> Iterator[str]:
         """Every name, the file's in order first."""
@@ -164,16 +171,15 @@ class Catalog:
             self._replicated = set(listed.replicated)
             self._unreadable = dict(listed.unreadable)
             for name in gone:
-                if self._row(name) is not None:
-                    self._drop(name)
+                if (row := self._row(name)) is not None:
+                    self._drop(row, name)
             self._totals = [sum(column) for column in self._columns]
 
     def add_closed(self, name: str, summary: StreamSummary, place: int = NO_PLACE) -> None:
         """Start-up: a stream found by its directory, or by a journal's record of its slot (closed)."""
         with self.lock:
-            if self._row(name) is None:
-                self._new_row(name, place)
-            self._keep(name, summary)
+            row = self._row(name)
+            self._keep(self._new_row(name, place) if row is None else row, name, summary)
             self.changes += 1
 
     # ------------------------------------------------------------------ changes
@@ -192,7 +198,7 @@ class Catalog:
         with self.lock:
             row = self._row(name)
             if row is not None:
-                self._forget(name)
+                self._forget(row)
                 self._places[row] = place
             else:
                 self._new_row(name, place)
@@ -232,7 +238,7 @@ class Catalog:
             if row is not None:
                 if unreadable and self._places[row] != NO_PLACE:
                     self._unreadable[name] = self._places[row]
-                self._drop(name)
+                self._drop(row, name)
                 self.changes += 1
                 if self._journal is not None:
                     (self._journal.relist if unreadable else self._journal.deleted)(name)
@@ -240,8 +246,8 @@ class Catalog:
     def opened(self, name: str) -> None:
         """The stream is open: its figures come from it now."""
         with self.lock:
-            if self._row(name) is not None:
-                self._forget(name)
+            if (row := self._row(name)) is not None:
+                self._forget(row)
                 self._open.add(name)
                 if self._journal is not None:
                     self._journal.opened(name)
@@ -253,8 +259,7 @@ class Catalog:
         with self.lock:
             row = self._row(name)
             if row is not None:
-                self._forget(name)
-                self._keep(name, summary)
+                self._keep(row, name, summary)
                 self._open.discard(name)
                 if self._journal is not None and self._places[row] == NO_PLACE:
                     self._journal.closed(name, summary)
@@ -266,30 +271,28 @@ class Catalog:
             row = self._row(name)
             if row is None or name in self._open or self._places[row] == NO_PLACE:
                 return False
-            self._forget(name)
-            self._keep(name, summary)
+            self._keep(row, name, summary)
             return True
 
-    def _new_row(self, name: str, place: int) -> None:
+    def _new_row(self, name: str, place: int) -> int:
+        """The row of a name not in the catalog, at `place`, its figures zero."""
         if name in self._gone:  # back under its old row (zeroed when it went)
             self._gone.discard(name)
-            self._places[self._row_of(name)] = place
+            row = self._base_row(name)
+            assert row is not None
+            self._places[row] = place
         else:
-            self._rows[name] = len(self._upkeep)
+            row = self._rows[name] = len(self._upkeep)
             for column in self._columns:
                 column.append(0)
             self._upkeep.append(0)
             self._places.append(place)
         if self._sorted is not None:
             self._sorted.add(name)
-
-    def _row_of(self, name: str) -> int:
-        row = self._row(name)
-        assert row is not None
         return row
 
-    def _drop(self, name: str) -> None:
-        self._forget(name)
+    def _drop(self, row: int, name: str) -> None:
+        self._forget(row)
         self._open.discard(name)
         if self._rows.pop(name, None) is None:
             self._gone.add(name)  # its row stays, zeroed, until the file is next written
@@ -297,24 +300,27 @@ class Catalog:
         if self._sorted is not None:
             self._sorted.remove(name)
 
-    def _keep(self, name: str, summary: StreamSummary) -> None:
-        row = self._row_of(name)
-        for i, column in enumerate(self._columns):
-            column[row] = summary[i]
-            self._totals[i] += summary[i]
+    def _keep(self, row: int, name: str, summary: StreamSummary) -> None:
+        """The row's figures are `summary`'s now (the stream `name` is closed)."""
+        self._figures(row, summary)
         self._upkeep[row] = summary.upkeep_ms
         if summary.upkeep_ms:
             heapq.heappush(self._due, (summary.upkeep_ms, name))
         if summary.replicated:
             self._replicated.add(name)
 
-    def _forget(self, name: str) -> None:
+    def _forget(self, row: int) -> None:
         # Its heap item, if any, goes stale: `due` skips it.
-        row = self._row_of(name)
-        for i, column in enumerate(self._columns):
-            self._totals[i] -= column[row]
-            column[row] = 0
+        self._figures(row, NO_FIGURES)
         self._upkeep[row] = 0
+
+    def _figures(self, row: int, figures: StreamSummary) -> None:
+        """Set the row's TOTALS to `figures`', the totals following (one pass for both)."""
+        totals = self._totals
+        for i, column in enumerate(self._columns):
+            value = figures[i]
+            totals[i] += value - column[row]
+            column[row] = value
 
     # ------------------------------------------------------------------ queries
 
@@ -362,9 +368,11 @@ class Catalog:
         return found
 
     def names(self) -> list[str]:
-        """Every name, sorted (a copy)."""
+        """Every name, sorted (a copy). A one-off listing (the consumer groups' probe at a new
+        data directory's start-up) builds no sorted list: kept, it costs every creation an
+        insertion (issue 17); a paged listing (`name_at`) builds it."""
         with self.lock:
-            return list(self._names())
+            return list(self._sorted) if self._sorted is not None else sorted(self._all())
 
     def name_at(self, index: int | slice) -> str | list[str]:
         """The name(s) at `index` of the sorted names."""
@@ -410,46 +418,8 @@ class Catalog:
                         journal.created(name)
         if old is not None and journal is not None:
             old.close()
-        # The file's names are in order already: merge the few created since into them.
-        if left or added:
-            kept = [(n, i) for i, n in enumerate(base) if n not in left]
-            merged = list(heapq.merge(kept, added))
-            names, rows = [n for n, _ in merged], [r for _, r in merged]
-            columns = [array("q", (column[r] for r in rows)) for column in columns]
-            due = {n: when for n, r in zip(names, rows, strict=True) if (when := upkeep[r])}
-        else:  # nothing came or went since the file was read: its rows as they are
-            names = base
-            columns = [column[: len(base)] for column in columns]  # rows of streams added and gone
-            due = {base[r]: when for r, when in enumerate(upkeep) if when}
-        *figures, places = columns
-        for name in unknown:  # open, maybe since `summaries` were taken: visited after a crash
-            due[name] = UNKNOWN.upkeep_ms
-        for name, summary in summaries.items():
-            if name in skip:
-                continue
-            i = bisect_left(names, name)
-            for column, value in zip(figures, summary, strict=False):
-                column[i] = value
-            due[name] = summary.upkeep_ms or UNKNOWN.upkeep_ms
-            if summary.replicated:
-                replicated.add(name)
-        dirs = {
-            n: dirname_for(n)
-            for n, place in zip(names, places, strict=True)
-            if place == NO_PLACE and not _OWN_DIRNAME.fullmatch(n)
-        }
-        head = json.dumps(
-            {
-                "dirs": dirs,
-                "replicated": sorted(replicated),
-                "due": sorted((w, n) for n, w in due.items()),
-                "journal": generation,
-                "unreadable": unreadable,
-            },
-            separators=(",", ":"),
-        ).encode()
-        body = b"".join([head, "\0".join(names).encode(), *(_stored(column) for column in columns)])
-        return _HEAD.pack(_MAGIC, crc32c(body), CATALOG_VERSION, 0, len(names), len(head)) + body
+        copy = _Copy(base, left, added, columns, upkeep, replicated, unreadable, unknown, generation)
+        return _encode_copy(copy, summaries, skip)
 
     def start_journal(self, journal: Journal) -> None:
         """Start-up: the file and its journals were read; changes go to `journal` from now on."""
@@ -504,6 +474,65 @@ class Catalog:
         unknown = UNKNOWN.upkeep_ms
         pairs = zip(upkeep, places, strict=True)
         return sum(1 for when, place in pairs if when == unknown and place != NO_PLACE)
+
+
+class _Copy(NamedTuple):
+    """What `Catalog.encode` copies under the lock, to build the file from outside it."""
+
+    base: list[str]
+    left: set[str]
+    added: list[tuple[str, int]]
+    columns: list[array]
+    upkeep: array
+    replicated: set[str]
+    unreadable: dict[str, int]
+    unknown: set[str]
+    generation: int
+
+
+def _encode_copy(copy: _Copy, summaries: dict[str, StreamSummary], skip: set[str]) -> bytes:
+    """The catalog file's bytes from a copy of the catalog (Catalog.encode), outside its lock."""
+    base, left, added, columns, upkeep, replicated, unreadable, unknown, generation = copy
+    # The file's names are in order already: merge the few created since into them.
+    if left or added:
+        kept = [(n, i) for i, n in enumerate(base) if n not in left]
+        merged = list(heapq.merge(kept, added))
+        names, rows = [n for n, _ in merged], [r for _, r in merged]
+        columns = [array("q", (column[r] for r in rows)) for column in columns]
+        due = {n: when for n, r in zip(names, rows, strict=True) if (when := upkeep[r])}
+    else:  # nothing came or went since the file was read: its rows as they are
+        names = base
+        columns = [column[: len(base)] for column in columns]  # rows of streams added and gone
+        due = {base[r]: when for r, when in enumerate(upkeep) if when}
+    *figures, places = columns
+    for name in unknown:  # open, maybe since `summaries` were taken: visited after a crash
+        due[name] = UNKNOWN.upkeep_ms
+    for name, summary in summaries.items():
+        if name in skip:
+            continue
+        i = bisect_left(names, name)
+        for column, value in zip(figures, summary, strict=False):
+            column[i] = value
+        due[name] = summary.upkeep_ms or UNKNOWN.upkeep_ms
+        if summary.replicated:
+            replicated.add(name)
+    dirs = {
+        n: dirname_for(n)
+        for n, place in zip(names, places, strict=True)
+        if place == NO_PLACE and not _OWN_DIRNAME.fullmatch(n)
+    }
+    head = json.dumps(
+        {
+            "dirs": dirs,
+            "replicated": sorted(replicated),
+            "due": sorted((w, n) for n, w in due.items()),
+            "journal": generation,
+            "unreadable": unreadable,
+        },
+        separators=(",", ":"),
+    ).encode()
+    body = b"".join([head, "\0".join(names).encode(), *(_stored(column) for column in columns)])
+    return _HEAD.pack(_MAGIC, crc32c(body), CATALOG_VERSION, 0, len(names), len(head)) + body
 
 
 def decode_catalog(raw: bytes) -> CatalogFile:

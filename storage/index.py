@@ -18,13 +18,15 @@ from storage.segment import NodeRef, Segment
 
 
 class NodeIndex:
-    __slots__ = ("_holes", "bases", "max_ts", "nodes")
+    __slots__ = ("_gaps", "bases", "max_ts", "nodes")
 
     def __init__(self, refs: Iterable[NodeRef] = ()) -> None:
         self.nodes: list[NodeRef] = []  # retained nodes in offset order
         self.bases = array("q")  # their base offsets, for bisect
         self.max_ts = array("q")  # their max timestamps (non-decreasing), for seek by time
-        self._holes: bool | None = None  # cached answer of has_holes(); None = recompute
+        # Whether a node is sparse or does not start where the one before it ends: kept as nodes
+        # come (a stream's close asks, issue 17); None: not known, looked for by has_holes.
+        self._gaps: bool | None = False
         for ref in refs:
             self.append(ref)
 
@@ -32,8 +34,13 @@ class NodeIndex:
         return len(self.nodes)
 
     def append(self, ref: NodeRef) -> None:
-        self._holes = None
-        self.nodes.append(ref)
+        """Add the node after the last (sealed now: its end is final)."""
+        nodes = self.nodes
+        if not nodes:
+            self._gaps = bool(ref.header.flags & NODE_SPARSE)
+        elif self._gaps is False:
+            self._gaps = bool(ref.header.flags & NODE_SPARSE) or nodes[-1].end_offset != ref.base_offset
+        nodes.append(ref)
         self.bases.append(ref.base_offset)
         self.max_ts.append(ref.header.max_ts)
 
@@ -46,12 +53,13 @@ class NodeIndex:
         del self.nodes[:k]
         del self.bases[:k]
         del self.max_ts[:k]
-        self._holes = None
+        if self._gaps:  # (none left, maybe)
+            self._gaps = None if self.nodes else False
 
     def replace_segments(self, old: list[Segment], fresh: Iterable[NodeRef]) -> None:
         """Segments `old` were rewritten: their nodes give way to `fresh` ones."""
         keep = [ref for ref in self.nodes if ref.segment not in old]
-        self.nodes, self.bases, self.max_ts = [], array("q"), array("q")
+        self.nodes, self.bases, self.max_ts, self._gaps = [], array("q"), array("q"), False
         for ref in sorted([*keep, *fresh], key=lambda r: r.base_offset):
             self.append(ref)
 
@@ -91,21 +99,16 @@ class NodeIndex:
 
     def mark_holes(self) -> None:
         """A node failed its checks: offsets are missing now."""
-        self._holes = True
-
-    def forget_holes(self) -> None:
-        """The stream's first offset or its damage changed: has_holes must look again."""
-        self._holes = None
+        self._gaps = True
 
     def has_holes(self, first_offset: int, damaged: bool) -> bool:
-        """Whether any offset from first_offset on is missing (compaction or damage). Cached."""
-        if self._holes is None:
-            nodes = self.nodes
-            starts_late = bool(nodes) and nodes[0].base_offset > first_offset
-            self._holes = (
-                damaged
-                or starts_late
-                or any(ref.header.flags & NODE_SPARSE for ref in nodes)
-                or any(a.end_offset != b.base_offset for a, b in itertools.pairwise(nodes))
+        """Whether any offset from first_offset on is missing (compaction or damage): the gaps
+        between nodes as kept, the stream's first offset and damage as they are now."""
+        nodes = self.nodes
+        if damaged or (nodes and nodes[0].base_offset > first_offset):
+            return True
+        if self._gaps is None:
+            self._gaps = any(ref.header.flags & NODE_SPARSE for ref in nodes) or any(
+                a.end_offset != b.base_offset for a, b in itertools.pairwise(nodes)
             )
-        return self._holes
+        return self._gaps

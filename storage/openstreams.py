@@ -172,9 +172,12 @@ class OpenStreams:
     def _close_one(self) -> bool:
         now = time.monotonic()
         with self._lock:
-            victim = next((s for s in self._streams.values() if _closable(s, now)), None)
-        # None: all in use, over the limit until some are released.
-        return victim is not None and self._close(victim)
+            for victim in self._streams.values():  # (a loop: no generator made per eviction)
+                if _closable(victim, now):
+                    break
+            else:
+                return False  # all in use: over the limit until some are released
+        return self._close(victim)
 
     def _close(self, victim: Stream) -> bool:
         """Close a stream if no call pins it (with `_opening` held); False if it stays open."""

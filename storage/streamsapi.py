@@ -31,7 +31,6 @@ class StreamCalls:
     _log_listeners: list[Callable[[str, int], None]]
     _clock: Callable[[], int]
     _use: Callable[[str], Pinned]
-    _use_or_create: Callable[[str, int, bool], Pinned]
     _create: Callable[[str, int, bool], Stream]
 
     def append(
@@ -55,15 +54,7 @@ class StreamCalls:
             producer = check_producer(producer)
         if expected_end is not None:
             check_expected_end(expected_end)
-        # `_use_or_create` without its context manager: this runs once per Append. An open
-        # stream exists: only one that is not is looked up in the catalog.
-        stream = self._open.pin_if_open(name)
-        if stream is None:
-            if name not in self._catalog:
-                validate_name(name)
-                if expected_end:
-                    raise OffsetMismatchError(expected_end, 0)  # nothing created
-            stream = self._open.create(name, lambda: self._create(name, 0, fits_slot((batch,))))
+        stream = self._pinned_or_created(name, ((batch, producer),), expected_end)
         try:
             result = stream.append(batch, producer, expected_end)
         finally:
@@ -71,6 +62,26 @@ class StreamCalls:
         if not result.duplicate:
             self._appended(name, stream, result.last_offset + 1)
         return result
+
+    def _pinned_or_created(
+        self,
+        name: str,
+        first: Sequence[tuple[AppendBatch, tuple[str, int] | None]],
+        expected_end: int | None = None,
+    ) -> Stream:
+        """The stream, pinned (the caller unpins it), created if it does not exist: in a slot if
+        its `first` batches fit one. `_use_or_create` without its context object, for the calls
+        that run once per Append and AppendMany batch: an open stream is not looked up in the
+        catalog, a new one once (it was three times per AppendMany batch, issue 17). An
+        `expected_end` other than 0 refuses to create it (OffsetMismatchError)."""
+        stream = self._open.pin_if_open(name)
+        if stream is None:
+            if name not in self._catalog:
+                validate_name(name)
+                if expected_end:
+                    raise OffsetMismatchError(expected_end, 0)  # nothing created
+            stream = self._open.create(name, lambda: self._create(name, 0, fits_slot(b for b, _ in first)))
+        return stream
 
     def _appended(self, name: str, stream: Stream, end_offset: int) -> None:
         """New entries up to `end_offset`: the readers are told, or, under a commit cap, replication
@@ -100,9 +111,11 @@ class StreamCalls:
                 refused[i] = exc
         written: list[AppendResult | StorageError] = []
         if checked:
-            small = name not in self._catalog and fits_slot(batch for batch, _ in checked)
-            with self._use_or_create(name, 0, small) as stream:
+            stream = self._pinned_or_created(name, checked)
+            try:
                 written = stream.append_many(checked)
+            finally:
+                self._open.unpin(stream)
             # Offsets grow in order: the last batch written ends what is new.
             new = (r for r in reversed(written) if isinstance(r, AppendResult) and not r.duplicate)
             last = next(new, None)

@@ -241,6 +241,20 @@ def test_list_streams_pages_from_the_sorted_names_in_place(tmp_path, clock):
     engine.close()
 
 
+def test_a_one_off_listing_leaves_no_sorted_list_for_creations_to_keep(tmp_path, clock):
+    """A new data directory's start-up lists the streams once (the consumer groups' probe,
+    storage/groupstore.py): the sorted list each creation then inserted into (issue 17) is built
+    by the first paged listing only, and kept up to date from then on."""
+    engine = Engine(tmp_path / "data", EngineConfig(**SMALL), clock=clock)
+    fill(engine, 3, entries=1)
+    assert engine.list_streams() == ["room-000", "room-001", "room-002"]
+    assert engine._catalog._sorted is None
+    assert engine.stream_names()[1] == "room-001" and engine._catalog._sorted is not None
+    engine.append("a", AppendBatch([b"x"]))
+    assert engine.stream_names()[0] == "a" and engine.list_streams()[:2] == ["a", "room-000"]
+    engine.close()
+
+
 def test_start_up_lists_no_stream_after_a_clean_shutdown_nor_after_a_kill_9(tmp_path, clock):
     data = tmp_path / "data"
     config = EngineConfig(**SMALL, max_open_streams=4)
@@ -317,6 +331,27 @@ def test_the_files_names_are_found_by_bisection_with_deletions_and_creations_sin
     assert catalog.totals() == {"entries": 6, "bytes_on_disk": 60, "segments": 2, "nodes": 2}
     again = decode_catalog(catalog.encode({"b"}, {}))
     assert again.names == ["a", "c"] and list(again.columns[0]) == [5, 1]
+
+
+def test_a_change_finds_its_row_once_and_the_totals_follow(monkeypatch):
+    """A close (once per eviction, issue 17) and a creation look the stream's row up once each:
+    a close found it three times (`closed`, then `_forget` and `_keep`), and a name not in the
+    catalog was probed in its dict twice. Its figures replace the row's, the totals following."""
+    first = Catalog()
+    first.add_closed("a", StreamSummary(1, 10, 1, 1))
+    catalog = Catalog()
+    catalog.load(decode_catalog(first.encode(set(), {})), gone=set())
+    lookups: list[str] = []
+    real = Catalog._row
+    monkeypatch.setattr(Catalog, "_row", lambda c, name: (lookups.append(name), real(c, name))[1])
+    catalog.add("b")
+    catalog.closed("b", StreamSummary(3, 30, 1, 1))
+    catalog.opened("a")
+    catalog.closed("a", StreamSummary(2, 20, 1, 1))
+    catalog.closed("b", StreamSummary(4, 40, 1, 2))  # (a closed stream's figures replaced whole)
+    assert lookups == ["b", "b", "a", "a", "b"]
+    assert catalog.totals() == {"entries": 6, "bytes_on_disk": 60, "segments": 2, "nodes": 3}
+    assert "a" in catalog and "c" not in catalog and len(lookups) == 5  # (membership: no `_row`)
 
 
 def test_a_catalog_whose_names_are_out_of_order_counts_as_damaged():
@@ -433,4 +468,29 @@ def test_a_stream_in_a_slot_survives_start_up_without_a_directory(tmp_path, cloc
     assert contents(engine, "slotted") == [b"in a slot"]
     assert engine.stats()["entries"] == 9 + 1
     assert all(contents(engine, name) == items for name, items in written.items())
+    engine.close()
+
+
+@pytest.mark.parametrize(
+    "rule",
+    ["none", "packing", "max_entries", "max_bytes", "max_age_ms", "compaction"],
+)
+def test_a_closed_stream_is_due_for_a_visit_only_under_a_rule_or_with_segments_to_pack(tmp_path, clock, rule):
+    """A close works out when maintenance is to visit the stream only if something may be due
+    (most streams: the default config, nothing to pack, never visited while closed)."""
+    config = {
+        "max_entries": StreamConfig(max_entries=1000),
+        "max_bytes": StreamConfig(max_bytes=1 << 30),
+        "max_age_ms": StreamConfig(max_age_ms=60_000),
+        "compaction": StreamConfig(compaction=True),
+    }.get(rule)
+    engine = Engine(tmp_path / "data", EngineConfig(**DIRECTORIES, max_open_streams=1), clock=clock)
+    if config is not None:
+        engine.create_stream("s", config)
+    payload = b"x" * (3 * 1024 if rule in ("packing", "compaction") else 10)  # past one segment
+    for _ in range(30 if rule in ("packing", "compaction") else 1):
+        engine.append("s", AppendBatch([payload] * 2, tags=["t", "t"] if rule == "compaction" else None))
+    engine.append("other", AppendBatch([b"x"]))  # closes "s"
+    due = engine._catalog.due(clock() + 10**9, 10)
+    assert due == ([] if rule == "none" else ["s"])
     engine.close()

@@ -720,3 +720,23 @@ def test_append_many_under_always_makes_every_batch_durable_with_one_sync(
     results = engine.append_many("s", [(AppendBatch([b"m%d" % i]), None) for i in range(50)])
     assert [r.first_offset for r in results] == list(range(1, 51))
     assert len(syncs) == 1
+
+
+def test_append_many_looks_an_open_stream_up_in_no_catalog_and_a_new_one_twice(open_engine, monkeypatch):
+    """Each lookup is a dict probe and a bisection (issue 17: AppendMany asked three times per
+    new stream, and once per batch to an open one): a new stream is looked up once before the
+    cache's lock and once under it (another thread may have created it meanwhile)."""
+    from storage.catalog import Catalog
+
+    engine = open_engine(small_streams="slots")
+    lookups: list[object] = []
+    real = Catalog.__contains__
+    monkeypatch.setattr(
+        Catalog, "__contains__", lambda catalog, name: (lookups.append(name), real(catalog, name))[1]
+    )
+    engine.append_many("s", [(AppendBatch([b"a"]), None)])
+    assert lookups == ["s", "s"]
+    lookups.clear()
+    assert engine.append_many("s", [(AppendBatch([b"b"]), None)])[0].first_offset == 1
+    assert lookups == []
+    assert engine._catalog.place("s") != NO_PLACE  # created in a slot: its first batch fits one
