@@ -218,9 +218,20 @@ class Stream(StreamParts):
         self, appends: Sequence[tuple[AppendBatch, tuple[str, int] | None]]
     ) -> list[AppendResult | StorageError]:
         """Append several batches in order, each on its own (its own producer check, its own
-        result or error), under one lock and, under "always", one sync for all of them. Runs of
-        payload-only batches without a producer (a Publish session's coalesced messages) are
-        written together, as one batch (`append_together`), within max_batch_entries."""
+        result or error), under one lock and, under "always", one sync for all of them."""
+        results, seq = self.write_many(appends)
+        if seq is not None:
+            self.wait_durable(seq)
+        return results
+
+    def write_many(
+        self, appends: Sequence[tuple[AppendBatch, tuple[str, int] | None]]
+    ) -> tuple[list[AppendResult | StorageError], int | None]:
+        """`append_many`'s write without its wait: the results, and under "always" the write
+        sequence to pass to `wait_durable` before any result is handed out (None: nothing to
+        wait for). Runs of payload-only batches without a producer (a Publish session's
+        coalesced messages) are written together, as one batch (`append_together`), within
+        max_batch_entries."""
         results: list[AppendResult | StorageError] = []
         with self.lock:
             always = self.fsync is FsyncPolicy.ALWAYS
@@ -238,12 +249,15 @@ class Stream(StreamParts):
                     except StorageError as exc:
                         # This batch only (nothing of it was written); those before it stand.
                         results.append(exc)
-            seq = self.write_seq
             if not always:
                 self.publish(self.end_offset)
-        if always:
-            self.gate.wait(seq, partial(sync_now, self))
-        return results
+                return results, None
+            return results, self.write_seq
+
+    def wait_durable(self, seq: int) -> None:
+        """Return once the writes up to `seq` are durable (group commit: a sync begun after them,
+        by this caller or another, covers them); DurabilityError if that sync failed."""
+        self.gate.wait(seq, partial(sync_now, self))
 
     def _check_writable(self, always: bool) -> None:
         """Before an append (call with `lock` held; `always`: the fsync policy is "always"):
@@ -292,7 +306,7 @@ class Stream(StreamParts):
             if self.creation is not None:
                 self.write_seq += 1  # the creation's commit is due even with nothing written
             seq = self.write_seq
-        self.gate.wait(seq, partial(sync_now, self))
+        self.wait_durable(seq)
 
     # ------------------------------------------------------------------ visibility
 

@@ -22,6 +22,24 @@ from storage.stream import Stream
 from storage.streaminfo import stream_info
 from storage.types import AppendBatch, FsyncPolicy, StreamBounds
 
+# One stream's batches for `append_many`: (batch, (producer id, sequence) or None), in order.
+StreamAppends = Sequence[tuple[AppendBatch, tuple[str, int] | None]]
+# A stream's part of `append_many_streams`: its batches' results and errors, or the error that refused it.
+ManyOutcome = list[AppendResult | StorageError] | StorageError
+# Streams `append_many_streams` writes before it waits for their syncs: each is pinned till then,
+# so the open-stream cache may go this far over its limit (max_open_streams, 1,024 by default).
+DURABLE_TOGETHER = 256
+
+
+def _merged(
+    written: list[AppendResult | StorageError], refused: dict[int, StorageError], count: int
+) -> list[AppendResult | StorageError]:
+    """The `count` batches' outcomes in order: those refused before the write, and `written`'s in the gaps."""
+    if not refused:
+        return written
+    results = iter(written)
+    return [refused[i] if i in refused else next(results) for i in range(count)]
+
 
 class StreamCalls:
     config: EngineConfig  # set by the engine
@@ -101,6 +119,74 @@ class StreamCalls:
         sequence) makes one idempotent as in `append`), consecutive payload-only batches without
         a producer are encoded and written together (each with its own offsets), all under one
         lock and, under "always", made durable by one sync. One wake-up of the listeners for all."""
+        checked, refused = self._checked(appends)
+        written: list[AppendResult | StorageError] = []
+        if checked:
+            stream = self._pinned_or_created(name, checked)
+            try:
+                written = stream.append_many(checked)
+            finally:
+                self._open.unpin(stream)
+            self._appended_many(name, stream, written)
+        return _merged(written, refused, len(appends))
+
+    def append_many_streams(self, streams: Sequence[tuple[str, StreamAppends]]) -> list[ManyOutcome]:
+        """`append_many` for several streams, each in its place: its results, or the error that
+        refused it as a whole (deleted, a failed sync). Under "always" all of a part of them
+        (DURABLE_TOGETHER) are written before any waits for its sync, so one sync covers many:
+        slot streams share the packs' and the journal's (storage/slothome.py's `SlotSync`), new
+        directory streams the streams directory's. Each stream's results are its own once its
+        writes are durable; a sync's failure is the error of the streams it was to cover only."""
+        outcomes: list[ManyOutcome] = []
+        for start in range(0, len(streams), DURABLE_TOGETHER):
+            outcomes.extend(self._append_together(streams[start : start + DURABLE_TOGETHER]))
+        return outcomes
+
+    def _append_together(self, streams: Sequence[tuple[str, StreamAppends]]) -> list[ManyOutcome]:
+        """Write each stream's batches, then wait for their syncs, with every stream pinned meanwhile."""
+        outcomes: list[ManyOutcome] = []
+        pending: list[tuple[int, Stream, list[AppendResult | StorageError], int | None]] = []
+        refusals: list[dict[int, StorageError]] = []
+        try:
+            for name, appends in streams:
+                checked, refused = self._checked(appends)
+                refusals.append(refused)
+                outcomes.append([])
+                if not checked:
+                    continue
+                try:
+                    stream = self._pinned_or_created(name, checked)
+                except StorageError as exc:
+                    outcomes[-1] = exc
+                    continue
+                try:
+                    written, seq = stream.write_many(checked)
+                except StorageError as exc:
+                    self._open.unpin(stream)
+                    outcomes[-1] = exc
+                    continue
+                pending.append((len(outcomes) - 1, stream, written, seq))
+            for i, stream, written, seq in pending:
+                if seq is not None:
+                    try:
+                        stream.wait_durable(seq)
+                    except StorageError as exc:  # none of its results: their writes may be lost
+                        outcomes[i] = exc
+                        continue
+                outcomes[i] = written
+                self._appended_many(streams[i][0], stream, written)
+        finally:
+            for _, stream, *_ in pending:
+                self._open.unpin(stream)
+        return [
+            outcome if isinstance(outcome, StorageError) else _merged(outcome, refused, len(appends))
+            for outcome, refused, (_, appends) in zip(outcomes, refusals, streams, strict=True)
+        ]
+
+    def _checked(
+        self, appends: Sequence[tuple[AppendBatch, tuple[str, int] | None]]
+    ) -> tuple[list[tuple[AppendBatch, tuple[str, int] | None]], dict[int, StorageError]]:
+        """The batches that pass `check_batch` (their producers checked), and the others' errors by index."""
         checked: list[tuple[AppendBatch, tuple[str, int] | None]] = []
         refused: dict[int, StorageError] = {}
         for i, (batch, producer) in enumerate(appends):
@@ -109,22 +195,15 @@ class StreamCalls:
                 checked.append((batch, check_producer(producer)))
             except StorageError as exc:
                 refused[i] = exc
-        written: list[AppendResult | StorageError] = []
-        if checked:
-            stream = self._pinned_or_created(name, checked)
-            try:
-                written = stream.append_many(checked)
-            finally:
-                self._open.unpin(stream)
-            # Offsets grow in order: the last batch written ends what is new.
-            new = (r for r in reversed(written) if isinstance(r, AppendResult) and not r.duplicate)
-            last = next(new, None)
-            if last is not None:
-                self._appended(name, stream, last.last_offset + 1)
-        if not refused:
-            return written
-        results = iter(written)
-        return [refused[i] if i in refused else next(results) for i in range(len(appends))]
+        return checked, refused
+
+    def _appended_many(self, name: str, stream: Stream, written: list[AppendResult | StorageError]) -> None:
+        """One wake-up of the listeners for a stream's batches written by `append_many`."""
+        # Offsets grow in order: the last batch written ends what is new.
+        new = (r for r in reversed(written) if isinstance(r, AppendResult) and not r.duplicate)
+        last = next(new, None)
+        if last is not None:
+            self._appended(name, stream, last.last_offset + 1)
 
     def read(
         self, name: str, offset: int, count: int, *, max_bytes: int = 0, reverse: bool = False
