@@ -5,7 +5,10 @@ its error in its result and the others go on. Those that pass are grouped by str
 request order, and each stream's are written by one `Engine.append_many` (the write of
 Publish's coalesced messages: one lock, one sync under "always", one wake-up), or by one
 `Engine.append` each, in order, when one of them is conditional (expected_next_offset,
-which append_many does not take).
+which append_many does not take). The streams whose sync blocks are written together by
+`Engine.append_many_streams`: all written, then made durable, so that one sync of the packs
+and the journal covers all the slot streams of a thread's part (a result is still handed out
+only once its stream's writes are durable).
 
 Where a stream is written is what it costs the loop (measured, CPU time, an everysec engine
 and the server's two append listeners): an open stream's batch costs about 45 µs there, so open
@@ -24,8 +27,10 @@ threads at once only fought over the GIL and the engine's creation lock, so they
 the servicer's lane, one call at a time (two calls in flight of 2,000 new streams each: see
 docs/PERFORMANCE.md, "Two AppendMany calls at once"). Streams whose sync blocks mostly wait for
 the disk: they are written outside the lane, spread over all the thread pool's threads but one,
-so that their syncs overlap and merge (group commit), within a call and across calls (written
-in one thread, 1,000 new streams under "always" waited for 1,000 syncs in turn). A stream the
+so that the syncs of directory streams (each its own segment's) overlap, within a call and
+across calls (1,000 new slot streams under "always": 1,336 fdatasyncs when each stream waited
+for its own in turn, 10 since the parts' are shared; docs/PERFORMANCE.md, "One sync for an
+AppendMany call's streams"). A stream the
 cache closed is taken to have the server's fsync policy (its own is known once it is open
 again): one with a policy of its own that blocks, under a server's that does not, holds the
 lane for its sync.
@@ -101,13 +106,24 @@ def _response(outcomes: list[Outcome]) -> pb.AppendManyResponse:
     return response
 
 
+def _unconditional(writes: _Writes) -> bool:
+    return all(expected is None for *_, expected in writes)
+
+
+def _appends(writes: _Writes) -> list[tuple[AppendBatch, Producer]]:
+    return [(batch, producer) for _, batch, producer, _ in writes]
+
+
+def _place(writes: _Writes, written: list[AppendResult | StorageError], outcomes: list[Any]) -> None:
+    for (i, *_), outcome in zip(writes, written, strict=True):
+        outcomes[i] = outcome
+
+
 def _write(engine: Engine, stream: str, writes: _Writes, outcomes: list[Any]) -> None:
     """Write one stream's batches, each outcome into its slot."""
     try:
-        if all(expected is None for *_, expected in writes):
-            written = engine.append_many(stream, [(batch, producer) for _, batch, producer, _ in writes])
-            for (i, *_), outcome in zip(writes, written, strict=True):
-                outcomes[i] = outcome
+        if _unconditional(writes):
+            _place(writes, engine.append_many(stream, _appends(writes)), outcomes)
             return
         for i, batch, producer, expected in writes:
             try:
@@ -126,6 +142,24 @@ def _write_all(
     with hops.batch():
         for stream, writes in streams:
             _write(engine, stream, writes, outcomes)
+
+
+def _write_durable_together(
+    engine: Engine, streams: list[tuple[str, _Writes]], outcomes: list[Any], hops: LoopHops
+) -> None:
+    """Write streams whose sync blocks, in a thread: those without a conditional batch by one
+    `Engine.append_many_streams` (all written, then made durable by as few syncs as the storage
+    needs), the others one by one. Their listeners' news reaches the loop in one hop."""
+    together = [(stream, writes) for stream, writes in streams if _unconditional(writes)]
+    with hops.batch():
+        written = engine.append_many_streams([(stream, _appends(writes)) for stream, writes in together])
+        for (_, writes), outcome in zip(together, written, strict=True):
+            if isinstance(outcome, StorageError):  # the stream as a whole refused the write
+                outcome = [outcome] * len(writes)
+            _place(writes, outcome, outcomes)
+        for stream, writes in streams:
+            if not _unconditional(writes):
+                _write(engine, stream, writes, outcomes)
 
 
 class AppendManyCalls:
@@ -194,11 +228,13 @@ class AppendManyCalls:
         if lane:
             hops.append(self._write_in_lane(engine, lane, outcomes))
         # Blocking streams are spread over the pool's threads but one (left to the other calls):
-        # their syncs overlap and merge, where one thread waited for each stream's in turn.
+        # a directory stream's sync is its own, and those of the parts overlap.
         spread = min(len(blocking), max(1, settings.append_threads - 1))
         for part in range(spread):
             hops.append(
-                serving.in_thread(_write_all, engine, blocking[part::spread], outcomes, serving.waiters.hops)
+                serving.in_thread(
+                    _write_durable_together, engine, blocking[part::spread], outcomes, serving.waiters.hops
+                )
             )
         if hops:
             await asyncio.gather(*hops)

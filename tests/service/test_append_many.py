@@ -7,6 +7,7 @@ fails (bad input, a limit, a refused permission) does not fail the others.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from pathlib import Path
@@ -246,11 +247,13 @@ def _most_writes_at_once(server: ServerThread, monkeypatch: Any, fsync: str, cal
     once. Writes wait (a second at most, in all) until `target` of them run at once, as slow ones
     would: where the server lets that many run together, they do."""
     engine = server.server.engine
-    real = engine.append_many
+    # The engine call that writes them: under "always", all a thread's streams together.
+    method = "append_many_streams" if fsync == "always" else "append_many"
+    real = getattr(engine, method)
     lock, running, most = threading.Lock(), [0], [0]
     reached = threading.Event()
 
-    def append_many_watched(stream: str, appends: Any) -> Any:
+    def append_many_watched(*args: Any) -> Any:
         with lock:
             running[0] += 1
             most[0] = max(most[0], running[0])
@@ -259,12 +262,12 @@ def _most_writes_at_once(server: ServerThread, monkeypatch: Any, fsync: str, cal
         try:
             if not reached.wait(1.0):
                 reached.set()  # not reached: the others go on at once
-            return real(stream, appends)
+            return real(*args)
         finally:
             with lock:
                 running[0] -= 1
 
-    monkeypatch.setattr(engine, "append_many", append_many_watched)
+    monkeypatch.setattr(engine, method, append_many_watched)
     with grpc.insecure_channel(server.target) as channel:
         stub = pb_grpc.StreamLogServiceStub(channel)
         futures = [
@@ -293,10 +296,33 @@ def test_two_calls_creating_streams_under_always_write_at_once(start_server, mon
 
 
 def test_one_call_creating_streams_under_always_writes_them_in_threads_at_once(start_server, monkeypatch):
-    """Written one after another in one thread, each stream waited for its own sync in turn
-    (1,000 syncs for 1,000 new streams); in the pool's threads but one, their syncs merge."""
+    """A directory stream's sync is its own: the call's parts in the pool's threads but one
+    overlap theirs."""
     server = start_server(fsync="always", append_threads=4)
     assert _most_writes_at_once(server, monkeypatch, "always", calls=1, target=3) == 3
+
+
+def test_one_call_of_new_slot_streams_under_always_is_made_durable_by_a_few_syncs(start_server, monkeypatch):
+    """Each stream written then waited for in turn, 60 new slot streams waited for 120 fdatasyncs
+    (the packs' and the journal's, each stream's own); written all, then waited for, a thread's
+    part shares one of each."""
+    server = start_server(fsync="always", append_threads=4, max_append_many_batches=60)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.StreamLogServiceStub(channel)
+        stub.Append(batch("warm", b"x"), timeout=TIMEOUT)  # its pack file made
+        real, syncs = os.fdatasync, [0]
+
+        def counted(fd: int) -> None:
+            syncs[0] += 1
+            real(fd)
+
+        monkeypatch.setattr(os, "fdatasync", counted)
+        reply = stub.AppendMany(
+            pb.AppendManyRequest(batches=[batch(f"n{i}", b"x") for i in range(60)]), timeout=TIMEOUT
+        )
+        monkeypatch.setattr(os, "fdatasync", real)
+    assert offsets(list(reply.results)) == [(0, 0)] * 60
+    assert syncs[0] <= 6  # 3 parts, each the packs' and the journal's
 
 
 class _Sized:
