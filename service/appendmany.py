@@ -30,10 +30,9 @@ the disk: they are written outside the lane, spread over all the thread pool's t
 so that the syncs of directory streams (each its own segment's) overlap, within a call and
 across calls (1,000 new slot streams under "always": 1,336 fdatasyncs when each stream waited
 for its own in turn, 10 since the parts' are shared; docs/PERFORMANCE.md, "One sync for an
-AppendMany call's streams"). A stream the
-cache closed is taken to have the server's fsync policy (its own is known once it is open
-again): one with a policy of its own that blocks, under a server's that does not, holds the
-lane for its sync.
+AppendMany call's streams"). A stream the cache closed is taken to have the server's fsync
+policy (its own is known once it is open again): one with a policy of its own that blocks,
+under a server's that does not, holds the lane for its sync.
 
 The request as a whole is checked first (`check_request`): at least one batch, at most
 max_append_many_batches of them and max_append_many_bytes. In a cluster the routing layer
