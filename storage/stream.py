@@ -388,9 +388,9 @@ class Stream(StreamParts):
 
     def _maybe_cached(self, segment: Segment) -> bool:
         """Whether the node cache may hold nodes of the segment: only sealed nodes are read
-        through it (`view`), so not if it holds none but the active node, as a small stream's
-        one does at its close (the cache's drop walks every key it holds: 8.5 us a close once
-        reads had filled its 256, issue 17)."""
+        through it (`view`; a truncation drops those of the segment it resumes a node in), so not
+        if it holds none but the active node, as a small stream's one does at its close (this
+        check costs 0.12 us, the cache's drop of a segment it holds nothing of 0.29, issue 17)."""
         nodes = segment.nodes
         if not nodes:
             return False

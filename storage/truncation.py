@@ -126,7 +126,13 @@ class Truncation:
                 self._cut_growing(holding, cut)
         tail = s.segments[-1] if s.segments else None
         resumed = tail.nodes[-1] if tail is not None and not tail.packed and tail.nodes else None
-        s.active = GrowingNode.resume(resumed) if resumed is not None else None
+        if resumed is not None:
+            # Appends go on in a node the cache may hold from when it was sealed, and new nodes go
+            # where cut ones were: cached bodies keyed by their position would hide them from reads.
+            s.ctx.cache.drop_segment(resumed.segment.uid)
+            s.active = GrowingNode.resume(resumed)
+        else:
+            s.active = None
         s.index = NodeIndex(
             r for seg in s.segments for r in seg.nodes if r.end_offset > s.first_offset or r is resumed
         )
@@ -149,8 +155,6 @@ class Truncation:
 
     def _cut_growing(self, segment: Segment, cut: int) -> None:
         """Cut a growing segment at `cut` (inside it): shorten the node holding it, zero what follows."""
-        s = self._stream
-        s.ctx.cache.drop_segment(segment.uid)
         keep = [ref for ref in segment.nodes if ref.base_offset < cut]
         straddling = keep[-1]
         zero_from = segment.end_pos

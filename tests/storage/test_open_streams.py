@@ -270,8 +270,8 @@ def test_a_close_drops_the_cached_nodes_of_its_segments_and_skips_segments_with_
     open_engine, monkeypatch, small_streams
 ):
     """Only sealed nodes are read through the node cache: a close whose segments hold nothing
-    else (a small stream's one active node) skips the cache's drop, which walks every key it
-    holds (8.5 us a close with its 256 full, issue 17); one whose sealed nodes were read drops them."""
+    else (a small stream's one active node) skips the cache's drop (0.29 us, its lock, against
+    the check's 0.12; issue 17); one whose sealed nodes were read drops them."""
     from storage.cache import NodeCache
 
     engine = open_engine(max_open_streams=1, small_streams=small_streams)  # node_entries 8 (SMALL)
