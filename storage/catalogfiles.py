@@ -40,7 +40,7 @@ from storage.catalogjournal import (
 )
 from storage.creation import Adopted, commit_adopted, recover_creation
 from storage.epochs import EpochHistory
-from storage.errors import CorruptionError
+from storage.errors import CorruptionError, DiskFullError
 from storage.format import SEGMENT_HEADER_SIZE, SegmentHeader
 from storage.fs import FileSystem
 from storage.handoff import UnsyncedCloses
@@ -101,7 +101,10 @@ class CatalogFiles:
             gone = {name for name in listed.replicated if name not in self._catalog}
             self._check_replicated(listed.replicated, gone)
             self._commit_adopted()
-            self._catalog.start_journal(Journal(self._fs, self.data_dir, generation))
+            try:
+                self._catalog.start_journal(Journal(self._fs, self.data_dir, generation))
+            except DiskFullError as exc:
+                self._without_journal(exc)
             if self.unreadable:  # found among the streams created since: reported again next time
                 self._catalog.relist()
             self._report_unreadable_slots()
@@ -136,7 +139,24 @@ class CatalogFiles:
         self._commit_adopted()  # before the new catalog file names them
         self._report_unreadable_slots()
         # The journals could not be trusted (or there was no file): a new file, a new generation.
-        self._save_catalog(1 + max(generations[-1] if generations else 0, listed.journal if listed else 0))
+        generation = 1 + max(generations[-1] if generations else 0, listed.journal if listed else 0)
+        try:
+            self._save_catalog(generation)
+        except DiskFullError as exc:
+            self._without_journal(exc)
+
+    def _without_journal(self, exc: DiskFullError) -> None:
+        """Start-up on a full disk, with no room for a new journal generation (or catalog file):
+        serve without a journal, so reads go on and appends fail as a full disk fails them. The
+        journals on disk go (unlinks need no space): this run's changes are in none of them, so
+        a start-up before the catalog is saved again must list the streams directory and scan the
+        packs, as without a journal. A change is counted: maintenance saves the catalog (a new
+        generation) within its minute once there is room."""
+        log.error("catalog journal not started, the disk is full (%s): running without one", exc)
+        self._catalog.close_journal()
+        for generation in journal_generations(self._fs.listdir(self.data_dir)):
+            self._fs.remove(self.data_dir / journal_name(generation))
+        self._catalog.changes += 1
 
     def _scan_slots(self) -> None:
         """With no journal to trust (a damaged or missing one, or no catalog file): the streams in
