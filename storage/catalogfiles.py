@@ -48,12 +48,15 @@ from storage.layout import (
     DELETED_SUFFIX,
     EPOCHS_FILE,
     META_FILE,
+    PACKS_DIR,
     SEGMENT_SUFFIX,
     decode_meta,
+    pack_name,
     stream_directory,
     streams_root,
 )
 from storage.openstreams import OpenStreams
+from storage.packs import split_place
 from storage.slothome import Slots
 from storage.streaminfo import stream_summary
 
@@ -92,6 +95,7 @@ class CatalogFiles:
         journaled = read_journaled(self._fs, self.data_dir, listed, clean, generations)
         if journaled is not None:
             listed, changes = journaled
+            self._release_zeroed(listed)
             self._catalog.load(listed, set())
             if changes is None:  # complete: the journal that continues it starts empty
                 generation = listed.journal
@@ -123,6 +127,7 @@ class CatalogFiles:
             unlisted = on_disk - in_file
             name_of = {dirname: name for name, dirname in listed.dirs.items()}
             gone = {name_of.get(dirname, dirname) for dirname in in_file - on_disk}
+            self._release_zeroed(listed)
             self._catalog.load(listed, gone)
             self._catalog.changes += len(gone)
             self._check_replicated(listed.replicated, gone)
@@ -173,9 +178,26 @@ class CatalogFiles:
                 if _torn(segment):
                     torn.add(place)
             found = {name: held for name, held in found.items() if held[1] not in torn}
-            for place, why in damaged:
-                log.error("slot at place %d is damaged and skipped: %s", place, why)
+            self._keep_damaged(damaged)
         self._settle_places(found, self._catalog.placed().keys() | found.keys())
+
+    def _keep_damaged(self, damaged: list[tuple[int, str]]) -> None:
+        """Keep each slot the scan found damaged as an unreadable slot stream's is kept (in the
+        catalog's `unreadable`, adopted as used: never handed out, its bytes the operator's): under
+        the name of the catalog row that places a stream there, else a key no stream name can be
+        (`damaged_slot_key`). A pack that does not open is left out by `Packs.adopt` already."""
+        by_slot = {split_place(place)[:2]: name for name, place in self._catalog.placed().items()}
+        kept = self._catalog.unreadable()
+        for place, why in damaged:
+            pack, slot, _ = split_place(place)
+            log.error("slot %d of pack %d is damaged, kept for the operator: %s", slot, pack, why)
+            if not slot:
+                continue
+            name = by_slot.get((pack, slot)) or damaged_slot_key(place)
+            if name not in kept:
+                if name not in self._catalog:
+                    self._catalog.add_closed(name, UNKNOWN, place)
+                self._catalog.remove(name, unreadable=True)
 
     def _place_vouched(self, vouched: Vouched, from_dirs: set[str]) -> None:
         """A power loss or an OS crash, with the journals' synced prefix whole (design §5): the
@@ -249,10 +271,26 @@ class CatalogFiles:
         """List in `unreadable` the streams a slot holds that an earlier open found unreadable
         (the catalog keeps their places: the slots are never reused)."""
         for name, place in self._catalog.unreadable().items():
-            dirname = stream_directory(self.data_dir, name).name
+            if name.startswith(_DAMAGED):
+                pack, slot, _ = split_place(place)
+                dirname = f"{PACKS_DIR}/{pack_name(pack)} slot {slot}"
+            else:
+                dirname = stream_directory(self.data_dir, name).name
             if dirname not in self.unreadable:
                 log.error("stream %r is unreadable in its slot %d (kept for the operator)", name, place)
                 self.unreadable.append(dirname)
+
+    def _release_zeroed(self, listed: CatalogFile) -> None:
+        """Forget the kept slots of `listed.unreadable` whose header an operator zeroed (with the
+        server stopped, after copying them out: docs/OPERATIONS.md): free, they may be reused."""
+        for name, place in list(listed.unreadable.items()):
+            try:
+                zeroed = self._slots.packs.is_free(place)
+            except CorruptionError:
+                continue  # its pack does not open: kept
+            if zeroed:
+                log.warning("the kept slot of %r was zeroed by the operator: free again", name)
+                del listed.unreadable[name]
 
     def _slot_created_ms(self, name: str, place: int) -> int | None:
         """When the stream in the slot at `place` was created, from its segment header; None if
@@ -433,6 +471,16 @@ def replay_places(in_slots: dict[str, int], changes: Replay) -> None:
     for name, place in changes.places.items():
         if place == NO_PLACE:  # promoted
             in_slots.pop(name, None)
+
+
+# The catalog's `unreadable` key of a damaged slot no catalog row names (`_keep_damaged`): a NUL,
+# which no stream name holds, then where the slot is.
+_DAMAGED = "\0damaged "
+
+
+def damaged_slot_key(place: int) -> str:
+    pack, slot, _ = split_place(place)
+    return f"{_DAMAGED}slot {slot} of pack {pack}"
 
 
 def _torn(segment_head: bytes) -> bool:

@@ -299,6 +299,16 @@ class Packs:
         # stream's last open, may be unsynced still (a close hands its writes to the round).
         return SlotFile(self, file, place, bytearray(raw[SLOT_HEADER_BYTES:]), writable, self._syncs_begun)
 
+    def is_free(self, place: int) -> bool:
+        """Whether the slot at `place` is free, its header all zeros (CorruptionError: its pack does
+        not open); False past the pack's end or with no such pack."""
+        pack, slot, _ = split_place(place)
+        with self._lock:
+            if pack not in self._pack_ids() or not 0 < slot < SLOTS_PER_PACK:
+                return False
+            file = self._open(pack)
+        return file.read(slot * SLOT_BYTES, SLOT_HEADER_BYTES) == _FREE_HEADER
+
     def written_to(self, pack: int) -> int:
         """A slot of `pack` was just written (SlotFile.write): mark the pack for the next sync; the
         number of the last sync begun (one past it covers the write)."""
