@@ -173,7 +173,8 @@ class CatalogFiles:
             damaged: list[tuple[int, str]] = []
             torn: set[int] = set()  # places whose creation's write was torn: never synced
             for place, header, segment in self._slots.packs.scan(damaged):
-                if (header.created_ms, place) > found.get(header.name, (-1, NO_PLACE)):
+                held = found.get(header.name)
+                if held is None or (header.created_ms, place) > held:
                     found[header.name] = (header.created_ms, place)
                 if _torn(segment):
                     torn.add(place)
@@ -186,6 +187,8 @@ class CatalogFiles:
         catalog's `unreadable`, adopted as used: never handed out, its bytes the operator's): under
         the name of the catalog row that places a stream there, else a key no stream name can be
         (`damaged_slot_key`). A pack that does not open is left out by `Packs.adopt` already."""
+        if not damaged:
+            return
         by_slot = {split_place(place)[:2]: name for name, place in self._catalog.placed().items()}
         kept = self._catalog.unreadable()
         for place, why in damaged:
@@ -249,6 +252,10 @@ class CatalogFiles:
         kept = self._catalog.unreadable()
         for name in names - kept.keys():  # (an unreadable one stays so: its slot for the operator)
             held, place = found.get(name), self._catalog.place(name)
+            # (a name in no row has no place: only then is it looked up again)
+            if held is not None and place == NO_PLACE and name not in self._catalog:
+                self._catalog.add_closed(name, UNKNOWN, held[1])
+                continue
             if held is None:
                 if place == NO_PLACE:
                     continue  # a directory's stream, or none
@@ -256,8 +263,6 @@ class CatalogFiles:
                     self._catalog.set_place(name, NO_PLACE)
                 else:
                     self._catalog.remove(name)
-            elif name not in self._catalog:
-                self._catalog.add_closed(name, UNKNOWN, held[1])
             elif place != NO_PLACE:
                 if place != held[1]:
                     self._catalog.set_place(name, held[1])
@@ -487,7 +492,7 @@ def _torn(segment_head: bytes) -> bool:
     """Whether a slot's segment header fails its checks (`_slot_created_ms` says why that is a
     creation no sync covered)."""
     try:
-        SegmentHeader.decode(segment_head)
+        SegmentHeader.check(segment_head)
         return False
     except CorruptionError:
         return True
