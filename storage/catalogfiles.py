@@ -185,7 +185,8 @@ class CatalogFiles:
     def _keep_damaged(self, damaged: list[tuple[int, str]]) -> None:
         """Keep each slot the scan found damaged as an unreadable slot stream's is kept (in the
         catalog's `unreadable`, adopted as used: never handed out, its bytes the operator's): under
-        the name of the catalog row that places a stream there, else a key no stream name can be
+        the name of the catalog row that places a stream there, else (no such row, or its stream
+        in a directory now: promoted since the file) a key no stream name can be
         (`damaged_slot_key`). A pack that does not open is left out by `Packs.adopt` already."""
         if not damaged:
             return
@@ -193,10 +194,13 @@ class CatalogFiles:
         kept = self._catalog.unreadable()
         for place, why in damaged:
             pack, slot, _ = split_place(place)
-            log.error("slot %d of pack %d is damaged, kept for the operator: %s", slot, pack, why)
             if not slot:
+                log.error("pack %d does not open, its slots left alone: %s", pack, why)
                 continue
-            name = by_slot.get((pack, slot)) or damaged_slot_key(place)
+            log.error("slot %d of pack %d is damaged, kept for the operator: %s", slot, pack, why)
+            name = by_slot.get((pack, slot))
+            if name is None or self._fs.exists(stream_directory(self.data_dir, name)):
+                name = damaged_slot_key(place)  # (a stream promoted since the file: its directory's)
             if name not in kept:
                 if name not in self._catalog:
                     self._catalog.add_closed(name, UNKNOWN, place)

@@ -243,3 +243,24 @@ def test_a_damaged_slot_found_by_a_scan_is_kept_until_the_operator_zeroes_it(sou
     engine.append("after", AppendBatch([b"x"]))
     assert engine._catalog.place("after") >> 24 == places["s3"] >> 24  # the one free slot
     engine.close()
+
+
+def test_a_damaged_slot_found_by_a_scan_leaves_a_stream_promoted_since_the_file_in_its_directory(
+    source, data
+):
+    """The catalog file places s3 in its slot, but s3 was promoted to a directory since (its slot
+    freed), and that slot's header is damaged now: a scan keeps the slot under a key of its own and
+    s3 is served from its directory."""
+    places = source[1]
+    stale = (data / CATALOG_FILE).read_bytes()
+    more = [b"m" * 1000] * 4  # past the slot's 3.5 KiB: a promotion
+    with Engine(data, config()) as engine:
+        engine.append("s3", AppendBatch(more))
+        assert engine._catalog.place("s3") == -1
+    scan_next(data, keep_file=True)
+    (data / CATALOG_FILE).write_bytes(stale)
+    flip(data / PACK, slot_start(places, "s3") + 100)  # a freed header, all zeros, no more
+    engine = Engine(data, config())
+    assert [e.payload for e in engine.read("s3", 0, 1000).entries()] == ENTRIES["s3"] + more
+    assert f"packs/{pack_name(0)} slot {split_place(places['s3'])[1]}" in engine.unreadable
+    engine.close()
