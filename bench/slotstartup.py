@@ -1,6 +1,6 @@
 """Start-up over many small streams in slots, in-process (docs/design/small-streams.md §5, §7).
 
-    python -m bench.slotstartup [--streams 100000] [--dir PATH]
+    python -m bench.slotstartup [--streams 100000] [--dir PATH] [--fresh]
 
 Builds `--streams` streams of one 100-byte entry each with the engine directly (small_streams
 "slots", fsync everysec, 1,024 open streams, a maintenance round every 1,000 creations as the
@@ -14,8 +14,9 @@ back before each; the packs are not changed by a start-up that finds nothing to 
 - `scan`: another boot id with the journals gone: every slot header read (the fallback).
 
 One JSON object per figure (bench.common.emit): the load's CPU per stream, the journal's records
-at the crash, and each start-up's CPU (process_time: every thread) and wall time. Run it in each
-build to compare, in the same minutes.
+at the crash, and each start-up's CPU (process_time: every thread) and wall time, in this process
+or (`--fresh`) each in a new one, as a server's. Run it in each build to compare, in the same
+minutes.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -74,10 +77,31 @@ def start(data: Path, fs: FileSystem) -> tuple[float, float, int]:
     return cpu, wall, count
 
 
+def start_fresh(data: Path, kind: str) -> tuple[float, float, int]:
+    """`start` in a new process, as a server's start-up runs (`--fresh`): in this one the load's
+    heap is there to reuse, and a start-up's first allocations (its page faults) cost less."""
+    code = "import sys; from bench.slotstartup import print_start; print_start(sys.argv[1], sys.argv[2])"
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(data), kind], capture_output=True, text=True, check=True
+    )
+    cpu, wall, count = done.stdout.split()
+    return float(cpu), float(wall), int(count)
+
+
+def print_start(data: str, kind: str) -> None:
+    print(*start(Path(data), file_system(kind)))
+
+
+def file_system(kind: str) -> FileSystem:
+    """A start-up's file system: the same boot after a kill -9, another one otherwise."""
+    return FileSystem() if kind == "kill9" else OtherBoot()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=100_000)
     parser.add_argument("--dir", type=Path, help="where to build it (default: a temporary directory)")
+    parser.add_argument("--fresh", action="store_true", help="each start-up in a new process, as a server's")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="slotstartup-", dir=args.dir))
     try:
@@ -99,7 +123,10 @@ def main() -> None:
             if kind == "scan":
                 for generation in journal_generations(os.listdir(data)):
                     (data / f"catalog.{generation}.log").unlink()
-            cpu, wall, count = start(data, FileSystem() if kind == "kill9" else OtherBoot())
+            if args.fresh:
+                cpu, wall, count = start_fresh(data, kind)
+            else:
+                cpu, wall, count = start(data, file_system(kind))
             emit("startup_cpu", round(cpu, 3), "s", kind=kind, streams=args.streams, found=count)
             emit("startup_wall", round(wall, 3), "s", kind=kind, streams=args.streams)
     finally:

@@ -40,7 +40,7 @@ from storage.catalogjournal import (
 )
 from storage.creation import Adopted, commit_adopted, recover_creation
 from storage.epochs import EpochHistory
-from storage.errors import CorruptionError
+from storage.errors import CorruptionError, DiskFullError
 from storage.format import SEGMENT_HEADER_SIZE, SegmentHeader
 from storage.fs import FileSystem
 from storage.handoff import UnsyncedCloses
@@ -48,12 +48,15 @@ from storage.layout import (
     DELETED_SUFFIX,
     EPOCHS_FILE,
     META_FILE,
+    PACKS_DIR,
     SEGMENT_SUFFIX,
     decode_meta,
+    pack_name,
     stream_directory,
     streams_root,
 )
 from storage.openstreams import OpenStreams
+from storage.packs import split_place
 from storage.slothome import Slots
 from storage.streaminfo import stream_summary
 
@@ -92,6 +95,7 @@ class CatalogFiles:
         journaled = read_journaled(self._fs, self.data_dir, listed, clean, generations)
         if journaled is not None:
             listed, changes = journaled
+            self._release_zeroed(listed)
             self._catalog.load(listed, set())
             if changes is None:  # complete: the journal that continues it starts empty
                 generation = listed.journal
@@ -101,7 +105,10 @@ class CatalogFiles:
             gone = {name for name in listed.replicated if name not in self._catalog}
             self._check_replicated(listed.replicated, gone)
             self._commit_adopted()
-            self._catalog.start_journal(Journal(self._fs, self.data_dir, generation))
+            try:
+                self._catalog.start_journal(Journal(self._fs, self.data_dir, generation))
+            except DiskFullError as exc:
+                self._without_journal(exc)
             if self.unreadable:  # found among the streams created since: reported again next time
                 self._catalog.relist()
             self._report_unreadable_slots()
@@ -120,6 +127,7 @@ class CatalogFiles:
             unlisted = on_disk - in_file
             name_of = {dirname: name for name, dirname in listed.dirs.items()}
             gone = {name_of.get(dirname, dirname) for dirname in in_file - on_disk}
+            self._release_zeroed(listed)
             self._catalog.load(listed, gone)
             self._catalog.changes += len(gone)
             self._check_replicated(listed.replicated, gone)
@@ -136,7 +144,24 @@ class CatalogFiles:
         self._commit_adopted()  # before the new catalog file names them
         self._report_unreadable_slots()
         # The journals could not be trusted (or there was no file): a new file, a new generation.
-        self._save_catalog(1 + max(generations[-1] if generations else 0, listed.journal if listed else 0))
+        generation = 1 + max(generations[-1] if generations else 0, listed.journal if listed else 0)
+        try:
+            self._save_catalog(generation)
+        except DiskFullError as exc:
+            self._without_journal(exc)
+
+    def _without_journal(self, exc: DiskFullError) -> None:
+        """Start-up on a full disk, with no room for a new journal generation (or catalog file):
+        serve without a journal, so reads go on and appends fail as a full disk fails them. The
+        journals on disk go (unlinks need no space): this run's changes are in none of them, so
+        a start-up before the catalog is saved again must list the streams directory and scan the
+        packs, as without a journal. A change is counted: maintenance saves the catalog (a new
+        generation) within its minute once there is room."""
+        log.error("catalog journal not started, the disk is full (%s): running without one", exc)
+        self._catalog.close_journal()
+        for generation in journal_generations(self._fs.listdir(self.data_dir)):
+            self._fs.remove(self.data_dir / journal_name(generation))
+        self._catalog.changes += 1
 
     def _scan_slots(self) -> None:
         """With no journal to trust (a damaged or missing one, or no catalog file): the streams in
@@ -148,14 +173,38 @@ class CatalogFiles:
             damaged: list[tuple[int, str]] = []
             torn: set[int] = set()  # places whose creation's write was torn: never synced
             for place, header, segment in self._slots.packs.scan(damaged):
-                if (header.created_ms, place) > found.get(header.name, (-1, NO_PLACE)):
+                held = found.get(header.name)
+                if held is None or (header.created_ms, place) > held:
                     found[header.name] = (header.created_ms, place)
                 if _torn(segment):
                     torn.add(place)
             found = {name: held for name, held in found.items() if held[1] not in torn}
-            for place, why in damaged:
-                log.error("slot at place %d is damaged and skipped: %s", place, why)
+            self._keep_damaged(damaged)
         self._settle_places(found, self._catalog.placed().keys() | found.keys())
+
+    def _keep_damaged(self, damaged: list[tuple[int, str]]) -> None:
+        """Keep each slot the scan found damaged as an unreadable slot stream's is kept (in the
+        catalog's `unreadable`, adopted as used: never handed out, its bytes the operator's): under
+        the name of the catalog row that places a stream there, else (no such row, or its stream
+        in a directory now: promoted since the file) a key no stream name can be
+        (`damaged_slot_key`). A pack that does not open is left out by `Packs.adopt` already."""
+        if not damaged:
+            return
+        by_slot = {split_place(place)[:2]: name for name, place in self._catalog.placed().items()}
+        kept = self._catalog.unreadable()
+        for place, why in damaged:
+            pack, slot, _ = split_place(place)
+            if not slot:
+                log.error("pack %d does not open, its slots left alone: %s", pack, why)
+                continue
+            log.error("slot %d of pack %d is damaged, kept for the operator: %s", slot, pack, why)
+            name = by_slot.get((pack, slot))
+            if name is None or self._fs.exists(stream_directory(self.data_dir, name)):
+                name = damaged_slot_key(place)  # (a stream promoted since the file: its directory's)
+            if name not in kept:
+                if name not in self._catalog:
+                    self._catalog.add_closed(name, UNKNOWN, place)
+                self._catalog.remove(name, unreadable=True)
 
     def _place_vouched(self, vouched: Vouched, from_dirs: set[str]) -> None:
         """A power loss or an OS crash, with the journals' synced prefix whole (design §5): the
@@ -207,6 +256,10 @@ class CatalogFiles:
         kept = self._catalog.unreadable()
         for name in names - kept.keys():  # (an unreadable one stays so: its slot for the operator)
             held, place = found.get(name), self._catalog.place(name)
+            # (a name in no row has no place: only then is it looked up again)
+            if held is not None and place == NO_PLACE and name not in self._catalog:
+                self._catalog.add_closed(name, UNKNOWN, held[1])
+                continue
             if held is None:
                 if place == NO_PLACE:
                     continue  # a directory's stream, or none
@@ -214,8 +267,6 @@ class CatalogFiles:
                     self._catalog.set_place(name, NO_PLACE)
                 else:
                     self._catalog.remove(name)
-            elif name not in self._catalog:
-                self._catalog.add_closed(name, UNKNOWN, held[1])
             elif place != NO_PLACE:
                 if place != held[1]:
                     self._catalog.set_place(name, held[1])
@@ -229,10 +280,26 @@ class CatalogFiles:
         """List in `unreadable` the streams a slot holds that an earlier open found unreadable
         (the catalog keeps their places: the slots are never reused)."""
         for name, place in self._catalog.unreadable().items():
-            dirname = stream_directory(self.data_dir, name).name
+            if name.startswith(_DAMAGED):
+                pack, slot, _ = split_place(place)
+                dirname = f"{PACKS_DIR}/{pack_name(pack)} slot {slot}"
+            else:
+                dirname = stream_directory(self.data_dir, name).name
             if dirname not in self.unreadable:
                 log.error("stream %r is unreadable in its slot %d (kept for the operator)", name, place)
                 self.unreadable.append(dirname)
+
+    def _release_zeroed(self, listed: CatalogFile) -> None:
+        """Forget the kept slots of `listed.unreadable` whose header an operator zeroed (with the
+        server stopped, after copying them out: docs/OPERATIONS.md): free, they may be reused."""
+        for name, place in list(listed.unreadable.items()):
+            try:
+                zeroed = self._slots.packs.is_free(place)
+            except CorruptionError:
+                continue  # its pack does not open: kept
+            if zeroed:
+                log.warning("the kept slot of %r was zeroed by the operator: free again", name)
+                del listed.unreadable[name]
 
     def _slot_created_ms(self, name: str, place: int) -> int | None:
         """When the stream in the slot at `place` was created, from its segment header; None if
@@ -415,11 +482,21 @@ def replay_places(in_slots: dict[str, int], changes: Replay) -> None:
             in_slots.pop(name, None)
 
 
+# The catalog's `unreadable` key of a damaged slot no catalog row names (`_keep_damaged`): a NUL,
+# which no stream name holds, then where the slot is.
+_DAMAGED = "\0damaged "
+
+
+def damaged_slot_key(place: int) -> str:
+    pack, slot, _ = split_place(place)
+    return f"{_DAMAGED}slot {slot} of pack {pack}"
+
+
 def _torn(segment_head: bytes) -> bool:
     """Whether a slot's segment header fails its checks (`_slot_created_ms` says why that is a
     creation no sync covered)."""
     try:
-        SegmentHeader.decode(segment_head)
+        SegmentHeader.check(segment_head)
         return False
     except CorruptionError:
         return True

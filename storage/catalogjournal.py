@@ -38,6 +38,8 @@ gives its figures again).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import re
 import struct
@@ -50,7 +52,7 @@ from typing import TYPE_CHECKING
 from crc32c import crc32c
 
 from storage.catalog import NO_PLACE, StreamSummary
-from storage.errors import StorageError
+from storage.errors import DiskFullError, StorageError
 
 if TYPE_CHECKING:
     from storage.fs import AppendFile, FileSystem
@@ -103,8 +105,14 @@ class Journal:
         head = _HEAD.pack(_MAGIC, JOURNAL_VERSION, len(boot)) + boot
         try:
             self._file: AppendFile | None = fs.create_append(self._path, head)
-        except OSError as exc:
-            raise StorageError(f"cannot start the catalog journal {self._path.name}: {exc}") from exc
+        except (OSError, DiskFullError) as exc:
+            # Not a file cut short (no room for its header): the generation is missing, as it is
+            # when none was started, and start-up handles that.
+            with contextlib.suppress(OSError, StorageError):
+                fs.remove(self._path)
+            full = isinstance(exc, DiskFullError) or exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            error = DiskFullError if full else StorageError
+            raise error(f"cannot start the catalog journal {self._path.name}: {exc}") from exc
         self._open: set[str] = set()  # streams opened since their last CLOSED record (or none)
         self.records = 0  # written in this generation: a replay's work
         self._length = len(head)  # bytes written

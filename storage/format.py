@@ -105,20 +105,30 @@ class SegmentHeader:
 
     @classmethod
     def decode(cls, raw: bytes) -> SegmentHeader:
+        _, version, flags, _, base, end, capacity, created = cls.check(raw)
+        return cls(base, end, capacity, created, flags, version)
+
+    @staticmethod
+    def check(raw: bytes) -> tuple[bytes, int, int, int, int, int, int, int]:
+        """The fields of the header in the first SEGMENT_HEADER_SIZE bytes of `raw`, once they
+        pass every check (CorruptionError if one fails), with no SegmentHeader built: a scan of
+        the slots checks a million of them (`decode` builds one from these)."""
         if len(raw) < SEGMENT_HEADER_SIZE:
             raise CorruptionError("segment file is shorter than its header")
         raw = raw[:SEGMENT_HEADER_SIZE]
-        magic, version, flags, size, base, end, capacity, created = _SEGMENT_HEADER.unpack_from(raw)
+        fields = _SEGMENT_HEADER.unpack_from(raw)
+        magic, version, flags, size = fields[:4]
         if magic != SEGMENT_MAGIC:
             raise CorruptionError("not a streamlog segment (bad magic)")
         if not _crc_ok(raw):
             raise CorruptionError("segment header CRC mismatch")
         if version not in SEGMENT_VERSIONS:
             raise CorruptionError(f"unsupported segment format version {version}")
-        header = cls(base, end, capacity, created, flags, version)
-        if size != header.size or (header.packed and header.has_slot):
+        slotted = version >= 3  # (`size` and `has_slot`, of the header these fields make)
+        expected = SLOTTED_HEADER_SIZE if slotted else SEGMENT_HEADER_SIZE
+        if size != expected or (slotted and flags & SEGMENT_PACKED):
             raise CorruptionError(f"segment header of version {version} gives a header size of {size}")
-        return header
+        return fields
 
 
 class NodeHeader(NamedTuple):
@@ -273,26 +283,27 @@ class SlotHeader(NamedTuple):
         return body + _CRC.pack(crc32c(body))
 
     @classmethod
-    def decode(cls, raw: bytes) -> SlotHeader | None:
-        """The header in the first SLOT_HEADER_BYTES of `raw`; None for a free slot (all zeros);
+    def decode(cls, raw: bytes, at: int = 0) -> SlotHeader | None:
+        """The header in the SLOT_HEADER_BYTES of `raw` from byte `at` (a scan's chunk of slots is
+        read in place: no copy of a header but the CRC's); None for a free slot (all zeros);
         CorruptionError for any other header that fails a check."""
-        raw = bytes(raw[:SLOT_HEADER_BYTES])
-        if raw == _FREE_SLOT_HEADER:
-            return None
-        if len(raw) < SLOT_HEADER_BYTES:
-            raise CorruptionError(f"slot header cut short at {len(raw)} bytes")
-        magic, version, flags, generation, created_ms, length = _SLOT_HEADER.unpack_from(raw)
+        end = at + SLOT_HEADER_BYTES
+        if len(raw) < end:
+            raise CorruptionError(f"slot header cut short at {max(len(raw) - at, 0)} bytes")
+        magic, version, flags, generation, created_ms, length = _SLOT_HEADER.unpack_from(raw, at)
         if magic != SLOT_MAGIC:
+            if raw[at:end] == _FREE_SLOT_HEADER:  # (no used header is all zeros: its magic)
+                return None
             raise CorruptionError("not a streamlog slot (bad magic)")
-        if not _crc_ok(raw):
+        if _CRC.unpack_from(raw, at + _SLOT_CRC_AT)[0] != crc32c(raw[at : at + _SLOT_CRC_AT]):
             raise CorruptionError("slot header CRC mismatch")
         if version != SLOT_VERSION:
             raise CorruptionError(f"unsupported slot format version {version}")
         if not 0 < length <= MAX_NAME_BYTES:
             raise CorruptionError(f"slot header names a name of {length} bytes")
-        start = _SLOT_HEADER.size
+        start = at + _SLOT_HEADER.size
         try:
-            name = raw[start : start + length].decode()
+            name = str(raw[start : start + length], "utf-8")
         except UnicodeDecodeError as exc:
             raise CorruptionError("slot header's name is not UTF-8") from exc
         return cls(name, generation, created_ms, flags)

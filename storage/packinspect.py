@@ -1,8 +1,9 @@
 """What the offline inspector reports of pack files (storage/packs.py): per pack, its slots used,
-free and damaged; each slot the catalog places a stream in checked against it (the slot's header
-names that stream at that generation, the pack is there and long enough) and its segment checked
-as a segment file's would be (docs/design/small-streams.md §5). Without a catalog a start-up could
-trust (none, or a journal from before the last boot), each used slot is checked by its header alone.
+free and damaged (those the catalog keeps for the operator said so); each slot the catalog places
+a stream in checked against it (the slot's header names that stream at that generation, the pack
+is there and long enough) and its segment checked as a segment file's would be
+(docs/design/small-streams.md §5). Without a catalog a start-up could trust (none, or a journal
+from before the last boot), each used slot is checked by its header alone.
 
     python -m storage.inspect packs DATA     (storage/inspect.py; `verify` runs `inspect_packs` too)
 """
@@ -91,10 +92,17 @@ def inspect_packs(data_dir: Path) -> tuple[list[PackReport], list[str]]:
         problems.append(f"pack files unreadable: {exc}")
     finally:
         packs.close()
+    listed = read_catalog(fs, data_dir)
+    kept = {split_place(place)[:2] for place in (listed.unreadable.values() if listed else ())}
     for place, why in damaged:
         pack, slot, _ = split_place(place)
         reports[pack].damaged += 1
-        if (pack, slot) not in named:  # (else reported as its stream's)
+        if (pack, slot) in kept:  # (storage/catalogfiles.py's _keep_damaged)
+            problems.append(
+                f"slot {slot} of pack {pack}: {why} (kept for the operator: never reused until its "
+                "header is zeroed, docs/OPERATIONS.md)"
+            )
+        elif (pack, slot) not in named:  # (else reported as its stream's)
             problems.append(f"slot {slot} of pack {pack}: {why} (the stream in it is unreadable)")
     return list(reports.values()), problems
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+import storage.maintenance as maintenance_module
 from storage import AppendBatch, DiskFullError, DurabilityError, Engine, EngineConfig, StorageError
 from tests.storage.conftest import SMALL
 from tests.storage.faultfs import FaultFS
@@ -186,6 +187,38 @@ def test_real_small_disk_takes_slot_streams_until_it_is_full(tmpfs):
         assert [p for _, p in read_all(engine, created[-1])] == payloads
 
 
+def test_real_full_disk_restarts_and_serves_reads_until_there_is_room(tmpfs, monkeypatch):
+    """A server whose disk filled up restarts on it: no room for a new catalog journal generation
+    (nor the catalog file its close could not save), so it starts without one; reads go on, a
+    creation is DiskFullError; once there is room maintenance saves the catalog and the journal
+    is back, and a restart finds every stream."""
+    data = tmpfs / "data"
+    (tmpfs / "spare").write_bytes(bytes(64 << 10))
+    payloads = [b"p" * 100] * 10
+    created: list[str] = []
+    config = EngineConfig(fsync="always", background=False)
+    with Engine(data, config, clock=Clock()) as engine, pytest.raises(DiskFullError):
+        for i in range(1000):  # a bound far above what fits
+            engine.append_many(f"s{i}", [(AppendBatch(payloads), None)])
+            created.append(f"s{i}")
+    with Engine(data, config, clock=Clock()) as engine:
+        assert sorted(engine.list_streams()) == sorted(created)
+        assert [p for _, p in read_all(engine, created[-1])] == payloads
+        with pytest.raises(DiskFullError):  # (the journals it removed gave back a page or so)
+            for i in range(len(created), 1000):
+                engine.append_many(f"s{i}", [(AppendBatch(payloads), None)])
+                created.append(f"s{i}")
+        assert not [p for p in data.iterdir() if p.name.endswith(".log")]  # none this run continues
+        (tmpfs / "spare").unlink()
+        monkeypatch.setattr(maintenance_module, "CATALOG_SAVE_S", 0)  # not a minute from now
+        engine.maintain()
+        assert [p for p in data.iterdir() if p.name.endswith(".log")]  # saved: a journal again
+        engine.append("one-more", AppendBatch(payloads))
+    with Engine(data, EngineConfig(background=False), clock=Clock()) as engine:
+        assert sorted(engine.list_streams()) == sorted([*created, "one-more"])
+        assert [p for _, p in read_all(engine, "one-more")] == payloads
+
+
 # ---------------------------------------------------------------------- the same through FaultFS
 
 
@@ -340,3 +373,39 @@ def test_fsync_failure_in_always_mode_stops_appends_and_keeps_what_was_acknowled
     assert result.first_offset == len(got)
     assert [e.payload for e in engine.read("other", 0, 5).entries()] == [b"unaffected", b"still fine"]
     engine.close()
+
+
+@pytest.mark.parametrize("crash", ["process", "power"])
+def test_faultfs_start_up_on_a_full_disk_runs_without_a_journal(crash, monkeypatch):
+    """A start-up with no room for a journal generation, after a kill -9 (the journals trusted) or
+    a power loss (the streams listed and the packs scanned: a catalog file is due too): it serves
+    reads; the journals on disk go, as this run's changes are in none, so a crash then lists and
+    scans and finds what was there; once there is room the catalog is saved with a journal."""
+    fs = new_fs()
+    with faultfs_engine(fs) as engine:
+        engine.append("a", AppendBatch([b"a"]))
+        engine.append("big", AppendBatch([b"x" * 3000] * 5))  # past a slot: a directory of its own
+    engine = faultfs_engine(fs)
+    engine.append("b", AppendBatch([b"b"]))
+    engine.sync()
+    state = fs.crashed_copy(random.Random(1), crash)
+    state.disk_full = True
+    engine = faultfs_engine(state)
+    assert engine.list_streams() == ["a", "b", "big"]
+    assert [p for _, p in read_all(engine, "b")] == [b"b"]
+    engine.append("c", AppendBatch([b"c"]))  # a slot: the pack's growth step has room for it
+    engine.sync()
+    with pytest.raises(DiskFullError):
+        engine.append("d", AppendBatch([b"x" * 3000] * 5))  # a directory's segment has none
+    assert not [n for n in state.listdir(ROOT) if n.endswith(".log")]
+    again = faultfs_engine(state.crashed_copy(random.Random(2), "process"))
+    assert again.list_streams() == ["a", "b", "big", "c"]  # "c" in no journal: found by the scan
+    state.disk_full = False
+    monkeypatch.setattr(maintenance_module, "CATALOG_SAVE_S", 0)  # not a minute from now
+    engine.maintain()
+    assert [n for n in state.listdir(ROOT) if n.endswith(".log")]
+    engine.append("d", AppendBatch([b"x" * 3000] * 5))
+    engine.sync()
+    restarted = faultfs_engine(state.crashed_copy(random.Random(3), "process"))
+    assert restarted.list_streams() == ["a", "b", "big", "c", "d"]
+    assert [p for _, p in read_all(restarted, "c")] == [b"c"]

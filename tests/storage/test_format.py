@@ -60,6 +60,50 @@ def test_a_growing_segment_header_is_version_3_and_leaves_room_for_its_synced_sl
             SegmentHeader.decode(bytes(body) + struct.pack("<I", crc32c(bytes(body))))
 
 
+def _outcome(decode, *args):
+    """What a decode gives: its value, or the reason it refuses."""
+    try:
+        return decode(*args)
+    except CorruptionError as exc:
+        return f"refused: {exc}"
+
+
+def test_a_segment_header_is_checked_as_it_is_decoded_without_building_one():
+    """`check` (a scan of the slots: no SegmentHeader built) refuses what `decode` refuses, for the
+    same reason, and gives the fields `decode` builds from."""
+    for header in (SegmentHeader(1000, 0, 65536, 7), SegmentHeader(1000, 2000, 65536, 7, 1)):
+        raw = header.encode()
+        assert SegmentHeader.check(raw)[4:] == (1000, header.end_offset, 65536, 7)
+        variants = [raw[:63]]
+        for i in range(64):
+            damaged = bytearray(raw)
+            damaged[i] ^= 0x10
+            variants.append(bytes(damaged))
+        for version, flags, size in ((3, 0, 64), (2, 0, 192), (3, 1, 192), (4, 0, 192)):
+            body = bytearray(raw[:60])
+            struct.pack_into("<HHI", body, 8, version, flags, size)
+            variants.append(bytes(body) + struct.pack("<I", crc32c(bytes(body))))
+        for variant in variants:
+            refused = _outcome(SegmentHeader.decode, variant)
+            assert isinstance(refused, str)
+            assert _outcome(SegmentHeader.check, variant) == refused
+
+
+def test_a_slot_header_decodes_in_place_in_a_chunk_of_slots_as_on_its_own():
+    """A scan decodes each header where it lies in its chunk (`at`): the same header, free slot,
+    or refusal and reason as the header's own bytes give."""
+    used = SlotHeader("orders/é", 3, 5).encode()
+    flipped = bytearray(used)
+    flipped[30] ^= 0x01
+    slots = [used, bytes(SLOT_HEADER_BYTES), bytes(flipped), b"\x01" + bytes(SLOT_HEADER_BYTES - 1)]
+    chunk = b"".join(raw + bytes(SLOT_BYTES - SLOT_HEADER_BYTES) for raw in slots)
+    for i, raw in enumerate(slots):
+        assert _outcome(SlotHeader.decode, chunk, i * SLOT_BYTES) == _outcome(SlotHeader.decode, raw)
+    assert SlotHeader.decode(chunk, 0) == SlotHeader("orders/é", 3, 5)
+    with pytest.raises(CorruptionError, match="cut short at 300 bytes"):
+        SlotHeader.decode(chunk, len(chunk) - 300)
+
+
 def _with_new_crc(raw: bytes | bytearray, crc_at: int) -> bytes:
     """`raw` with its CRC32C (of the bytes before `crc_at`) recomputed: a field changed on purpose."""
     raw = bytearray(raw)

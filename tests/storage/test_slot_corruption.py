@@ -17,6 +17,7 @@ from storage import AppendBatch, Engine, EngineConfig, StreamNotFoundError
 from storage.catalog import CATALOG_FILE
 from storage.format import SEGMENT_HEADER_SIZE, SLOT_BYTES, SLOT_HEADER_BYTES
 from storage.layout import PACKS_DIR, pack_name
+from storage.packinspect import inspect_packs
 from storage.packs import split_place
 from tests.storage.conftest import SMALL
 
@@ -195,4 +196,71 @@ def test_a_place_that_names_another_streams_slot_serves_neither_wrongly(source, 
     engine.close()
     engine = Engine(data, config())
     assert all(served(engine, name) for name in NAMES if name != "s2")
+    engine.close()
+
+
+def scan_next(data: Path, keep_file: bool) -> None:
+    """Make the next start-up find the slot streams by a scan of the packs: no journal to trust
+    (none, as after a crash that lost them), and the catalog file too unless `keep_file`."""
+    for path in data.iterdir():
+        if path.name.endswith(".log") or path.name == "catalog.clean":
+            path.unlink()
+    if not keep_file:
+        (data / CATALOG_FILE).unlink()
+
+
+@pytest.mark.parametrize("keep_file", [False, True], ids=["no catalog file", "catalog file"])
+def test_a_damaged_slot_found_by_a_scan_is_kept_until_the_operator_zeroes_it(source, data, keep_file):
+    """A slot whose header fails its checks, found by a full scan (no trusted journal), keeps its
+    place as an unreadable slot stream's does (under the name the catalog file gives its row, else
+    a key of its own), reported by every start-up and never handed out, across restarts and
+    scans, its bytes unchanged; once an operator zeroes its header it is free again."""
+    places = source[1]
+    at = slot_start(places, "s3")
+    flip(data / PACK, at + SLOT_FIELDS["crc"])
+    damaged = (data / PACK).read_bytes()[at : at + SLOT_BYTES]
+    reported = "s3" if keep_file else f"packs/{pack_name(0)} slot {split_place(places['s3'])[1]}"
+    for round in range(3):
+        if round != 1:  # (round 1 takes the catalog file the last close wrote)
+            scan_next(data, keep_file)
+        engine = Engine(data, config())
+        assert reported in engine.unreadable and not served(engine, "s3")
+        assert all(served(engine, name) for name in NAMES if name != "s3")
+        for i in range(20):
+            engine.append(f"new{round}-{i}", AppendBatch([b"x"]))
+        taken = {engine._catalog.place(f"new{round}-{i}") >> 24 for i in range(20)}
+        assert places["s3"] >> 24 not in taken
+        engine.close()
+        assert (data / PACK).read_bytes()[at : at + SLOT_BYTES] == damaged
+    slot = split_place(places["s3"])[1]
+    problems = inspect_packs(data)[1]
+    assert any(p.startswith(f"slot {slot} of pack 0: ") and "kept for the operator" in p for p in problems)
+    with open(data / PACK, "r+b") as f:  # what docs/OPERATIONS.md has the operator do
+        f.seek(at)
+        f.write(bytes(SLOT_HEADER_BYTES))
+    engine = Engine(data, config())
+    assert reported not in engine.unreadable
+    engine.append("after", AppendBatch([b"x"]))
+    assert engine._catalog.place("after") >> 24 == places["s3"] >> 24  # the one free slot
+    engine.close()
+
+
+def test_a_damaged_slot_found_by_a_scan_leaves_a_stream_promoted_since_the_file_in_its_directory(
+    source, data
+):
+    """The catalog file places s3 in its slot, but s3 was promoted to a directory since (its slot
+    freed), and that slot's header is damaged now: a scan keeps the slot under a key of its own and
+    s3 is served from its directory."""
+    places = source[1]
+    stale = (data / CATALOG_FILE).read_bytes()
+    more = [b"m" * 1000] * 4  # past the slot's 3.5 KiB: a promotion
+    with Engine(data, config()) as engine:
+        engine.append("s3", AppendBatch(more))
+        assert engine._catalog.place("s3") == -1
+    scan_next(data, keep_file=True)
+    (data / CATALOG_FILE).write_bytes(stale)
+    flip(data / PACK, slot_start(places, "s3") + 100)  # a freed header, all zeros, no more
+    engine = Engine(data, config())
+    assert [e.payload for e in engine.read("s3", 0, 1000).entries()] == ENTRIES["s3"] + more
+    assert f"packs/{pack_name(0)} slot {split_place(places['s3'])[1]}" in engine.unreadable
     engine.close()
