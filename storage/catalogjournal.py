@@ -180,14 +180,27 @@ class Journal:
             self._file.append(record)
             self._length += len(record)
         except (OSError, StorageError) as exc:
-            # A record lost must not leave a journal that looks whole: without this generation
-            # start-up cannot trust the ones after it either, until the catalog is next saved.
-            log.error("catalog journal %s: %s; removed", self._path.name, exc)
+            # A record lost must not leave journals that look whole: the generations before this
+            # one go too (a kill -9's start-up goes on in a new generation beside the file's), or
+            # a start-up would trust them alone; with none, it lists and scans until the catalog
+            # is next saved.
+            log.error("catalog journal %s: %s; removed with the generations before it", self._path.name, exc)
             self.close()
-            try:
-                self._fs.remove(self._path)
-            except (OSError, StorageError) as again:
-                log.error("catalog journal %s could not be removed: %s", self._path.name, again)
+            self._remove_generations()
+
+    def _remove_generations(self) -> None:
+        """Remove this generation's file and every older one's, then sync their directory."""
+        for generation in journal_generations(self._fs.listdir(self._data_dir)):
+            if generation <= self.generation:
+                path = self._data_dir / journal_name(generation)
+                try:
+                    self._fs.remove(path)
+                except (OSError, StorageError) as again:
+                    log.error("catalog journal %s could not be removed: %s", path.name, again)
+        try:
+            self._fs.sync_dir(self._data_dir)
+        except (OSError, StorageError) as again:
+            log.error("the removal of the catalog journals could not be synced: %s", again)
 
     def close(self) -> None:
         with self._closing:

@@ -455,3 +455,26 @@ def test_the_version_3_records_are_laid_out_as_docs_format_says(tmp_path):
         + record(b"m", b"ab", b"")
         + record(b"r", b"", start.to_bytes(8, "little"))
     )
+
+
+def test_a_journal_record_that_fails_to_write_leaves_no_older_generation_to_trust(tmp_path, clock):
+    """A kill -9's start-up goes on in a new generation beside the old one (the file names the
+    old). If a record of the new one then fails to be written, that generation is removed: the
+    older ones must go with it, or the next start-up after a kill -9 trusts them alone and knows
+    nothing of what the removed one recorded (here a slot stream created and acknowledged)."""
+    data = tmp_path / "data"
+    written = killed_after_changes(data, clock, CountingFS())
+    engine = Engine(data, CONFIG, clock=clock, fs=CountingFS())  # replays, goes on in the next one
+    assert len(journal_generations(p.name for p in data.iterdir())) == 2
+
+    def failing(record: bytes) -> None:
+        raise OSError(5, "Input/output error")
+
+    engine._catalog._journal._file.append = failing  # the disk refuses the next record
+    engine.append("created-after", AppendBatch([b"kept"]))  # acknowledged: its data is written
+    written["created-after"] = [b"kept"]
+    assert journal_generations(p.name for p in data.iterdir()) == []
+    engine = Engine(data, CONFIG, clock=clock, fs=CountingFS())  # the first dropped unclosed: a kill -9
+    assert engine.list_streams() == sorted(written)
+    assert all(contents(engine, name) == items for name, items in written.items())
+    engine.close()
