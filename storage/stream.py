@@ -290,8 +290,24 @@ class Stream(StreamParts):
     # ------------------------------------------------------------------ durability
 
     def commit_creation(self) -> None:
-        """Make a new stream's creation durable, if it is not yet (storage/creation.py)."""
-        self.home.commit_creation(self._segment_files)
+        """Make a new stream's creation durable, if it is not yet (storage/creation.py). The
+        segment files the commit synced leave `dirty` if nothing was written or cut meanwhile:
+        the stream's own next sync (an "always" append's, waiting since its write) would sync
+        them again for nothing."""
+        with self.lock:
+            if self.creation is None:
+                return
+            seq, cuts = self.write_seq, self.cuts
+        synced: list[SegmentFile] = []
+
+        def files() -> list[SegmentFile]:  # asked under the creation's lock, right before its syncs
+            synced.extend(self._segment_files())
+            return synced
+
+        self.home.commit_creation(files)
+        with self.lock:
+            if self.write_seq == seq and self.cuts == cuts:
+                self.dirty.difference_update(synced)
 
     def _segment_files(self) -> list[SegmentFile]:
         with self.lock:

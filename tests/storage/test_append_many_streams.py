@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from storage import AppendBatch, AppendResult, DurabilityError, Engine, EngineConfig, InvalidArgumentError
+from storage.stream import Stream
 from storage.streamsapi import DURABLE_TOGETHER
 from tests.storage.conftest import SMALL
 from tests.storage.faultfs import FaultFS
@@ -64,6 +65,63 @@ def test_a_part_of_streams_is_written_and_synced_at_a_time():
     outcomes = engine.append_many_streams([(f"s{i}", batches(1, "x")) for i in range(count)])
     assert [o[0].first_offset for o in outcomes] == [0] * count  # type: ignore[index]
     assert fs.syncs - before == 4  # two parts, each the packs' sync and the journal's
+
+
+class _SyncLog(FaultFS):
+    """A FaultFS that keeps what each sync point synced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.synced: list[str] = []
+
+    def _sync_point(self, what: str) -> None:
+        self.synced.append(what)
+        super()._sync_point(what)
+
+
+def test_a_round_between_the_writes_and_the_waits_leaves_no_segment_to_sync_twice(monkeypatch):
+    """The maintenance round commits the creations of new directory streams written and not yet
+    waited for, syncing their segments: their own syncs then have nothing of them left to sync."""
+    fs = _SyncLog()
+    engine = new_engine(fs, small_streams="off")
+    rounds: list[None] = []
+    wait_durable = Stream.wait_durable
+
+    def round_then_wait(stream: Stream, seq: int) -> None:
+        if not rounds:  # once, after every stream was written
+            rounds.append(None)
+            engine.maintain()
+        wait_durable(stream, seq)
+
+    monkeypatch.setattr(Stream, "wait_durable", round_then_wait)
+    before = len(fs.synced)
+    outcomes = engine.append_many_streams([(f"s{i}", batches(2, f"s{i}")) for i in range(20)])
+    assert all(isinstance(o, list) and isinstance(o[0], AppendResult) for o in outcomes)
+    segments = [what for what in fs.synced[before:] if what.endswith(".seg")]
+    assert len(segments) == len(set(segments)) == 20
+    lost = Engine(ROOT, EngineConfig(**SMALL, fsync="always"), fs=fs.crashed_copy(mode="lost"))
+    for i in range(20):
+        assert [e.payload for e in lost.read(f"s{i}", 0, 100).entries()] == [ENTRY, f"s{i}".encode()] * 2
+
+
+def test_a_write_after_the_rounds_commit_began_is_synced_by_the_streams_own_sync():
+    """A creation's commit that raced a write leaves the stream's segment dirty: its sync syncs it."""
+    fs = _SyncLog()
+    engine = new_engine(fs, small_streams="off")
+    stream = engine._pinned_or_created("s", batches(1, "x"))  # new: its creation pending
+    stream.write_many(batches(1, "x"))
+
+    def write_after_the_segments_sync(_: FaultFS) -> None:
+        if fs.synced[-1].startswith("sync_dir"):  # the segment's sync is done: "y" is not in it
+            fs.on_sync = None
+            stream.write_many(batches(1, "y"))
+
+    fs.on_sync = write_after_the_segments_sync
+    stream.commit_creation()  # as the round does
+    assert stream.dirty
+    stream.wait_durable(stream.write_seq)
+    lost = Engine(ROOT, EngineConfig(**SMALL, fsync="always"), fs=fs.crashed_copy(mode="lost"))
+    assert [e.payload for e in lost.read("s", 0, 100).entries()] == [ENTRY, b"x", ENTRY, b"y"]
 
 
 class _FailingSegmentSync(FaultFS):
